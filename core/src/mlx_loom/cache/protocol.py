@@ -1,0 +1,104 @@
+"""The cache protocols every cache kind honours.
+
+Graphs and loops talk to caches only through these methods, so a loop written
+once (prefill, decode, batching, speculation, prompt-cache reuse) works for
+every family whose caches conform. The method names follow mlx-lm's caches on
+purpose: mlx-lm is our numerical oracle, and parity tests drive both with the
+same calls.
+
+Shapes: keys and values are ``[B, n_kv_heads, L, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import mlx.core as mx
+
+# A mask is ``None`` (no masking needed), the string ``"causal"`` (let the
+# attention kernel build it) or a boolean array broadcastable to
+# ``[B, heads, L_query, L_key]``.
+Mask = None | str | mx.array
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """State carried between forwards for one layer."""
+
+    @property
+    def offset(self) -> int | mx.array:
+        """Tokens seen so far: an int, or one per row in a batch."""
+
+    def make_mask(
+        self, N: int, *, window_size: int | None = None, return_array: bool = False
+    ) -> Mask:
+        """The attention mask for the next ``N`` query positions."""
+
+    def is_trimmable(self) -> bool:
+        """Whether :meth:`trim` can drop trailing tokens exactly."""
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens; return how many were dropped.
+
+        Raises :class:`~mlx_loom.errors.CacheNotTrimmable` when dropping them
+        cannot be done exactly. Never silently does nothing.
+        """
+
+    @property
+    def state(self) -> Any:
+        """Arrays that, with :attr:`meta_state`, recreate this cache."""
+
+    @property
+    def meta_state(self) -> Any:
+        """Small non-array metadata (strings) needed to recreate the cache."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def empty(self) -> bool: ...
+
+
+@runtime_checkable
+class AttentionCache(Cache, Protocol):
+    """A key/value cache: full, rotating window, or affine-quantized."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        """Append this step's keys/values; return everything to attend over."""
+
+
+@runtime_checkable
+class BatchRows(Protocol):
+    """Per-row batch operations (continuous batching, padded prefill)."""
+
+    def prepare(
+        self,
+        *,
+        left_padding: Sequence[int] | None = None,
+        lengths: Sequence[int] | None = None,
+        right_padding: Sequence[int] | None = None,
+    ) -> None:
+        """Declare padding for the next (prefill) forward so pads never count."""
+
+    def finalize(self) -> None:
+        """Fold any right padding declared in :meth:`prepare` away."""
+
+    def filter(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows`` (in that order)."""
+
+    def extend(self, other: Any) -> None:
+        """Append the rows of ``other`` (a cache of the same kind)."""
+
+    def extract(self, row: int) -> Cache:
+        """Return row ``row`` as an independent single-row cache."""
+
+
+@runtime_checkable
+class SpeculativeRounds(Protocol):
+    """Caches that cannot be trimmed but can roll a speculative window back."""
+
+    def begin_round(self) -> None:
+        """Snapshot the state before a window of draft tokens is verified."""
+
+    def commit(self, keep: int | Sequence[int]) -> None:
+        """Keep the first ``keep`` tokens of the window (one count, or one per row)."""

@@ -1,0 +1,132 @@
+"""Every typed error mlx-loom raises, in one place.
+
+Each error says three things: what was asked for, what was found, and the fix.
+The fix is a separate field so the CLI can print it on its own line and
+machines can read it from ``--json`` output.
+
+Two families matter to callers:
+
+* :class:`Refusal` — the engine declines to build or run something because
+  what the artifact or request needs is not installed, not allowed, or not
+  executable on this device. The CLI exits with code 3 for these. A refusal is
+  never followed by a silent substitute.
+* Everything else under :class:`LoomError` — bad input (config, weights,
+  request parameters) or a broken plugin.
+"""
+
+from __future__ import annotations
+
+
+class LoomError(Exception):
+    """Base class. ``str(err)`` is the message followed by ``Fix: ...``."""
+
+    def __init__(self, message: str, *, fix: str | None = None) -> None:
+        self.message = message
+        self.fix = fix
+        super().__init__(message if fix is None else f"{message}\nFix: {fix}")
+
+    def to_dict(self) -> dict[str, str | None]:
+        return {"error": type(self).__name__, "message": self.message, "fix": self.fix}
+
+
+# --- bad input: artifacts --------------------------------------------------
+
+
+class ArtifactError(LoomError):
+    """A model artifact (directory, config, weights, tokenizer) is unusable."""
+
+
+class ModelNotFound(ArtifactError):
+    """A model reference resolves to no local directory or cached snapshot."""
+
+
+class ConfigError(ArtifactError):
+    """``config.json`` is missing, not JSON, or has a missing or invalid field."""
+
+
+class WeightsError(ArtifactError):
+    """Tensors are missing, unexpected, mis-shaped or mis-typed for the config."""
+
+
+class SafetensorsHeaderError(ArtifactError):
+    """A ``.safetensors`` file is truncated or its header is malformed or hostile."""
+
+
+class TokenizerError(ArtifactError):
+    """The tokenizer files are missing or unusable, or a chat template fails."""
+
+
+# --- bad input: requests ---------------------------------------------------
+
+
+class RequestError(LoomError, ValueError):
+    """A generation request has an invalid parameter (empty prompt, bad top-p ...)."""
+
+
+# --- plugins ---------------------------------------------------------------
+
+
+class PluginError(LoomError):
+    """A plugin is broken or the host's plugin policy is inconsistent."""
+
+
+class PolicyError(PluginError):
+    """The plugin policy names a plugin that is not installed, or is malformed."""
+
+
+class PluginApiMismatch(PluginError):
+    """A plugin was written for a plugin-API version this core does not speak."""
+
+
+class RegistrationError(PluginError):
+    """A plugin registered something malformed: an empty id, a duplicate id ..."""
+
+
+# --- caches ----------------------------------------------------------------
+
+
+class CacheError(LoomError):
+    """A cache operation is invalid for this cache kind or state."""
+
+
+class CacheNotTrimmable(CacheError):
+    """Trim was asked of a cache that cannot be trimmed correctly.
+
+    Trimming a recurrent state, or a rotating window that has already wrapped,
+    would silently give wrong tokens; we refuse instead.
+    """
+
+
+# --- refusals (CLI exit code 3) -------------------------------------------
+
+
+class Refusal(LoomError):
+    """The engine will not build or run what was asked, and says why."""
+
+
+class UnknownModelType(Refusal):
+    """No installed and allowed plugin claims the artifact's model type."""
+
+
+class PluginUnavailable(Refusal):
+    """The plugin that claims the artifact is quarantined or blocked by policy."""
+
+
+class ProfileError(Refusal):
+    """A profile is invalid, or profile resolution is ambiguous."""
+
+
+class ImplementationUnavailable(Refusal):
+    """No registered (and allowed) implementation matches the resolved profile."""
+
+
+class IncompatibleImplementation(Refusal):
+    """An implementation exists but cannot serve this config or device."""
+
+
+class KernelUnavailable(Refusal):
+    """A kernel an implementation needs has no registration runnable here."""
+
+
+class CapabilityRefused(Refusal):
+    """A request method (KV quantization, batching, speculation ...) is not supported."""

@@ -1,0 +1,104 @@
+"""The model object users hold, and the protocol a plugin's graph satisfies.
+
+A plugin's factory returns an ``mlx.nn.Module`` satisfying :class:`CausalLM`.
+The core wraps it in :class:`Model`, which remembers how it was resolved
+(profile, implementation, kernel backend) so a user — or ``loom explain`` —
+can always tell what is running.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import mlx.core as mx
+
+from .errors import CapabilityRefused
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+
+    from .artifacts import ArtifactConfig
+    from .profiles import Profile
+    from .registry import Binding, Implementation
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """What a family graph provides.
+
+    ``__call__`` takes int32 token ids ``[B, L]`` and a list of per-layer
+    caches (or ``None`` for a cache-less forward) and returns logits
+    ``[B, L, vocab]``. ``make_cache`` returns fresh single-row caches, one per
+    layer that needs one, in the order ``__call__`` consumes them.
+    """
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array: ...
+
+    def make_cache(self) -> list[Any]: ...
+
+
+class Model:
+    """A built model: the plugin's graph plus the resolution that produced it."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        binding: Binding,
+        config: ArtifactConfig,
+        model_dir: Path,
+        profile_reason: str = "",
+    ) -> None:
+        if not isinstance(module, CausalLM):
+            raise TypeError(
+                f"Implementation {binding.implementation.id!r} built a "
+                f"{type(module).__name__}, which lacks __call__(inputs, cache) or make_cache()."
+            )
+        self.module = module
+        self.binding = binding
+        self.config = config
+        self.model_dir = model_dir
+        self.profile_reason = profile_reason
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        return self.module(inputs, cache=cache)
+
+    def make_cache(self) -> list[Any]:
+        return self.module.make_cache()
+
+    @property
+    def profile(self) -> Profile:
+        return self.binding.profile
+
+    @property
+    def implementation(self) -> Implementation:
+        return self.binding.implementation
+
+    @property
+    def backend(self) -> str:
+        return self.binding.backend
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        return self.binding.implementation.capabilities & self.binding.profile.capabilities
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+    def require(self, capability: str, *, asked: str) -> None:
+        """Refuse a request method the resolved profile does not support."""
+        if capability not in self.capabilities:
+            raise CapabilityRefused(
+                f"{asked} needs capability {capability!r}, which profile {self.profile.id!r} "
+                f"(implementation {self.implementation.id!r}) does not provide "
+                f"(it provides: {', '.join(sorted(self.capabilities)) or 'none'}).",
+                fix=f"Drop {asked} from the request, or use a model whose plugin supports it.",
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"Model(model_type={self.model_type!r}, profile={self.profile.id!r}, "
+            f"implementation={self.implementation.id!r}, backend={self.backend!r})"
+        )
