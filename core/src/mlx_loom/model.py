@@ -84,6 +84,17 @@ class Model:
         return self.binding.implementation.capabilities & self.binding.profile.capabilities
 
     @property
+    def vocab_size(self) -> int | None:
+        value = self.config.text_config().get("vocab_size")
+        return int(value) if isinstance(value, int) else None
+
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the config says the model was trained for, if it says."""
+        value = self.config.text_config().get("max_position_embeddings")
+        return int(value) if isinstance(value, int) and value > 0 else None
+
+    @property
     def model_type(self) -> str:
         return self.config.model_type
 

@@ -29,7 +29,7 @@ from .errors import (
     RegistrationError,
     UnknownModelType,
 )
-from .kernels import Backend, Kernel, KernelRegistry, Provider, runnable_backends
+from .kernels import Backend, Kernel, KernelRegistry, Provider, active_backend
 from .profiles import Profile
 
 if TYPE_CHECKING:
@@ -281,18 +281,27 @@ class Registry:
                     fix="Add one of those implementation ids to the host's allowed list.",
                 )
             candidates = permitted
-        fitting, reasons = [], []
+        fitting, reasons, kernel_refusals = [], [], []
         for impl in candidates:
             why = self._misfit(impl, model_type, profile)
             if why is None:
                 fitting.append(impl)
+            elif isinstance(why, KernelUnavailable):
+                kernel_refusals.append(why)
+                reasons.append(f"{impl.id!r}: {why.message}")
             else:
                 reasons.append(f"{impl.id!r}: {why}")
+        if not fitting and kernel_refusals and len(kernel_refusals) == len(candidates):
+            first = kernel_refusals[0]
+            raise KernelUnavailable(
+                f"Profile {profile.id!r} cannot run here: " + "; ".join(reasons) + ".",
+                fix=first.fix,
+            )
         if not fitting:
             raise IncompatibleImplementation(
                 f"No implementation can serve profile {profile.id!r} for model_type "
                 f"{model_type!r}: " + "; ".join(reasons) + ".",
-                fix=self._kernel_fix(reasons),
+                fix="Install or allow a plugin whose implementation fits this profile.",
             )
         if len(fitting) > 1:
             raise ImplementationUnavailable(
@@ -307,11 +316,11 @@ class Registry:
         return Binding(implementation=impl, profile=profile, backend=backend, kernels=kernels)
 
     def _default_backend(self) -> Backend:
-        from .kernels import active_backend
-
         return self.kernel_backend or active_backend()
 
-    def _misfit(self, impl: Implementation, model_type: str, profile: Profile) -> str | None:
+    def _misfit(
+        self, impl: Implementation, model_type: str, profile: Profile
+    ) -> str | KernelUnavailable | None:
         ex = profile.execution
         if model_type not in impl.model_types:
             return f"does not accept model_type {model_type!r} (accepts {sorted(impl.model_types)})"
@@ -329,18 +338,8 @@ class Registry:
             try:
                 self._kernels.resolve(name, self.kernel_backend)
             except KernelUnavailable as err:
-                return f"needs kernel {name!r}: {err.message}"
+                return err
         return None
-
-    def _kernel_fix(self, reasons: list[str]) -> str:
-        if any("kernel" in r for r in reasons):
-            backends = ", ".join(sorted(runnable_backends()))
-            return (
-                "Run on a device whose backend the kernels support, install the plugin "
-                f"version that registers them for this device, or pin a backend runnable here "
-                f"({backends})."
-            )
-        return "Install or allow a plugin whose implementation fits this profile."
 
     def _describe_impls(self) -> str:
         if not self._implementations:

@@ -1,0 +1,1 @@
+"""The ``loom`` command line; see :mod:`mlx_loom.cli.main`."""
