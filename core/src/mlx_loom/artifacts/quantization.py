@@ -1,0 +1,286 @@
+"""Quantization as a checkpoint declares it, and swapping layers to match.
+
+Two spellings reach us. mlx-lm's converter writes ``"quantization"`` (and
+copies it to ``"quantization_config"`` for the Hub's model tree)::
+
+    "quantization": {"group_size": 64, "bits": 4, "mode": "affine",
+                     "model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 8},
+                     "lm_head": false}
+
+A key that is a module path overrides the global spec for that module; ``false``
+leaves it unquantized. Hugging Face style ``quantization_config`` is accepted
+when it describes the same MLX affine scheme; other methods (AWQ, GPTQ, FP8,
+bitnet, the microscaling modes) are refused by name rather than approximated.
+
+:func:`apply_quantization` then swaps exactly the modules for which the
+checkpoint stores ``<module>.scales`` — mirroring mlx-lm's loader, which also
+keys on the presence of scales — and checks that the packed shapes agree with
+the config, so a mismatch is a typed error instead of a reshape failure deep
+inside ``load_weights``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from pydantic import BaseModel, ConfigDict
+
+from mlx_loom.artifacts.safetensors_header import TensorInfo
+from mlx_loom.errors import ConfigError, WeightsError
+
+__all__ = [
+    "SUPPORTED_BITS",
+    "SUPPORTED_GROUP_SIZES",
+    "QuantSpec",
+    "QuantizationConfig",
+    "apply_quantization",
+    "parse_quantization",
+]
+
+#: Affine bit widths MLX's ``quantize``/``quantized_matmul`` implement.
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+#: Affine group sizes MLX implements.
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+_SUPPORTED_MODES = ("affine",)
+_GLOBAL_KEYS = {"group_size", "bits", "mode"}
+# Keys some writers add next to the global spec that carry no layer information.
+_IGNORED_KEYS = {"quant_method"}
+_CONVERT_FIX = (
+    "convert the checkpoint to MLX affine quantization "
+    "(bits in 2,3,4,5,6,8; group size 32, 64 or 128), or use an unquantized checkpoint"
+)
+
+
+class QuantSpec(BaseModel):
+    """How one module's weight is packed."""
+
+    model_config = ConfigDict(frozen=True)
+
+    group_size: int
+    bits: int
+    mode: Literal["affine"] = "affine"
+
+    def to_quantized_kwargs(self) -> dict[str, Any]:
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+
+
+class QuantizationConfig(BaseModel):
+    """A checkpoint's quantization: a global spec plus per-module overrides.
+
+    ``overrides[path] is None`` means the config leaves that module unquantized.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    default: QuantSpec
+    overrides: dict[str, QuantSpec | None] = {}
+    source_key: str = "quantization"
+
+    def for_module(self, path: str) -> QuantSpec | None:
+        """The spec the config declares for ``path`` (``None``: unquantized)."""
+        if path in self.overrides:
+            return self.overrides[path]
+        return self.default
+
+
+def _spec(data: Mapping[str, Any], *, where: str, source: Path) -> QuantSpec:
+    """Validate one ``{group_size, bits, mode}`` mapping.
+
+    ``group_size`` and ``bits`` are required, for overrides too: mlx-lm would
+    fill an omitted one from MLX's layer default (group 64, 4 bits), not from
+    the global spec, and guessing which was meant is how a model loads with the
+    wrong packing. ``mode`` defaults to affine, the only mode MLX checkpoints
+    omitted it for.
+    """
+    values: dict[str, Any] = {"mode": data.get("mode", "affine")}
+    for key in ("group_size", "bits"):
+        if key not in data:
+            raise ConfigError(
+                f"{source}: {where}.{key} is missing",
+                fix=f"add {key!r} to {where} in {source.name}; {_CONVERT_FIX}",
+            )
+        values[key] = data[key]
+    mode, bits, group_size = values["mode"], values["bits"], values["group_size"]
+    if mode not in _SUPPORTED_MODES:
+        raise ConfigError(
+            f"{source}: {where}.mode = {mode!r} is an unsupported quantization mode "
+            f"(supported: {', '.join(_SUPPORTED_MODES)})",
+            fix=_CONVERT_FIX,
+        )
+    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
+        raise ConfigError(
+            f"{source}: {where}.bits = {bits!r} is unsupported "
+            f"(supported: {', '.join(map(str, SUPPORTED_BITS))})",
+            fix=_CONVERT_FIX,
+        )
+    if isinstance(group_size, bool) or group_size not in SUPPORTED_GROUP_SIZES:
+        raise ConfigError(
+            f"{source}: {where}.group_size = {group_size!r} is unsupported "
+            f"(supported: {', '.join(map(str, SUPPORTED_GROUP_SIZES))})",
+            fix=_CONVERT_FIX,
+        )
+    return QuantSpec(group_size=group_size, bits=bits, mode=mode)
+
+
+def parse_quantization(config: Mapping[str, Any], *, source: Path) -> QuantizationConfig | None:
+    """Parse the quantization a ``config.json`` declares, or ``None`` if it declares none.
+
+    Looks, in mlx-lm's order, at ``quantization``, then ``quantization_config``,
+    then ``text_config.quantization_config`` (wrapper layouts).
+    """
+    key, data = None, None
+    if config.get("quantization") is not None:
+        key, data = "quantization", config["quantization"]
+    elif config.get("quantization_config") is not None:
+        key, data = "quantization_config", config["quantization_config"]
+    else:
+        text = config.get("text_config")
+        if isinstance(text, Mapping) and text.get("quantization_config") is not None:
+            key, data = "text_config.quantization_config", text["quantization_config"]
+    if key is None:
+        return None
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{source}: {key} is a {type(data).__name__}, not an object",
+            fix=f"make {key} an object with group_size and bits; {_CONVERT_FIX}",
+        )
+    method = data.get("quant_method")
+    if method is not None and method != "mlx":
+        raise ConfigError(
+            f"{source}: {key}.quant_method = {method!r} is an unsupported quantization method "
+            "(supported: MLX affine)",
+            fix=_CONVERT_FIX,
+        )
+
+    default = _spec(data, where=key, source=source)
+    overrides: dict[str, QuantSpec | None] = {}
+    for name, value in data.items():
+        if name in _GLOBAL_KEYS or name in _IGNORED_KEYS:
+            continue
+        where = f"{key}[{name!r}]"
+        if value is False:
+            overrides[name] = None
+        elif isinstance(value, Mapping):
+            unknown = set(value) - _GLOBAL_KEYS
+            if unknown:
+                raise ConfigError(
+                    f"{source}: {where} has unsupported keys {sorted(unknown)}",
+                    fix=_CONVERT_FIX,
+                )
+            overrides[name] = _spec(value, where=where, source=source)
+        else:
+            raise ConfigError(
+                f"{source}: {where} = {value!r}; a module override must be an object "
+                "with group_size/bits or false",
+                fix=f"correct {where} in {source.name}",
+            )
+    return QuantizationConfig(default=default, overrides=overrides, source_key=key)
+
+
+def _shape(x: mx.array | TensorInfo) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def apply_quantization(
+    model: nn.Module,
+    qconfig: QuantizationConfig | None,
+    weights: Mapping[str, mx.array | TensorInfo],
+) -> list[str]:
+    """Swap ``model``'s layers for quantized ones exactly where ``weights`` has scales.
+
+    ``weights`` may be loaded arrays or a header manifest: only names and
+    shapes are read, so this can run before any tensor data is loaded. The
+    swapped layers keep placeholder parameters; ``model.load_weights`` then
+    installs the checkpoint's arrays in the dtype they were stored in.
+
+    Returns the paths of the swapped modules. Raises :class:`WeightsError`
+    listing every module where checkpoint and config disagree.
+    """
+    plan: dict[str, QuantSpec] = {}
+    problems: list[str] = []
+    for path, module in model.named_modules():
+        if not path:
+            continue
+        has_scales = f"{path}.scales" in weights
+        quantizable = hasattr(module, "to_quantized") and "weight" in module
+        if not has_scales:
+            declared = qconfig.overrides.get(path) if qconfig is not None else None
+            if quantizable and declared is not None:
+                problems.append(
+                    f"{path}: config declares {declared.bits}-bit group {declared.group_size} "
+                    "but the checkpoint has no scales for it"
+                )
+            continue
+        if qconfig is None:
+            problems.append(
+                f"{path}: checkpoint has {path}.scales but config.json has no quantization"
+            )
+            continue
+        if not quantizable:
+            problems.append(
+                f"{path}: checkpoint has {path}.scales but the model's "
+                f"{type(module).__name__} there cannot be quantized"
+            )
+            continue
+        spec = qconfig.for_module(path)
+        if spec is None:
+            problems.append(
+                f"{path}: config leaves it unquantized ({qconfig.source_key}[{path!r}] = false) "
+                "but the checkpoint has scales for it"
+            )
+            continue
+        mismatch = _geometry_mismatch(path, module, spec, weights)
+        if mismatch:
+            problems.append(mismatch)
+            continue
+        plan[path] = spec
+
+    if problems:
+        raise WeightsError(
+            f"quantized tensors and the config's quantization disagree "
+            f"({len(problems)} module(s)):\n  "
+            + "\n  ".join(problems[:20])
+            + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""),
+            fix="correct the quantization entry of config.json to match the checkpoint, "
+            "or re-convert the checkpoint",
+        )
+
+    def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
+        spec = plan.get(path)
+        return False if spec is None else spec.to_quantized_kwargs()
+
+    nn.quantize(model, class_predicate=predicate)
+    return sorted(plan)
+
+
+def _geometry_mismatch(
+    path: str, module: nn.Module, spec: QuantSpec, weights: Mapping[str, mx.array | TensorInfo]
+) -> str | None:
+    """Compare the stored packed weight/scales/biases with what ``spec`` produces."""
+    dense = tuple(module.weight.shape)
+    in_dims, lead = dense[-1], dense[:-1]
+    if in_dims % spec.group_size:
+        return (
+            f"{path}: input dimension {in_dims} is not a multiple of group size {spec.group_size}"
+        )
+    want = {
+        "weight": lead + (in_dims * spec.bits // 32,),
+        "scales": lead + (in_dims // spec.group_size,),
+        "biases": lead + (in_dims // spec.group_size,),
+    }
+    found = {k: _shape(weights[f"{path}.{k}"]) for k in want if f"{path}.{k}" in weights}
+    if found == want:
+        return None
+    hint = ""
+    if "weight" in found and "scales" in found and found["scales"][-1]:
+        group = in_dims // found["scales"][-1]
+        bits = found["weight"][-1] * 32 // in_dims
+        hint = f" (the stored shapes fit {bits}-bit, group size {group})"
+    return (
+        f"{path}: config declares {spec.bits}-bit group {spec.group_size}, which packs to "
+        f"{want}, but the checkpoint has {found}{hint}"
+    )

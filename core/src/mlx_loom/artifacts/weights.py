@@ -1,0 +1,236 @@
+"""Which shards hold the weights, what they declare, and whether that is what a graph needs.
+
+Everything here except :func:`load_weights` reads headers only, so ``loom
+explain`` and the registry can reason about a 70B checkpoint without touching
+its data. :func:`load_weights` validates every header first and only then asks
+``mx.load`` for the (lazy) arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_loom.artifacts.safetensors_header import (
+    SAFETENSORS_DTYPES,
+    TensorInfo,
+    read_safetensors_header,
+)
+from mlx_loom.errors import WeightsError
+
+__all__ = [
+    "INDEX_FILE",
+    "ExpectedTensor",
+    "check_weights",
+    "list_weight_files",
+    "load_weights",
+    "read_manifest",
+    "tensor_signature",
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+_SHOW = 10  # names listed per category in one error; the rest are counted
+
+#: What a graph expects of one tensor: its shape and dtype. The dtype may be a
+#: safetensors code (``"BF16"``), an ``mx.Dtype``, or ``None`` for "any".
+ExpectedTensor = tuple[Sequence[int], "str | mx.Dtype | None"]
+
+_MLX_TO_CODE: dict[mx.Dtype, str] = {}
+for _code, _dt in SAFETENSORS_DTYPES.items():
+    _MLX_TO_CODE.setdefault(_dt.mlx, _code)  # uint8 -> "U8", not an FP8 code
+
+
+def _capped(items: list[str]) -> str:
+    shown = ", ".join(items[:_SHOW])
+    return shown + (f", ... ({len(items) - _SHOW} more)" if len(items) > _SHOW else "")
+
+
+def _read_index(model_dir: Path) -> dict[str, str] | None:
+    index_path = model_dir / INDEX_FILE
+    if not index_path.exists():
+        return None
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise WeightsError(
+            f"{index_path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}",
+            fix="re-download the checkpoint's index file",
+        ) from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise WeightsError(f"{index_path} cannot be read: {err}", fix="re-download it") from err
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise WeightsError(
+            f"{index_path}: weight_map is missing or does not map tensor names to file names",
+            fix="re-download the checkpoint's index file",
+        )
+    for name, shard in weight_map.items():
+        # An index is data, not a path we follow anywhere: shards live beside it.
+        if Path(shard).name != shard or shard in ("", ".", ".."):
+            raise WeightsError(
+                f"{index_path}: tensor {name!r} is assigned to {shard!r}, "
+                "which is not a plain file name in the model directory",
+                fix="re-download the checkpoint's index file",
+            )
+    return weight_map
+
+
+def list_weight_files(model_dir: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors shards of ``model_dir``, sorted by name.
+
+    With ``model.safetensors.index.json`` present, exactly the shards it names
+    (each must exist); otherwise every ``*.safetensors`` file in the directory.
+    """
+    model_dir = Path(model_dir)
+    weight_map = _read_index(model_dir)
+    if weight_map is not None:
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise WeightsError(
+                f"{model_dir / INDEX_FILE} names shard(s) that do not exist: {_capped(missing)}",
+                fix="the download is incomplete; re-download the checkpoint",
+            )
+        if not shards:
+            raise WeightsError(
+                f"{model_dir / INDEX_FILE} lists no tensors", fix="re-download the checkpoint"
+            )
+        return [model_dir / s for s in shards]
+    files = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
+    if not files:
+        raise WeightsError(
+            f"{model_dir} contains no *.safetensors weight files",
+            fix="download the checkpoint's safetensors files, or convert it to safetensors",
+        )
+    return files
+
+
+def read_manifest(model_dir: str | os.PathLike[str]) -> dict[str, TensorInfo]:
+    """Every tensor the checkpoint declares, from validated headers only.
+
+    Raises :class:`WeightsError` when a name appears in two shards, or the
+    shards and the index disagree about where a tensor lives.
+    """
+    model_dir = Path(model_dir)
+    weight_map = _read_index(model_dir)
+    manifest: dict[str, TensorInfo] = {}
+    problems: list[str] = []
+    for file in list_weight_files(model_dir):
+        header = read_safetensors_header(file)
+        for name, info in header.tensors.items():
+            if name in manifest:
+                raise WeightsError(
+                    f"tensor {name!r} is stored twice: in {manifest[name].file} and in {file}",
+                    fix="remove the stray or duplicate .safetensors file from the model directory",
+                )
+            manifest[name] = info
+            if weight_map is not None:
+                assigned = weight_map.get(name)
+                if assigned is None:
+                    problems.append(f"{name!r} is in {file.name} but not in the index")
+                elif assigned != file.name:
+                    problems.append(
+                        f"{name!r} is in {file.name} but the index assigns it to {assigned}"
+                    )
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            if name not in manifest:
+                problems.append(f"{name!r} is assigned to {shard} but that shard lacks it")
+    if problems:
+        raise WeightsError(
+            f"{model_dir / INDEX_FILE} disagrees with the shards ({len(problems)} tensor(s)): "
+            + _capped(problems),
+            fix="the index or a shard is stale; re-download the checkpoint",
+        )
+    return manifest
+
+
+def load_weights(model_dir: str | os.PathLike[str]) -> dict[str, mx.array]:
+    """Every tensor as a lazy ``mx.array``, after every header has been validated.
+
+    ``mx.load`` maps the file lazily: no tensor data is read until an array is
+    evaluated, so loading then dropping unused tensors costs nothing.
+    """
+    manifest = read_manifest(model_dir)
+    weights: dict[str, mx.array] = {}
+    for file in sorted({info.file for info in manifest.values()}):  # type: ignore[type-var]
+        weights.update(mx.load(str(file), format="safetensors"))
+    if weights.keys() != manifest.keys():  # mx.load must agree with our reader
+        raise WeightsError(
+            f"{model_dir}: mx.load returned different tensors than the headers declare",
+            fix="re-download the checkpoint",
+        )
+    return weights
+
+
+def tensor_signature(x: TensorInfo | mx.array) -> tuple[tuple[int, ...], str]:
+    """``(shape, safetensors dtype code)`` of a manifest entry or an array."""
+    if isinstance(x, TensorInfo):
+        return x.shape, x.dtype
+    return tuple(x.shape), _MLX_TO_CODE.get(x.dtype, str(x.dtype))
+
+
+def _dtype_matches(actual: TensorInfo | mx.array, want: Any) -> bool:
+    if want is None:
+        return True
+    if isinstance(want, str):
+        return tensor_signature(actual)[1] == want
+    # An mx.Dtype: compare what MLX will hold (FP8 codes load as uint8).
+    have = actual.mlx_dtype if isinstance(actual, TensorInfo) else actual.dtype
+    return have == want
+
+
+def _dtype_name(dtype: Any) -> str:
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("mlx.core.")
+
+
+def check_weights(
+    actual: Mapping[str, TensorInfo | mx.array],
+    expected: Mapping[str, ExpectedTensor],
+    *,
+    strict: bool = True,
+    source: str | os.PathLike[str] | None = None,
+) -> None:
+    """Compare what a checkpoint holds with what a graph needs; report every difference at once.
+
+    ``actual`` is a manifest (:func:`read_manifest`) or loaded arrays.
+    ``strict`` (the default) also refuses tensors the graph does not use: a
+    stray tensor usually means a wrong mapping, and silently ignoring it hides
+    that. Raises one :class:`WeightsError` listing missing, unexpected,
+    mis-shaped and mis-typed tensors.
+    """
+    missing = sorted(set(expected) - set(actual))
+    unexpected = sorted(set(actual) - set(expected)) if strict else []
+    misshaped: list[str] = []
+    mistyped: list[str] = []
+    for name in sorted(set(expected) & set(actual)):
+        want_shape, want_dtype = expected[name]
+        have_shape, have_code = tensor_signature(actual[name])
+        if tuple(want_shape) != have_shape:
+            misshaped.append(f"{name} {have_shape} (expected {tuple(want_shape)})")
+        if not _dtype_matches(actual[name], want_dtype):
+            mistyped.append(f"{name} {have_code} (expected {_dtype_name(want_dtype)})")
+    sections = [
+        ("missing", [*missing]),
+        ("unexpected", unexpected),
+        ("wrong shape", misshaped),
+        ("wrong dtype", mistyped),
+    ]
+    sections = [(label, items) for label, items in sections if items]
+    if not sections:
+        return
+    where = f"{source}: " if source is not None else ""
+    summary = ", ".join(f"{len(items)} {label}" for label, items in sections)
+    body = "\n  ".join(f"{label} ({len(items)}): {_capped(items)}" for label, items in sections)
+    raise WeightsError(
+        f"{where}the checkpoint's tensors do not match the model ({summary}):\n  {body}",
+        fix="use a checkpoint converted for this model type and config; if config.json was "
+        "edited, restore it (the tensor shapes follow from it)",
+    )
