@@ -35,6 +35,8 @@ class Provider:
     version: str = "0"
 
     def __str__(self) -> str:
+        if self.distribution == "(in-process)":
+            return f"{self.plugin} (in-process)"
         return f"{self.plugin} ({self.distribution} {self.version})"
 
 

@@ -288,7 +288,7 @@ class Registry:
                 fitting.append(impl)
             elif isinstance(why, KernelUnavailable):
                 kernel_refusals.append(why)
-                reasons.append(f"{impl.id!r}: {why.message}")
+                reasons.append(f"{impl.id!r}: {why.message.rstrip('.')}")
             else:
                 reasons.append(f"{impl.id!r}: {why}")
         if not fitting and kernel_refusals and len(kernel_refusals) == len(candidates):
