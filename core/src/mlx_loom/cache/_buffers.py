@@ -1,0 +1,178 @@
+"""Sequence buffers shared by the full, rotating and quantized KV caches.
+
+A stored key (or value) tensor is either one array ``[B, H, S, D]`` or, when
+affine-quantized, the triple ``(packed, scales, biases)`` whose members all
+share the sequence axis 2. Every cache algorithm here only moves whole token
+slots along axis 2 (slice, concatenate, roll, assign), so writing it once over
+"an array or a tuple of arrays" lets the quantized kinds reuse the exact slot
+bookkeeping of the plain kinds. Moving data never changes a value, which is why
+a quantized cache's output equals the plain cache's output quantized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_loom.errors import CacheError
+
+Stored = mx.array | tuple[mx.array, ...]
+
+#: Affine quantization widths ``mx.quantize`` supports that we allow for KV.
+#: (1 bit is supported by MLX but useless for keys/values; 7 is not supported.)
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def leaves(x: Stored | None) -> list[mx.array]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, tuple) else [x]
+
+
+def seq_len(x: Stored) -> int:
+    return leaves(x)[0].shape[2]
+
+
+def apply(fn: Callable[[mx.array], mx.array], x: Stored) -> Stored:
+    if isinstance(x, tuple):
+        return tuple(fn(a) for a in x)
+    return fn(x)
+
+
+def take(x: Stored, start: int | None, stop: int | None) -> Stored:
+    """Slots ``start:stop`` of the sequence axis."""
+    return apply(lambda a: a[..., start:stop, :], x)
+
+
+def cat(parts: Sequence[Stored]) -> Stored:
+    """Concatenate along the sequence axis."""
+    if isinstance(parts[0], tuple):
+        return tuple(mx.concatenate(list(group), axis=2) for group in zip(*parts, strict=True))
+    return mx.concatenate(list(parts), axis=2)
+
+
+def write(buf: Stored, start: int, new: Stored) -> None:
+    """Assign ``new`` into slots ``start:start+len`` of ``buf`` in place."""
+    stop = start + seq_len(new)
+    for b, n in zip(leaves(buf), leaves(new), strict=True):
+        b[..., start:stop, :] = n
+
+
+def nbytes(*xs: Stored | None) -> int:
+    return sum(a.nbytes for x in xs for a in leaves(x))
+
+
+class PlainCodec:
+    """Stores keys/values as they come."""
+
+    bits: None = None
+    group_size: None = None
+
+    def encode(self, x: mx.array) -> Stored:
+        return x
+
+    def zeros(self, like: mx.array, n: int) -> Stored:
+        B, H, _, D = like.shape
+        return mx.zeros((B, H, n, D), like.dtype)
+
+
+class AffineCodec:
+    """Stores keys/values affine-quantized per ``group_size`` along head_dim.
+
+    Scales and biases keep the activation dtype, exactly as ``mx.quantize``
+    returns them (and as mlx-lm's quantized cache stores them).
+    """
+
+    def __init__(self, group_size: int, bits: int, *, owner: str) -> None:
+        check_quantization(group_size, bits, owner=owner)
+        self.group_size = group_size
+        self.bits = bits
+        self.owner = owner
+
+    def _check_dim(self, D: int) -> None:
+        if D % self.group_size:
+            raise CacheError(
+                f"{self.owner}: head_dim {D} is not a multiple of group_size {self.group_size}",
+                fix="choose a KV group size (32, 64 or 128) that divides the head dimension",
+            )
+
+    def encode(self, x: mx.array) -> Stored:
+        self._check_dim(x.shape[-1])
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def zeros(self, like: mx.array, n: int) -> Stored:
+        B, H, _, D = like.shape
+        self._check_dim(D)
+        return (
+            mx.zeros((B, H, n, D * self.bits // 32), mx.uint32),
+            mx.zeros((B, H, n, D // self.group_size), like.dtype),
+            mx.zeros((B, H, n, D // self.group_size), like.dtype),
+        )
+
+    def quantize_stored(self, x: Stored) -> Stored:
+        if isinstance(x, tuple):
+            raise CacheError(f"{self.owner}: the keys/values are already quantized")
+        return self.encode(x)
+
+
+def check_quantization(group_size: Any, bits: Any, *, owner: str) -> None:
+    """Refuse widths and group sizes the affine KV path does not support."""
+    if isinstance(bits, bool) or bits not in KV_BITS:
+        raise CacheError(
+            f"{owner}: bits={bits!r} is not a supported KV quantization width",
+            fix=f"use one of {list(KV_BITS)} (4 or 8 are the usual choices)",
+        )
+    if isinstance(group_size, bool) or group_size not in KV_GROUP_SIZES:
+        raise CacheError(
+            f"{owner}: group_size={group_size!r} is not a supported KV quantization group size",
+            fix=f"use one of {list(KV_GROUP_SIZES)}",
+        )
+
+
+def trim_count(n: Any, *, owner: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise CacheError(
+            f"{owner}.trim: n={n!r} is not a non-negative int",
+            fix="pass the number of trailing tokens to drop",
+        )
+    return n
+
+
+def parse_meta(meta_state: Any, names: Sequence[str], *, owner: str) -> list[int]:
+    """Parse a ``meta_state`` of decimal strings into ints, naming what is wrong."""
+    if not isinstance(meta_state, (list, tuple)) or len(meta_state) != len(names):
+        raise CacheError(
+            f"{owner}.from_state: meta_state must hold {len(names)} strings "
+            f"({', '.join(names)}); found {meta_state!r}",
+            fix="recreate the cache state with this version of mlx-loom",
+        )
+    out = []
+    for name, raw in zip(names, meta_state, strict=True):
+        try:
+            out.append(int(raw))
+        except (TypeError, ValueError):
+            raise CacheError(
+                f"{owner}.from_state: meta_state field {name!r} is {raw!r}, not an integer",
+                fix="recreate the cache state with this version of mlx-loom",
+            ) from None
+    return out
+
+
+def check_state_len(state: Any, allowed: Sequence[int], *, owner: str) -> tuple[mx.array, ...]:
+    if not isinstance(state, (list, tuple)) or len(state) not in allowed:
+        n = len(state) if isinstance(state, (list, tuple)) else type(state).__name__
+        raise CacheError(
+            f"{owner}.from_state: state must hold {' or '.join(map(str, allowed))} arrays; "
+            f"found {n}",
+            fix="recreate the cache state with this version of mlx-loom",
+        )
+    for i, a in enumerate(state):
+        if not isinstance(a, mx.array):
+            raise CacheError(
+                f"{owner}.from_state: state[{i}] is a {type(a).__name__}, not an mx.array",
+                fix="recreate the cache state with this version of mlx-loom",
+            )
+    return tuple(state)

@@ -1,0 +1,120 @@
+"""Scaled dot-product attention over whatever a cache returned.
+
+Plain keys/values go to ``mx.fast.scaled_dot_product_attention``. Keys/values
+from a quantized cache are ``(packed, scales, biases)`` triples; attending over
+them uses ``mx.quantized_matmul`` for both products, with the same op graph as
+mlx-lm's ``quantized_scaled_dot_product_attention`` so outputs are bit-equal
+to it (parity-tested).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_loom.cache.protocol import Mask
+from mlx_loom.errors import CacheError, CapabilityRefused
+
+__all__ = ["quantized_scaled_dot_product_attention", "scaled_dot_product_attention"]
+
+QuantizedTensor = tuple[mx.array, mx.array, mx.array]
+
+
+def _check_triple(x: Any, name: str) -> QuantizedTensor:
+    if not (isinstance(x, tuple) and len(x) == 3 and all(isinstance(a, mx.array) for a in x)):
+        raise CacheError(
+            f"quantized attention: {name} must be a (packed, scales, biases) triple from a "
+            f"quantized cache; found {type(x).__name__}",
+            fix="pass the keys/values the quantized cache's update_and_fetch returned",
+        )
+    return x
+
+
+def quantized_scaled_dot_product_attention(
+    queries: mx.array,
+    q_keys: QuantizedTensor,
+    q_values: QuantizedTensor,
+    *,
+    scale: float,
+    mask: Mask,
+    group_size: int = 64,
+    bits: int = 8,
+) -> mx.array:
+    """Softmax attention of ``queries`` ``[B, Hq, L, D]`` over affine-quantized keys/values.
+
+    Grouped-query heads are handled by viewing queries as
+    ``[B, Hkv, Hq/Hkv, L, D]`` and broadcasting the keys over the group axis,
+    rather than repeating the quantized keys.
+    """
+    q_keys = _check_triple(q_keys, "keys")
+    q_values = _check_triple(q_values, "values")
+    B, n_q_heads, L, D = queries.shape
+    n_kv_heads = q_keys[0].shape[-3]
+    n_repeats = n_q_heads // n_kv_heads
+
+    # Scale the queries before the product (not the scores), as mlx-lm does:
+    # the rounding differs otherwise and parity is bit-exact.
+    queries = queries * scale
+    if n_repeats > 1:
+        queries = mx.reshape(queries, (B, n_kv_heads, n_repeats, L, D))
+        q_keys = tuple(mx.expand_dims(a, axis=-3) for a in q_keys)
+        q_values = tuple(mx.expand_dims(a, axis=-3) for a in q_values)
+
+    scores = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size, bits=bits)
+    if mask is not None:
+        if isinstance(mask, str):
+            if mask != "causal":
+                raise CacheError(
+                    f"quantized attention: mask string {mask!r} is not 'causal'",
+                    fix="pass None, 'causal' or a boolean/additive mask array",
+                )
+            qL, kL = scores.shape[-2:]
+            mask = mx.arange(kL - qL, kL)[:, None] >= mx.arange(kL)[None]
+        if n_repeats > 1 and mask.ndim > 3:
+            mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    scores = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(scores, *q_values, transpose=False, group_size=group_size, bits=bits)
+    if n_repeats > 1:
+        out = mx.reshape(out, (B, n_q_heads, L, -1))
+    return out
+
+
+def scaled_dot_product_attention(
+    queries: mx.array,
+    keys: Any,
+    values: Any,
+    *,
+    cache: Any,
+    scale: float,
+    mask: Mask,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Attention that follows the cache: quantized path for quantized caches.
+
+    A cache is quantized when it reports integer ``bits`` (our quantized kinds
+    do; plain kinds have no such attribute).
+    """
+    bits = getattr(cache, "bits", None) if cache is not None else None
+    if bits is not None:
+        if sinks is not None:
+            raise CapabilityRefused(
+                f"{type(cache).__name__}: attention sinks are not supported with a "
+                "quantized KV cache",
+                fix="run this model without KV quantization (kv_bits=None)",
+            )
+        return quantized_scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, group_size=cache.group_size, bits=bits
+        )
+    if isinstance(keys, tuple):
+        raise CacheError(
+            "attention: keys are a quantized triple but the cache is not a quantized kind",
+            fix="pass the cache that returned these keys/values",
+        )
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask, sinks=sinks
+    )

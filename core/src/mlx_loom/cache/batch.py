@@ -1,0 +1,669 @@
+"""Batch key/value caches: ``B > 1`` rows, each left-padded to a shared length.
+
+Rows are aligned on the right (their newest token shares the last slot), and
+each row's ``left_padding`` counts the pad slots that the mask hides; the
+per-row ``offset`` is the row's true token count (negative until the pads are
+written). Right-padded prefill chunks (rows of unequal prompt length in one
+forward) are declared with :meth:`prepare` and rolled into left padding by
+:meth:`finalize`. Row operations (:meth:`filter`, :meth:`extend`,
+:meth:`extract`, :meth:`merge`) let a continuous-batching loop add and remove
+sequences. Slot and padding bookkeeping match mlx-lm's ``BatchKVCache`` and
+``BatchRotatingKVCache`` bit for bit (parity-tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, NoReturn
+
+import mlx.core as mx
+
+from mlx_loom.cache import _buffers as buf
+from mlx_loom.cache.kv import KVCache
+from mlx_loom.cache.masks import create_causal_mask
+from mlx_loom.cache.protocol import Mask
+from mlx_loom.cache.rotating import RotatingKVCache, check_window
+from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
+
+__all__ = ["BatchKVCache", "BatchRotatingKVCache", "dynamic_roll"]
+
+
+def dynamic_roll(x: mx.array, shifts: mx.array, axis: int) -> mx.array:
+    """Roll each row of ``x`` along ``axis`` by its own shift (``shifts`` is ``[B, 1]``)."""
+    n = x.shape[axis]
+    shift_index = (...,) + (None,) * (x.ndim - axis)
+    idx = (mx.arange(n)[shift_index[:-1]] - shifts[shift_index]) % n
+    return mx.take_along_axis(x, idx, axis=axis)
+
+
+def _int_list(values: Any, *, owner: str, name: str, allow_empty: bool = False) -> list[int]:
+    if isinstance(values, mx.array):
+        values = values.tolist()
+    try:
+        out = [int(v) for v in values]
+        ok = all(not isinstance(v, bool) and int(v) == v for v in values)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or (not out and not allow_empty):
+        raise CacheError(
+            f"{owner}: {name}={values!r} must be a non-empty sequence of ints",
+            fix=f"pass one {name} entry per batch row",
+        )
+    return out
+
+
+def _refuse_quantize(kind: str) -> NoReturn:
+    raise CapabilityRefused(
+        f"{kind}: KV quantization of a batch cache is not supported",
+        fix="batch without kv_bits, or generate one sequence at a time with kv_bits",
+    )
+
+
+class _BatchRowsBase:
+    """Row bookkeeping shared by both batch kinds."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, left_padding: Sequence[int]) -> None:
+        pads = _int_list(left_padding, owner=self.kind, name="left_padding")
+        if min(pads) < 0:
+            raise CacheError(
+                f"{self.kind}: left_padding={pads} has a negative entry",
+                fix="left padding counts pad tokens and must be >= 0",
+            )
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.left_padding = mx.array(pads)
+        self.offset = mx.array([-p for p in pads])
+        self._idx = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.offset.shape[0]
+
+    def _rows(self, rows: Sequence[int]) -> mx.array:
+        idx = _int_list(rows, owner=f"{self.kind}.filter", name="rows")
+        B = self.batch_size
+        bad = [r for r in idx if not 0 <= r < B]
+        if bad:
+            raise CacheError(
+                f"{self.kind}.filter: rows {bad} are out of range for a batch of {B}",
+                fix=f"pass row indices in [0, {B})",
+            )
+        return mx.array(idx)
+
+    def _row(self, row: int) -> int:
+        B = self.batch_size
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < B:
+            raise CacheError(
+                f"{self.kind}.extract: row={row!r} is out of range for a batch of {B}",
+                fix=f"pass a row index in [0, {B})",
+            )
+        return row
+
+    def _check_other(self, other: Any) -> None:
+        if type(other) is not type(self):
+            raise CacheError(
+                f"{self.kind}.extend: cannot append rows of a {type(other).__name__}",
+                fix=f"extend a {self.kind} only with another {self.kind}",
+            )
+
+    def _check_prepare_left(self, left_padding: Sequence[int]) -> mx.array:
+        if self.keys is not None:
+            raise CacheError(
+                f"{self.kind}.prepare: left padding can only be declared on an empty cache",
+                fix="declare left padding before the first forward, or use right_padding",
+            )
+        pads = _int_list(left_padding, owner=f"{self.kind}.prepare", name="left_padding")
+        if len(pads) != self.batch_size:
+            raise CacheError(
+                f"{self.kind}.prepare: left_padding has {len(pads)} entries for "
+                f"{self.batch_size} rows",
+                fix="pass one entry per batch row",
+            )
+        return mx.array(pads)
+
+    def _pad_for_extend(
+        self, c: Any, max_idx: int, max_len: int, H: int, Dk: int, Dv: int, dtype: mx.Dtype
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Right-align ``c``'s rows on ``max_idx`` in a buffer of ``max_len`` slots."""
+        k, v = c.keys, c.values
+        if k is None:
+            k = mx.zeros((c.batch_size, H, 0, Dk), dtype=dtype)
+            v = mx.zeros((c.batch_size, H, 0, Dv), dtype=dtype)
+        left = max_idx - c._idx
+        right = max_len - k.shape[2] - left
+        if right < 0:
+            k, v = k[..., :right, :], v[..., :right, :]
+            right = 0
+        if left or right:
+            widths = [(0, 0), (0, 0), (left, right), (0, 0)]
+            k, v = mx.pad(k, widths), mx.pad(v, widths)
+        return k, v, c.offset, c.left_padding + left
+
+    def _extend_rows(self, other: Any) -> None:
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        ref = self.keys if self.keys is not None else other.keys
+        ref_v = self.values if self.values is not None else other.values
+        H, Dk, Dv = ref.shape[1], ref.shape[3], ref_v.shape[3]
+        max_idx = max(self._idx, other._idx)
+        max_len = max(c.keys.shape[2] for c in (self, other) if c.keys is not None)
+        parts = [
+            self._pad_for_extend(c, max_idx, max_len, H, Dk, Dv, ref.dtype) for c in (self, other)
+        ]
+        self.keys, self.values, self.offset, self.left_padding = (
+            mx.concatenate(list(group)) for group in zip(*parts, strict=True)
+        )
+        self._idx = max_idx
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return buf.nbytes(self.keys, self.values)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> NoReturn:
+        _refuse_quantize(self.kind)
+
+
+class BatchKVCache(_BatchRowsBase):
+    """Full KV cache for a left-padded batch.
+
+    ``left_padding[i]`` pad tokens precede row ``i``'s prompt, e.g. prompts
+    ``[1 3 5]``, ``[7]``, ``[2 6 8 9]`` enter as ``[0 1 3 5]``, ``[0 0 0 7]``,
+    ``[2 6 8 9]`` with ``left_padding = [1, 3, 0]``.
+    """
+
+    kind: ClassVar[str] = "BatchKVCache"
+    step: ClassVar[int] = 256
+
+    def __init__(self, left_padding: Sequence[int]) -> None:
+        super().__init__(left_padding)
+        self._right_padding: mx.array | None = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        prev = self._idx
+        L = keys.shape[2]
+        if self.keys is None or prev + L > self.keys.shape[2]:
+            B, H, _, Dk = keys.shape
+            n = (L + self.step - 1) // self.step * self.step
+            new_k = mx.zeros((B, H, n, Dk), keys.dtype)
+            new_v = mx.zeros((B, H, n, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                if prev % self.step != 0:
+                    self.keys = self.keys[..., :prev, :]
+                    self.values = self.values[..., :prev, :]
+                self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                self.values = mx.concatenate([self.values, new_v], axis=2)
+        self.offset = self.offset + L
+        self._idx += L
+        self.keys[..., prev : self._idx, :] = keys
+        self.values[..., prev : self._idx, :] = values
+        return self.keys_and_values()
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            raise CacheError(f"{self.kind}: no keys/values yet", fix="call update_and_fetch first")
+        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+
+    def make_mask(
+        self, N: int, *, window_size: int | None = None, return_array: bool = False
+    ) -> Mask:
+        # Always an array: the padding differs per row.
+        return create_causal_mask(
+            N, offset=self._idx, left_padding=self.left_padding, window_size=window_size
+        )
+
+    # --- padded prefill -------------------------------------------------------
+
+    def prepare(
+        self,
+        *,
+        left_padding: Sequence[int] | None = None,
+        lengths: Sequence[int] | None = None,
+        right_padding: Sequence[int] | None = None,
+    ) -> None:
+        if left_padding is not None:
+            pads = self._check_prepare_left(left_padding)
+            self.left_padding = self.left_padding + pads
+            self.offset = self.offset - pads
+        if right_padding is not None:
+            pads = _int_list(right_padding, owner=f"{self.kind}.prepare", name="right_padding")
+            if max(pads) > 0:
+                self._right_padding = mx.array(pads)
+
+    def finalize(self) -> None:
+        """Roll each row right by its right padding so the pads become left padding."""
+        if self._right_padding is None:
+            return
+        pads = self._right_padding
+        self.keys = dynamic_roll(self.keys, pads[:, None], axis=2)
+        self.values = dynamic_roll(self.values, pads[:, None], axis=2)
+        self.offset = self.offset - pads
+        self.left_padding = self.left_padding + pads
+        self._right_padding = None
+
+    # --- trim -----------------------------------------------------------------
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, buf.trim_count(n, owner=self.kind))
+        self._idx -= n
+        self.offset = self.offset - n
+        return n
+
+    # --- rows -----------------------------------------------------------------
+
+    def filter(self, rows: Sequence[int]) -> None:
+        idx = self._rows(rows)
+        if self.keys is not None:
+            self.keys = self.keys[idx]
+            self.values = self.values[idx]
+        self.offset = self.offset[idx]
+        self.left_padding = self.left_padding[idx]
+        # Drop slots that are padding in every remaining row.
+        shift = min(self.left_padding.tolist())
+        if shift > 0:
+            if self.keys is not None:
+                self.keys = self.keys[..., shift:, :]
+                self.values = self.values[..., shift:, :]
+            self._idx -= shift
+            self.left_padding = self.left_padding - shift
+
+    def extend(self, other: BatchKVCache) -> None:
+        self._check_other(other)
+        self._extend_rows(other)
+
+    def extract(self, row: int) -> KVCache:
+        row = self._row(row)
+        cache = KVCache()
+        if self.keys is None:
+            return cache
+        pad = self.left_padding.tolist()[row]
+        cache.keys = mx.contiguous(self.keys[row : row + 1, :, pad : self._idx])
+        cache.values = mx.contiguous(self.values[row : row + 1, :, pad : self._idx])
+        cache.offset = cache.keys.shape[2]
+        return cache
+
+    @classmethod
+    def merge(cls, caches: Sequence[KVCache]) -> BatchKVCache:
+        if not caches:
+            raise CacheError(f"{cls.kind}.merge: no caches given", fix="pass at least one cache")
+        for i, c in enumerate(caches):
+            if type(c) is not KVCache:
+                raise CacheError(
+                    f"{cls.kind}.merge: caches[{i}] is a {type(c).__name__}, not a KVCache",
+                    fix="merge only full, unquantized single-row caches into a BatchKVCache",
+                )
+        lengths = [c.size() for c in caches]
+        longest = max(lengths)
+        if longest == 0:
+            return cls([0] * len(caches))
+        pads = [longest - n for n in lengths]
+        full = [c for c in caches if c.keys is not None]
+        H = max(c.keys.shape[1] for c in full)
+        Dk = max(c.keys.shape[3] for c in full)
+        Dv = max(c.values.shape[3] for c in full)
+        dtype = full[0].keys.dtype
+        keys = mx.zeros((len(caches), H, longest, Dk), dtype=dtype)
+        values = mx.zeros((len(caches), H, longest, Dv), dtype=dtype)
+        for i, (p, n, c) in enumerate(zip(pads, lengths, caches, strict=True)):
+            if c.keys is None or n == 0:
+                continue
+            keys[i : i + 1, :, p : p + n] = c.keys[..., :n, :]
+            values[i : i + 1, :, p : p + n] = c.values[..., :n, :]
+        cache = cls(pads)
+        cache.keys, cache.values = keys, values
+        cache.offset = cache.offset + longest
+        cache._idx = longest
+        return cache
+
+    # --- size and state -------------------------------------------------------
+
+    def size(self) -> int:
+        return self._idx
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """``(offset, left_padding[, keys, values])``, keys cut to the used slots."""
+        if self.keys is None:
+            return (self.offset, self.left_padding)
+        return (self.offset, self.left_padding, *self.keys_and_values())
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return (str(self._idx),)
+
+    @classmethod
+    def from_state(cls, state: Sequence[mx.array], meta_state: Sequence[str]) -> BatchKVCache:
+        arrays = buf.check_state_len(state, (2, 4), owner=cls.kind)
+        (idx,) = buf.parse_meta(meta_state, ("idx",), owner=cls.kind)
+        cache = cls.__new__(cls)
+        cache.offset, cache.left_padding = arrays[0], arrays[1]
+        cache.keys = arrays[2] if len(arrays) == 4 else None
+        cache.values = arrays[3] if len(arrays) == 4 else None
+        cache._idx = idx
+        cache._right_padding = None
+        return cache
+
+    def empty_batch(self, left_padding: Sequence[int]) -> BatchKVCache:
+        return BatchKVCache(left_padding)
+
+
+class BatchRotatingKVCache(_BatchRowsBase):
+    """Sliding-window KV cache of ``max_size`` slots for a left-padded batch (``keep = 0``)."""
+
+    kind: ClassVar[str] = "BatchRotatingKVCache"
+    step: ClassVar[int] = 256
+
+    def __init__(self, max_size: int, left_padding: Sequence[int]) -> None:
+        check_window(max_size, 0, owner=self.kind)
+        super().__init__(left_padding)
+        self.max_size = max_size
+        self._offset = 0  # slots written (the padded length), shared by all rows
+        self.rotated = False
+        # Per-row end of the real tokens during a right-padded prefill, so that
+        # pads never evict real tokens from the window.
+        self._lengths: mx.array | None = None
+
+    # --- slot moves -----------------------------------------------------------
+
+    def _drop_front(self, n: int, v: mx.array, append: mx.array | None = None) -> mx.array:
+        if n > 0:
+            v = v[..., n:, :]
+        return v if append is None else mx.concatenate([v, append], axis=2)
+
+    def _to_time_order(self) -> None:
+        if self.rotated:
+            self.keys = mx.roll(self.keys, -self._idx, axis=2)
+            self.values = mx.roll(self.values, -self._idx, axis=2)
+            self._idx = self.keys.shape[2]
+            self.rotated = False
+
+    def _roll_out_right_padding(self) -> None:
+        roll = mx.maximum(0, self.offset - self._lengths)
+        self.keys = dynamic_roll(self.keys, roll[:, None], axis=2)
+        self.values = dynamic_roll(self.values, roll[:, None], axis=2)
+        self.left_padding = self.left_padding + roll
+        self.offset = self.offset - roll
+
+    def _append_chunk(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self._to_time_order()
+            if self.keys.shape[2] > self._idx:
+                self.keys = self.keys[..., : self._idx, :]
+                self.values = self.values[..., : self._idx, :]
+            if self._lengths is not None:
+                self._roll_out_right_padding()
+            drop = self._idx - self.max_size + 1
+            if drop > 0:
+                self.left_padding = self.left_padding - drop
+            self.keys = self._drop_front(drop, self.keys, keys)
+            self.values = self._drop_front(drop, self.values, values)
+        L = keys.shape[2]
+        self.offset = self.offset + L
+        self._offset += L
+        self._idx = self.keys.shape[2]
+        # Tie the bookkeeping arrays to the keys so evaluating the cache
+        # evaluates them too (their graphs would otherwise grow every step).
+        self.keys = mx.depends(self.keys, (self.left_padding, self.offset))
+        return self.keys, self.values
+
+    def _write_in_place(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self._lengths is not None:
+            raise CacheError(
+                f"{self.kind}: decoding before finalize() after a right-padded prefill",
+                fix="call finalize() once the padded prefill is done",
+            )
+        B, H, S, Dk = keys.shape
+        prev = self._offset
+        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
+            n = min(self.step, self.max_size - prev)
+            new_k = mx.zeros((B, H, n, Dk), keys.dtype)
+            new_v = mx.zeros((B, H, n, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                self.values = mx.concatenate([self.values, new_v], axis=2)
+            self._idx = prev
+        excess = self.keys.shape[2] - self.max_size
+        if excess > 0:
+            self.keys = self._drop_front(excess, self.keys)
+            self.values = self._drop_front(excess, self.values)
+            self._idx = self.max_size
+            self.left_padding = self.left_padding - excess
+        if self._idx == self.max_size:
+            self.rotated = True
+            self._idx = 0
+        if self.rotated:
+            self.left_padding = self.left_padding - S
+        self.keys[..., self._idx : self._idx + S, :] = keys
+        self.values[..., self._idx : self._idx + S, :] = values
+        self._offset += S
+        self.offset = self.offset + S
+        self._idx += S
+        self.keys = mx.depends(self.keys, (self.left_padding, self.offset))
+        return self.keys_and_values()
+
+    # --- append and attend ----------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[2] == 1:
+            return self._write_in_place(keys, values)
+        return self._append_chunk(keys, values)
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            raise CacheError(f"{self.kind}: no keys/values yet", fix="call update_and_fetch first")
+        if self._offset < self.keys.shape[2]:
+            return self.keys[..., : self._offset, :], self.values[..., : self._offset, :]
+        return self.keys, self.values
+
+    def make_mask(
+        self, N: int, *, window_size: int | None = None, return_array: bool = False
+    ) -> Mask:
+        window_size = window_size or self.max_size
+        offset = min(self.max_size - 1, self._offset)
+        key_pos = mx.arange(offset + N)
+        query_pos = mx.arange(offset, offset + N) if offset else key_pos
+        query_pos, key_pos = query_pos[:, None], key_pos[None]
+        mask = (query_pos >= key_pos) & (query_pos < key_pos + window_size)
+        left = self.left_padding
+        # The update about to run drops this many front slots (and the pads in them).
+        if (dropped := self._idx - self.max_size + int(N > 1)) > 0:
+            left = left - dropped
+        rotated = N == 1 and (self.rotated or self._idx >= self.max_size)
+        if rotated:
+            left = left - 1
+        mask = mask & (key_pos >= mx.expand_dims(left, (1, 2, 3)))
+        if rotated:
+            idx = 0 if self._idx >= self.max_size else self._idx
+            mask = mx.roll(mask, shift=idx + 1, axis=-1)
+        return mask
+
+    # --- padded prefill -------------------------------------------------------
+
+    def prepare(
+        self,
+        *,
+        left_padding: Sequence[int] | None = None,
+        lengths: Sequence[int] | None = None,
+        right_padding: Sequence[int] | None = None,
+    ) -> None:
+        if left_padding is not None:
+            pads = self._check_prepare_left(left_padding)
+            self.left_padding = self.left_padding + pads
+            self.offset = self.offset - pads
+        if right_padding is not None:
+            pads = _int_list(right_padding, owner=f"{self.kind}.prepare", name="right_padding")
+            if max(pads) > 0:
+                if lengths is None:
+                    raise CacheError(
+                        f"{self.kind}.prepare: right_padding needs the per-row lengths",
+                        fix="pass lengths= (each row's real token count in the chunk)",
+                    )
+                n = _int_list(lengths, owner=f"{self.kind}.prepare", name="lengths")
+                self._lengths = mx.array(n) + self.offset
+
+    def finalize(self) -> None:
+        if self._lengths is not None:
+            self._roll_out_right_padding()
+            self._lengths = None
+
+    # --- trim -----------------------------------------------------------------
+
+    def is_trimmable(self) -> bool:
+        """True while the window has never filled (no slot was overwritten or dropped)."""
+        return self._offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        n = min(self._offset, buf.trim_count(n, owner=self.kind))
+        if n == 0:
+            return 0
+        if not self.is_trimmable():
+            raise CacheNotTrimmable(
+                f"{self.kind}(max_size={self.max_size}) cannot trim {n} token(s) after "
+                f"{self._offset} written slots: the window is full, so older tokens were "
+                "already overwritten or dropped and the trimmed window would be wrong",
+                fix="do not trim a sliding-window cache past its window (e.g. disable "
+                "speculative decoding for this model)",
+            )
+        self._offset -= n
+        self._idx -= n
+        self.offset = self.offset - n
+        return n
+
+    # --- rows -----------------------------------------------------------------
+
+    def filter(self, rows: Sequence[int]) -> None:
+        idx = self._rows(rows)
+        if self.keys is not None:
+            self.keys = self.keys[idx]
+            self.values = self.values[idx]
+        self.offset = self.offset[idx]
+        self.left_padding = self.left_padding[idx]
+
+    def extend(self, other: BatchRotatingKVCache) -> None:
+        self._check_other(other)
+        if other.max_size != self.max_size:
+            raise CacheError(
+                f"{self.kind}.extend: max_size {other.max_size} differs from {self.max_size}",
+                fix="extend only with a batch cache of the same window",
+            )
+        if self.keys is None and other.keys is None:
+            self._extend_rows(other)
+            return
+        if self.rotated != other.rotated or self._idx != other._idx:
+            self._to_time_order()
+            other._to_time_order()
+        self._extend_rows(other)
+        self._offset = max(self._offset, other._offset)
+
+    def extract(self, row: int) -> RotatingKVCache:
+        row = self._row(row)
+        cache = RotatingKVCache(self.max_size)
+        if self.keys is None:
+            return cache
+        pad = max(0, self.left_padding.tolist()[row])
+        keys, values = self.keys[row : row + 1], self.values[row : row + 1]
+        end = self._idx
+        if self.rotated:
+            keys = mx.roll(keys, -self._idx, axis=2)
+            values = mx.roll(values, -self._idx, axis=2)
+            end = self.max_size
+        cache.keys = mx.contiguous(keys[:, :, pad:end])
+        cache.values = mx.contiguous(values[:, :, pad:end])
+        cache.offset = self.offset.tolist()[row]
+        cache._idx = cache.keys.shape[2]
+        return cache
+
+    @classmethod
+    def merge(cls, caches: Sequence[RotatingKVCache]) -> BatchRotatingKVCache:
+        if not caches:
+            raise CacheError(f"{cls.kind}.merge: no caches given", fix="pass at least one cache")
+        for i, c in enumerate(caches):
+            if type(c) is not RotatingKVCache:
+                raise CacheError(
+                    f"{cls.kind}.merge: caches[{i}] is a {type(c).__name__}, not a RotatingKVCache",
+                    fix="merge only unquantized sliding-window caches into a BatchRotatingKVCache",
+                )
+            c._check_batchable()
+        sizes = {c.max_size for c in caches}
+        if len(sizes) > 1:
+            raise CacheError(
+                f"{cls.kind}.merge: caches have different max_size values {sorted(sizes)}",
+                fix="merge only caches of the same layer (same window)",
+            )
+        max_size = caches[0].max_size
+        lengths = [c.size() for c in caches]
+        longest = max(lengths)
+        if longest == 0:
+            return cls(max_size, [0] * len(caches))
+        pads = [longest - n for n in lengths]
+        full = [c for c in caches if c.keys is not None]
+        H = max(c.keys.shape[1] for c in full)
+        Dk = max(c.keys.shape[3] for c in full)
+        Dv = max(c.values.shape[3] for c in full)
+        dtype = full[0].keys.dtype
+        keys = mx.zeros((len(caches), H, longest, Dk), dtype=dtype)
+        values = mx.zeros((len(caches), H, longest, Dv), dtype=dtype)
+        for i, (p, n, c) in enumerate(zip(pads, lengths, caches, strict=True)):
+            if c.keys is None or n == 0:
+                continue
+            keys[i : i + 1, :, p : p + n] = c._time_ordered(c.keys)[..., -n:, :]
+            values[i : i + 1, :, p : p + n] = c._time_ordered(c.values)[..., -n:, :]
+        cache = cls(max_size, pads)
+        cache.keys, cache.values = keys, values
+        cache.offset = mx.array([c.offset for c in caches])
+        cache._idx = longest
+        cache._offset = longest
+        return cache
+
+    # --- size and state -------------------------------------------------------
+
+    def size(self) -> int:
+        return min(self._offset, self.max_size)
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """``(offset, left_padding[, keys, values])``, keys in slot order."""
+        if self.keys is None:
+            return (self.offset, self.left_padding)
+        return (self.offset, self.left_padding, self.keys, self.values)
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        """``(max_size, written, idx, rotated)`` as decimal strings."""
+        return (str(self.max_size), str(self._offset), str(self._idx), str(int(self.rotated)))
+
+    @classmethod
+    def from_state(
+        cls, state: Sequence[mx.array], meta_state: Sequence[str]
+    ) -> BatchRotatingKVCache:
+        arrays = buf.check_state_len(state, (2, 4), owner=cls.kind)
+        max_size, written, idx, rotated = buf.parse_meta(
+            meta_state, ("max_size", "written", "idx", "rotated"), owner=cls.kind
+        )
+        check_window(max_size, 0, owner=cls.kind)
+        cache = cls.__new__(cls)
+        cache.offset, cache.left_padding = arrays[0], arrays[1]
+        cache.keys = arrays[2] if len(arrays) == 4 else None
+        cache.values = arrays[3] if len(arrays) == 4 else None
+        cache.max_size, cache._offset, cache._idx = max_size, written, idx
+        cache.rotated = bool(rotated)
+        cache._lengths = None
+        return cache
+
+    def empty_batch(self, left_padding: Sequence[int]) -> BatchRotatingKVCache:
+        return BatchRotatingKVCache(self.max_size, left_padding)

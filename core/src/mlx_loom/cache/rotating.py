@@ -1,0 +1,277 @@
+"""The sliding-window (rotating) key/value cache.
+
+It keeps the first ``keep`` tokens plus the most recent ones, at most
+``max_size`` slots in all. Single-token decode writes in place and wraps the
+write index (the buffer is then *rotated*: not in time order); a multi-token
+chunk first restores time order and then keeps ``max_size - 1`` old tokens so
+every query of the chunk sees a full window. The slot bookkeeping matches
+mlx-lm's ``RotatingKVCache`` bit for bit (parity-tested), with one deliberate
+difference: :meth:`trim` refuses, with :class:`CacheNotTrimmable`, once the
+window is full, where mlx-lm silently trims nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import mlx.core as mx
+
+from mlx_loom.cache import _buffers as buf
+from mlx_loom.cache.masks import create_causal_mask
+from mlx_loom.cache.protocol import Mask
+from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
+
+if TYPE_CHECKING:
+    from mlx_loom.cache.batch import BatchRotatingKVCache
+    from mlx_loom.cache.quantized import QuantizedRotatingKVCache
+
+__all__ = ["RotatingKVCache"]
+
+
+def check_window(max_size: Any, keep: Any, *, owner: str) -> None:
+    if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
+        raise CacheError(
+            f"{owner}: max_size={max_size!r} must be a positive int",
+            fix="pass the sliding window length in tokens",
+        )
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep < max_size:
+        raise CacheError(
+            f"{owner}: keep={keep!r} must be an int in [0, max_size={max_size})",
+            fix="keep fewer leading tokens than the window holds",
+        )
+
+
+class RotatingBase:
+    """Window slot bookkeeping shared by the plain and quantized rotating caches."""
+
+    kind: ClassVar[str]
+    step: ClassVar[int] = 256
+    _codec: buf.PlainCodec | buf.AffineCodec
+
+    def __init__(self, max_size: int, keep: int = 0) -> None:
+        check_window(max_size, keep, owner=self.kind)
+        self.max_size = max_size
+        self.keep = keep
+        self.keys: buf.Stored | None = None
+        self.values: buf.Stored | None = None
+        self.offset: int = 0
+        # Next write slot; equals the buffer length while it is in time order.
+        self._idx: int = 0
+
+    # --- slot moves -----------------------------------------------------------
+
+    def _drop_oldest(self, v: buf.Stored, n: int, append: buf.Stored | None = None) -> buf.Stored:
+        """Drop ``n`` slots after the ``keep`` prefix, then append ``append``."""
+        parts = [buf.take(v, 0, self.keep), buf.take(v, n + self.keep, None)] if n > 0 else [v]
+        if append is not None:
+            parts.append(append)
+        return buf.cat(parts)
+
+    def _time_ordered(self, v: buf.Stored) -> buf.Stored:
+        """The buffer in time order, unused tail slots cut off."""
+        if self._idx == buf.seq_len(v):
+            return v
+        if self._idx < self.offset:  # wrapped: oldest non-kept slots start at _idx
+            return buf.cat(
+                [
+                    buf.take(v, 0, self.keep),
+                    buf.take(v, self._idx, None),
+                    buf.take(v, self.keep, self._idx),
+                ]
+            )
+        return buf.take(v, 0, self._idx)
+
+    def _append_chunk(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        new_k, new_v = self._codec.encode(keys), self._codec.encode(values)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = self._time_ordered(self.keys)
+            self.values = self._time_ordered(self.values)
+            self._idx = buf.seq_len(self.keys)
+            # Keep max_size - 1 old tokens: with the chunk's own tokens every
+            # query then sees a full window (the mask enforces the window).
+            drop = self._idx - self.max_size + 1
+            self.keys = self._drop_oldest(self.keys, drop, new_k)
+            self.values = self._drop_oldest(self.values, drop, new_v)
+        self.offset += keys.shape[2]
+        self._idx = buf.seq_len(self.keys)
+        return self.keys, self.values
+
+    def _write_in_place(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        S = keys.shape[2]
+        prev = self.offset
+        if self.keys is None or (
+            prev >= buf.seq_len(self.keys) and buf.seq_len(self.keys) < self.max_size
+        ):
+            n = min(self.step, self.max_size - prev)
+            new_k, new_v = self._codec.zeros(keys, n), self._codec.zeros(values, n)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys = buf.cat([self.keys, new_k])
+                self.values = buf.cat([self.values, new_v])
+            self._idx = prev
+        # A chunk may have left more than max_size slots: drop the oldest.
+        excess = buf.seq_len(self.keys) - self.max_size
+        if excess > 0:
+            self.keys = self._drop_oldest(self.keys, excess)
+            self.values = self._drop_oldest(self.values, excess)
+            self._idx = self.max_size
+        if self._idx == self.max_size:  # wrap past the kept prefix
+            self._idx = self.keep
+        buf.write(self.keys, self._idx, self._codec.encode(keys))
+        buf.write(self.values, self._idx, self._codec.encode(values))
+        self.offset += S
+        self._idx += S
+        return self.keys_and_values()
+
+    # --- append and attend ----------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        if keys.shape[2] == 1:
+            return self._write_in_place(keys, values)
+        return self._append_chunk(keys, values)
+
+    def keys_and_values(self) -> tuple[Any, Any]:
+        if self.keys is None:
+            raise CacheError(f"{self.kind}: no keys/values yet", fix="call update_and_fetch first")
+        if self.offset < buf.seq_len(self.keys):
+            return buf.take(self.keys, 0, self.offset), buf.take(self.values, 0, self.offset)
+        return self.keys, self.values
+
+    def make_mask(
+        self, N: int, *, window_size: int | None = None, return_array: bool = False
+    ) -> Mask:
+        if N > 1:
+            window_size = window_size or self.max_size
+            offset = min(self.max_size - 1, self.offset)
+            if offset + N > window_size or return_array:
+                return create_causal_mask(N, offset, window_size=window_size)
+            return "causal"
+        if window_size is None:
+            return None
+        # A window narrower than the buffer needs a mask on the rotated slots.
+        if self.offset >= window_size and self.max_size > window_size:
+            idx = 0 if self._idx >= self.max_size else self._idx
+            n = self.offset + 1 if self.offset < self.max_size else self.max_size
+            mask = mx.arange(n) >= (n - window_size)
+            return mx.roll(mask, shift=idx + 1)
+        return None
+
+    # --- trim -----------------------------------------------------------------
+
+    def is_trimmable(self) -> bool:
+        """True while the window has never filled, so no token was dropped.
+
+        Once ``offset`` reaches ``max_size`` the buffer may have wrapped or
+        dropped tokens that a trimmed sequence would need again; we then
+        refuse rather than return a wrong window.
+        """
+        return self.offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, buf.trim_count(n, owner=self.kind))
+        if n == 0:
+            return 0
+        if not self.is_trimmable():
+            raise CacheNotTrimmable(
+                f"{self.kind}(max_size={self.max_size}, keep={self.keep}) cannot trim {n} "
+                f"token(s) at offset {self.offset}: the window is full, so older tokens were "
+                "already overwritten or dropped and the trimmed window would be wrong",
+                fix="do not trim a sliding-window cache past its window (e.g. disable "
+                "speculative decoding for this model or keep prompts within the window)",
+            )
+        self.offset -= n
+        self._idx -= n
+        return n
+
+    # --- size and state -------------------------------------------------------
+
+    def size(self) -> int:
+        return min(self.offset, self.max_size)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return buf.nbytes(self.keys, self.values)
+
+    def _stored_state(self) -> tuple[mx.array, ...]:
+        if self.keys is None:
+            return ()
+        k, v = self.keys_and_values()
+        return (*buf.leaves(k), *buf.leaves(v))
+
+    def _window_meta(self) -> tuple[str, ...]:
+        return (str(self.keep), str(self.max_size), str(self.offset), str(self._idx))
+
+    def _restore_window(self, arrays: tuple[mx.array, ...], offset: int, idx: int) -> None:
+        if arrays:
+            half = len(arrays) // 2
+            k, v = arrays[:half], arrays[half:]
+            self.keys = k[0] if half == 1 else tuple(k)
+            self.values = v[0] if half == 1 else tuple(v)
+        self.offset = offset
+        self._idx = idx
+
+
+class RotatingKVCache(RotatingBase):
+    """Sliding-window KV cache of ``max_size`` slots keeping ``keep`` leading tokens."""
+
+    kind: ClassVar[str] = "RotatingKVCache"
+    _codec = buf.PlainCodec()
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """``(keys, values)`` in slot order (rotated once wrapped)."""
+        return self._stored_state()
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        """``(keep, max_size, offset, idx)`` as decimal strings."""
+        return self._window_meta()
+
+    @classmethod
+    def from_state(cls, state: Sequence[mx.array], meta_state: Sequence[str]) -> RotatingKVCache:
+        arrays = buf.check_state_len(state, (0, 2), owner=cls.kind)
+        keep, max_size, offset, idx = buf.parse_meta(
+            meta_state, ("keep", "max_size", "offset", "idx"), owner=cls.kind
+        )
+        cache = cls(max_size, keep)
+        cache._restore_window(arrays, offset, idx)
+        return cache
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedRotatingKVCache:
+        """The same window, affine-quantized slot for slot (mlx-lm cannot do this)."""
+        from mlx_loom.cache.quantized import QuantizedRotatingKVCache
+
+        q = QuantizedRotatingKVCache(self.max_size, self.keep, group_size=group_size, bits=bits)
+        q.offset, q._idx = self.offset, self._idx
+        if self.keys is not None:
+            q.keys = q._codec.quantize_stored(self.keys)
+            q.values = q._codec.quantize_stored(self.values)
+        return q
+
+    def _check_batchable(self) -> None:
+        if self.keep != 0:
+            raise CapabilityRefused(
+                f"{self.kind}(max_size={self.max_size}, keep={self.keep}): batching a "
+                "sliding-window cache that keeps leading tokens is not supported",
+                fix="generate this model one sequence at a time, or use keep=0",
+            )
+
+    def empty_batch(self, left_padding: Sequence[int]) -> BatchRotatingKVCache:
+        """An empty batch window cache with this ``max_size``."""
+        from mlx_loom.cache.batch import BatchRotatingKVCache
+
+        self._check_batchable()
+        return BatchRotatingKVCache(self.max_size, left_padding)
+
+    @classmethod
+    def merge(cls, caches: Sequence[RotatingKVCache]) -> BatchRotatingKVCache:
+        from mlx_loom.cache.batch import BatchRotatingKVCache
+
+        return BatchRotatingKVCache.merge(caches)

@@ -1,0 +1,178 @@
+"""Prompt caches round-trip through .safetensors, and a file cannot name code."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from mlx_loom.cache import (
+    CACHE_KINDS,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    KVCache,
+    QuantizedKVCache,
+    QuantizedRotatingKVCache,
+    RotatingKVCache,
+    kind_table,
+    load_prompt_cache,
+    save_prompt_cache,
+)
+from mlx_loom.cache.persist import HEADER_KEY
+from mlx_loom.errors import CacheError
+
+H, D = 2, 32
+
+
+def kv(step: int, L: int, B: int = 1) -> tuple[mx.array, mx.array]:
+    k = mx.random.normal((B, H, L, D), key=mx.random.key(2 * step))
+    v = mx.random.normal((B, H, L, D), key=mx.random.key(2 * step + 1))
+    return k, v
+
+
+def filled_caches() -> list:
+    caches = [
+        KVCache(),
+        RotatingKVCache(4, keep=1),
+        QuantizedKVCache(group_size=32, bits=4),
+        QuantizedRotatingKVCache(4, group_size=32, bits=8),
+        BatchKVCache([1, 0]),
+        BatchRotatingKVCache(4, [0, 2]),
+        KVCache(),  # stays empty
+    ]
+    for step, L in enumerate([3, 1, 1, 1]):
+        for c in caches[:4]:
+            c.update_and_fetch(*kv(step, L))
+        for c in caches[4:6]:
+            c.update_and_fetch(*kv(step, L, B=2))
+    return caches
+
+
+def flat(x) -> list[mx.array]:
+    return list(x) if isinstance(x, tuple) else [x]
+
+
+def test_every_standard_kind_round_trips_with_metadata(tmp_path):
+    caches = filled_caches()
+    path = tmp_path / "prompt.safetensors"
+    save_prompt_cache(path, caches, {"model": "tiny", "tokens": "6"})
+    loaded, meta = load_prompt_cache(path)
+    assert meta == {"model": "tiny", "tokens": "6"}
+    assert [type(c) for c in loaded] == [type(c) for c in caches]
+    assert loaded[-1].empty()
+    for a, b in zip(caches[:-1], loaded[:-1], strict=True):
+        assert a.meta_state == b.meta_state
+        ka, va = a.keys_and_values()
+        kb, vb = b.keys_and_values()
+        for x, y in zip(flat(ka) + flat(va), flat(kb) + flat(vb), strict=True):
+            assert x.dtype == y.dtype and mx.array_equal(x, y).item()
+
+
+def test_loaded_caches_continue_exactly_like_the_originals(tmp_path):
+    caches = filled_caches()[:4]
+    path = tmp_path / "p.safetensors"
+    save_prompt_cache(path, caches)
+    loaded, _ = load_prompt_cache(path)
+    for a, b in zip(caches, loaded, strict=True):
+        ka, _ = a.update_and_fetch(*kv(99, 1))
+        kb, _ = b.update_and_fetch(*kv(99, 1))
+        assert all(mx.array_equal(x, y).item() for x, y in zip(flat(ka), flat(kb), strict=True))
+
+
+def write_hostile(path, kind: str) -> None:
+    header = {
+        "format": "mlx-loom-prompt-cache",
+        "version": 1,
+        "layers": [{"kind": kind, "meta_state": [], "n_arrays": 2}],
+        "metadata": {},
+    }
+    arrays = {"0.0": mx.zeros((1, 1, 1, 4)), "0.1": mx.zeros((1, 1, 1, 4))}
+    mx.save_safetensors(str(path), arrays, {HEADER_KEY: json.dumps(header)})
+
+
+@pytest.mark.parametrize("kind", ["os.system", "ArraysCache", "__class__", "_BaseCache"])
+def test_a_file_naming_an_unregistered_kind_is_refused_by_name(tmp_path, kind):
+    path = tmp_path / "hostile.safetensors"
+    write_hostile(path, kind)
+    with pytest.raises(CacheError, match=f"names cache kind '{kind}', which is not registered"):
+        load_prompt_cache(path)
+
+
+def test_a_caller_table_decides_which_kinds_load(tmp_path):
+    path = tmp_path / "kv.safetensors"
+    save_prompt_cache(path, filled_caches()[:1])
+    assert isinstance(load_prompt_cache(path, kinds=kind_table(KVCache))[0][0], KVCache)
+    with pytest.raises(CacheError, match="'KVCache', which is not registered"):
+        load_prompt_cache(path, kinds=kind_table(RotatingKVCache))
+
+
+def test_a_file_without_the_cache_header_is_refused(tmp_path):
+    path = tmp_path / "weights.safetensors"
+    mx.save_safetensors(str(path), {"w": mx.zeros((2,))})
+    with pytest.raises(CacheError, match="not an mlx-loom prompt cache"):
+        load_prompt_cache(path)
+
+
+def test_tensors_that_do_not_match_the_header_are_refused(tmp_path):
+    path = tmp_path / "altered.safetensors"
+    header = {
+        "format": "mlx-loom-prompt-cache",
+        "version": 1,
+        "layers": [{"kind": "KVCache", "meta_state": [], "n_arrays": 2}],
+        "metadata": {},
+    }
+    arrays = {"0.0": mx.zeros((1, 1, 1, 4))}
+    mx.save_safetensors(str(path), arrays, {HEADER_KEY: json.dumps(header)})
+    with pytest.raises(CacheError, match=r"missing \['0.1'\]"):
+        load_prompt_cache(path)
+
+
+def test_a_malformed_header_is_refused(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    mx.save_safetensors(str(path), {}, {HEADER_KEY: '{"format": "other"}'})
+    with pytest.raises(CacheError, match="malformed"):
+        load_prompt_cache(path)
+
+
+def test_a_truncated_file_is_refused(tmp_path):
+    path = tmp_path / "cut.safetensors"
+    save_prompt_cache(path, filled_caches()[:1])
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(CacheError, match="not a readable .safetensors file"):
+        load_prompt_cache(path)
+
+
+def test_saving_an_unregistered_cache_class_is_refused(tmp_path):
+    class HomeMade(KVCache):
+        kind = "HomeMade"
+
+    with pytest.raises(CacheError, match="layer 0 holds a HomeMade"):
+        save_prompt_cache(tmp_path / "x.safetensors", [HomeMade()])
+
+
+def test_the_path_must_be_a_safetensors_file(tmp_path):
+    with pytest.raises(CacheError, match="does not end in .safetensors"):
+        save_prompt_cache(tmp_path / "cache.bin", [KVCache()])
+
+
+def test_kind_table_refuses_two_classes_claiming_one_kind():
+    class Impostor(KVCache):
+        pass  # inherits kind "KVCache"
+
+    with pytest.raises(CacheError, match="claimed by both"):
+        kind_table(KVCache, Impostor)
+
+
+def test_the_package_table_is_immutable_and_lists_the_standard_kinds():
+    assert set(CACHE_KINDS) >= {
+        "KVCache",
+        "RotatingKVCache",
+        "QuantizedKVCache",
+        "QuantizedRotatingKVCache",
+        "BatchKVCache",
+        "BatchRotatingKVCache",
+        "RecurrentCache",
+    }
+    with pytest.raises(TypeError):
+        CACHE_KINDS["Evil"] = object  # type: ignore[index]
