@@ -51,6 +51,13 @@ class ModelType:
     schema: type[BaseModel]
     fingerprint_fields: tuple[str, ...]
     description: str = ""
+    #: A small but complete ``config.json`` dict for this model type, used by
+    #: the conformance kit to build a tiny random-weight checkpoint.
+    tiny_config: Mapping[str, Any] | None = None
+    #: The tensors a checkpoint of a given config holds, in Hugging Face
+    #: layout: ``config dict -> {name: (shape, dtype name)}``. The conformance
+    #: kit writes random weights from it and checks exact weight coverage.
+    checkpoint_tensors: Callable[[Mapping[str, Any]], Mapping[str, tuple[tuple[int, ...], str]]] | None = None
     provider: Provider | None = field(default=None, compare=False)
 
 
