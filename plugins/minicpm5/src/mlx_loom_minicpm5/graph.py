@@ -1,0 +1,133 @@
+"""The Llama graph MiniCPM5 runs: pre-norm blocks of GQA attention and a SwiGLU MLP.
+
+Module and attribute names are the Hugging Face ones (``model.layers.0.self_attn.q_proj``),
+so checkpoint tensors load by name with no renaming. The op graph is the same
+as mlx-lm's ``llama`` (same fused attention, RoPE and norm calls, same mask
+shortcuts), which is what makes bit-equal parity tests possible.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_loom.cache import (
+    KVCache,
+    RotatingKVCache,
+    create_attention_mask,
+    scaled_dot_product_attention,
+)
+
+from .config import MiniCPM5Config
+from .rope import make_rope
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    # Compiled as mlx-lm compiles it: the fused kernel rounds like mlx-lm's, so
+    # bf16 MLP outputs are bit-equal to the oracle.
+    return nn.silu(gate) * up
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: MiniCPM5Config) -> None:
+        super().__init__()
+        D, bias = cfg.hidden_size, cfg.attention_bias
+        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = self.head_dim**-0.5
+        self.q_proj = nn.Linear(D, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, D, bias=bias)
+        self.rope = make_rope(cfg)
+
+    def __call__(self, x: mx.array, mask: Any, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0  # an array for batch caches
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: MiniCPM5Config) -> None:
+        super().__init__()
+        D, H, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(D, H, bias=bias)
+        self.up_proj = nn.Linear(D, H, bias=bias)
+        self.down_proj = nn.Linear(H, D, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: MiniCPM5Config, sliding: bool) -> None:
+        super().__init__()
+        self.sliding = sliding
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask: Any, cache: Any = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (Hugging Face's ``model.*``)."""
+
+    def __init__(self, cfg: MiniCPM5Config) -> None:
+        super().__init__()
+        self.sliding_window = cfg.sliding_window
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [DecoderLayer(cfg, sliding) for sliding in cfg.sliding]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        h = self.embed_tokens(inputs)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        # One mask per attention kind, built from the first layer of that kind
+        # (all layers of a kind share offsets and padding).
+        masks: dict[bool, Any] = {}
+        for layer, c in zip(self.layers, cache, strict=True):
+            if layer.sliding not in masks:
+                window = self.sliding_window if layer.sliding else None
+                masks[layer.sliding] = create_attention_mask(h, c, window_size=window)
+        for layer, c in zip(self.layers, cache, strict=True):
+            h = layer(h, masks[layer.sliding], cache=c)
+        return self.norm(h)
+
+
+class MiniCPM5ForCausalLM(nn.Module):
+    """The :class:`mlx_loom.model.CausalLM` this plugin builds."""
+
+    def __init__(self, cfg: MiniCPM5Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        h = self.model(inputs, cache)
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def make_cache(self) -> list[Any]:
+        """One cache per layer: a rotating window for sliding layers, else a full cache."""
+        return [
+            RotatingKVCache(max_size=self.model.sliding_window) if layer.sliding else KVCache()
+            for layer in self.model.layers
+        ]
