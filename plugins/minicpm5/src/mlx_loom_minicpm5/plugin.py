@@ -20,7 +20,7 @@ from mlx_loom.profiles import (
 from mlx_loom.registry import Implementation, ModelType
 
 from .config import FINGERPRINT_FIELDS, MiniCPM5Config
-from .loader import build
+from .loader import build, expected_tensors
 
 MODEL_TYPE = "llama"
 GRAPH = "minicpm5.llama"
@@ -68,6 +68,27 @@ MINICPM5_1B_PROFILE = Profile(
 )
 
 
+# A small but complete config: what the conformance kit builds tiny checkpoints from.
+TINY_CONFIG = {
+    "model_type": MODEL_TYPE,
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+
+def checkpoint_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The Hugging Face-layout tensors of an fp32 checkpoint for ``config``."""
+    return dict(expected_tensors(MiniCPM5Config.model_validate(config), "F32"))
+
+
 @hookimpl
 def loom_plugin_api_version() -> str:
     return PLUGIN_API_VERSION
@@ -81,6 +102,8 @@ def loom_model_types() -> list[ModelType]:
             schema=MiniCPM5Config,
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Llama architecture (MiniCPM5 is published as model_type 'llama').",
+            tiny_config=TINY_CONFIG,
+            checkpoint_tensors=checkpoint_tensors,
         )
     ]
 
