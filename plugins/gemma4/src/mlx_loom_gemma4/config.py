@@ -1,0 +1,310 @@
+"""The Gemma 4 checkpoint config: omitted-field defaults, and the checks that must fail at load.
+
+Two layouts reach us. ``gemma4_text`` checkpoints are flat; ``gemma4``
+(multimodal) checkpoints nest the language model's fields under
+``text_config``. :class:`Gemma4TextConfig` validates the text fields;
+:class:`Gemma4Config` validates the wrapper and accepts either layout.
+
+Defaults follow mlx-lm's ``gemma4_text.ModelArgs`` (so the oracle and we read
+the same directory the same way) with one deliberate exception:
+``num_kv_shared_layers`` defaults to 0, as in transformers'
+``Gemma4TextConfig``. mlx-lm defaults it to 20, which makes every config of 20
+layers or fewer that omits the field unloadable and silently shares KV in
+deeper ones; configs written by transformers always carry the field, so the
+default only ever applies to hand-written configs, where "no sharing" is the
+reading that cannot surprise. Parity tests set it explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+AttentionKind = Literal["sliding_attention", "full_attention"]
+ATTENTION_KINDS: tuple[str, ...] = (SLIDING, FULL)
+
+#: mlx-lm's defaults for ``rope_parameters`` when a config omits it.
+DEFAULT_ROPE_PARAMETERS: dict[str, dict[str, Any]] = {
+    FULL: {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+    SLIDING: {"partial_rotary_factor": 1.0, "rope_theta": 10000.0, "rope_type": "default"},
+}
+
+
+class RopeParameters(BaseModel):
+    """RoPE for one attention kind: ``default`` (all dims) or ``proportional`` (a leading part)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    rope_type: Literal["default", "proportional"] = Field(
+        "default", validation_alias=AliasChoices("type", "rope_type")
+    )
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    factor: float = 1.0
+
+    def rotated_dims(self, head_dim: int) -> int:
+        """How many leading dims of a head rotate (mlx-lm: ``int(head_dim * factor)``)."""
+        if self.rope_type == "default":
+            return head_dim
+        return int(head_dim * self.partial_rotary_factor)
+
+
+class Gemma4TextConfig(BaseModel):
+    """The language model's fields. Field order matters: validators read earlier fields."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    model_type: str = "gemma4_text"
+    hidden_size: int = Field(1536, gt=0)
+    num_hidden_layers: int = Field(35, gt=0)
+    intermediate_size: int = Field(6144, gt=0)
+    num_attention_heads: int = Field(8, gt=0)
+    head_dim: int = Field(256, gt=0)
+    global_head_dim: int | None = Field(512, ge=0)
+    num_key_value_heads: int = Field(1, gt=0)
+    num_global_key_value_heads: int | None = Field(None, gt=0)
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    vocab_size: int = Field(262144, gt=0)
+    vocab_size_per_layer_input: int = Field(262144, gt=0)
+    hidden_size_per_layer_input: int | None = Field(256, ge=0)
+    rope_traditional: bool = False
+    sliding_window: int = Field(512, gt=0)
+    sliding_window_pattern: int = Field(5, gt=0)
+    max_position_embeddings: int = 131072
+    attention_k_eq_v: bool = False
+    final_logit_softcapping: float | None = 30.0
+    use_double_wide_mlp: bool = True
+    enable_moe_block: bool = False
+    num_experts: int | None = Field(None, gt=0)
+    top_k_experts: int | None = Field(None, gt=0)
+    moe_intermediate_size: int | None = Field(None, gt=0)
+    tie_word_embeddings: bool = True
+    num_kv_shared_layers: int = Field(0, ge=0)
+    layer_types: list[str] | None = Field(None, validate_default=True)
+    rope_parameters: dict[str, RopeParameters] | None = Field(None, validate_default=True)
+
+    # --- checks that must fail at load -----------------------------------
+
+    @field_validator("num_kv_shared_layers")
+    @classmethod
+    def _shared_below_layer_count(cls, v: int, info: ValidationInfo) -> int:
+        n = info.data.get("num_hidden_layers")
+        if n is not None and v >= n:
+            raise ValueError(
+                f"num_kv_shared_layers={v} must be smaller than num_hidden_layers={n}: "
+                "at least one earlier layer must own the keys/values the shared layers read"
+            )
+        return v
+
+    @field_validator("layer_types", mode="after")
+    @classmethod
+    def _layer_types_match_layers(cls, v: list[str] | None, info: ValidationInfo) -> list[str]:
+        n = info.data.get("num_hidden_layers")
+        if n is None:  # num_hidden_layers itself failed; that error is reported
+            return v or []
+        if v is None:
+            pattern = info.data.get("sliding_window_pattern") or 5
+            cycle = [SLIDING] * (pattern - 1) + [FULL]
+            v = (cycle * (n // len(cycle) + 1))[:n]
+        unknown = sorted({k for k in v if k not in ATTENTION_KINDS})
+        if unknown:
+            raise ValueError(
+                f"unknown layer kind(s) {unknown}; "
+                f"each entry must be one of {list(ATTENTION_KINDS)}"
+            )
+        if len(v) != n:
+            raise ValueError(
+                f"has {len(v)} entries but num_hidden_layers={n}; give one kind per layer"
+            )
+        shared = info.data.get("num_kv_shared_layers")
+        if shared:
+            owners = set(v[: n - shared])
+            orphans = sorted(set(v[n - shared :]) - owners)
+            if orphans:
+                raise ValueError(
+                    f"the last {shared} (KV-shared) layers include kind(s) {orphans} that no "
+                    "earlier layer has, so they would have no keys/values to read"
+                )
+        return v
+
+    @field_validator("rope_parameters", mode="after")
+    @classmethod
+    def _rope_splits_heads(
+        cls, v: dict[str, RopeParameters] | None, info: ValidationInfo
+    ) -> dict[str, RopeParameters]:
+        if v is None:
+            v = {k: RopeParameters.model_validate(p) for k, p in DEFAULT_ROPE_PARAMETERS.items()}
+        head_dim, global_head_dim = info.data.get("head_dim"), info.data.get("global_head_dim")
+        if head_dim is None:
+            return v
+        for kind in ATTENTION_KINDS:
+            rope = v.get(kind, RopeParameters())
+            dim = global_head_dim if kind == FULL and global_head_dim else head_dim
+            name = "global_head_dim" if dim is global_head_dim else "head_dim"
+            if rope.rope_type == "default" and rope.partial_rotary_factor != 1.0:
+                raise ValueError(
+                    f"{kind}: rope_type 'default' with partial_rotary_factor="
+                    f"{rope.partial_rotary_factor}; only 'proportional' RoPE rotates part of a "
+                    "head (mlx-lm ignores the factor here, so its meaning is ambiguous)"
+                )
+            rotated = rope.rotated_dims(dim)
+            if dim % 2 or rotated <= 0 or rotated > dim or rotated % 2:
+                raise ValueError(
+                    f"{kind}: {name}={dim} with partial_rotary_factor="
+                    f"{rope.partial_rotary_factor} gives {rotated} rotated dims; RoPE needs an "
+                    f"even head dim and an even rotary dim in (0, {dim}]"
+                )
+        return v
+
+    @model_validator(mode="after")
+    def _heads_and_experts(self) -> Gemma4TextConfig:
+        for kind in sorted(set(self.layer_types or [])):
+            kv = self.kv_heads_for(kind)
+            if self.num_attention_heads % kv:
+                raise ValueError(
+                    f"num_attention_heads={self.num_attention_heads} is not a multiple of the "
+                    f"{kv} key/value heads of {kind} layers"
+                )
+        if self.enable_moe_block:
+            missing = [
+                f
+                for f in ("num_experts", "top_k_experts", "moe_intermediate_size")
+                if getattr(self, f) is None
+            ]
+            if missing:
+                raise ValueError(f"enable_moe_block is true but {missing} are not set")
+            if self.top_k_experts > self.num_experts:  # type: ignore[operator]
+                raise ValueError(
+                    f"top_k_experts={self.top_k_experts} exceeds num_experts={self.num_experts}"
+                )
+        return self
+
+    # --- derived geometry (the graph never re-derives these) -------------
+
+    @property
+    def kinds(self) -> list[str]:
+        return list(self.layer_types or [])
+
+    @property
+    def first_shared_layer(self) -> int:
+        """Index of the first layer that reads another layer's keys/values."""
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    def is_shared(self, layer: int) -> bool:
+        return self.num_kv_shared_layers > 0 and layer >= self.first_shared_layer
+
+    def kv_donor(self, layer: int) -> int:
+        """The layer whose keys/values ``layer`` attends over: itself, or the last
+        non-shared layer of the same kind."""
+        if not self.is_shared(layer):
+            return layer
+        kind = self.kinds[layer]
+        return max(i for i in range(self.first_shared_layer) if self.kinds[i] == kind)
+
+    def head_dim_for(self, kind: str) -> int:
+        return self.global_head_dim if kind == FULL and self.global_head_dim else self.head_dim
+
+    def k_eq_v_for(self, kind: str) -> bool:
+        return self.attention_k_eq_v and kind != SLIDING
+
+    def kv_heads_for(self, kind: str) -> int:
+        if self.k_eq_v_for(kind) and self.num_global_key_value_heads is not None:
+            return self.num_global_key_value_heads
+        return self.num_key_value_heads
+
+    def rope_for(self, kind: str) -> RopeParameters:
+        return (self.rope_parameters or {}).get(kind, RopeParameters())
+
+    def mlp_width(self, layer: int) -> int:
+        """KV-shared layers use a double-wide MLP when ``use_double_wide_mlp`` is set."""
+        wide = self.use_double_wide_mlp and self.is_shared(layer)
+        return self.intermediate_size * (2 if wide else 1)
+
+    @property
+    def per_layer_width(self) -> int:
+        return self.hidden_size_per_layer_input or 0
+
+
+class Gemma4Config(BaseModel):
+    """A ``gemma4`` (multimodal wrapper) config: the text tower's fields under ``text_config``.
+
+    A top-level ``vocab_size`` overrides ``text_config.vocab_size`` as in mlx-lm.
+    Where the top level omits it we keep ``text_config.vocab_size`` (mlx-lm
+    would force 262144). A flat dict (no ``text_config``) is read as the text
+    config itself, so the schema accepts whichever view the core passes.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    model_type: str = "gemma4"
+    vocab_size: int | None = Field(None, gt=0)
+    text_config: Gemma4TextConfig
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_flat_layout(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not isinstance(data.get("text_config"), dict):
+            return {"model_type": "gemma4", "text_config": data}
+        if isinstance(data, dict) and data.get("vocab_size") is not None:
+            text = dict(data["text_config"])
+            text["vocab_size"] = data["vocab_size"]
+            return {**data, "text_config": text}
+        return data
+
+    @property
+    def text(self) -> Gemma4TextConfig:
+        return self.text_config
+
+
+def text_config_of(config: BaseModel) -> Gemma4TextConfig:
+    """The text config inside either schema instance."""
+    if isinstance(config, Gemma4Config):
+        return config.text_config
+    if isinstance(config, Gemma4TextConfig):
+        return config
+    raise TypeError(f"expected a Gemma 4 config, got {type(config).__name__}")
+
+
+#: Config fields that decide the graph (the config fingerprint covers exactly these).
+TEXT_FINGERPRINT_FIELDS: tuple[str, ...] = (
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "head_dim",
+    "global_head_dim",
+    "num_key_value_heads",
+    "num_global_key_value_heads",
+    "rms_norm_eps",
+    "vocab_size",
+    "vocab_size_per_layer_input",
+    "hidden_size_per_layer_input",
+    "rope_traditional",
+    "rope_parameters",
+    "sliding_window",
+    "sliding_window_pattern",
+    "layer_types",
+    "attention_k_eq_v",
+    "final_logit_softcapping",
+    "use_double_wide_mlp",
+    "enable_moe_block",
+    "num_experts",
+    "top_k_experts",
+    "moe_intermediate_size",
+    "tie_word_embeddings",
+    "num_kv_shared_layers",
+)
+# The core fingerprints the flat text view of either layout, so the wrapper
+# type uses the same fields.
+WRAPPER_FINGERPRINT_FIELDS: tuple[str, ...] = TEXT_FINGERPRINT_FIELDS

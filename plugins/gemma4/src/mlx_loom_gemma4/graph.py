@@ -1,0 +1,481 @@
+"""The Gemma 4 text graph: one module per concept.
+
+Module names mirror mlx-lm's converted layout (``model.layers.N.self_attn.q_proj``,
+``model.layers.N.experts.switch_glu.gate_proj`` ...) so MLX-quantized
+checkpoints and their per-module quantization overrides address our modules
+directly. Op order follows mlx-lm's ``gemma4_text`` step for step (same
+compiled activations, same scalar multiplies), which is what makes fp32 and
+quantized logits bit-equal to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_loom.cache import (
+    KVCache,
+    QuantizedKVCache,
+    QuantizedRotatingKVCache,
+    RotatingKVCache,
+    create_attention_mask,
+    quantized_scaled_dot_product_attention,
+)
+from mlx_loom_gemma4.config import FULL, SLIDING, Gemma4TextConfig, RopeParameters
+from mlx_loom_gemma4.kernels import ExpertProjection, geglu
+
+SwitchGLUKernel = Callable[
+    [mx.array, mx.array, ExpertProjection, ExpertProjection, ExpertProjection], mx.array
+]
+
+
+@partial(mx.compile, shapeless=True)
+def logit_softcap(softcap: float, x: mx.array) -> mx.array:
+    return mx.tanh(x / softcap) * softcap
+
+
+# --- small building blocks ----------------------------------------------------
+
+
+class WeightlessRMSNorm(nn.Module):
+    """RMSNorm with no gain (Gemma 4's value norm): ``rms_norm(x, None, eps)``."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, None, self.eps)
+
+
+class ProportionalRoPE(nn.Module):
+    """RoPE over the leading ``rotated`` dims of a ``dims``-wide head.
+
+    Frequencies are ``factor * base ** (2i / dims)`` — the exponent divides by
+    the *whole* head width, not the rotated part (hence "proportional") — and
+    the remaining pairs get an infinite wavelength, i.e. they pass unrotated.
+    """
+
+    def __init__(self, dims: int, rotated: int, *, base: float, factor: float, traditional: bool):
+        super().__init__()
+        self.dims = dims
+        self.traditional = traditional
+        exponents = mx.arange(0, rotated, 2, dtype=mx.float32) / dims
+        self._freqs = mx.concatenate(
+            [factor * (base**exponents), mx.full(((dims - rotated) // 2,), mx.inf)]
+        )
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        return mx.fast.rope(
+            x,
+            self.dims,
+            traditional=self.traditional,
+            base=None,
+            scale=1.0,
+            offset=offset,
+            freqs=self._freqs,
+        )
+
+
+def make_rope(rope: RopeParameters, head_dim: int, traditional: bool) -> nn.Module:
+    if rope.rope_type == "proportional":
+        return ProportionalRoPE(
+            head_dim,
+            rope.rotated_dims(head_dim),
+            base=rope.rope_theta,
+            factor=rope.factor,
+            traditional=traditional,
+        )
+    return nn.RoPE(head_dim, traditional=traditional, base=rope.rope_theta, scale=1.0)
+
+
+@dataclass(frozen=True)
+class KVShare:
+    """A donor view: what a KV-shared layer attends over.
+
+    The keys/values the donor layer's cache returned this step (plain arrays,
+    or ``(packed, scales, biases)`` triples from a quantized cache), the RoPE
+    offset the donor used (an int, or one per row for batch caches, so left
+    padding never shifts positions) and the donor's quantization. The mask —
+    which carries per-row padding and the sliding window — comes from the
+    donor kind's cache, not from here.
+    """
+
+    keys: Any
+    values: Any
+    offset: Any
+    group_size: int | None = None
+    bits: int | None = None
+
+
+def attend(q: mx.array, keys: Any, values: Any, *, quant: tuple[int, int] | None, mask: Any):
+    """Attention with Gemma 4's scale of 1.0 (q/k are RMS-normed instead)."""
+    if quant is not None:
+        group_size, bits = quant
+        return quantized_scaled_dot_product_attention(
+            q, keys, values, scale=1.0, mask=mask, group_size=group_size, bits=bits
+        )
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
+
+
+def _quant_of(cache: Any) -> tuple[int, int] | None:
+    bits = getattr(cache, "bits", None) if cache is not None else None
+    return None if bits is None else (cache.group_size, bits)
+
+
+# --- attention ------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer; a KV-shared layer has only q/o and reads a donor."""
+
+    def __init__(self, cfg: Gemma4TextConfig, layer: int) -> None:
+        super().__init__()
+        kind = cfg.kinds[layer]
+        self.n_heads = cfg.num_attention_heads
+        self.head_dim = cfg.head_dim_for(kind)
+        self.n_kv_heads = cfg.kv_heads_for(kind)
+        self.k_eq_v = cfg.k_eq_v_for(kind)
+        self.owns_kv = not cfg.is_shared(layer)
+        dim, eps = cfg.hidden_size, cfg.rms_norm_eps
+
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
+        if self.owns_kv:
+            self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+            if not self.k_eq_v:
+                self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=eps)
+        if self.owns_kv:
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=eps)
+            self.v_norm = WeightlessRMSNorm(eps)
+        self.rope = make_rope(cfg.rope_for(kind), self.head_dim, cfg.rope_traditional)
+
+    def _own_kv(self, x: mx.array, cache: Any) -> KVShare:
+        B, L, _ = x.shape
+        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        # attention_k_eq_v: values are the raw key projection (before k_norm).
+        values = keys if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        offset = mx.array(cache.offset) if cache is not None else 0
+        keys = self.rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
+        values = self.v_norm(values).transpose(0, 2, 1, 3)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        quant = _quant_of(cache)
+        group_size, bits = quant if quant is not None else (None, None)
+        return KVShare(keys, values, offset, group_size, bits)
+
+    def __call__(
+        self, x: mx.array, mask: Any, cache: Any, share: KVShare | None
+    ) -> tuple[mx.array, KVShare]:
+        B, L, _ = x.shape
+        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim))
+        if self.owns_kv:
+            share = self._own_kv(x, cache)
+        elif share is None:
+            raise RuntimeError("a KV-shared layer ran without its donor's keys/values")
+        queries = self.rope(queries.transpose(0, 2, 1, 3), offset=share.offset)
+        quant = None if share.bits is None else (share.group_size, share.bits)
+        out = attend(queries, share.keys, share.values, quant=quant, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out), share
+
+
+# --- feed-forward -------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    """GeGLU MLP: ``down(gelu_tanh(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class Router(nn.Module):
+    """Expert choice: scaled RMS norm -> scores -> top-k -> softmax -> per-expert scale."""
+
+    def __init__(self, cfg: Gemma4TextConfig) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.top_k = cfg.top_k_experts
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = mx.ones((cfg.hidden_size,))
+        self.per_expert_scale = mx.ones((cfg.num_experts,))
+        self._root_size = cfg.hidden_size**-0.5
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        x = mx.fast.rms_norm(x, self.scale * self._root_size, self.eps)
+        scores = self.proj(x)
+        k = self.top_k
+        indices = mx.stop_gradient(mx.argpartition(scores, kth=-k, axis=-1)[..., -k:])
+        weights = mx.softmax(mx.take_along_axis(scores, indices, axis=-1), axis=-1)
+        return indices, weights * self.per_expert_scale[indices]
+
+
+class ExpertLinear(nn.Module):
+    """One projection of every expert, ``weight [experts, out, in]``."""
+
+    is_quantized = False
+
+    def __init__(self, in_dims: int, out_dims: int, experts: int) -> None:
+        super().__init__()
+        self.weight = mx.zeros((experts, out_dims, in_dims))
+
+    def gather(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+        return mx.gather_mm(
+            x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
+        )
+
+    def expert_matmul(self, x: mx.array, expert: int) -> mx.array:
+        return x @ self["weight"][expert].T
+
+    def to_quantized(
+        self, group_size: int = 64, bits: int = 4, mode: str = "affine"
+    ) -> QuantizedExpertLinear:
+        q = QuantizedExpertLinear(group_size=group_size, bits=bits, mode=mode)
+        q.weight, q.scales, q.biases = mx.quantize(self.weight, group_size, bits, mode=mode)
+        return q
+
+
+class QuantizedExpertLinear(nn.Module):
+    """Affine-quantized :class:`ExpertLinear` (``weight`` uint32 + ``scales`` + ``biases``)."""
+
+    is_quantized = True
+
+    def __init__(self, *, group_size: int, bits: int, mode: str = "affine") -> None:
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+
+    def gather(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+        return mx.gather_qmm(
+            x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            rhs_indices=indices,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=sorted_indices,
+        )
+
+    def expert_matmul(self, x: mx.array, expert: int) -> mx.array:
+        return mx.quantized_matmul(
+            x,
+            self["weight"][expert],
+            self["scales"][expert],
+            self["biases"][expert],
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
+
+
+class SwitchGLU(nn.Module):
+    """Every expert's GeGLU; which kernel computes it is chosen per backend at build time."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, kernel: SwitchGLUKernel) -> None:
+        super().__init__()
+        self.gate_proj = ExpertLinear(hidden, inter, experts)
+        self.up_proj = ExpertLinear(hidden, inter, experts)
+        self.down_proj = ExpertLinear(inter, hidden, experts)
+        self._kernel = kernel
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return self._kernel(x, indices, self.gate_proj, self.up_proj, self.down_proj)
+
+
+class Experts(nn.Module):
+    """The sparse expert block: router-weighted sum of the chosen experts' outputs."""
+
+    def __init__(self, cfg: Gemma4TextConfig, kernel: SwitchGLUKernel) -> None:
+        super().__init__()
+        self.switch_glu = SwitchGLU(
+            cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, kernel
+        )
+
+    def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
+        return (mx.expand_dims(weights, -1) * self.switch_glu(x, indices)).sum(-2)
+
+
+# --- decoder layer ---------------------------------------------------------------
+
+
+class DecoderLayer(nn.Module):
+    """Attention, dense MLP (plus the expert block beside it), per-layer input, layer scalar."""
+
+    def __init__(self, cfg: Gemma4TextConfig, layer: int, kernel: SwitchGLUKernel | None) -> None:
+        super().__init__()
+        dim, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.kind = cfg.kinds[layer]
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(dim, cfg.mlp_width(layer))
+        self.input_layernorm = nn.RMSNorm(dim, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps)
+        self.pre_feedforward_layernorm = nn.RMSNorm(dim, eps=eps)
+        self.post_feedforward_layernorm = nn.RMSNorm(dim, eps=eps)
+        self.moe = cfg.enable_moe_block
+        if self.moe:
+            if kernel is None:
+                raise ValueError("an MoE layer needs the gemma4.switch_glu kernel")
+            self.router = Router(cfg)
+            self.experts = Experts(cfg, kernel)
+            self.post_feedforward_layernorm_1 = nn.RMSNorm(dim, eps=eps)
+            self.post_feedforward_layernorm_2 = nn.RMSNorm(dim, eps=eps)
+            self.pre_feedforward_layernorm_2 = nn.RMSNorm(dim, eps=eps)
+        self.per_layer = bool(cfg.per_layer_width)
+        if self.per_layer:
+            self.per_layer_input_gate = nn.Linear(dim, cfg.per_layer_width, bias=False)
+            self.per_layer_projection = nn.Linear(cfg.per_layer_width, dim, bias=False)
+            self.post_per_layer_input_norm = nn.RMSNorm(dim, eps=eps)
+        self.layer_scalar = mx.ones((1,))
+
+    def _feed_forward(self, h: mx.array) -> mx.array:
+        if not self.moe:
+            return self.mlp(self.pre_feedforward_layernorm(h))
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        indices, weights = self.router(h)
+        sparse = self.experts(self.pre_feedforward_layernorm_2(h), indices, weights)
+        return dense + self.post_feedforward_layernorm_2(sparse)
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: Any,
+        cache: Any,
+        per_layer_input: mx.array | None,
+        share: KVShare | None,
+    ) -> tuple[mx.array, KVShare]:
+        attn, share = self.self_attn(self.input_layernorm(x), mask, cache, share)
+        h = x + self.post_attention_layernorm(attn)
+        h = h + self.post_feedforward_layernorm(self._feed_forward(h))
+        if self.per_layer and per_layer_input is not None:
+            gate = nn.gelu_approx(self.per_layer_input_gate(h))
+            gate = self.per_layer_projection(mx.multiply(gate, per_layer_input))
+            h = h + self.post_per_layer_input_norm(gate)
+        return h * self.layer_scalar, share
+
+
+# --- the text model ----------------------------------------------------------------
+
+
+class TextModel(nn.Module):
+    """Embeddings (scaled by sqrt(hidden)), per-layer inputs, the layer stack, final norm."""
+
+    def __init__(self, cfg: Gemma4TextConfig, kernel: SwitchGLUKernel | None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        dim, n = cfg.hidden_size, cfg.num_hidden_layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, dim)
+        self.embed_scale = dim**0.5
+        self.layers = [DecoderLayer(cfg, i, kernel) for i in range(n)]
+        self.norm = nn.RMSNorm(dim, eps=cfg.rms_norm_eps)
+        self.donors = [cfg.kv_donor(i) for i in range(n)]
+        width = cfg.per_layer_width
+        if width:
+            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, n * width)
+            self.per_layer_model_projection = nn.Linear(dim, n * width, bias=False)
+            self.per_layer_projection_norm = nn.RMSNorm(width, eps=cfg.rms_norm_eps)
+
+    def _per_layer_inputs(self, inputs: mx.array, h: mx.array) -> mx.array:
+        """``[B, L, layers, width]``: token-indexed embeddings mixed with a projection of ``h``."""
+        cfg = self.cfg
+        n, width = cfg.num_hidden_layers, cfg.per_layer_width
+        if cfg.vocab_size_per_layer_input < cfg.vocab_size:
+            # transformers maps ids outside the per-layer vocabulary to 0.
+            inputs = mx.where(inputs < cfg.vocab_size_per_layer_input, inputs, 0)
+        token_part = self.embed_tokens_per_layer(inputs) * (width**0.5)
+        token_part = mx.unflatten(token_part, -1, (n, width))
+        projected = self.per_layer_model_projection(h) * (cfg.hidden_size**-0.5)
+        projected = self.per_layer_projection_norm(mx.unflatten(projected, -1, (n, width)))
+        return (projected + token_part) * (2.0**-0.5)
+
+    def _masks(self, h: mx.array, caches: list[Any]) -> list[Any]:
+        """One mask per attention kind, built from the first cache of that kind
+        (every cache of a kind has the same offsets and padding)."""
+        by_kind: dict[str, Any] = {}
+        for layer, c in zip(self.layers, caches, strict=True):
+            if layer.kind not in by_kind:
+                window = self.cfg.sliding_window if layer.kind == SLIDING else None
+                by_kind[layer.kind] = create_attention_mask(h, c, window_size=window)
+        return [by_kind[layer.kind] for layer in self.layers]
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        h = self.embed_tokens(inputs) * self.embed_scale
+        n = len(self.layers)
+        per_layer = self._per_layer_inputs(inputs, h) if self.cfg.per_layer_width else None
+        caches = [None] * n if cache is None else list(cache) + [None] * (n - len(cache))
+        masks = self._masks(h, caches)
+        shares: list[KVShare | None] = [None] * n
+        for i, layer in enumerate(self.layers):
+            pli = per_layer[:, :, i, :] if per_layer is not None else None
+            h, shares[i] = layer(h, masks[i], caches[i], pli, shares[self.donors[i]])
+        return self.norm(h)
+
+
+class Gemma4TextLM(nn.Module):
+    """``gemma4_text``: the text model plus the (tied or separate) head and logit soft-cap."""
+
+    def __init__(self, cfg: Gemma4TextConfig, kernel: SwitchGLUKernel | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = TextModel(cfg, kernel)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        out = self.model(inputs, cache)
+        if self.cfg.tie_word_embeddings:
+            out = self.model.embed_tokens.as_linear(out)
+        else:
+            out = self.lm_head(out)
+        if self.cfg.final_logit_softcapping is not None:
+            out = logit_softcap(self.cfg.final_logit_softcapping, out)
+        return out
+
+    def make_cache(self, *, kv_bits: int | None = None, kv_group_size: int = 64) -> list[Any]:
+        """One cache per layer that owns keys/values (KV-shared layers own none).
+
+        Full-attention layers get a growing cache, sliding layers a rotating
+        window of ``sliding_window`` slots; with ``kv_bits`` both are
+        affine-quantized (sliding ones too, which mlx-lm cannot do).
+        """
+        caches: list[Any] = []
+        for kind in self.cfg.kinds[: self.cfg.first_shared_layer]:
+            window = self.cfg.sliding_window
+            if kv_bits is None:
+                caches.append(KVCache() if kind == FULL else RotatingKVCache(window, 0))
+            elif kind == FULL:
+                caches.append(QuantizedKVCache(group_size=kv_group_size, bits=kv_bits))
+            else:
+                caches.append(
+                    QuantizedRotatingKVCache(window, 0, group_size=kv_group_size, bits=kv_bits)
+                )
+        return caches
+
+
+class Gemma4LM(nn.Module):
+    """``gemma4``: the multimodal wrapper's text tower under ``language_model``."""
+
+    def __init__(self, cfg: Gemma4TextConfig, kernel: SwitchGLUKernel | None = None) -> None:
+        super().__init__()
+        self.language_model = Gemma4TextLM(cfg, kernel)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        return self.language_model(inputs, cache)
+
+    def make_cache(self, **kwargs: Any) -> list[Any]:
+        return self.language_model.make_cache(**kwargs)
