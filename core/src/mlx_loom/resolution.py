@@ -104,7 +104,12 @@ def resolve(model_ref: str | Path, *, host: PluginHost, registry: Registry | Non
         raise _unclaimed(name, host, registry)
     claim = registry.model_type(name)
     text = config.text_config()
-    family_config = validate_family_config(claim.schema, text, source=model_dir / "config.json")
+    family_config = validate_family_config(
+        claim.schema,
+        text,
+        source=model_dir / "config.json",
+        prefix="text_config" if config.is_nested else None,
+    )
     config_fp = config_fingerprint({f: text.get(f) for f in claim.fingerprint_fields})
     manifest = read_manifest(model_dir)
     artifact_fp = artifact_fingerprint(manifest)

@@ -25,6 +25,7 @@ from mlx_loom_gemma4.config import (
     text_config_of,
 )
 from mlx_loom_gemma4.loader import build
+from mlx_loom_gemma4.manifest import TINY_TEXT_CONFIG, TINY_WRAPPER_CONFIG, checkpoint_tensors
 
 MODEL_TYPES = frozenset({"gemma4_text", "gemma4"})
 GRAPH = "gemma4.text"
@@ -69,12 +70,16 @@ def loom_model_types() -> list[ModelType]:
             schema=Gemma4TextConfig,
             fingerprint_fields=TEXT_FINGERPRINT_FIELDS,
             description="Gemma 4 text model (flat config)",
+            tiny_config=TINY_TEXT_CONFIG,
+            checkpoint_tensors=checkpoint_tensors,
         ),
         ModelType(
             name="gemma4",
             schema=Gemma4Config,
             fingerprint_fields=WRAPPER_FINGERPRINT_FIELDS,
             description="Gemma 4 multimodal checkpoint; text tower only (vision/audio dropped)",
+            tiny_config=TINY_WRAPPER_CONFIG,
+            checkpoint_tensors=checkpoint_tensors,
         ),
     ]
 
