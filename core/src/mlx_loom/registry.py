@@ -29,7 +29,7 @@ from .errors import (
     RegistrationError,
     UnknownModelType,
 )
-from .kernels import Backend, Kernel, KernelRegistry, Provider, active_backend
+from .kernels import Backend, Kernel, KernelRegistry, Provider, active_backend, runnable_backends
 from .profiles import Profile
 
 if TYPE_CHECKING:
@@ -318,6 +318,15 @@ class Registry:
                 fix="Restrict the host's allowed implementations to one of them.",
             )
         impl = fitting[0]
+        pinned = self.kernel_backend
+        if not impl.kernels and pinned is not None and pinned not in runnable_backends():
+            # No kernel to name, but the pin still cannot be honoured here.
+            raise KernelUnavailable(
+                f"The host pins kernel backend {pinned!r}, which cannot run on this machine "
+                f"(runnable here: {', '.join(sorted(runnable_backends()))}).",
+                fix="Run on a device with that backend, or pin one that runs here "
+                "(e.g. kernel_backend='cpu').",
+            )
         kernels = {name: self._kernels.resolve(name, self.kernel_backend) for name in impl.kernels}
         backend = next(iter(kernels.values())).backend if kernels else self._default_backend()
         return Binding(implementation=impl, profile=profile, backend=backend, kernels=kernels)

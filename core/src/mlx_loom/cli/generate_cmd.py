@@ -65,9 +65,10 @@ def load_from_args(args: argparse.Namespace):
     return load(model_ref, kernel_backend=args.kernel_backend)
 
 
-def print_stats(last, out=sys.stderr) -> None:
+def print_stats(last, out=None) -> None:
     if last is None:
         return
+    out = out or sys.stderr
     print("=" * 10, file=out)
     cached = f" ({last.cached_tokens} reused from cache)" if last.cached_tokens else ""
     print(
