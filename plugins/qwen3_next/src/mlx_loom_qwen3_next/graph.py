@@ -1,0 +1,431 @@
+"""The Qwen3-Next / Qwen3.5 graphs: gated delta nets, gated attention, sparse MoE.
+
+Numerics follow mlx-lm's ``qwen3_next`` / ``qwen3_5`` op for op (same fused
+functions, same dtypes, same reduction order) so fp32 and quantized
+checkpoints produce bit-identical logits; the recurrence, the causal
+convolution and the routed-expert matmul go through the per-backend kernels in
+:mod:`mlx_loom_qwen3_next.kernels`, resolved by the core for this device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_loom.cache import KVCache, create_attention_mask, scaled_dot_product_attention
+from mlx_loom.cache.recurrent import RecurrentCache
+from mlx_loom_qwen3_next.config import HybridConfig
+from mlx_loom_qwen3_next.kernels import (
+    CAUSAL_CONV,
+    EXPERT_MATMUL,
+    GATED_DELTA,
+    GATED_DELTA_MASKED,
+    GATED_DELTA_REPLAY,
+)
+
+__all__ = ["HybridLM", "Kernels", "build_model"]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernel callables this graph runs, resolved for one backend."""
+
+    gated_delta: Callable[..., Any]
+    gated_delta_masked: Callable[..., Any]
+    gated_delta_replay: Callable[..., Any]
+    causal_conv: Callable[..., Any]
+    expert_matmul: Callable[..., Any]
+
+    @classmethod
+    def from_mapping(cls, kernels: Mapping[str, Callable[..., Any]]) -> Kernels:
+        return cls(
+            gated_delta=kernels[GATED_DELTA],
+            gated_delta_masked=kernels[GATED_DELTA_MASKED],
+            gated_delta_replay=kernels[GATED_DELTA_REPLAY],
+            causal_conv=kernels[CAUSAL_CONV],
+            expert_matmul=kernels[EXPERT_MATMUL],
+        )
+
+
+# --- fused elementwise pieces (compiled like mlx-lm's, so they round alike) ---
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    return nn.silu(gate) * x
+
+
+@partial(mx.compile, shapeless=True)
+def _gate_normed(h: mx.array, gate: mx.array, normed: mx.array) -> mx.array:
+    # The output gate is applied in fp32 and rounded once to the input dtype.
+    return (nn.silu(gate.astype(mx.float32)) * normed.astype(mx.float32)).astype(h.dtype)
+
+
+@partial(mx.compile, shapeless=True)
+def _decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
+    """g = exp(-exp(A_log) * softplus(a + dt_bias)), in fp32 (A_log is upcast)."""
+    return mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias))
+
+
+def _l2_normalise(q: mx.array, k: mx.array, head_k_dim: int) -> tuple[mx.array, mx.array]:
+    """L2-normalise q and k (eps 1e-6 on sum(x^2)) and fold the Dk^-1/2 readout into q.
+
+    ``rms_norm`` adds its eps to mean(x^2), so the reference eps is scaled by
+    1/Dk; q gets (Dk^-1/2)^2 = 1/Dk (l2 normalisation times the readout scale).
+    """
+    inv = head_k_dim**-0.5
+    eps = 1e-6 * inv**2
+    return (inv**2) * mx.fast.rms_norm(q, None, eps), inv * mx.fast.rms_norm(k, None, eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of the delta net's output, gated by SiLU(z). Its gain is not zero-centred."""
+
+    def __init__(self, dims: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = mx.ones(dims)
+
+    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+        return _gate_normed(x, gate, mx.fast.rms_norm(x, self.weight, self.eps))
+
+
+class MLP(nn.Module):
+    def __init__(self, dims: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dims, hidden, bias=False)
+        self.up_proj = nn.Linear(dims, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dims, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+# --- attention ----------------------------------------------------------------
+
+
+class GatedAttention(nn.Module):
+    """Full attention whose output is gated by sigmoid(gate); q and gate share one projection."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.scale = self.head_dim**-0.5
+        bias = cfg.attention_bias
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.rope = nn.RoPE(cfg.rope_dims, traditional=False, base=cfg.rope_theta)
+
+    def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
+        B, L, _ = x.shape
+        q, gate = mx.split(self.q_proj(x).reshape(B, L, self.n_heads, -1), 2, axis=-1)
+        gate = gate.reshape(B, L, -1)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = self.q_norm(q).transpose(0, 2, 1, 3)
+        k = self.k_norm(k).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out * mx.sigmoid(gate))
+
+
+# --- gated delta net ------------------------------------------------------------
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: causal conv -> L2-normalised q/k -> gated delta rule -> gated norm.
+
+    Subclasses differ only in how the input projections are laid out
+    (:meth:`project` returns ``qkv [B,S,C]``, ``z [B,S,Hv,Dv]``, ``b``, ``a [B,S,Hv]``).
+    """
+
+    def __init__(self, cfg: HybridConfig, kernels: Kernels) -> None:
+        super().__init__()
+        self.n_k_heads, self.n_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = cfg.key_dim, cfg.value_dim, cfg.conv_dim
+        self.conv_width = cfg.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.conv_width, padding=0, groups=self.conv_dim,
+            bias=False,
+        )
+        self.dt_bias = mx.ones(self.n_v_heads)
+        self.A_log = mx.zeros(self.n_v_heads)
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self._kernels = kernels
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        raise NotImplementedError
+
+    def _recurrence_inputs(self, conv_out: mx.array, a: mx.array, b: mx.array):
+        B, S, _ = conv_out.shape
+        q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = q.reshape(B, S, self.n_k_heads, self.head_k_dim)
+        k = k.reshape(B, S, self.n_k_heads, self.head_k_dim)
+        v = v.reshape(B, S, self.n_v_heads, self.head_v_dim)
+        q, k = _l2_normalise(q, k, self.head_k_dim)
+        g = _decay(self.A_log, a, self.dt_bias)
+        beta = mx.sigmoid(b)
+        return q, k, v, g, beta
+
+    def __call__(self, x: mx.array, mask: mx.array | None, cache: RecurrentCache | None):
+        B, S, _ = x.shape
+        kn = self._kernels
+        qkv, z, b, a = self.project(x)
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
+        width = self.conv_width - 1
+        if cache is not None:
+            tail = cache.conv_tail(B, width, self.conv_dim, x.dtype)
+            ends = cache.tail_ends(S)
+        else:
+            tail, ends = mx.zeros((B, width, self.conv_dim), dtype=x.dtype), None
+        conv_out, new_tail = kn.causal_conv(qkv, tail, self.conv1d.weight, ends)
+        q, k, v, g, beta = self._recurrence_inputs(conv_out, a, b)
+        state = cache.recurrent_state if cache is not None else None
+        if state is None:
+            state = mx.zeros((B, self.n_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
+        if cache is not None:
+            cache.record(conv_input=qkv, inputs=(q, k, v, g, beta), mask=mask,
+                         replay=kn.gated_delta_replay)
+        if mask is None:
+            out, state = kn.gated_delta(q, k, v, g, beta, state)
+        else:
+            out, state = kn.gated_delta_masked(q, k, v, g, beta, state, mask)
+        if cache is not None:
+            cache.update(conv_state=new_tail, recurrent_state=state, n=S)
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(B, S, -1))
+
+
+class FusedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next: ``in_proj_qkvz`` and ``in_proj_ba``, each grouped by key head."""
+
+    def __init__(self, cfg: HybridConfig, kernels: Kernels) -> None:
+        super().__init__(cfg, kernels)
+        d = cfg.hidden_size
+        self.in_proj_qkvz = nn.Linear(d, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(d, 2 * self.n_v_heads, bias=False)
+
+    def project(self, x):
+        B, S, _ = x.shape
+        nk, dk, dv = self.n_k_heads, self.head_k_dim, self.head_v_dim
+        per_k = self.n_v_heads // nk  # value heads served by each key head
+        qkvz = self.in_proj_qkvz(x).reshape(B, S, nk, -1)
+        ba = self.in_proj_ba(x).reshape(B, S, nk, -1)
+        q, k, v, z = mx.split(qkvz, [dk, 2 * dk, 2 * dk + per_k * dv], axis=-1)
+        b, a = mx.split(ba, [per_k], axis=-1)
+        qkv = mx.concatenate(
+            [q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1
+        )
+        z = z.reshape(B, S, -1, dv)
+        return qkv, z, b.reshape(B, S, self.n_v_heads), a.reshape(B, S, self.n_v_heads)
+
+
+class SplitGatedDeltaNet(GatedDeltaNet):
+    """Qwen3.5: separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
+
+    def __init__(self, cfg: HybridConfig, kernels: Kernels) -> None:
+        super().__init__(cfg, kernels)
+        d = cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(d, 2 * self.key_dim + self.value_dim, bias=False)
+        self.in_proj_z = nn.Linear(d, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(d, self.n_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(d, self.n_v_heads, bias=False)
+
+    def project(self, x):
+        B, S, _ = x.shape
+        z = self.in_proj_z(x).reshape(B, S, self.n_v_heads, self.head_v_dim)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+
+
+# --- mixture of experts -----------------------------------------------------------
+
+
+class SwitchLinear(nn.Module):
+    """A stack of expert matrices ``[E, out, in]``, applied per routed expert."""
+
+    def __init__(self, in_dims: int, out_dims: int, n_experts: int, matmul: Callable) -> None:
+        super().__init__()
+        self.weight = mx.zeros((n_experts, out_dims, in_dims))
+        self._matmul = matmul
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return self._matmul(x, self.weight, indices, sorted_indices)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
+        E, out_dims, in_dims = self.weight.shape
+        q = QuantizedSwitchLinear(in_dims, out_dims, E, group_size=group_size, bits=bits, mode=mode)
+        q.weight, q.scales, q.biases = mx.quantize(self.weight, group_size, bits, mode=mode)
+        return q
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """Affine-quantized expert stack; ``mx.gather_qmm`` runs on every backend and dtype."""
+
+    def __init__(self, in_dims: int, out_dims: int, n_experts: int, *, group_size: int,
+                 bits: int, mode: str = "affine") -> None:
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        packed = in_dims * bits // 32
+        self.weight = mx.zeros((n_experts, out_dims, packed), dtype=mx.uint32)
+        self.scales = mx.zeros((n_experts, out_dims, in_dims // group_size))
+        self.biases = mx.zeros((n_experts, out_dims, in_dims // group_size))
+        self.freeze()
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return mx.gather_qmm(
+            x, self["weight"], self["scales"], self["biases"], rhs_indices=indices,
+            transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+            sorted_indices=sorted_indices,
+        )
+
+
+class SwitchGLU(nn.Module):
+    """SwiGLU experts; with >= 64 (token, expert) pairs the pairs are sorted by expert
+    first (as mlx-lm does), so each expert's rows are contiguous for the gather matmul."""
+
+    def __init__(self, dims: int, hidden: int, n_experts: int, matmul: Callable) -> None:
+        super().__init__()
+        self.gate_proj = SwitchLinear(dims, hidden, n_experts, matmul)
+        self.up_proj = SwitchLinear(dims, hidden, n_experts, matmul)
+        self.down_proj = SwitchLinear(hidden, dims, n_experts, matmul)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        x = mx.expand_dims(x, (-2, -3))
+        top_k = indices.shape[-1]
+        do_sort = indices.size >= 64
+        idx, inv = indices, None
+        if do_sort:
+            flat = indices.flatten()
+            order = mx.argsort(flat)
+            inv = mx.argsort(order)
+            x, idx = x.flatten(0, -3)[order // top_k], flat[order]
+        up = self.up_proj(x, idx, do_sort)
+        gate = self.gate_proj(x, idx, do_sort)
+        x = self.down_proj(_swiglu(gate, up), idx, do_sort)
+        if do_sort:
+            x = mx.unflatten(x[inv], 0, indices.shape)
+        return x.squeeze(-2)
+
+
+class SparseMoe(nn.Module):
+    """Top-k routed experts plus a shared expert scaled by sigmoid(shared_expert_gate)."""
+
+    def __init__(self, cfg: HybridConfig, kernels: Kernels) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(d, cfg.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(d, cfg.moe_intermediate_size, cfg.num_experts,
+                                    kernels.expert_matmul)
+        self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(d, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        k = self.top_k
+        probs = mx.softmax(self.gate(x), axis=-1, precise=True)
+        inds = mx.argpartition(probs, kth=-k, axis=-1)[..., -k:]
+        scores = mx.take_along_axis(probs, inds, axis=-1)
+        if self.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        y = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
+        return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+# --- layers and model ----------------------------------------------------------------
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: HybridConfig, i: int, kernels: Kernels, fused: bool) -> None:
+        super().__init__()
+        self.is_linear = cfg.layer_kind(i) == "linear"
+        if self.is_linear:
+            delta_net = FusedGatedDeltaNet if fused else SplitGatedDeltaNet
+            self.linear_attn = delta_net(cfg, kernels)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.mlp_kind(i) == "moe":
+            self.mlp = SparseMoe(cfg, kernels)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = x + mixer(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: HybridConfig, kernels: Kernels, fused: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [DecoderLayer(cfg, i, kernels, fused) for i in range(cfg.num_hidden_layers)]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        kinds = cfg.layer_kinds
+        self._linear_idx = next((i for i, k in enumerate(kinds) if k == "linear"), None)
+        self._attn_idx = kinds.index("attention")
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None) -> mx.array:
+        h = self.embed_tokens(inputs)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        attn_mask = create_attention_mask(h, cache[self._attn_idx])
+        lin_mask = None
+        if self._linear_idx is not None and cache[self._linear_idx] is not None:
+            lin_mask = cache[self._linear_idx].make_mask(h.shape[1])
+        for layer, c in zip(self.layers, cache, strict=True):
+            h = layer(h, lin_mask if layer.is_linear else attn_mask, c)
+        return self.norm(h)
+
+
+class HybridLM(nn.Module):
+    """The whole causal LM; satisfies :class:`mlx_loom.model.CausalLM`."""
+
+    def __init__(self, cfg: HybridConfig, kernels: Kernels, *, fused: bool) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = HybridModel(cfg, kernels, fused)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        h = self.model(inputs, cache)
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.model.layers
+
+    def make_cache(self) -> list[Any]:
+        """A :class:`RecurrentCache` per delta-net layer, a :class:`KVCache` per attention layer."""
+        return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.layers]
+
+
+def build_model(cfg: HybridConfig, kernels: Kernels, *, fused: bool) -> HybridLM:
+    """The graph with placeholder parameters (the loader installs the checkpoint's)."""
+    return HybridLM(cfg, kernels, fused=fused)
+

@@ -1,0 +1,107 @@
+"""Registration: kernels per backend, capabilities, end-to-end resolution, KV quantization."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import maybe_quantize_kv_cache as lm_maybe_quantize
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_loom.cache import maybe_quantize_kv_cache
+from mlx_loom.errors import KernelUnavailable
+from mlx_loom.kernels import KernelRegistry
+from mlx_loom.loading import build_model, resolve_model
+from mlx_loom.profiles import (
+    BATCH,
+    GENERATE,
+    KV_QUANTIZATION,
+    PROMPT_CACHE,
+    SPECULATIVE,
+    validate_profile,
+)
+from mlx_loom.registry import Registry
+from mlx_loom_qwen3_next import kernels as qk
+from mlx_loom_qwen3_next import plugin
+
+PROMPT = [1, 5, 7, 9, 11, 200, 3, 4, 8, 100, 42, 17]
+
+
+def _registry() -> Registry:
+    return Registry(
+        model_types=plugin.loom_model_types(), implementations=plugin.loom_implementations(),
+        profiles=plugin.loom_profiles(), kernels=plugin.loom_kernels(),
+    )
+
+
+def test_every_kernel_is_registered_for_cpu_and_metal():
+    reg = KernelRegistry(plugin.loom_kernels())
+    for name in qk.KERNEL_NAMES:
+        assert reg.backends_for(name) == ("metal", "cpu")
+
+
+def test_the_cpu_kernels_are_selected_on_this_device():
+    reg = KernelRegistry(plugin.loom_kernels())
+    assert reg.resolve(qk.GATED_DELTA).fn is qk.gated_delta_cpu
+    assert reg.resolve(qk.CAUSAL_CONV).fn is qk.causal_conv_silu_cpu
+
+
+def test_pinning_metal_here_is_refused_naming_the_kernel():
+    registry = _registry().with_(kernel_backend="metal")
+    profile = next(p for p in registry.profiles if "qwen3_next" in p.model_types)
+    with pytest.raises(KernelUnavailable, match="qwen3_next.gated_delta"):
+        registry.select("qwen3_next", profile)
+
+
+def test_metal_registrations_carry_their_kernel_sources():
+    metal = {k.name: k for k in qk.metal_kernels()}
+    assert "y[v_off]" in metal[qk.GATED_DELTA].source
+    assert "mask[b_idx * T + t]" in metal[qk.GATED_DELTA_MASKED].source
+    assert "y[v_off]" not in metal[qk.GATED_DELTA_REPLAY].source  # state only
+    assert "new_tail" in metal[qk.CAUSAL_CONV].source
+
+
+def test_profiles_are_valid_and_declare_the_capabilities_the_caches_support():
+    for profile in plugin.loom_profiles():
+        validate_profile(profile)
+        assert profile.capabilities == {GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE}
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next-fp32", "qwen3_5-fp32"])
+def test_mlx_loom_resolves_and_builds_the_checkpoint(kind, ckpt_dir, loaders):
+    path = ckpt_dir(kind)
+    model = build_model(resolve_model(path))
+    assert model.backend == "cpu"
+    x = mx.array([PROMPT])
+    assert mx.array_equal(model(x), loaders(kind)[0](x))
+
+
+def test_kv_quantized_attention_layers_match_mlx_lm(loaders):
+    ours, ref = loaders("qwen3_next_hd32-fp32")
+    ca, cb = ours.make_cache(), make_prompt_cache(ref)
+    la, lb = ours(mx.array([PROMPT]), cache=ca), ref(mx.array([PROMPT]), cache=cb)
+    maybe_quantize_kv_cache(ca, kv_bits=8, kv_group_size=32, quantized_kv_start=0)
+    lm_maybe_quantize(cb, quantized_kv_start=0, kv_group_size=32, kv_bits=8)
+    assert [type(c).__name__ for c in ca] == [
+        "RecurrentCache", "QuantizedKVCache", "RecurrentCache", "QuantizedKVCache"
+    ]
+    for _ in range(8):
+        t = mx.argmax(la[:, -1], -1)[:, None]
+        la, lb = ours(t, cache=ca), ref(t, cache=cb)
+        assert mx.array_equal(la, lb)
+
+
+def test_the_cores_batch_loop_gives_each_row_its_own_greedy_tokens(ckpt_dir):
+    from mlx_loom.generate.batch import batch_generate_tokens
+
+    model = build_model(resolve_model(ckpt_dir("qwen3_next-fp32")))
+    prompts = [PROMPT, PROMPT[4:9], PROMPT[:7]]
+    got = batch_generate_tokens(model, prompts, max_tokens=8)
+    for prompt, (tokens, _) in zip(prompts, got, strict=True):
+        cache = model.make_cache()
+        logits = model(mx.array([prompt]), cache)
+        want = []
+        for _ in range(8):
+            t = mx.argmax(logits[:, -1], -1)
+            want.append(t.item())
+            logits = model(t[:, None], cache)
+        assert tokens == want
