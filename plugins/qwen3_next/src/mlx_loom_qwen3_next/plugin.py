@@ -21,6 +21,12 @@ from mlx_loom.registry import BuildContext, Implementation, ModelType
 from mlx_loom_qwen3_next.config import HybridConfig, Qwen3_5Config, Qwen3NextConfig
 from mlx_loom_qwen3_next.graph import Kernels
 from mlx_loom_qwen3_next.kernels import KERNEL_NAMES, cpu_kernels, metal_kernels
+from mlx_loom_qwen3_next.manifest import (
+    TINY_QWEN3_5,
+    TINY_QWEN3_5_TEXT,
+    TINY_QWEN3_NEXT,
+    checkpoint_tensors,
+)
 
 LOADER = "qwen3_next.hf-or-mlx"
 QWEN3_NEXT_GRAPH = "qwen3_next.hybrid-moe"
@@ -64,11 +70,14 @@ def loom_plugin_api_version() -> str:
 def loom_model_types() -> list[ModelType]:
     return [
         ModelType("qwen3_next", Qwen3NextConfig, _FINGERPRINT,
-                  description="Qwen3-Next: gated delta nets + gated attention, sparse MoE"),
+                  description="Qwen3-Next: gated delta nets + gated attention, sparse MoE",
+                  tiny_config=TINY_QWEN3_NEXT, checkpoint_tensors=checkpoint_tensors),
         ModelType("qwen3_5", Qwen3_5Config, _FINGERPRINT,
-                  description="Qwen3.5 (text): gated delta nets + gated attention"),
+                  description="Qwen3.5 (text): gated delta nets + gated attention",
+                  tiny_config=TINY_QWEN3_5, checkpoint_tensors=checkpoint_tensors),
         ModelType("qwen3_5_text", Qwen3_5Config, _FINGERPRINT,
-                  description="Qwen3.5 text config"),
+                  description="Qwen3.5 text config",
+                  tiny_config=TINY_QWEN3_5_TEXT, checkpoint_tensors=checkpoint_tensors),
     ]
 
 
