@@ -1,4 +1,10 @@
-"""``loom plugins``: what is installed, loaded, quarantined or blocked."""
+"""``loom plugins``: what is installed, loaded, quarantined or blocked.
+
+Sub-commands: ``loom plugins check NAME`` (the conformance suite, see
+:mod:`.plugins_check`) and ``loom plugins new NAME --path DIR`` (a new plugin
+package from the template, see :mod:`.plugins_new`). Plain ``loom plugins``
+lists the plugins.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--traceback", action="store_true", help="show quarantined plugins' tracebacks"
     )
     parser.set_defaults(handler=run, _parser=parser)
+    from . import plugins_check, plugins_new
+
+    actions = parser.add_subparsers(dest="plugins_command", metavar="ACTION", required=False)
+    plugins_check.register(actions)
+    plugins_new.register(actions)
 
 
 def run(args: argparse.Namespace) -> int:

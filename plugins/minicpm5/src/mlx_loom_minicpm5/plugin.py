@@ -75,8 +75,8 @@ TINY_CONFIG = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    "num_attention_heads": 2,  # head_dim 32: KV quantization groups need >= 32
+    "num_key_value_heads": 1,
     "vocab_size": 256,
     "rms_norm_eps": 1e-5,
     "max_position_embeddings": 512,

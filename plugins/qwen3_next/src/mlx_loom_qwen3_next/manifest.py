@@ -23,7 +23,7 @@ TINY_QWEN3_NEXT: dict[str, Any] = {
     "intermediate_size": 128,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "head_dim": 16,
+    "head_dim": 32,  # KV quantization groups need >= 32
     "linear_num_value_heads": 4,
     "linear_num_key_heads": 2,
     "linear_key_head_dim": 16,

@@ -1,0 +1,21 @@
+"""The repository's three family plugins pass the conformance suite, as installed.
+
+Each runs exactly what ``loom plugins check NAME`` runs; on failure the
+whole report (one line per check) is the assertion message.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_loom.testing import run_conformance
+
+FAMILIES = ("minicpm5", "qwen3_next", "gemma4")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_plugin_conforms(family, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLX_LOOM_PLUGINS", raising=False)
+    report = run_conformance(family, workdir=tmp_path)
+    assert report.available, report.format()
+    assert report.passed, report.format()
