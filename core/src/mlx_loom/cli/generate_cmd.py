@@ -96,6 +96,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--no-chat-template", action="store_true", help="feed the prompt as raw text"
     )
     parser.add_argument("--verbose", action="store_true", help="also show what was resolved")
+    parser.add_argument(
+        "--draft-model", help="a smaller model with the same tokenizer, for speculative decoding"
+    )
+    parser.add_argument("--num-draft-tokens", type=int, default=3)
     add_sampling_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
 
@@ -117,8 +121,12 @@ def run(args: argparse.Namespace) -> int:
         ids = tokenizer.encode_chat(messages)
     else:
         ids = prompt
+    options = sampling_kwargs(args)
+    if args.draft_model:
+        options["draft_model"], _ = load(args.draft_model, kernel_backend=args.kernel_backend)
+        options["num_draft_tokens"] = args.num_draft_tokens
     last = None
-    for last in stream_generate(model, tokenizer, ids, **sampling_kwargs(args)):
+    for last in stream_generate(model, tokenizer, ids, **options):
         print(last.text, end="", flush=True)
     print()
     print_stats(last)

@@ -25,6 +25,7 @@ from .loop import KVQuantization, StepLog, generate_tokens
 from .params import SamplingParams
 from .prompt_cache import PromptCache
 from .sampling import logprobs_top_k, make_logits_processors, make_sampler
+from .speculative import speculative_generate_tokens
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PREFILL_STEP = 2048
@@ -51,6 +52,7 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float
     cached_tokens: int = 0
+    from_draft: bool = False
     finish_reason: str | None = None
     stop: str | None = field(default=None)
 
@@ -134,6 +136,8 @@ def stream_generate(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,
+    draft_model: Model | None = None,
+    num_draft_tokens: int = 3,
     **sampling: Any,
 ) -> Iterator[GenerationResponse]:
     """Generate from ``prompt``, yielding a :class:`GenerationResponse` per token.
@@ -141,7 +145,9 @@ def stream_generate(
     ``sampling`` takes the :class:`SamplingParams` fields (``temperature``
     (or ``temp``), ``top_p``, ``top_k``, ``min_p``, penalties, ``logit_bias``,
     ``seed``, ``logprobs``). Pass a :class:`PromptCache` to reuse the longest
-    usable prefix of an earlier call's caches. The last response carries
+    usable prefix of an earlier call's caches. ``draft_model`` turns on
+    speculative decoding (``num_draft_tokens`` proposals per step; the draft
+    must share the tokenizer). The last response carries
     ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"``.
     """
     if "temp" in sampling:
@@ -158,31 +164,51 @@ def stream_generate(
         quantized_kv_start=quantized_kv_start,
         params=params,
     )
-    if prompt_cache is None:
-        prompt_cache = PromptCache(model)
-    elif prompt_cache.model is not model:
-        raise RequestError(
-            "The prompt cache was made for another model.",
-            fix="Use a PromptCache created for this model.",
-        )
-    to_feed = prompt_cache.prepare(prompt_ids)
-    history = prompt_cache.tokens[:]  # what the caches hold after prepare
-    cached = len(history)
-
-    sampler = make_sampler(params)
     log = StepLog()
-    tokens = generate_tokens(
-        model,
-        to_feed,
-        prompt_cache.cache,
-        sampler=sampler,
-        processors=make_logits_processors(params),
-        history=history,
-        max_tokens=max_tokens,
-        prefill_step_size=prefill_step_size,
-        kv=KVQuantization(kv_bits, kv_group_size, quantized_kv_start),
-        log=log,
-    )
+    if draft_model is not None:
+        if prompt_cache is not None or kv_bits is not None or params.logprobs or (
+            params.repetition_penalty or params.presence_penalty or params.frequency_penalty
+            or params.logit_bias
+        ):
+            raise RequestError(
+                "Speculative decoding does not combine with prompt caches, KV quantization, "
+                "logprobs, penalties or logit bias yet.",
+                fix="Drop draft_model, or drop those options.",
+            )
+        to_feed, cached = prompt_ids, 0
+        tokens = (
+            (t, lp, d)
+            for t, lp, d in speculative_generate_tokens(
+                model, draft_model, prompt_ids, num_draft=num_draft_tokens,
+                max_tokens=max_tokens, sampler=make_sampler(params),
+                prefill_step_size=prefill_step_size,
+            )
+        )
+    else:
+        if prompt_cache is None:
+            prompt_cache = PromptCache(model)
+        elif prompt_cache.model is not model:
+            raise RequestError(
+                "The prompt cache was made for another model.",
+                fix="Use a PromptCache created for this model.",
+            )
+        to_feed = prompt_cache.prepare(prompt_ids)
+        cached = len(prompt_cache.tokens)
+        tokens = (
+            (t, lp, False)
+            for t, lp in generate_tokens(
+                model,
+                to_feed,
+                prompt_cache.cache,
+                sampler=make_sampler(params),
+                processors=make_logits_processors(params),
+                history=prompt_cache.tokens[:],
+                max_tokens=max_tokens,
+                prefill_step_size=prefill_step_size,
+                kv=KVQuantization(kv_bits, kv_group_size, quantized_kv_start),
+                log=log,
+            )
+        )
     detok = tokenizer.detokenizer()
     stops = StopStrings(stop)
     eos = tokenizer.eos_token_ids
@@ -190,7 +216,7 @@ def stream_generate(
     prompt_tps = gen_start = 0.0
     n = 0
     try:
-        for n, (token, logprobs) in enumerate(tokens, start=1):
+        for n, (token, logprobs, from_draft) in enumerate(tokens, start=1):
             if n == 1:
                 gen_start = time.perf_counter()
                 prompt_tps = len(to_feed) / max(gen_start - start, 1e-9)
@@ -209,15 +235,18 @@ def stream_generate(
                 finish = "stop"
             elif finish is not None:
                 text += stops.flush()
-            yield _response(
+            response = _response(
                 text, token, logprobs, params.logprobs, n, len(prompt_ids), prompt_tps,
                 gen_start, cached, finish, hit,
             )
+            response.from_draft = from_draft
+            yield response
             if finish is not None:
                 break
     finally:
         tokens.close()
-        prompt_cache.record(log.fed)
+        if prompt_cache is not None:
+            prompt_cache.record(log.fed)
 
 
 def _response(
