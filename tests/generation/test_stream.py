@@ -157,3 +157,30 @@ def test_kv_quantization_is_refused_for_a_model_without_the_capability(tmp_path)
     model, tok = mlx_loom.load(ckpt, host=host)
     with pytest.raises(CapabilityRefused, match="kv-quantization"):
         run(model, tok, kv_bits=4)
+
+
+def test_a_saved_prompt_cache_reloads_and_is_reused(loaded, tmp_path):
+    model, tok = loaded
+    cache = PromptCache(model)
+    first = tok.encode(PROMPT)
+    run(model, tok, prompt=first, prompt_cache=cache, max_tokens=4)
+    cache.save(tmp_path / "prompt.safetensors")
+    restored = PromptCache.load(tmp_path / "prompt.safetensors", model)
+    assert restored.tokens == cache.tokens
+    longer = first + tok.encode(" and writes", add_special_tokens=False)
+    reused = run(model, tok, prompt=longer, prompt_cache=restored, max_tokens=10)
+    fresh = run(model, tok, prompt=longer, max_tokens=10)
+    assert reused[-1].cached_tokens >= len(first)
+    assert [r.token for r in reused] == [r.token for r in fresh]
+
+
+def test_a_prompt_cache_saved_for_another_model_is_refused(loaded, tmp_path, llama_sliding):
+    from mlx_loom.errors import CacheError
+
+    model, tok = loaded
+    other, _ = mlx_loom.load(llama_sliding)
+    cache = PromptCache(other)
+    run(other, tok, prompt="hello", prompt_cache=cache, max_tokens=2)
+    cache.save(tmp_path / "p.safetensors")
+    with pytest.raises(CacheError, match="was saved for model"):
+        PromptCache.load(tmp_path / "p.safetensors", model)

@@ -147,6 +147,17 @@ def load_prompt_cache(
             f"load_prompt_cache: {str(path)!r} does not exist",
             fix="pass the path of a prompt cache saved with save_prompt_cache",
         )
+    # Validate the header ourselves first: a hostile length or offset must fail
+    # before MLX allocates anything.
+    from mlx_loom.artifacts.safetensors_header import read_safetensors_header
+    from mlx_loom.errors import SafetensorsHeaderError
+
+    try:
+        read_safetensors_header(path)
+    except SafetensorsHeaderError as err:
+        raise CacheError(
+            f"load_prompt_cache: {err.message}", fix="re-save the prompt cache"
+        ) from None
     try:
         arrays, file_meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as err:

@@ -10,9 +10,13 @@ holds is an exact prefix of the new prompt, and otherwise started afresh.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from ..cache import load_prompt_cache, save_prompt_cache
+from ..errors import CacheError
 from ..model import Model
 
 
@@ -67,3 +71,48 @@ class PromptCache:
     @property
     def nbytes(self) -> int:
         return sum(int(getattr(c, "nbytes", 0)) for c in self.cache)
+
+    def save(self, path: str | Path) -> None:
+        """Write the caches and the tokens they hold to a ``.safetensors`` file."""
+        save_prompt_cache(
+            path,
+            self.cache,
+            {
+                "tokens": json.dumps(self.tokens),
+                "implementation": self.model.implementation.id,
+                "model": str(self.model.model_dir.resolve()),
+            },
+        )
+
+    @classmethod
+    def load(cls, path: str | Path, model: Model) -> PromptCache:
+        """Read a cache saved by :meth:`save` for ``model`` (the same implementation)."""
+        caches, meta = load_prompt_cache(path)
+        # A cache is only meaningful with the weights that produced it: the same
+        # implementation and the same model directory.
+        want = {"implementation": model.implementation.id, "model": str(model.model_dir.resolve())}
+        for key, value in want.items():
+            if meta.get(key) != value:
+                raise CacheError(
+                    f"The prompt cache {str(path)!r} was saved for {key} {meta.get(key)!r}; "
+                    f"this model's is {value!r}.",
+                    fix="Load it with the model it was saved for, or rebuild the cache.",
+                )
+        fresh = model.make_cache()
+        if [type(c).__name__ for c in caches] != [type(c).__name__ for c in fresh]:
+            raise CacheError(
+                f"The prompt cache {str(path)!r} holds caches "
+                f"{[type(c).__name__ for c in caches]}; this model uses "
+                f"{[type(c).__name__ for c in fresh]}.",
+                fix="Rebuild the cache for this model.",
+            )
+        try:
+            tokens = [int(t) for t in json.loads(meta.get("tokens", "[]"))]
+        except (ValueError, TypeError):
+            raise CacheError(
+                f"The prompt cache {str(path)!r} has malformed token metadata.",
+                fix="Rebuild the cache.",
+            ) from None
+        out = cls(model)
+        out.cache, out.tokens = caches, tokens
+        return out
