@@ -23,36 +23,17 @@ from mlx_loom.artifacts import read_config, validate_family_config
 from mlx_loom_gemma4.config import Gemma4Config, Gemma4TextConfig, text_config_of
 from mlx_loom_gemma4.kernels import cpu_switch_glu
 from mlx_loom_gemma4.loader import build
+from mlx_loom_gemma4.manifest import TINY_TEXT_CONFIG
 
 S, F = "sliding_attention", "full_attention"
 
+#: The plugin's tiny config with every optional feature off (tests switch them on):
 #: hidden 64, 5 layers (sliding, sliding, full, sliding, full), window 8, vocab 256.
 BASE: dict[str, Any] = {
-    "model_type": "gemma4_text",
-    "hidden_size": 64,
-    "num_hidden_layers": 5,
-    "intermediate_size": 96,
-    "num_attention_heads": 2,
-    "head_dim": 32,
-    "global_head_dim": 64,
-    "num_key_value_heads": 1,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": 256,
-    "vocab_size_per_layer_input": 256,
-    "hidden_size_per_layer_input": 0,
-    "sliding_window": 8,
-    "layer_types": [S, S, F, S, F],
-    "num_kv_shared_layers": 0,
-    "attention_k_eq_v": False,
-    "final_logit_softcapping": 30.0,
-    "use_double_wide_mlp": True,
-    "enable_moe_block": False,
-    "tie_word_embeddings": True,
-    "rope_parameters": {
-        F: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
-        S: {"rope_type": "default", "rope_theta": 10000.0},
-    },
-}
+    k: v
+    for k, v in TINY_TEXT_CONFIG.items()
+    if k not in ("num_experts", "top_k_experts", "moe_intermediate_size")
+} | {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "enable_moe_block": False}
 
 MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
 PER_LAYER = {"hidden_size_per_layer_input": 16}

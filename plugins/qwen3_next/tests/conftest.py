@@ -25,37 +25,10 @@ from mlx_loom_qwen3_next.config import Qwen3_5Config, Qwen3NextConfig
 from mlx_loom_qwen3_next.graph import HybridLM, Kernels
 from mlx_loom_qwen3_next.kernels import KERNEL_NAMES
 from mlx_loom_qwen3_next.loader import load_model
+from mlx_loom_qwen3_next.manifest import TINY_QWEN3_NEXT
 
-QWEN3_NEXT_CONFIG: dict[str, Any] = {
-    "model_type": "qwen3_next",
-    "architectures": ["Qwen3NextForCausalLM"],
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "linear_num_value_heads": 4,
-    "linear_num_key_heads": 2,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 8,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "decoder_sparse_step": 1,
-    "shared_expert_intermediate_size": 32,
-    "mlp_only_layers": [2],
-    "moe_intermediate_size": 32,
-    "norm_topk_prob": True,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": 256,
-    "rope_theta": 10000.0,
-    "partial_rotary_factor": 0.25,
-    "max_position_embeddings": 4096,
-    "full_attention_interval": 2,
-    "tie_word_embeddings": False,
-    "eos_token_id": 255,
-}
+# The plugin's own tiny config, with head_dim 16 (more heads per byte) and an EOS id.
+QWEN3_NEXT_CONFIG: dict[str, Any] = {**TINY_QWEN3_NEXT, "head_dim": 16, "eos_token_id": 255}
 
 QWEN3_5_TEXT = {
     k: v
