@@ -1,0 +1,86 @@
+"""Errors the server answers with, and how engine errors become HTTP answers.
+
+Every failure a client can cause is answered with an OpenAI-style body,
+``{"error": {"message", "type", "param", "code"}}``, plus our own ``fix``
+field, so existing OpenAI clients raise their usual exceptions and a person
+reading the body still learns what to change. The engine's typed errors keep
+their messages: a :class:`~mlx_loom.errors.RequestError` from
+``SamplingParams.parse`` reaches the client word for word.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import LoomError, Refusal, RequestError, TokenizerError
+
+#: ``type`` values, as the OpenAI API spells them (``refusal`` is ours).
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+REFUSAL = "refusal"
+SERVER_ERROR = "server_error"
+
+
+class HttpError(LoomError):
+    """A request the server answers with an HTTP error status instead of a completion.
+
+    ``param`` names the request field at fault (``None`` when no single field
+    is); ``code`` is a short machine-readable reason (``context_length_exceeded``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        fix: str | None = None,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, fix=fix)
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        """The JSON error body; ``message`` carries the fix too, for clients that show only it."""
+        message = self.message if self.fix is None else f"{self.message} Fix: {self.fix}"
+        return {
+            "error": {
+                "message": message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+                "fix": self.fix,
+            }
+        }
+
+
+class ServerStartError(LoomError):
+    """The server could not start listening (address in use, not permitted ...)."""
+
+
+def from_loom_error(err: LoomError, *, param: str | None = None) -> HttpError:
+    """The HTTP answer for an engine error raised while handling a request.
+
+    Bad request values and unusable chat templates are the client's to fix
+    (400). A refusal — the model or its profile cannot do what was asked — is
+    422: the request is well formed, this model will not serve it.
+    Anything else is the server's own failure (500).
+    """
+    if isinstance(err, HttpError):
+        return err
+    if isinstance(err, Refusal):
+        return HttpError(
+            422, err.message, fix=err.fix, type=REFUSAL, param=param, code=type(err).__name__
+        )
+    if isinstance(err, (RequestError, TokenizerError)):
+        code = "invalid_parameter" if param is not None else "invalid_request"
+        return HttpError(400, err.message, fix=err.fix, param=param, code=code)
+    return HttpError(
+        500, err.message, fix=err.fix, type=SERVER_ERROR, param=param, code=type(err).__name__
+    )

@@ -1,0 +1,361 @@
+"""The wire format: OpenAI-shaped request and response bodies as pydantic models.
+
+Requests are parsed strictly: an unknown field, a string where a number
+belongs, or a boolean where a count belongs is a 400 naming the field (and,
+for a misspelt name, the field we think was meant), never silently ignored.
+The sampling fields (``temperature``, ``top_p`` ...) are accepted here as
+raw JSON values on purpose: :class:`~mlx_loom.generate.SamplingParams` is the
+one place they are checked, so the server answers with exactly the messages
+the Python API raises.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+
+from .errors import HttpError
+
+#: Request fields handed to ``SamplingParams.parse`` unchanged (besides
+#: ``logit_bias``, whose JSON string keys become ints, and ``logprobs``).
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens_to_keep",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "penalty_context_size",
+)
+
+# Names other servers use for our fields: an unknown field that is one of
+# these is answered with the name we use.
+_ALIASES = {
+    "temp": "temperature",
+    "max_new_tokens": "max_tokens",
+    "max_length": "max_tokens",
+    "random_seed": "seed",
+    "stop_sequences": "stop",
+    "repetition_context_size": "penalty_context_size",
+    "presence_context_size": "penalty_context_size",
+    "frequency_context_size": "penalty_context_size",
+}
+
+# What each structural field accepts, and what to send instead. Sampling
+# fields are not here: SamplingParams words their messages.
+_EXPECTED: dict[str, tuple[str, str]] = {
+    "model": ("a string (the id from GET /v1/models)", "omit model, or pass the served id"),
+    "prompt": (
+        "a non-empty string, or a non-empty list of token ids",
+        'pass prompt as text ("Once upon a time") or as token ids ([1, 2, 3])',
+    ),
+    "messages": (
+        "a non-empty list of {\"role\": str, \"content\": str | [text parts]} objects",
+        'pass messages like [{"role": "user", "content": "Hello"}]',
+    ),
+    "max_tokens": ("an integer >= 1", "pass a positive integer such as 64"),
+    "max_completion_tokens": ("an integer >= 1", "pass a positive integer such as 64"),
+    "stop": ("a string or a list of strings", 'pass stop as "\\n" or ["\\n", "User:"]'),
+    "stream": ("true or false", "pass stream as a JSON boolean"),
+    "stream_options": (
+        'an object {"include_usage": true|false}',
+        'pass stream_options as {"include_usage": true}',
+    ),
+    "logit_bias": (
+        'an object mapping token ids (as strings) to numbers, e.g. {"50": -100}',
+        'pass logit_bias as {"<token id>": <bias>}',
+    ),
+    "logprobs": (
+        "for /v1/completions an integer in [0, 20]; for /v1/chat/completions true or false",
+        "pass logprobs as documented for the endpoint",
+    ),
+    "top_logprobs": ("an integer in [0, 20]", "pass top_logprobs as an integer such as 5"),
+    "n": ("1 (one choice per request)", "omit n, or send one request per choice"),
+    "user": ("a string", "omit user, or pass a string"),
+    "chat_template_kwargs": (
+        "an object of chat-template variables",
+        'pass chat_template_kwargs like {"enable_thinking": false}',
+    ),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields both completion endpoints accept."""
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    user: StrictStr | None = None
+    logit_bias: dict[str, Any] | None = None
+    # Sampling: raw values, checked by SamplingParams.parse.
+    temperature: Any = None
+    top_p: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    min_tokens_to_keep: Any = None
+    seed: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    penalty_context_size: Any = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: a raw prompt, no chat template."""
+
+    prompt: StrictStr | list[StrictInt]
+    #: The legacy completions API's count of top alternatives per token.
+    logprobs: StrictInt | None = None
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``{"type": "text"}`` parts can be served."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(BaseModel):
+    """A chat message. Extra keys (``name``, ``tool_calls`` ...) reach the template as given."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    role: StrictStr
+    content: StrictStr | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def _all_fields(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+def _unknown_field(name: str, known: list[str]) -> HttpError:
+    suggestion = _ALIASES.get(name) or _ALIASES.get(name.lower())
+    if suggestion is None or suggestion not in known:
+        close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.6)
+        suggestion = close[0] if close else None
+    if suggestion is not None:
+        return HttpError(
+            400,
+            f"Unknown parameter {name!r}; did you mean {suggestion!r}?",
+            fix=f"rename {name!r} to {suggestion!r}",
+            param=name,
+            code="unknown_parameter",
+        )
+    return HttpError(
+        400,
+        f"Unknown parameter {name!r}. This endpoint accepts: {', '.join(sorted(known))}.",
+        fix=f"remove {name!r} from the request",
+        param=name,
+        code="unknown_parameter",
+    )
+
+
+def _param_path(loc: tuple[Any, ...], fields: list[str]) -> str:
+    """``("messages", 0, "role")`` -> ``"messages[0].role"``; union-member tags are dropped."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif i == 0:
+            out = str(part)
+        elif part in ("role", "content", "type", "text", "include_usage"):
+            out += f".{part}"
+        # Other string parts are pydantic's union-member labels (``str``,
+        # ``list[int]``): not field names, so not part of the path.
+    return out or (fields[0] if fields else "body")
+
+
+def _to_http_error(exc: ValidationError, model: type[BaseModel]) -> HttpError:
+    fields = _all_fields(model)
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    loc = tuple(first["loc"])
+    if first["type"] == "extra_forbidden" and len(loc) == 1:
+        return _unknown_field(str(loc[0]), fields)
+    field = str(loc[0]) if loc else "body"
+    param = _param_path(loc, fields)
+    valid, fix = _EXPECTED.get(field, ("a valid value", f"correct {field!r}"))
+    if first["type"] == "extra_forbidden":
+        return HttpError(
+            400,
+            f"Unknown field {str(loc[-1])!r} in {param}: expected {valid}.",
+            fix=fix,
+            param=param,
+            code="unknown_parameter",
+        )
+    if first["type"] == "missing" and len(loc) == 1:
+        return HttpError(
+            400,
+            f"Missing required parameter {field!r}: expected {valid}.",
+            fix=fix,
+            param=field,
+            code="missing_parameter",
+        )
+    found = first.get("input")
+    shown = repr(found)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    reason = first["msg"].removeprefix("Value error, ")
+    return HttpError(
+        400,
+        f"Invalid parameter {param}={shown}: {reason}. Valid: {valid}.",
+        fix=fix,
+        param=param,
+        code="invalid_parameter",
+    )
+
+
+def parse_request(model: type[_GenerationRequest], body: Any) -> Any:
+    """Validate a decoded JSON body against ``model``; every failure is a 400 :class:`HttpError`."""
+    if not isinstance(body, dict):
+        raise HttpError(
+            400,
+            f"The request body is a JSON {type(body).__name__}; it must be a JSON object.",
+            fix='send an object such as {"prompt": "Hello", "max_tokens": 16}',
+            code="invalid_body",
+        )
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _to_http_error(exc, model) from None
+
+
+# --- responses ----------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    #: ``{"cached_tokens": n}``: prompt tokens served from the prompt cache.
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    #: ``{"role": "assistant", "content": ""}`` first, then ``{"content": ...}``, ``{}`` last.
+    delta: dict[str, str]
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class _Envelope(BaseModel):
+    id: str
+    created: int
+    model: str
+
+
+class CompletionResponse(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletionResponse(_Envelope):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletionChunk(_Envelope):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mlx-loom"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
