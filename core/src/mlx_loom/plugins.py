@@ -294,16 +294,21 @@ class PluginHost:
             self._pm.register(obj, name=name)
         except (pluggy.PluginValidationError, ValueError) as err:
             raise _Quarantine(f"invalid plugin: {err}", tb.format_exc()) from None
-        unknown = [
-            caller.name
-            for caller in (self._pm.get_hookcallers(obj) or [])
-            if not caller.has_spec()
-        ]
-        if unknown:
+        try:
+            # pluggy's own check: a hook implementation with no matching spec
+            # (a misspelling) is an error. Earlier plugins passed it already,
+            # so any pending hook belongs to this one.
+            self._pm.check_pending()
+        except pluggy.PluginValidationError:
+            unknown = [
+                caller.name
+                for caller in (self._pm.get_hookcallers(obj) or [])
+                if not caller.has_spec()
+            ]
             raise _Quarantine(
                 f"implements hooks that match no hookspec: {', '.join(sorted(unknown))} "
                 f"(known hooks: loom_plugin_api_version, {', '.join(hookspecs.REGISTRATION_HOOKS)})"
-            )
+            ) from None
         answers = self._call(name, "loom_plugin_api_version")
         if not answers:
             raise _Quarantine(
