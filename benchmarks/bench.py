@@ -14,9 +14,10 @@ load the same directory.
 
 Both engines run the same loop shape — prefill of a random prompt, then
 greedy decode — through their own public token loops (``generate_tokens`` and
-mlx-lm's ``generate_step``). Engines run one after the other, each loaded
-alone (so peak memory counts one copy of the weights), warmed up once, then
-timed ``--repeats`` times; the best run is reported. Ratios are
+mlx-lm's ``generate_step``). Peak memory is measured for each engine with only
+its model loaded (one copy of the weights); speed is then measured with both
+loaded, warmed up once, and timed ``--repeats`` times interleaved (loom,
+mlx-lm, loom, ...); the best run of each is reported. Ratios are
 mlx-loom / mlx-lm: above 1.0 is faster for speed, below 1.0 is leaner for
 memory.
 """
@@ -29,7 +30,6 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,16 +133,6 @@ class Measure:
     peak_gb: float
 
 
-def _time(run: Callable[[], tuple[float, float]], repeats: int) -> Measure:
-    run()  # warm-up: compile kernels, touch the weights
-    best_p = best_d = 0.0
-    mx.reset_peak_memory()
-    for _ in range(repeats):
-        p, d = run()
-        best_p, best_d = max(best_p, p), max(best_d, d)
-    return Measure(best_p, best_d, mx.get_peak_memory() / 1e9)
-
-
 def _loop_speed(tokens, prompt_len: int, gen: int) -> tuple[float, float]:
     start = time.perf_counter()
     first = None
@@ -157,44 +147,79 @@ def _loop_speed(tokens, prompt_len: int, gen: int) -> tuple[float, float]:
     return prompt_len / (first - start), (n - 1) / (end - first)
 
 
-def measure_loom(path: Path, prompt: list[int], gen: int, repeats: int) -> Measure:
+def _greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+def load_loom(path: Path):
     model, _ = mlx_loom.load(path)
 
-    def run():
-        cache = model.make_cache()
-        tokens = generate_tokens(
-            model, prompt, cache, sampler=lambda lp: mx.argmax(lp, axis=-1), max_tokens=gen
-        )
+    def run(prompt: list[int], gen: int) -> tuple[float, float]:
+        tokens = generate_tokens(model, prompt, model.make_cache(), sampler=_greedy, max_tokens=gen)
         return _loop_speed(tokens, len(prompt), gen)
 
-    result = _time(run, repeats)
-    del model
-    return result
+    return run
 
 
-def measure_mlx_lm(path: Path, prompt: list[int], gen: int, repeats: int) -> Measure:
+def load_mlx_lm(path: Path):
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
 
     model, _ = load_model(path)
 
-    def run():
-        tokens = generate_step(mx.array(prompt), model, max_tokens=gen)
-        return _loop_speed(tokens, len(prompt), gen)
+    def run(prompt: list[int], gen: int) -> tuple[float, float]:
+        return _loop_speed(generate_step(mx.array(prompt), model, max_tokens=gen), len(prompt), gen)
 
-    result = _time(run, repeats)
-    del model
-    return result
+    return run
 
 
-def _isolated(fn, *args) -> Measure | str:
-    try:
-        return fn(*args)
-    except Exception as err:  # noqa: BLE001 - a failing engine is a row result, not a crash
-        return f"{type(err).__name__}: {str(err).splitlines()[0][:60]}"
-    finally:
-        gc.collect()
-        mx.clear_cache()
+ENGINES = {"loom": load_loom, "mlx-lm": load_mlx_lm}
+
+
+def _fresh() -> None:
+    gc.collect()
+    mx.clear_cache()
+
+
+def peak_memory(load, path: Path, prompt: list[int], gen: int) -> float:
+    """Peak GB of one run with only this engine's model loaded."""
+    _fresh()
+    mx.reset_peak_memory()
+    run = load(path)
+    run(prompt, gen)
+    peak = mx.get_peak_memory() / 1e9
+    del run
+    _fresh()
+    return peak
+
+
+def measure(path: Path, prompt: list[int], gen: int, repeats: int) -> dict[str, Measure | str]:
+    """Peak memory per engine alone, then speed with the engines interleaved.
+
+    Interleaving (A, B, A, B ...) keeps a noisy, shared machine's drift from
+    favouring whichever engine happened to run first.
+    """
+    out: dict[str, Measure | str] = {}
+    runners = {}
+    peaks = {}
+    for name, load in ENGINES.items():
+        try:
+            peaks[name] = peak_memory(load, path, prompt, gen)
+        except Exception as err:  # noqa: BLE001 - a failing engine is a row result
+            out[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:60]}"
+    for name in peaks:
+        runners[name] = ENGINES[name](path)
+        runners[name](prompt, gen)  # warm-up
+    best = {name: [0.0, 0.0] for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            p, d = run(prompt, gen)
+            best[name] = [max(best[name][0], p), max(best[name][1], d)]
+    for name in runners:
+        out[name] = Measure(best[name][0], best[name][1], peaks[name])
+    runners.clear()
+    _fresh()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         path = build(row)
         vocab = row.config.get("vocab_size") or row.config["text_config"]["vocab_size"]
         prompt = mx.random.randint(0, vocab, (args.prompt_tokens,), key=mx.random.key(1)).tolist()
-        ours = _isolated(measure_loom, path, prompt, args.gen_tokens, args.repeats)
-        theirs = _isolated(measure_mlx_lm, path, prompt, args.gen_tokens, args.repeats)
+        result = measure(path, prompt, args.gen_tokens, args.repeats)
+        ours, theirs = result["loom"], result["mlx-lm"]
         for engine, m in (("loom", ours), ("mlx-lm", theirs)):
             if isinstance(m, Measure):
                 print(f"{row.name:<24}{engine:<9}{m.prefill_tps:>14.1f}{m.decode_tps:>14.1f}"

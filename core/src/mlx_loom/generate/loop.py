@@ -16,6 +16,7 @@ caches hold (with pipelining, that is one token more than was yielded).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,20 @@ from ..cache import maybe_quantize_kv_cache
 from .sampling import LogitsProcessor, Sampler, logprobs_from_logits
 
 Forward = Callable[[mx.array, list[Any]], mx.array]
+
+# Generation runs on a stream of its own so that queuing the next step
+# (``mx.async_eval``) overlaps with the host work of handing out the current
+# token; on the default stream the two serialise. Measured on a 2-core CPU
+# with a 7M-parameter Llama: ~10% faster decode. MLX streams belong to the
+# thread that made them, so each generating thread gets its own, once.
+_streams = threading.local()
+
+
+def generation_stream() -> mx.Stream:
+    stream = getattr(_streams, "stream", None)
+    if stream is None:
+        stream = _streams.stream = mx.new_stream(mx.default_device())
+    return stream
 
 
 @dataclass(frozen=True)
@@ -69,7 +84,27 @@ def generate_tokens(
     ``history`` is what the caches already hold — logits processors
     (repetition penalties) see ``history + prompt + generated``.
     """
-    log = log if log is not None else StepLog()
+    with mx.stream(generation_stream()):
+        yield from _generate(
+            forward, prompt, cache, sampler=sampler, processors=processors, history=history,
+            max_tokens=max_tokens, prefill_step_size=prefill_step_size, kv=kv,
+            log=log if log is not None else StepLog(),
+        )
+
+
+def _generate(
+    forward: Forward,
+    prompt: Sequence[int],
+    cache: list[Any],
+    *,
+    sampler: Sampler | Callable[[mx.array], mx.array],
+    processors: Sequence[LogitsProcessor],
+    history: Sequence[int],
+    max_tokens: int,
+    prefill_step_size: int,
+    kv: KVQuantization,
+    log: StepLog,
+) -> Iterator[tuple[int, mx.array]]:
     seen = mx.array(list(history) + list(prompt), mx.uint32) if processors else None
     remaining = mx.array(list(prompt), mx.uint32)
 
