@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -189,6 +188,3 @@ def _unavailable(name: str, record: PluginRecord) -> PluginUnavailable:
         "traceback).",
     )
 
-
-def resolution_dict(resolved: Resolved) -> dict[str, Any]:
-    return resolved.summary.model_dump(mode="json")
