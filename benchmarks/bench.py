@@ -53,10 +53,18 @@ class Row:
 
 def llama(hidden, layers, heads, kv, inter, vocab) -> dict:
     return {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
-        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
-        "intermediate_size": inter, "vocab_size": vocab, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "intermediate_size": inter,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
     }
 
 
@@ -243,11 +251,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown rows: {sorted(unknown)}")
         table = [r for r in table if r.name in wanted]
 
-    header = (
-        f"{'row':<24}{'engine':<9}{'prefill tok/s':>14}{'decode tok/s':>14}{'peak GB':>9}"
+    header = f"{'row':<24}{'engine':<9}{'prefill tok/s':>14}{'decode tok/s':>14}{'peak GB':>9}"
+    print(
+        f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, "
+        f"best of {args.repeats}; mlx {mx.__version__}, device {mx.default_device()}"
     )
-    print(f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, "
-          f"best of {args.repeats}; mlx {mx.__version__}, device {mx.default_device()}")
     print(header)
     results = []
     for row in table:
@@ -258,19 +266,25 @@ def main(argv: list[str] | None = None) -> int:
         ours, theirs = result["loom"], result["mlx-lm"]
         for engine, m in (("loom", ours), ("mlx-lm", theirs)):
             if isinstance(m, Measure):
-                print(f"{row.name:<24}{engine:<9}{m.prefill_tps:>14.1f}{m.decode_tps:>14.1f}"
-                      f"{m.peak_gb:>9.3f}")
+                print(
+                    f"{row.name:<24}{engine:<9}{m.prefill_tps:>14.1f}{m.decode_tps:>14.1f}"
+                    f"{m.peak_gb:>9.3f}"
+                )
             else:
                 print(f"{row.name:<24}{engine:<9}  failed: {m}")
         if isinstance(ours, Measure) and isinstance(theirs, Measure):
-            print(f"{row.name:<24}{'ratio':<9}{ours.prefill_tps / theirs.prefill_tps:>14.2f}"
-                  f"{ours.decode_tps / theirs.decode_tps:>14.2f}"
-                  f"{ours.peak_gb / theirs.peak_gb:>9.2f}")
-        results.append({
-            "row": row.name,
-            "loom": ours.__dict__ if isinstance(ours, Measure) else ours,
-            "mlx_lm": theirs.__dict__ if isinstance(theirs, Measure) else theirs,
-        })
+            print(
+                f"{row.name:<24}{'ratio':<9}{ours.prefill_tps / theirs.prefill_tps:>14.2f}"
+                f"{ours.decode_tps / theirs.decode_tps:>14.2f}"
+                f"{ours.peak_gb / theirs.peak_gb:>9.2f}"
+            )
+        results.append(
+            {
+                "row": row.name,
+                "loom": ours.__dict__ if isinstance(ours, Measure) else ours,
+                "mlx_lm": theirs.__dict__ if isinstance(theirs, Measure) else theirs,
+            }
+        )
         sys.stdout.flush()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -63,8 +63,9 @@ class Variant:
 
     @hookimpl
     def loom_model_types(self):
-        return [dataclasses.replace(m, **self.model_type_changes)
-                for m in self.base.loom_model_types()]
+        return [
+            dataclasses.replace(m, **self.model_type_changes) for m in self.base.loom_model_types()
+        ]
 
     @hookimpl
     def loom_kernels(self):
@@ -86,8 +87,10 @@ class Variant:
     def loom_profiles(self):
         if self.capabilities is None:
             return self.base.loom_profiles()
-        return [p.model_copy(update={"capabilities": self.capabilities})
-                for p in self.base.loom_profiles()]
+        return [
+            p.model_copy(update={"capabilities": self.capabilities})
+            for p in self.base.loom_profiles()
+        ]
 
 
 # --- faults ------------------------------------------------------------------

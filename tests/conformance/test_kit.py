@@ -137,10 +137,22 @@ def test_loom_conformance_fixture_runs_the_suite(loom_conformance, kitlm):
 def test_a_conforming_plugin_passes_every_check_that_applies(conforming_report):
     assert conforming_report.passed, conforming_report.format()
     names = [r.name.split("[")[0] for r in conforming_report.results]
-    for check in ("hooks", "registrations", "no-collisions", "construct", "implementations",
-                  "forward", "incremental-decode", "greedy-determinism", "weight-coverage",
-                  "cache-trim", "prompt-cache-reuse", "state-round-trip", "batch-rows",
-                  "batch-equals-single"):
+    for check in (
+        "hooks",
+        "registrations",
+        "no-collisions",
+        "construct",
+        "implementations",
+        "forward",
+        "incremental-decode",
+        "greedy-determinism",
+        "weight-coverage",
+        "cache-trim",
+        "prompt-cache-reuse",
+        "state-round-trip",
+        "batch-rows",
+        "batch-equals-single",
+    ):
         assert check in names
 
 
@@ -158,8 +170,9 @@ def test_report_lines_name_status_check_and_detail(conforming_report):
 
 def test_declared_capabilities_are_checked_not_skipped(kitlm, tmp_path):
     caps = frozenset({GENERATE})
-    report = run_conformance(NAME, plugin=Variant(kitlm, capabilities=caps), workdir=tmp_path,
-                             collisions=False)
+    report = run_conformance(
+        NAME, plugin=Variant(kitlm, capabilities=caps), workdir=tmp_path, collisions=False
+    )
     assert statuses(report, "batch-rows") == {f"batch-rows[{NAME}]": "skip"}
     assert statuses(report, "cache-trim") == {f"cache-trim[{NAME}]": "skip"}
     assert report.passed, report.format()
@@ -169,8 +182,9 @@ def test_declared_capabilities_are_checked_not_skipped(kitlm, tmp_path):
 
 
 def run_variant(tmp_path, base, **changes):
-    return run_conformance(NAME, plugin=Variant(base, **changes), workdir=tmp_path,
-                           collisions=False)
+    return run_conformance(
+        NAME, plugin=Variant(base, **changes), workdir=tmp_path, collisions=False
+    )
 
 
 def test_a_loader_that_ignores_unexpected_tensors_fails_weight_coverage(kitlm, tmp_path):

@@ -39,16 +39,22 @@ def site(tmp_path_factory):
         f"write_checkpoint({str(checkpoint)!r}, TINY_CONFIG, checkpoint_tensors(TINY_CONFIG))\n",
         paths=paths,
     )
-    return {"package": package, "paths": paths, "checkpoint": checkpoint, "created": created,
-            "bare": [bare]}
+    return {
+        "package": package,
+        "paths": paths,
+        "checkpoint": checkpoint,
+        "created": created,
+        "bare": [bare],
+    }
 
 
 def python(code: str, *, paths: list[Path], args: list[str] = (), cwd: Path | None = None):
     environ = {k: v for k, v in os.environ.items() if k not in ("MLX_LOOM_PLUGINS", "PYTHONPATH")}
     environ["PYTHONPATH"] = os.pathsep.join([*map(str, paths), str(CORE_SRC)])
     command = [sys.executable, "-S", *(["-c", code] if code else []), *args]
-    result = subprocess.run(command, capture_output=True, text=True, env=environ, cwd=cwd,
-                            timeout=300)
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=environ, cwd=cwd, timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
@@ -64,15 +70,15 @@ def test_new_writes_a_package_with_entry_point_graph_loader_profile_and_tests(si
 
 
 def test_new_refuses_to_overwrite_an_existing_project(site):
-    result = run_loom(["plugins", "new", NAME, "--path", str(site["package"])],
-                      paths=site["bare"])
+    result = run_loom(["plugins", "new", NAME, "--path", str(site["package"])], paths=site["bare"])
     assert result.returncode == 1
     assert "already exists and is not an empty directory" in result.stderr
 
 
 def test_new_refuses_a_name_that_cannot_be_a_package(site, tmp_path):
-    result = run_loom(["plugins", "new", "Bad-Name", "--path", str(tmp_path / "x")],
-                      paths=site["bare"])
+    result = run_loom(
+        ["plugins", "new", "Bad-Name", "--path", str(tmp_path / "x")], paths=site["bare"]
+    )
     assert result.returncode == 1
     assert "Plugin name 'Bad-Name' is not usable" in result.stderr
 
@@ -91,13 +97,25 @@ def test_explain_selects_the_new_plugin_for_a_checkpoint_it_claims(site):
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert (summary["plugin"], summary["profile"], summary["implementation"]) == (
-        NAME, "demo_lm/family", "demo_lm.decoder.mlx"
+        NAME,
+        "demo_lm/family",
+        "demo_lm.decoder.mlx",
     )
 
 
 def test_the_new_plugin_generates_text(site):
-    result = run_loom(["generate", "--model", str(site["checkpoint"]), "--prompt", "hello world",
-                       "--max-tokens", "5"], paths=site["paths"])
+    result = run_loom(
+        [
+            "generate",
+            "--model",
+            str(site["checkpoint"]),
+            "--prompt",
+            "hello world",
+            "--max-tokens",
+            "5",
+        ],
+        paths=site["paths"],
+    )
     assert result.returncode == 0, result.stderr
     assert "Generation: " in result.stderr  # the stats line after the streamed text
     assert result.stdout.strip()
@@ -134,7 +152,10 @@ def test_plain_loom_plugins_still_lists_plugins(site):
 
 
 def test_the_generated_package_passes_its_own_tests_with_the_kit_fixtures(site):
-    result = python("", paths=site["paths"],
-                    args=["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-                    cwd=site["package"])
+    result = python(
+        "",
+        paths=site["paths"],
+        args=["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=site["package"],
+    )
     assert "2 passed" in result.stdout, result.stdout

@@ -39,15 +39,31 @@ def isolated_site(root: Path) -> Path:
 
 def pip_install_target(packages: list[Path], target: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--target", str(target), *map(str, packages)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            *map(str, packages),
+        ],
         check=True,
         capture_output=True,
     )
 
 
-def run_loom(args: list[str], *, paths: list[Path], env: dict[str, str] | None = None,
-             stdin: str | None = None) -> subprocess.CompletedProcess:
+def run_loom(
+    args: list[str],
+    *,
+    paths: list[Path],
+    env: dict[str, str] | None = None,
+    stdin: str | None = None,
+) -> subprocess.CompletedProcess:
     """``loom ARGS`` with only ``paths`` (plus the core's sources) importable."""
     environ = {k: v for k, v in os.environ.items() if k not in ("MLX_LOOM_PLUGINS", "PYTHONPATH")}
     environ["PYTHONPATH"] = os.pathsep.join([*map(str, paths), str(CORE_SRC)])

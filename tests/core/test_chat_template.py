@@ -28,8 +28,11 @@ CONVERSATIONS = [
 TOOLS = [
     {
         "type": "function",
-        "function": {"name": "add", "description": "a+b <sum>",
-                     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        "function": {
+            "name": "add",
+            "description": "a+b <sum>",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        },
     }
 ]
 
@@ -56,9 +59,10 @@ def test_rendering_matches_transformers(family, oracles, add_generation_prompt):
         expected = theirs.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
-        assert ours.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt
-        ) == expected
+        assert (
+            ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            == expected
+        )
 
 
 def test_chat_ids_match_transformers_and_mlx_lm(family, oracles):  # noqa: F811
@@ -127,19 +131,23 @@ def test_continue_final_message_matches_transformers(fixture_dirs, oracles):  # 
 
 def test_none_fields_are_dropped_like_transformers(fixture_dirs, oracles, tmp_path):  # noqa: F811
     path = _with_template(
-        fixture_dirs["byte_bpe"], tmp_path / "m",
+        fixture_dirs["byte_bpe"],
+        tmp_path / "m",
         "{% for m in messages %}{{ m.role }}:{{ m.get('content', 'EMPTY') }};{% endfor %}",
     )
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}]
     expected = AutoTokenizer.from_pretrained(path).apply_chat_template(messages, tokenize=False)
-    assert Tokenizer.from_dir(path).apply_chat_template(messages) == expected == (
-        "user:a;assistant:EMPTY;"
+    assert (
+        Tokenizer.from_dir(path).apply_chat_template(messages)
+        == expected
+        == ("user:a;assistant:EMPTY;")
     )
 
 
 def test_template_kwargs_and_strftime_now_reach_the_template(fixture_dirs, tmp_path):  # noqa: F811
     path = _with_template(
-        fixture_dirs["byte_bpe"], tmp_path / "m",
+        fixture_dirs["byte_bpe"],
+        tmp_path / "m",
         "{{ strftime_now('%Y') }}|{{ enable_thinking }}|{{ eos_token }}|"
         "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}"
         "{% endfor %}{% generation %}G{% endgeneration %}",

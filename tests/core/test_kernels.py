@@ -8,7 +8,9 @@ from mlx_loom.kernels import Kernel, KernelRegistry, Provider, active_backend, r
 
 
 def k(name="step", backend="cpu", plugin="fam"):
-    return Kernel(name, backend, fn=lambda: backend, provider=Provider(plugin, f"dist-{plugin}", "1.0"))
+    return Kernel(
+        name, backend, fn=lambda: backend, provider=Provider(plugin, f"dist-{plugin}", "1.0")
+    )
 
 
 def test_this_machine_runs_the_cpu_backend():

@@ -18,8 +18,9 @@ from .toyfamily import PLUGIN_SOURCE, PYPROJECT, write_toy_checkpoint
 SUPPORT = Path(__file__).with_name("toyfamily.py")
 
 
-def make_package(root: Path, *, name: str, dist: str, version: str, extra: str = "",
-                 model_type: str = "toy_lm") -> Path:
+def make_package(
+    root: Path, *, name: str, dist: str, version: str, extra: str = "", model_type: str = "toy_lm"
+) -> Path:
     pkg = root / dist
     pkg.mkdir(parents=True)
     module = f"loom_{name}"
@@ -38,7 +39,10 @@ def sites(tmp_path_factory):
     root = tmp_path_factory.mktemp("plugins")
     good = make_package(root, name="toygood", dist="loom-toy-good", version="1.2.3")
     broken = make_package(
-        root, name="toybroken", dist="loom-toy-broken", version="0.0.1",
+        root,
+        name="toybroken",
+        dist="loom-toy-broken",
+        version="0.0.1",
         extra="raise ImportError('needs libfoo, which is not installed')",
         model_type="toy_broken",
     )
@@ -80,7 +84,9 @@ def test_installed_plugin_is_discovered_with_distribution_and_version(sites):
     records = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
     good = records["toygood"]
     assert (good["distribution"], good["version"], good["status"]) == (
-        "loom-toy-good", "1.2.3", "loaded",
+        "loom-toy-good",
+        "1.2.3",
+        "loaded",
     )
     assert good["registers"]["implementations"] == ["toygood.lm"]
 

@@ -104,12 +104,15 @@ def test_duplicate_ids_across_plugins_are_an_error_naming_both():
     assert isinstance(h.registry_error, RegistrationError)
     assert "by a (" in h.registry_error.message and "by b (" in h.registry_error.message
     with pytest.raises(RegistrationError):
-        h.registry
+        _ = h.registry
 
 
 def test_allow_list_blocks_plugins_not_listed():
-    h = host(("a", ToyPlugin()), ("b", ToyPlugin(model_type="m2", impl_id="b.lm")),
-             policy=PluginPolicy.allow("a"))
+    h = host(
+        ("a", ToyPlugin()),
+        ("b", ToyPlugin(model_type="m2", impl_id="b.lm")),
+        policy=PluginPolicy.allow("a"),
+    )
     assert h.record("a").status == "loaded"
     assert h.record("b").status == "blocked"
     assert "blocked by plugin policy (allow a)" in h.record("b").reason

@@ -103,7 +103,9 @@ def test_exact_artifact_profile_wins_over_family_profile():
 
 def test_family_profile_is_chosen_when_fingerprints_differ():
     choice = resolve_profile(
-        [profile(), exact()], model_type="llama", artifact_fingerprint="sha256:x",
+        [profile(), exact()],
+        model_type="llama",
+        artifact_fingerprint="sha256:x",
         config_fingerprint=FP_C,
     )
     assert choice.profile.id == "fam/llama"
@@ -113,7 +115,9 @@ def test_family_profile_is_chosen_when_fingerprints_differ():
 def test_two_exact_matches_are_an_error():
     with pytest.raises(ProfileError, match="2 exact-artifact profiles match"):
         resolve_profile(
-            [exact("a"), exact("b")], model_type="llama", artifact_fingerprint=FP_A,
+            [exact("a"), exact("b")],
+            model_type="llama",
+            artifact_fingerprint=FP_A,
             config_fingerprint=FP_C,
         )
 
@@ -121,12 +125,15 @@ def test_two_exact_matches_are_an_error():
 def test_two_family_profiles_for_one_model_type_are_an_error():
     with pytest.raises(ProfileError, match="2 family profiles claim model_type 'llama'"):
         resolve_profile(
-            [profile(id="a"), profile(id="b")], model_type="llama", artifact_fingerprint=None,
+            [profile(id="a"), profile(id="b")],
+            model_type="llama",
+            artifact_fingerprint=None,
             config_fingerprint=None,
         )
 
 
 def test_no_profile_for_the_model_type_is_unknown_model_type():
     with pytest.raises(UnknownModelType, match="'mamba'"):
-        resolve_profile([profile()], model_type="mamba", artifact_fingerprint=None,
-                        config_fingerprint=None)
+        resolve_profile(
+            [profile()], model_type="mamba", artifact_fingerprint=None, config_fingerprint=None
+        )

@@ -92,7 +92,7 @@ def test_result_does_not_depend_on_chunking():
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
         by_char = _run(stops, list(text))
         cuts = sorted(rng.sample(range(len(text) + 1), k=min(3, len(text) + 1)))
-        chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
         assert _run(stops, chunks) == by_char == _run(stops, [text]), (text, chunks)
 
 

@@ -176,9 +176,7 @@ def build_spm_bpe(directory: Path, *, vocab_size: int = 520, strip_decoder: bool
     """Llama-2-style SentencePiece BPE with byte fallback and a BOS post-processor."""
     specials = ["<unk>", "<s>", "</s>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.pre_tokenizer = None
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if strip_decoder:
@@ -232,7 +230,8 @@ def build_unigram(directory: Path, *, vocab_size: int = 300) -> Path:
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A <bos> $B",
+        single="<bos> $A",
+        pair="<bos> $A <bos> $B",
         special_tokens=[("<bos>", tok.token_to_id("<bos>"))],
     )
     directory.mkdir(parents=True, exist_ok=True)
@@ -256,8 +255,14 @@ def build_unigram(directory: Path, *, vocab_size: int = 300) -> Path:
 
 
 def _added_token(content: str) -> dict:
-    return {"__type": "AddedToken", "content": content, "lstrip": False,
-            "normalized": False, "rstrip": False, "single_word": False}
+    return {
+        "__type": "AddedToken",
+        "content": content,
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+    }
 
 
 def _write_json(path: Path, data: object) -> None:
@@ -281,6 +286,7 @@ MULTIBYTE_SAMPLES = [
 
 
 # --- pytest fixtures (import them into a test module to use them) -------------
+
 
 @pytest.fixture(scope="module")
 def fixture_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

@@ -101,9 +101,7 @@ class ToyPlugin:
         self.kernel_names = tuple(kernels)
         self.kernel_backends = tuple(kernel_backends)
         self.api_version = api_version
-        self.profile_list = (
-            list(profiles) if profiles is not None else [family_profile(model_type)]
-        )
+        self.profile_list = list(profiles) if profiles is not None else [family_profile(model_type)]
         self.capabilities = frozenset(capabilities)
 
     @hookimpl
@@ -175,7 +173,7 @@ def loom_profiles():
                     capabilities=frozenset({{"generate"}}))]
 '''
 
-PYPROJECT = '''
+PYPROJECT = """
 [build-system]
 requires = ["setuptools>=61"]
 build-backend = "setuptools.build_meta"
@@ -190,4 +188,4 @@ dependencies = []
 
 [tool.setuptools]
 py-modules = ["{module}", "toyfamily_support"]
-'''
+"""

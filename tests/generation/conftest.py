@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mlx_loom_minicpm5.plugin import TINY_CONFIG, checkpoint_tensors
 
 from mlx_loom.testing.checkpoints import write_checkpoint
+from mlx_loom_minicpm5.plugin import TINY_CONFIG, checkpoint_tensors
 
 
 def make_llama(path: Path, *, dtype: str = "F32", seed: int = 0, **config) -> Path:

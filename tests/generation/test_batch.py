@@ -27,7 +27,7 @@ def single(model, prompt, steps):
 def test_each_row_equals_the_prompt_run_alone(fixture, request):
     model, _ = mlx_loom.load(request.getfixturevalue(fixture))
     rows = batch_generate_tokens(model, PROMPTS, max_tokens=32)
-    for prompt, (tokens, reason) in zip(PROMPTS, rows):
+    for prompt, (tokens, reason) in zip(PROMPTS, rows, strict=True):
         assert tokens == single(model, prompt, 32)
         assert reason == "length"
 
@@ -38,7 +38,7 @@ def test_batched_prefill_logits_match_mlx_lm_batch_cache(llama_f32):
     oracle, _ = load_model(llama_f32)
     width = max(map(len, PROMPTS))
     padding = [width - len(p) for p in PROMPTS]
-    inputs = mx.array([[0] * pad + p for p, pad in zip(PROMPTS, padding)])
+    inputs = mx.array([[0] * pad + p for p, pad in zip(PROMPTS, padding, strict=True)])
     ours = model(inputs, make_batch_cache(model, padding))
     theirs = oracle(inputs, cache=[BatchKVCache(padding) for _ in oracle.layers])
     for row, pad in enumerate(padding):

@@ -33,8 +33,18 @@ def test_generate_without_chat_template_feeds_raw_text(llama_f32, capsys):
     raw = len(tok.encode("hello world"))
     templated = len(tok.encode_chat([{"role": "user", "content": "hello world"}]))
     assert raw != templated
-    main(["generate", "--model", str(llama_f32), "-p", "hello world", "-m", "3",
-          "--no-chat-template"])
+    main(
+        [
+            "generate",
+            "--model",
+            str(llama_f32),
+            "-p",
+            "hello world",
+            "-m",
+            "3",
+            "--no-chat-template",
+        ]
+    )
     assert f"Prompt: {raw} tokens" in capsys.readouterr().err
     main(["generate", "--model", str(llama_f32), "-p", "hello world", "-m", "3"])
     assert f"Prompt: {templated} tokens" in capsys.readouterr().err
@@ -47,10 +57,21 @@ def test_generate_rejects_bad_sampling_with_exit_code_1(llama_f32, capsys):
 
 
 def test_generate_with_kv_bits(llama_hd32, capsys):
-    code = main([
-        "generate", "--model", str(llama_hd32), "-p", "hi", "-m", "6",
-        "--kv-bits", "8", "--kv-group-size", "32",
-    ])
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(llama_hd32),
+            "-p",
+            "hi",
+            "-m",
+            "6",
+            "--kv-bits",
+            "8",
+            "--kv-group-size",
+            "32",
+        ]
+    )
     assert code == 0
 
 

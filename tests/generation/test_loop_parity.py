@@ -24,11 +24,17 @@ def prompt_ids(n: int, vocab: int = 256, seed: int = 7) -> list[int]:
     return mx.random.randint(0, vocab, (n,), key=mx.random.key(seed)).tolist()
 
 
-def run_ours(path, prompt, *, params=SamplingParams(), steps=STEPS, **loop):
+def run_ours(path, prompt, *, params=None, steps=STEPS, **loop):
+    params = params or SamplingParams()
     model, _ = mlx_loom.load(path)
     out = generate_tokens(
-        model, prompt, model.make_cache(), sampler=make_sampler(params),
-        processors=make_logits_processors(params), max_tokens=steps, **loop,
+        model,
+        prompt,
+        model.make_cache(),
+        sampler=make_sampler(params),
+        processors=make_logits_processors(params),
+        max_tokens=steps,
+        **loop,
     )
     return [(t, lp) for t, lp in out]
 
@@ -42,7 +48,7 @@ def run_oracle(path, prompt, *, steps=STEPS, seed=None, **kwargs):
 
 def assert_identical(ours, theirs):
     assert [t for t, _ in ours] == [t for t, _ in theirs]
-    for step, ((_, a), (_, b)) in enumerate(zip(ours, theirs)):
+    for step, ((_, a), (_, b)) in enumerate(zip(ours, theirs, strict=True)):
         assert mx.array_equal(a, b), f"log-probabilities differ at step {step}"
 
 
@@ -61,7 +67,11 @@ def test_quantized_kv_matches_mlx_lm(llama_hd32, bits):
     prompt = prompt_ids(21)
     ours = run_ours(llama_hd32, prompt, kv=KVQuantization(bits, 32, 8), prefill_step_size=8)
     theirs = run_oracle(
-        llama_hd32, prompt, kv_bits=bits, kv_group_size=32, quantized_kv_start=8,
+        llama_hd32,
+        prompt,
+        kv_bits=bits,
+        kv_group_size=32,
+        quantized_kv_start=8,
         prefill_step_size=8,
     )
     assert_identical(ours, theirs)
@@ -82,7 +92,8 @@ def test_penalties_match_mlx_lm(llama_f32):
     params = SamplingParams(repetition_penalty=1.5, penalty_context_size=16)
     ours = run_ours(llama_f32, prompt, params=params)
     theirs = run_oracle(
-        llama_f32, prompt,
+        llama_f32,
+        prompt,
         logits_processors=lm_processors(repetition_penalty=1.5, repetition_context_size=16),
     )
     assert_identical(ours, theirs)

@@ -125,7 +125,7 @@ def test_prompt_cache_trims_a_diverging_tail_exactly(loaded):
     fresh = run(model, tok, prompt=other, max_tokens=16)
     assert reused[-1].cached_tokens > 0
     assert [r.token for r in reused] == [r.token for r in fresh]
-    for a, b in zip(reused, fresh):
+    for a, b in zip(reused, fresh, strict=True):
         assert mx.allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 

@@ -39,8 +39,16 @@ def test_an_invalid_max_tokens_limit_exits_1(checkpoint, capsys):
 
 def test_loom_serve_serves_until_interrupted(checkpoint):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_loom.cli.main", "serve", "--model", str(checkpoint),
-         "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "mlx_loom.cli.main",
+            "serve",
+            "--model",
+            str(checkpoint),
+            "--port",
+            "0",
+        ],
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -169,7 +169,10 @@ def test_eos_finishes_with_stop_and_counts_the_token(client, oracle):
     body = {"prompt": PROMPT, "max_tokens": 10, "logit_bias": {str(eos): 100}}
     reply = client.post("/v1/completions", body).json
     assert reply["choices"][0] == {
-        "index": 0, "text": "", "logprobs": None, "finish_reason": "stop"
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": "stop",
     }
     assert reply["usage"]["completion_tokens"] == 1
 

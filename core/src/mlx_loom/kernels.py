@@ -103,7 +103,8 @@ class KernelRegistry:
             if key in table:
                 raise RegistrationError(
                     f"Kernel {kernel.name!r} for backend {kernel.backend!r} is registered twice: "
-                    f"by {table[key].provider or 'a plugin'} and by {kernel.provider or 'a plugin'}.",
+                    f"by {table[key].provider or 'a plugin'} and by "
+                    f"{kernel.provider or 'a plugin'}.",
                     fix="Uninstall or disallow one of the two plugins.",
                 )
             table[key] = kernel

@@ -205,7 +205,8 @@ class PluginHost:
                 profiles=collected.profiles,
                 kernels=collected.kernels,
                 profile_providers={
-                    p.id: prov for p, prov in zip(collected.profiles, self._profile_providers)
+                    p.id: prov
+                    for p, prov in zip(collected.profiles, self._profile_providers, strict=True)
                 },
             )
         except RegistrationError as err:
@@ -253,26 +254,34 @@ class PluginHost:
         base = dict(name=name, distribution=provider.distribution, version=provider.version)
         if not self.policy.permits(name):
             return PluginRecord(
-                **base, status="blocked", reason=f"blocked by plugin policy ({self.policy.describe()})"
+                **base,
+                status="blocked",
+                reason=f"blocked by plugin policy ({self.policy.describe()})",
             )
         api_version: str | None = None
         try:
             try:
                 obj = loader()
             except Exception as err:  # noqa: BLE001 - any import failure quarantines
-                raise _Quarantine(f"import failed: {type(err).__name__}: {err}", tb.format_exc())
+                raise _Quarantine(
+                    f"import failed: {type(err).__name__}: {err}", tb.format_exc()
+                ) from None
             api_version = self._register(name, obj)
             found = self._collect(name, obj, provider)
         except _Quarantine as q:
             if self.strict:
                 raise PluginError(
-                    f"Plugin {name!r} ({provider.distribution} {provider.version}) failed: {q.reason}",
+                    f"Plugin {name!r} ({provider.distribution} {provider.version}) failed: "
+                    f"{q.reason}",
                     fix="Fix or uninstall the plugin, or run without strict plugin loading.",
                 ) from None
             if self._pm.get_plugin(name) is not None:
                 self._pm.unregister(name=name)
             return PluginRecord(
-                **base, status="quarantined", reason=q.reason, traceback=q.trace,
+                **base,
+                status="quarantined",
+                reason=q.reason,
+                traceback=q.trace,
                 api_version=api_version,
             )
         collected.model_types += found.model_types

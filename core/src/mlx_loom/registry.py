@@ -57,7 +57,9 @@ class ModelType:
     #: The tensors a checkpoint of a given config holds, in Hugging Face
     #: layout: ``config dict -> {name: (shape, dtype name)}``. The conformance
     #: kit writes random weights from it and checks exact weight coverage.
-    checkpoint_tensors: Callable[[Mapping[str, Any]], Mapping[str, tuple[tuple[int, ...], str]]] | None = None
+    checkpoint_tensors: (
+        Callable[[Mapping[str, Any]], Mapping[str, tuple[tuple[int, ...], str]]] | None
+    ) = None
     provider: Provider | None = field(default=None, compare=False)
 
 

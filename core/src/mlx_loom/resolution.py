@@ -93,7 +93,9 @@ class Resolved:
     model_dir: Path
 
 
-def resolve(model_ref: str | Path, *, host: PluginHost, registry: Registry | None = None) -> Resolved:
+def resolve(
+    model_ref: str | Path, *, host: PluginHost, registry: Registry | None = None
+) -> Resolved:
     """Resolve ``model_ref`` against the host's (or the given composed) registry."""
     registry = registry if registry is not None else host.registry
     model_dir = resolve_model_ref(model_ref)
@@ -184,7 +186,5 @@ def _unavailable(name: str, record: PluginRecord) -> PluginUnavailable:
         )
     return PluginUnavailable(
         f"model_type {name!r} is claimed by {who}, which is quarantined: {record.reason}.",
-        fix=f"Fix or reinstall {record.distribution} (`loom plugins --json` shows the "
-        "traceback).",
+        fix=f"Fix or reinstall {record.distribution} (`loom plugins --json` shows the traceback).",
     )
-

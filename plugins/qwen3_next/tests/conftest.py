@@ -33,13 +33,28 @@ QWEN3_NEXT_CONFIG: dict[str, Any] = {**TINY_QWEN3_NEXT, "head_dim": 16, "eos_tok
 QWEN3_5_TEXT = {
     k: v
     for k, v in QWEN3_NEXT_CONFIG.items()
-    if k not in {"num_experts", "num_experts_per_tok", "decoder_sparse_step", "mlp_only_layers",
-                 "shared_expert_intermediate_size", "moe_intermediate_size", "norm_topk_prob",
-                 "rope_theta", "partial_rotary_factor", "architectures", "model_type"}
+    if k
+    not in {
+        "num_experts",
+        "num_experts_per_tok",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "shared_expert_intermediate_size",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "rope_theta",
+        "partial_rotary_factor",
+        "architectures",
+        "model_type",
+    }
 } | {
     "model_type": "qwen3_5_text",
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                        "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]},
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0],
+    },
 }
 QWEN3_5_CONFIG: dict[str, Any] = {
     "model_type": "qwen3_5",
@@ -55,8 +70,12 @@ def _hf_tensors(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     D, V = t["hidden_size"], t["vocab_size"]
     H, KV, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
-    nk, nv, dk, dv = (t["linear_num_key_heads"], t["linear_num_value_heads"],
-                      t["linear_key_head_dim"], t["linear_value_head_dim"])
+    nk, nv, dk, dv = (
+        t["linear_num_key_heads"],
+        t["linear_num_value_heads"],
+        t["linear_key_head_dim"],
+        t["linear_value_head_dim"],
+    )
     K = t["linear_conv_kernel_dim"]
     conv = 2 * nk * dk + nv * dv
     split = cfg["model_type"] != "qwen3_next"
@@ -69,8 +88,10 @@ def _hf_tensors(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     def zero_centred(n: int) -> np.ndarray:  # stored as gain - 1
         return (rng.standard_normal(n) * 0.1).astype(np.float32)
 
-    out = {f"{prefix}embed_tokens.weight": w(V, D, scale=0.5),
-           f"{prefix}norm.weight": zero_centred(D)}
+    out = {
+        f"{prefix}embed_tokens.weight": w(V, D, scale=0.5),
+        f"{prefix}norm.weight": zero_centred(D),
+    }
     if not t.get("tie_word_embeddings", False):
         out["lm_head.weight"] = w(V, D)
     interval = t["full_attention_interval"]
@@ -103,7 +124,9 @@ def _hf_tensors(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
             out[sa + "q_norm.weight"] = zero_centred(hd)
             out[sa + "k_norm.weight"] = zero_centred(hd)
         sparse = (
-            not split and n_exp > 0 and i not in t.get("mlp_only_layers", [])
+            not split
+            and n_exp > 0
+            and i not in t.get("mlp_only_layers", [])
             and (i + 1) % t.get("decoder_sparse_step", 1) == 0
         )
         m = p + "mlp."
@@ -129,9 +152,15 @@ def _hf_tensors(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def write_checkpoint(path: Path, cfg: dict[str, Any], *, seed: int = 0,
-                     dtype: mx.Dtype = mx.float32, round_to: mx.Dtype | None = None,
-                     drop: tuple[str, ...] = ()) -> Path:
+def write_checkpoint(
+    path: Path,
+    cfg: dict[str, Any],
+    *,
+    seed: int = 0,
+    dtype: mx.Dtype = mx.float32,
+    round_to: mx.Dtype | None = None,
+    drop: tuple[str, ...] = (),
+) -> Path:
     """Write ``cfg`` and random HF-layout tensors; ``round_to`` first rounds them to that dtype."""
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -154,8 +183,13 @@ def load_ours(path: Path) -> HybridLM:
     art = read_config(path)
     schema = Qwen3NextConfig if art.model_type == "qwen3_next" else Qwen3_5Config
     cfg = schema.model_validate(art.raw)
-    return load_model(path, cfg, cpu_kernels(), fused=art.model_type == "qwen3_next",
-                      quantization=art.quantization)
+    return load_model(
+        path,
+        cfg,
+        cpu_kernels(),
+        fused=art.model_type == "qwen3_next",
+        quantization=art.quantization,
+    )
 
 
 def load_reference(path: Path):
@@ -228,7 +262,10 @@ def qn():
     import types
 
     return types.SimpleNamespace(
-        QWEN3_NEXT_CONFIG=QWEN3_NEXT_CONFIG, QWEN3_5_CONFIG=QWEN3_5_CONFIG,
-        write_checkpoint=write_checkpoint, load_ours=load_ours, load_reference=load_reference,
+        QWEN3_NEXT_CONFIG=QWEN3_NEXT_CONFIG,
+        QWEN3_5_CONFIG=QWEN3_5_CONFIG,
+        write_checkpoint=write_checkpoint,
+        load_ours=load_ours,
+        load_reference=load_reference,
         cpu_kernels=cpu_kernels,
     )

@@ -13,14 +13,29 @@ from mlx_loom_qwen3_next.loader import sanitize
 
 def _cfg(**changes):
     base = {
-        "model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 4,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
-        "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
-        "shared_expert_intermediate_size": 32, "mlp_only_layers": [2],
-        "moe_intermediate_size": 32, "rms_norm_eps": 1e-6, "vocab_size": 256,
-        "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "max_position_embeddings": 4096,
+        "model_type": "qwen3_next",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 32,
+        "mlp_only_layers": [2],
+        "moe_intermediate_size": 32,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 256,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "max_position_embeddings": 4096,
         "full_attention_interval": 2,
     }
     return {**base, **changes}
@@ -84,8 +99,9 @@ def test_missing_linear_attention_tensors_fail_at_load_naming_them(tmp_path, qn)
 
 
 def test_a_missing_expert_fails_at_load_naming_it(tmp_path, qn):
-    path = qn.write_checkpoint(tmp_path / "m", qn.QWEN3_NEXT_CONFIG,
-                            drop=("model.layers.1.mlp.experts.3.up_proj.weight",))
+    path = qn.write_checkpoint(
+        tmp_path / "m", qn.QWEN3_NEXT_CONFIG, drop=("model.layers.1.mlp.experts.3.up_proj.weight",)
+    )
     want = r"model.layers.1.mlp.experts.\*.up_proj.weight: missing experts \[3\]"
     with pytest.raises(WeightsError, match=want):
         qn.load_ours(path)
@@ -99,8 +115,11 @@ def test_sanitize_maps_hf_layout_like_mlx_lm():
         "model.layers.0.linear_attn.norm.weight": mx.zeros(8),
         "model.norm.weight": mx.zeros(64),
         "mtp.layers.0.input_layernorm.weight": mx.zeros(64),
-        **{f"model.layers.1.mlp.experts.{e}.{p}.weight": mx.full((2, 2), e)
-           for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")},
+        **{
+            f"model.layers.1.mlp.experts.{e}.{p}.weight": mx.full((2, 2), e)
+            for e in range(4)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        },
     }
     out = sanitize(w, cfg)
     assert out["model.layers.0.linear_attn.conv1d.weight"].shape == (96, 4, 1)
@@ -116,13 +135,18 @@ def test_qwen3_5_prefix_layouts_map_to_the_same_names(prefix):
     cfg = Qwen3_5Config.model_validate(
         {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
     )
-    w = {prefix + "norm.weight": mx.ones(64), "language_model.lm_head.weight": mx.ones((2, 2)),
-         "model.visual.blocks.0.weight": mx.ones(2)}
+    w = {
+        prefix + "norm.weight": mx.ones(64),
+        "language_model.lm_head.weight": mx.ones((2, 2)),
+        "model.visual.blocks.0.weight": mx.ones(2),
+    }
     assert sorted(sanitize(w, cfg)) == ["lm_head.weight", "model.norm.weight"]
 
 
 def test_already_converted_checkpoints_are_not_shifted_again():
     cfg = _validate(_cfg(num_hidden_layers=2, mlp_only_layers=[]))
-    w = {"model.layers.0.linear_attn.conv1d.weight": mx.zeros((96, 4, 1)),
-         "model.norm.weight": mx.ones(64)}
+    w = {
+        "model.layers.0.linear_attn.conv1d.weight": mx.zeros((96, 4, 1)),
+        "model.norm.weight": mx.ones(64),
+    }
     assert sanitize(w, cfg)["model.norm.weight"].tolist() == [1.0] * 64

@@ -40,8 +40,10 @@ def test_cacheless_forward_matches_mlx_lm(kind, loaders):
 
 
 def _our_batch_cache(model, pad):
-    return [RecurrentCache(left_padding=pad) if layer.is_linear else BatchKVCache(pad)
-            for layer in model.layers]
+    return [
+        RecurrentCache(left_padding=pad) if layer.is_linear else BatchKVCache(pad)
+        for layer in model.layers
+    ]
 
 
 def _left_pad(rows):
@@ -55,8 +57,10 @@ def test_left_padded_batch_matches_mlx_lm_batch_path(kind, loaders):
     rows = [PROMPT, PROMPT[3:8], PROMPT[:9]]
     x, pad = _left_pad(rows)
     ca = _our_batch_cache(ours, pad)
-    cb = [ArraysCache(2, left_padding=pad) if layer.is_linear else LmBatchKVCache(pad)
-          for layer in ref.layers]
+    cb = [
+        ArraysCache(2, left_padding=pad) if layer.is_linear else LmBatchKVCache(pad)
+        for layer in ref.layers
+    ]
     la, lb = ours(x, cache=ca), ref(x, cache=cb)
     for r, p in enumerate(pad):
         assert mx.array_equal(la[r, p:], lb[r, p:])

@@ -28,8 +28,10 @@ PROMPT = [1, 5, 7, 9, 11, 200, 3, 4, 8, 100, 42, 17]
 
 def _registry() -> Registry:
     return Registry(
-        model_types=plugin.loom_model_types(), implementations=plugin.loom_implementations(),
-        profiles=plugin.loom_profiles(), kernels=plugin.loom_kernels(),
+        model_types=plugin.loom_model_types(),
+        implementations=plugin.loom_implementations(),
+        profiles=plugin.loom_profiles(),
+        kernels=plugin.loom_kernels(),
     )
 
 
@@ -82,7 +84,10 @@ def test_kv_quantized_attention_layers_match_mlx_lm(loaders):
     maybe_quantize_kv_cache(ca, kv_bits=8, kv_group_size=32, quantized_kv_start=0)
     lm_maybe_quantize(cb, quantized_kv_start=0, kv_group_size=32, kv_bits=8)
     assert [type(c).__name__ for c in ca] == [
-        "RecurrentCache", "QuantizedKVCache", "RecurrentCache", "QuantizedKVCache"
+        "RecurrentCache",
+        "QuantizedKVCache",
+        "RecurrentCache",
+        "QuantizedKVCache",
     ]
     for _ in range(8):
         t = mx.argmax(la[:, -1], -1)[:, None]

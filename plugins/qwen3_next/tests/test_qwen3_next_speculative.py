@@ -72,8 +72,7 @@ def test_greedy_speculation_with_a_draft_gives_the_plain_greedy_tokens(loaders):
     logits = model(mx.array([PROMPT]), cache=cache)
     got = [mx.argmax(logits[:, -1], -1).item()]
     while len(got) < 12:
-        draft = [(want[len(got) + i] if i % 2 == 0 else 3) for i in range(3)
-                 if len(got) + i < 12]
+        draft = [(want[len(got) + i] if i % 2 == 0 else 3) for i in range(3) if len(got) + i < 12]
         verify = _verify_round_partial(model, cache, [got[-1], *draft])
         got.extend(verify)
     assert got[:12] == want

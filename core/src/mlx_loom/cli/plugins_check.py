@@ -38,22 +38,35 @@ def run(args: argparse.Namespace) -> int:
     # such, not checked behind the user's back.
     record = PluginHost().record(args.name)
     if record is not None and record.status == "blocked":
-        return _unavailable(args, f"plugin {args.name!r} is {record.reason}",
-                            f"allow it: add {args.name!r} to MLX_LOOM_PLUGINS")
+        return _unavailable(
+            args,
+            f"plugin {args.name!r} is {record.reason}",
+            f"allow it: add {args.name!r} to MLX_LOOM_PLUGINS",
+        )
     report = run_conformance(args.name)
     if not report.available:
         reason = report.results[0].detail if report.results else "unavailable"
-        fix = (f"pip install the package that provides {args.name!r}" if record is None
-               else "fix or reinstall it (`loom plugins --traceback` shows the cause)")
+        fix = (
+            f"pip install the package that provides {args.name!r}"
+            if record is None
+            else "fix or reinstall it (`loom plugins --traceback` shows the cause)"
+        )
         return _unavailable(args, reason, fix)
     if args.json:
-        print(json.dumps({
-            "plugin": report.plugin,
-            "passed": report.passed,
-            "checks": [{"name": r.name, "status": r.status, "detail": r.detail}
-                       for r in report.results],
-            "seconds": round(report.seconds, 3),
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "plugin": report.plugin,
+                    "passed": report.passed,
+                    "checks": [
+                        {"name": r.name, "status": r.status, "detail": r.detail}
+                        for r in report.results
+                    ],
+                    "seconds": round(report.seconds, 3),
+                },
+                indent=2,
+            )
+        )
     else:
         for result in report.results:
             print(result.line(), flush=True)
@@ -63,10 +76,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _unavailable(args: argparse.Namespace, reason: str, fix: str) -> int:
     if args.json:
-        print(json.dumps({"plugin": args.name, "passed": False, "error": reason, "fix": fix,
-                          "exit_code": EXIT_UNAVAILABLE}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "plugin": args.name,
+                    "passed": False,
+                    "error": reason,
+                    "fix": fix,
+                    "exit_code": EXIT_UNAVAILABLE,
+                },
+                indent=2,
+            )
+        )
     else:
         print(f"loom: refused: {reason}", file=sys.stderr)
         print(f"fix: {fix}", file=sys.stderr)
     return EXIT_UNAVAILABLE
-

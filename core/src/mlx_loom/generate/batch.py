@@ -69,7 +69,9 @@ def batch_generate_tokens(
     width = max(lengths)
     padding = [width - n for n in lengths]
     cache = make_batch_cache(model, padding)
-    inputs = mx.array([[0] * pad + list(p) for p, pad in zip(prompts, padding)], mx.int32)
+    inputs = mx.array(
+        [[0] * pad + list(p) for p, pad in zip(prompts, padding, strict=True)], mx.int32
+    )
 
     while inputs.shape[1] > 1:
         n = min(prefill_step_size, inputs.shape[1] - 1)
@@ -87,7 +89,7 @@ def batch_generate_tokens(
             logits = logits + bias
         tokens = sampler(logprobs_from_logits(logits)).tolist()
         keep = []
-        for i, (row, token) in enumerate(zip(rows, tokens)):
+        for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
             if token in eos:
                 reasons[row] = "stop"
                 continue
@@ -131,11 +133,21 @@ def batch_generate(
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     for row in ids:
         _check_request(
-            model, row, max_tokens=max_tokens, prefill_step_size=prefill_step_size,
-            kv_bits=None, kv_group_size=64, quantized_kv_start=0, params=params,
+            model,
+            row,
+            max_tokens=max_tokens,
+            prefill_step_size=prefill_step_size,
+            kv_bits=None,
+            kv_group_size=64,
+            quantized_kv_start=0,
+            params=params,
         )
     results = batch_generate_tokens(
-        model, ids, max_tokens=max_tokens, eos=tokenizer.eos_token_ids,
-        prefill_step_size=prefill_step_size, params=params,
+        model,
+        ids,
+        max_tokens=max_tokens,
+        eos=tokenizer.eos_token_ids,
+        prefill_step_size=prefill_step_size,
+        params=params,
     )
     return [BatchResult(t, tokenizer.decode(t), r) for t, r in results]

@@ -86,8 +86,15 @@ def generate_tokens(
     """
     with mx.stream(generation_stream()):
         yield from _generate(
-            forward, prompt, cache, sampler=sampler, processors=processors, history=history,
-            max_tokens=max_tokens, prefill_step_size=prefill_step_size, kv=kv,
+            forward,
+            prompt,
+            cache,
+            sampler=sampler,
+            processors=processors,
+            history=history,
+            max_tokens=max_tokens,
+            prefill_step_size=prefill_step_size,
+            kv=kv,
             log=log if log is not None else StepLog(),
         )
 

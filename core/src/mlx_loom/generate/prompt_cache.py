@@ -22,7 +22,7 @@ from ..model import Model
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):  # stops at the shorter
         if x != y:
             break
         n += 1

@@ -166,9 +166,16 @@ def stream_generate(
     )
     log = StepLog()
     if draft_model is not None:
-        if prompt_cache is not None or kv_bits is not None or params.logprobs or (
-            params.repetition_penalty or params.presence_penalty or params.frequency_penalty
-            or params.logit_bias
+        if (
+            prompt_cache is not None
+            or kv_bits is not None
+            or params.logprobs
+            or (
+                params.repetition_penalty
+                or params.presence_penalty
+                or params.frequency_penalty
+                or params.logit_bias
+            )
         ):
             raise RequestError(
                 "Speculative decoding does not combine with prompt caches, KV quantization, "
@@ -179,8 +186,12 @@ def stream_generate(
         tokens = (
             (t, lp, d)
             for t, lp, d in speculative_generate_tokens(
-                model, draft_model, prompt_ids, num_draft=num_draft_tokens,
-                max_tokens=max_tokens, sampler=make_sampler(params),
+                model,
+                draft_model,
+                prompt_ids,
+                num_draft=num_draft_tokens,
+                max_tokens=max_tokens,
+                sampler=make_sampler(params),
                 prefill_step_size=prefill_step_size,
             )
         )
@@ -236,8 +247,17 @@ def stream_generate(
             elif finish is not None:
                 text += stops.flush()
             response = _response(
-                text, token, logprobs, params.logprobs, n, len(prompt_ids), prompt_tps,
-                gen_start, cached, finish, hit,
+                text,
+                token,
+                logprobs,
+                params.logprobs,
+                n,
+                len(prompt_ids),
+                prompt_tps,
+                gen_start,
+                cached,
+                finish,
+                hit,
             )
             response.from_draft = from_draft
             yield response
@@ -265,7 +285,7 @@ def _response(
     top: list[tuple[int, float]] = []
     if top_k:
         ids, values = logprobs_top_k(logprobs[None], top_k)
-        top = list(zip(ids[0].tolist(), values[0].tolist()))
+        top = list(zip(ids[0].tolist(), values[0].tolist(), strict=True))
     elapsed = max(time.perf_counter() - gen_start, 1e-9)
     return GenerationResponse(
         text=text,
@@ -302,6 +322,8 @@ def generate(
     if verbose and last is not None:
         print()
         print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
-        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+        print(
+            f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec"
+        )
         print(f"Peak memory: {last.peak_memory:.3f} GB")
     return "".join(text)

@@ -63,8 +63,10 @@ class ServeApp:
         model_id: str | None = None,
         max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
     ) -> None:
-        if isinstance(max_tokens_limit, bool) or not isinstance(max_tokens_limit, int) or (
-            max_tokens_limit < 1
+        if (
+            isinstance(max_tokens_limit, bool)
+            or not isinstance(max_tokens_limit, int)
+            or (max_tokens_limit < 1)
         ):
             raise RequestError(
                 f"max_tokens_limit={max_tokens_limit!r} is invalid; it must be an int >= 1.",

@@ -63,7 +63,7 @@ _EXPECTED: dict[str, tuple[str, str]] = {
         'pass prompt as text ("Once upon a time") or as token ids ([1, 2, 3])',
     ),
     "messages": (
-        "a non-empty list of {\"role\": str, \"content\": str | [text parts]} objects",
+        'a non-empty list of {"role": str, "content": str | [text parts]} objects',
         'pass messages like [{"role": "user", "content": "Hello"}]',
     ),
     "max_tokens": ("an integer >= 1", "pass a positive integer such as 64"),

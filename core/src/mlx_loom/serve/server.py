@@ -241,7 +241,9 @@ class Handler(BaseHTTPRequestHandler):
                     raise ClientGone from None
                 if not self.app.worker.alive:
                     raise HttpError(
-                        503, "The generation thread has stopped.", type=SERVER_ERROR,
+                        503,
+                        "The generation thread has stopped.",
+                        type=SERVER_ERROR,
                         fix="restart the server",
                     ) from None
                 continue

@@ -188,8 +188,9 @@ def check_forward(target: Target) -> CheckResult:
         return failed(name, "a fresh cache from make_cache() is not empty()")
     logits = _forward(model, ids, cache)
     if logits.shape != (1, 7, V):
-        return failed(name, f"logits of a [1, 7] input have shape {list(logits.shape)}, "
-                            f"expected [1, 7, {V}]")
+        return failed(
+            name, f"logits of a [1, 7] input have shape {list(logits.shape)}, expected [1, 7, {V}]"
+        )
     if not mx.issubdtype(logits.dtype, mx.floating):
         return failed(name, f"logits dtype is {logits.dtype}, not floating point")
     if not mx.all(mx.isfinite(logits)).item():
@@ -199,15 +200,20 @@ def check_forward(target: Target) -> CheckResult:
         return failed(name, f"cache offsets after a 7-token forward are {offsets}, expected 7")
     batch = _forward(model, [ids[:5], ids[2:]], None)
     if batch.shape != (2, 5, V):
-        return failed(name, f"logits of a [2, 5] input without caches have shape "
-                            f"{list(batch.shape)}, expected [2, 5, {V}]")
+        return failed(
+            name,
+            f"logits of a [2, 5] input without caches have shape "
+            f"{list(batch.shape)}, expected [2, 5, {V}]",
+        )
     ok, diff = _close(batch[0], logits[0, :5])
     if not ok:
-        return failed(name, f"a cache-less forward of a prefix differs from the cached one "
-                            f"by {diff:.3g}")
+        return failed(
+            name, f"a cache-less forward of a prefix differs from the cached one by {diff:.3g}"
+        )
     dtype = str(logits.dtype).removeprefix("mlx.core.")
-    return passed(name, f"logits [1, 7, {V}] {dtype}, [2, 5, {V}] without caches; caches: "
-                        f"{_kinds(cache)}")
+    return passed(
+        name, f"logits [1, 7, {V}] {dtype}, [2, 5, {V}] without caches; caches: {_kinds(cache)}"
+    )
 
 
 def check_incremental_decode(target: Target) -> CheckResult:
@@ -224,8 +230,11 @@ def check_incremental_decode(target: Target) -> CheckResult:
         ok, diff = _close(logits, full[:, 4 + i])
         worst = max(worst, diff)
         if not ok:
-            return failed(name, f"decode step {i} differs from the full forward by {diff:.3g} "
-                                f"(tolerance {_tolerance(full.dtype):g} × scale)")
+            return failed(
+                name,
+                f"decode step {i} differs from the full forward by {diff:.3g} "
+                f"(tolerance {_tolerance(full.dtype):g} × scale)",
+            )
     return passed(name, f"prefill 5 + 4 decode steps match the full forward (max |Δ| {worst:.2g})")
 
 
@@ -235,19 +244,25 @@ def check_greedy_determinism(target: Target) -> CheckResult:
     ids = _ids(target, 6, seed=3)
     first, second = _decode(model, ids), _decode(model, ids)
     if [t for t, _ in first] != [t for t, _ in second]:
-        return failed(name, f"two greedy runs gave {[t for t, _ in first]} and "
-                            f"{[t for t, _ in second]}")
+        return failed(
+            name, f"two greedy runs gave {[t for t, _ in first]} and {[t for t, _ in second]}"
+        )
     for (_, a), (_, b) in zip(first, second, strict=True):
         if not mx.array_equal(a, b).item():
             return failed(name, "two greedy runs gave the same tokens but different logprobs")
-    text = [generate(model, tok, "hello world", max_tokens=NEW_TOKENS, temperature=0.0)
-            for _ in range(2)]
+    text = [
+        generate(model, tok, "hello world", max_tokens=NEW_TOKENS, temperature=0.0)
+        for _ in range(2)
+    ]
     if text[0] != text[1]:
         return failed(name, f"text generation differs between runs: {text[0]!r} vs {text[1]!r}")
     chat = tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     chat_text = generate(model, tok, chat, max_tokens=2, temperature=0.0)
-    return passed(name, f"tokens {[t for t, _ in first]} and logprobs repeat bit for bit; text "
-                        f"{text[0]!r} repeats; chat prompt generates {chat_text!r}")
+    return passed(
+        name,
+        f"tokens {[t for t, _ in first]} and logprobs repeat bit for bit; text "
+        f"{text[0]!r} repeats; chat prompt generates {chat_text!r}",
+    )
 
 
 def check_weight_coverage(subject: Any, target: Target) -> CheckResult:
@@ -262,8 +277,9 @@ def check_weight_coverage(subject: Any, target: Target) -> CheckResult:
     def build(directory, seed: int | None) -> Model:
         if seed is not None:
             write_checkpoint(directory, config, tensors, seed=seed, tokenizer=False)
-        resolved = resolve_for(directory, target.implementation, host=subject.host,
-                               registry=subject.registry)
+        resolved = resolve_for(
+            directory, target.implementation, host=subject.host, registry=subject.registry
+        )
         mx.random.seed(1234)  # a parameter the loader never sets keeps the same init
         return build_model(resolved)
 
@@ -271,25 +287,35 @@ def check_weight_coverage(subject: Any, target: Target) -> CheckResult:
         write_checkpoint(directory, config, spec, seed=0, tokenizer=False)
         return build(directory, None)
 
-    params = [dict(tree_flatten(build(d, s).module.parameters()))
-              for d, s in ((target.checkpoint, None), (root / "seed1", 1))]
-    untouched = sorted(k for k, v in params[0].items()
-                       if k in params[1] and mx.array_equal(v, params[1][k]).item())
+    params = [
+        dict(tree_flatten(build(d, s).module.parameters()))
+        for d, s in ((target.checkpoint, None), (root / "seed1", 1))
+    ]
+    untouched = sorted(
+        k for k, v in params[0].items() if k in params[1] and mx.array_equal(v, params[1][k]).item()
+    )
     if untouched:
-        return failed(name, f"parameters not loaded from the checkpoint (identical for two "
-                            f"different checkpoints): {_capped(untouched)}")
+        return failed(
+            name,
+            f"parameters not loaded from the checkpoint (identical for two "
+            f"different checkpoints): {_capped(untouched)}",
+        )
     quantized = target.resolved.config.quantization is not None
     held = sum(_numel(shape) for shape, _ in tensors.values())
     used = sum(v.size for v in params[0].values())
     if not quantized and held != used:
         what = "unused" if held > used else "not backed by any tensor"
-        return failed(name, f"the checkpoint holds {held} values but the model's parameters "
-                            f"hold {used}: {abs(held - used)} values {what}")
+        return failed(
+            name,
+            f"the checkpoint holds {held} values but the model's parameters "
+            f"hold {used}: {abs(held - used)} values {what}",
+        )
     names = sorted(tensors)
     victim = names[len(names) // 2]
     missing = {k: v for k, v in tensors.items() if k != victim}
     refusal = _expect_weights_error(
-        lambda: build_with(root / "missing", missing), victim, "missing")
+        lambda: build_with(root / "missing", missing), victim, "missing"
+    )
     if refusal:
         return failed(name, refusal)
     extra_name = "conformance.unexpected.weight"
@@ -297,9 +323,12 @@ def check_weight_coverage(subject: Any, target: Target) -> CheckResult:
     refusal = _expect_weights_error(lambda: build_with(root / "extra", extra), extra_name, "extra")
     if refusal:
         return failed(name, refusal)
-    return passed(name, f"all {len(tensors)} tensors ({held} values) load into the parameters, "
-                        f"none left at init; missing {victim!r} and extra {extra_name!r} are "
-                        "refused with WeightsError")
+    return passed(
+        name,
+        f"all {len(tensors)} tensors ({held} values) load into the parameters, "
+        f"none left at init; missing {victim!r} and extra {extra_name!r} are "
+        "refused with WeightsError",
+    )
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -321,14 +350,20 @@ def _expect_weights_error(load: Callable[[], Any], tensor: str, how: str) -> str
         # tail of the name must still appear so a person can find it.
         tail = ".".join(tensor.split(".")[-4:])
         if tensor not in err.message and tail not in err.message:
-            return f"the {how} tensor {tensor!r} was refused, but the WeightsError does not name " \
-                   f"it: {err.message}"
+            return (
+                f"the {how} tensor {tensor!r} was refused, but the WeightsError does not name "
+                f"it: {err.message}"
+            )
         return None
     except Exception as err:  # noqa: BLE001
-        return f"a checkpoint with {how} tensor {tensor!r} raised {_describe_error(err)}, " \
-               "not WeightsError"
-    return f"a checkpoint with {how} tensor {tensor!r} loaded without a WeightsError " \
-           "(loading is not strict)"
+        return (
+            f"a checkpoint with {how} tensor {tensor!r} raised {_describe_error(err)}, "
+            "not WeightsError"
+        )
+    return (
+        f"a checkpoint with {how} tensor {tensor!r} loaded without a WeightsError "
+        "(loading is not strict)"
+    )
 
 
 def check_kernel_refusal(subject: Any, target: Target) -> CheckResult:
@@ -342,8 +377,13 @@ def check_kernel_refusal(subject: Any, target: Target) -> CheckResult:
     if absent:
         backend = absent[0]
         outcome = _expect_kernel_refusal(
-            lambda: resolve_for(target.checkpoint, impl, host=subject.host,
-                                registry=reg.with_(kernel_backend=backend)))
+            lambda: resolve_for(
+                target.checkpoint,
+                impl,
+                host=subject.host,
+                registry=reg.with_(kernel_backend=backend),
+            )
+        )
         if outcome:
             return failed(name, f"pinned to backend {backend!r}, which cannot run here: {outcome}")
         notes.append(f"pinning {backend!r} (absent here) is refused")
@@ -354,12 +394,16 @@ def check_kernel_refusal(subject: Any, target: Target) -> CheckResult:
         implementations=reg.implementations.values(),
         profiles=reg.profiles,
         kernels=[k for k in reg.kernels if not (k.name == kernel and k.backend == here)],
-        profile_providers={p.id: reg.profile_provider(p.id) for p in reg.profiles
-                           if reg.profile_provider(p.id) is not None},
+        profile_providers={
+            p.id: reg.profile_provider(p.id)
+            for p in reg.profiles
+            if reg.profile_provider(p.id) is not None
+        },
     )
     outcome = _expect_kernel_refusal(
         lambda: resolve_for(target.checkpoint, impl, host=subject.host, registry=stripped),
-        mention=kernel)
+        mention=kernel,
+    )
     if outcome:
         return failed(name, f"without the {here!r} registration of kernel {kernel!r}: {outcome}")
     notes.append(f"without kernel {kernel!r}[{here}] the model is refused, not substituted")
@@ -401,8 +445,11 @@ def check_cache_trim(target: Target) -> CheckResult:
         except CacheNotTrimmable:
             refused.append(type(c).__name__)
         else:
-            return failed(name, f"cache {i} ({type(c).__name__}) says it is not trimmable but "
-                                "trim(3) did not raise CacheNotTrimmable")
+            return failed(
+                name,
+                f"cache {i} ({type(c).__name__}) says it is not trimmable but "
+                "trim(3) did not raise CacheNotTrimmable",
+            )
         if _offsets([c])[0] != before:
             return failed(name, f"cache {i} ({type(c).__name__}) refused trim but its offset moved")
     if refused:
@@ -411,10 +458,14 @@ def check_cache_trim(target: Target) -> CheckResult:
         reference = _forward(model, [*ids, nxt], model.make_cache())[:, -1]
         ok, diff = _close(logits, reference)
         if not ok:
-            return failed(name, f"after a refused trim the cache no longer continues the prompt "
-                                f"(|Δ| {diff:.3g})")
-        return passed(name, f"{_capped(sorted(set(refused)))} refuse trim with "
-                            "CacheNotTrimmable and stay intact")
+            return failed(
+                name,
+                f"after a refused trim the cache no longer continues the prompt (|Δ| {diff:.3g})",
+            )
+        return passed(
+            name,
+            f"{_capped(sorted(set(refused)))} refuse trim with CacheNotTrimmable and stay intact",
+        )
     for i, c in enumerate(cache):
         got = c.trim(3)
         if got != 3:
@@ -427,10 +478,12 @@ def check_cache_trim(target: Target) -> CheckResult:
     reference = _forward(model, [*ids[:5], nxt], model.make_cache())[:, -1]
     ok, diff = _close(logits, reference)
     if not ok:
-        return failed(name, f"decoding after trim differs from a fresh run over the kept tokens "
-                            f"by {diff:.3g}")
-    return passed(name, f"trim(3) of 8 tokens is exact on every cache ({_kinds(cache)}; "
-                        f"max |Δ| {diff:.2g})")
+        return failed(
+            name, f"decoding after trim differs from a fresh run over the kept tokens by {diff:.3g}"
+        )
+    return passed(
+        name, f"trim(3) of 8 tokens is exact on every cache ({_kinds(cache)}; max |Δ| {diff:.2g})"
+    )
 
 
 def check_prompt_cache_reuse(target: Target) -> CheckResult:
@@ -440,8 +493,9 @@ def check_prompt_cache_reuse(target: Target) -> CheckResult:
     model, tok = target.model, target.tokenizer
 
     def run(prompt, cache=None):
-        out = list(stream_generate(model, tok, prompt, max_tokens=4, temperature=0.0,
-                                   prompt_cache=cache))
+        out = list(
+            stream_generate(model, tok, prompt, max_tokens=4, temperature=0.0, prompt_cache=cache)
+        )
         return [r.token for r in out], (out[0].cached_tokens if out else 0)
 
     pc = PromptCache(model)
@@ -451,18 +505,25 @@ def check_prompt_cache_reuse(target: Target) -> CheckResult:
     out2, reused = run(extended, pc)
     fresh2, _ = run(extended)
     if out2 != fresh2:
-        return failed(name, f"continuing a conversation from the prompt cache gave {out2}, a "
-                            f"fresh run gave {fresh2}")
+        return failed(
+            name,
+            f"continuing a conversation from the prompt cache gave {out2}, a "
+            f"fresh run gave {fresh2}",
+        )
     if reused <= 0:
         return failed(name, "the second turn reused no cached tokens")
     diverged = first[:4] + _ids(target, 3, seed=8)
     out3, _ = run(diverged, pc)
     fresh3, _ = run(diverged)
     if out3 != fresh3:
-        return failed(name, f"a prompt diverging from the cached one gave {out3}, a fresh run "
-                            f"gave {fresh3}")
-    return passed(name, f"turn 2 reused {reused} cached tokens and matches a fresh run; a "
-                        "diverging prompt matches a fresh run")
+        return failed(
+            name, f"a prompt diverging from the cached one gave {out3}, a fresh run gave {fresh3}"
+        )
+    return passed(
+        name,
+        f"turn 2 reused {reused} cached tokens and matches a fresh run; a "
+        "diverging prompt matches a fresh run",
+    )
 
 
 def check_state_round_trip(target: Target) -> CheckResult:
@@ -489,8 +550,10 @@ def check_state_round_trip(target: Target) -> CheckResult:
     ok, diff = _close(b, a)
     if not ok:
         return failed(name, f"a reloaded cache continues differently (|Δ| {diff:.3g})")
-    return passed(name, f"saved and reloaded {_kinds(cache)}; decoding continues identically "
-                        f"(max |Δ| {diff:.2g})")
+    return passed(
+        name,
+        f"saved and reloaded {_kinds(cache)}; decoding continues identically (max |Δ| {diff:.2g})",
+    )
 
 
 def check_batch_rows(target: Target) -> CheckResult:
@@ -521,8 +584,10 @@ def check_batch_rows(target: Target) -> CheckResult:
         for layer in zip(*rows, strict=True):
             merge = getattr(type(layer[0]), "merge", None)
             if merge is None:
-                raise LoomError(f"{type(layer[0]).__name__} has no merge()",
-                                fix="give the cache kind a merge(caches) classmethod")
+                raise LoomError(
+                    f"{type(layer[0]).__name__} has no merge()",
+                    fix="give the cache kind a merge(caches) classmethod",
+                )
             out.append(merge(list(layer)))
         return out
 
@@ -574,8 +639,11 @@ def check_batch_equals_single(target: Target) -> CheckResult:
     for i, (b, s) in enumerate(zip(batch, singles, strict=True)):
         if b != s:
             return failed(name, f"prompt {i} (length {len(prompts[i])}): batched {b}, alone {s}")
-    return passed(name, f"{len(prompts)} prompts of lengths {[len(p) for p in prompts]}: "
-                        f"batched greedy tokens equal each run alone")
+    return passed(
+        name,
+        f"{len(prompts)} prompts of lengths {[len(p) for p in prompts]}: "
+        f"batched greedy tokens equal each run alone",
+    )
 
 
 def check_speculative_rounds(target: Target) -> CheckResult:
@@ -598,8 +666,11 @@ def check_speculative_rounds(target: Target) -> CheckResult:
         elif c.is_trimmable():
             trims.append(c)
         else:
-            return failed(name, f"cache {i} ({type(c).__name__}) is neither trimmable nor "
-                                "supports begin_round()/commit(keep)")
+            return failed(
+                name,
+                f"cache {i} ({type(c).__name__}) is neither trimmable nor "
+                "supports begin_round()/commit(keep)",
+            )
     _forward(model, draft, cache)
     for c in rounds:
         c.commit(1)
@@ -609,21 +680,26 @@ def check_speculative_rounds(target: Target) -> CheckResult:
             return failed(name, f"{type(c).__name__}.trim(2) returned {got}")
     offsets = _offsets(cache)
     if any(o != len(ids) + 1 for o in offsets):
-        return failed(name, f"offsets after keeping 1 of 3 draft tokens are {offsets}, "
-                            f"expected {len(ids) + 1}")
+        return failed(
+            name,
+            f"offsets after keeping 1 of 3 draft tokens are {offsets}, expected {len(ids) + 1}",
+        )
     logits = _forward(model, [nxt], cache)[:, -1]
     reference = _forward(model, [*ids, draft[0], nxt], model.make_cache())[:, -1]
     ok, diff = _close(logits, reference)
     if not ok:
-        return failed(name, f"after keeping 1 of 3 draft tokens, decoding differs from a fresh "
-                            f"run by {diff:.3g}")
+        return failed(
+            name,
+            f"after keeping 1 of 3 draft tokens, decoding differs from a fresh run by {diff:.3g}",
+        )
     how = []
     if rounds:
         how.append(f"rounds on {_kinds(rounds)}")
     if trims:
         how.append(f"trim on {_kinds(trims)}")
-    return passed(name, f"keep 1 of 3 draft tokens via {' and '.join(how)}: exact "
-                        f"(max |Δ| {diff:.2g})")
+    return passed(
+        name, f"keep 1 of 3 draft tokens via {' and '.join(how)}: exact (max |Δ| {diff:.2g})"
+    )
 
 
 def check_kv_quantization(target: Target) -> CheckResult:
@@ -636,18 +712,32 @@ def check_kv_quantization(target: Target) -> CheckResult:
     for group in (64, 32):
         pc = PromptCache(model)
         try:
-            out = list(stream_generate(model, tok, _ids(target, 6, seed=21), max_tokens=4,
-                                       temperature=0.0, kv_bits=8, kv_group_size=group,
-                                       quantized_kv_start=0, prompt_cache=pc))
+            out = list(
+                stream_generate(
+                    model,
+                    tok,
+                    _ids(target, 6, seed=21),
+                    max_tokens=4,
+                    temperature=0.0,
+                    kv_bits=8,
+                    kv_group_size=group,
+                    quantized_kv_start=0,
+                    prompt_cache=pc,
+                )
+            )
         except CacheError as err:
             if "group_size" not in err.message or group == 32:
-                return failed(name, f"kv_bits=8, kv_group_size={group}: {err.message} (a "
-                                    "tiny_config needs head dimensions of at least 32 to test "
-                                    "KV quantization)")
+                return failed(
+                    name,
+                    f"kv_bits=8, kv_group_size={group}: {err.message} (a "
+                    "tiny_config needs head dimensions of at least 32 to test "
+                    "KV quantization)",
+                )
             continue
         break
     quantized = [c for c in pc.cache if getattr(c, "bits", None) == 8]
     if not quantized:
         return failed(name, f"kv_bits=8 left every cache unquantized ({_kinds(pc.cache)})")
-    return passed(name, f"kv_bits=8 (group {group}) generated {len(out)} tokens with "
-                        f"{_kinds(quantized)}")
+    return passed(
+        name, f"kv_bits=8 (group {group}) generated {len(out)} tokens with {_kinds(quantized)}"
+    )

@@ -32,9 +32,17 @@ __all__ = ["TensorSpec", "dtype_of", "random_tensors", "write_checkpoint"]
 TensorSpec = Mapping[str, tuple[tuple[int, ...], str]]
 
 _MLX_NAMES = {
-    "float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16,
-    "int8": mx.int8, "int16": mx.int16, "int32": mx.int32, "int64": mx.int64,
-    "uint8": mx.uint8, "uint16": mx.uint16, "uint32": mx.uint32, "uint64": mx.uint64,
+    "float32": mx.float32,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "int8": mx.int8,
+    "int16": mx.int16,
+    "int32": mx.int32,
+    "int64": mx.int64,
+    "uint8": mx.uint8,
+    "uint16": mx.uint16,
+    "uint32": mx.uint32,
+    "uint64": mx.uint64,
     "bool": mx.bool_,
 }
 

@@ -241,7 +241,8 @@ class _Subject:
             model_types=[m for m in registry.model_types.values() if mine(m)],
             implementations=[i for i in registry.implementations.values() if mine(i)],
             profiles=[
-                p for p in registry.profiles
+                p
+                for p in registry.profiles
                 if (registry.profile_provider(p.id) or _NO_PROVIDER).plugin == name
             ],
             kernels=[k for k in registry.kernels if mine(k)],
@@ -292,7 +293,8 @@ def _hookimpl_names(subject: _Subject) -> list[str]:
         return []
     marker = f"{PROJECT}_impl"
     return sorted(
-        attr for attr in dir(obj)
+        attr
+        for attr in dir(obj)
         if attr.startswith("loom_") and hasattr(getattr(obj, attr, None), marker)
     )
 
@@ -578,8 +580,12 @@ def run_conformance(
     if collisions:
         results += _guard("no-collisions", lambda: check_collisions(subject))
     with ExitStack() as stack:
-        root = Path(workdir) if workdir is not None else Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix=f"loom-conformance-{name}-"))
+        root = (
+            Path(workdir)
+            if workdir is not None
+            else Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix=f"loom-conformance-{name}-"))
+            )
         )
         targets: list[Target] = []
         pairs = _guard_pairs(subject, results)
@@ -590,8 +596,9 @@ def run_conformance(
                 targets.append(target)
         results += _guard("implementations", lambda: check_implementations(subject, targets))
         # Behaviour checks: once per implementation, on the first model type built with it.
-        failed_builds = [mt.name for (mt, impl) in pairs if impl.id not in
-                         {t.implementation.id for t in targets}]
+        failed_builds = [
+            mt.name for (mt, impl) in pairs if impl.id not in {t.implementation.id for t in targets}
+        ]
         seen: set[str] = set()
         for target in targets:
             if target.implementation.id in seen:

@@ -39,10 +39,12 @@ def loom_host(monkeypatch):
     monkeypatch.delenv(POLICY_ENV, raising=False)
     monkeypatch.delenv(STRICT_ENV, raising=False)
 
-    def make(*plugins: tuple[str, object], entry_points: bool = False,
-             policy: PluginPolicy | None = None) -> PluginHost:
-        return PluginHost(policy=policy or PluginPolicy(), plugins=plugins,
-                          entry_points=entry_points)
+    def make(
+        *plugins: tuple[str, object], entry_points: bool = False, policy: PluginPolicy | None = None
+    ) -> PluginHost:
+        return PluginHost(
+            policy=policy or PluginPolicy(), plugins=plugins, entry_points=entry_points
+        )
 
     return make
 
@@ -52,8 +54,14 @@ def loom_checkpoint(tmp_path):
     """Factory writing a tiny checkpoint (config, random weights, tokenizer) under tmp_path."""
     from mlx_loom.testing.checkpoints import write_checkpoint
 
-    def make(config: Mapping[str, Any], tensors: Mapping[str, Any], *, name: str = "model",
-             seed: int = 0, tokenizer: bool = True) -> Path:
+    def make(
+        config: Mapping[str, Any],
+        tensors: Mapping[str, Any],
+        *,
+        name: str = "model",
+        seed: int = 0,
+        tokenizer: bool = True,
+    ) -> Path:
         return write_checkpoint(tmp_path / name, config, tensors, seed=seed, tokenizer=tokenizer)
 
     return make
@@ -69,8 +77,12 @@ def loom_tiny_checkpoint(tmp_path):
         if mt.tiny_config is None or mt.checkpoint_tensors is None:
             pytest.fail(f"model type {model_type!r} declares no tiny_config/checkpoint_tensors")
         config = dict(mt.tiny_config)
-        return write_checkpoint(tmp_path / (name or f"{model_type}-seed{seed}"), config,
-                                mt.checkpoint_tensors(config), seed=seed)
+        return write_checkpoint(
+            tmp_path / (name or f"{model_type}-seed{seed}"),
+            config,
+            mt.checkpoint_tensors(config),
+            seed=seed,
+        )
 
     return make
 
@@ -84,10 +96,16 @@ def loom_conformance(tmp_path, monkeypatch):
     monkeypatch.delenv(POLICY_ENV, raising=False)
     monkeypatch.delenv(STRICT_ENV, raising=False)
 
-    def run(name: str, *, plugin: object | None = None, host: Any = None,
-            collisions: bool | None = None):
+    def run(
+        name: str, *, plugin: object | None = None, host: Any = None, collisions: bool | None = None
+    ):
         check_collisions = collisions if collisions is not None else plugin is None
-        return run_conformance(name, plugin=plugin, host=host, workdir=tmp_path / "conformance",
-                               collisions=check_collisions)
+        return run_conformance(
+            name,
+            plugin=plugin,
+            host=host,
+            workdir=tmp_path / "conformance",
+            collisions=check_collisions,
+        )
 
     return run

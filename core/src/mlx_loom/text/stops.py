@@ -141,7 +141,6 @@ class StopStrings(_HoldBack[str]):
         return check.emit if check.stopped else check.emit + self._flush()
 
 
-
 class StopTokenSequences(_HoldBack[tuple]):
     """Hold back token ids that may begin a stop sequence; report a completed one.
 

@@ -36,7 +36,13 @@ TEMPLATE_DIR = "additional_chat_templates"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 SPECIAL_TOKEN_NAMES = (
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
 )
 
 

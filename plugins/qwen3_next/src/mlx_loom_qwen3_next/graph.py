@@ -164,7 +164,11 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim, self.conv_dim = cfg.key_dim, cfg.value_dim, cfg.conv_dim
         self.conv_width = cfg.linear_conv_kernel_dim
         self.conv1d = nn.Conv1d(
-            self.conv_dim, self.conv_dim, self.conv_width, padding=0, groups=self.conv_dim,
+            self.conv_dim,
+            self.conv_dim,
+            self.conv_width,
+            padding=0,
+            groups=self.conv_dim,
             bias=False,
         )
         self.dt_bias = mx.ones(self.n_v_heads)
@@ -205,8 +209,9 @@ class GatedDeltaNet(nn.Module):
         if state is None:
             state = mx.zeros((B, self.n_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
         if cache is not None:
-            cache.record(conv_input=qkv, inputs=(q, k, v, g, beta), mask=mask,
-                         replay=kn.gated_delta_replay)
+            cache.record(
+                conv_input=qkv, inputs=(q, k, v, g, beta), mask=mask, replay=kn.gated_delta_replay
+            )
         if mask is None:
             out, state = kn.gated_delta(q, k, v, g, beta, state)
         else:
@@ -282,8 +287,16 @@ class SwitchLinear(nn.Module):
 class QuantizedSwitchLinear(nn.Module):
     """Affine-quantized expert stack; ``mx.gather_qmm`` runs on every backend and dtype."""
 
-    def __init__(self, in_dims: int, out_dims: int, n_experts: int, *, group_size: int,
-                 bits: int, mode: str = "affine") -> None:
+    def __init__(
+        self,
+        in_dims: int,
+        out_dims: int,
+        n_experts: int,
+        *,
+        group_size: int,
+        bits: int,
+        mode: str = "affine",
+    ) -> None:
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
         packed = in_dims * bits // 32
@@ -294,8 +307,15 @@ class QuantizedSwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         return mx.gather_qmm(
-            x, self["weight"], self["scales"], self["biases"], rhs_indices=indices,
-            transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+            x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            rhs_indices=indices,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
             sorted_indices=sorted_indices,
         )
 
@@ -336,8 +356,9 @@ class SparseMoe(nn.Module):
         d = cfg.hidden_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(d, cfg.num_experts, bias=False)
-        self.switch_mlp = SwitchGLU(d, cfg.moe_intermediate_size, cfg.num_experts,
-                                    kernels.expert_matmul)
+        self.switch_mlp = SwitchGLU(
+            d, cfg.moe_intermediate_size, cfg.num_experts, kernels.expert_matmul
+        )
         self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(d, 1, bias=False)
 
@@ -428,4 +449,3 @@ class HybridLM(nn.Module):
 def build_model(cfg: HybridConfig, kernels: Kernels, *, fused: bool) -> HybridLM:
     """The graph with placeholder parameters (the loader installs the checkpoint's)."""
     return HybridLM(cfg, kernels, fused=fused)
-

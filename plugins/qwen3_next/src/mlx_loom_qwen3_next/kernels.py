@@ -140,16 +140,36 @@ def expert_matmul_cpu(x, weight, indices, sorted_indices=False):
 
 def cpu_kernels() -> list[Kernel]:
     return [
-        Kernel(GATED_DELTA, "cpu", gated_delta_cpu,
-               description="mx.fast.gated_delta_update (bit-equal to mlx-lm's ops path, fp32)"),
-        Kernel(GATED_DELTA_MASKED, "cpu", gated_delta_masked_cpu,
-               description="mx.fast.gated_delta_update with a [B, T] step mask"),
-        Kernel(GATED_DELTA_REPLAY, "cpu", gated_delta_replay_cpu,
-               description="state-only prefix replay via mx.fast.gated_delta_update"),
-        Kernel(CAUSAL_CONV, "cpu", causal_conv_silu_cpu,
-               description="mx.conv1d (depthwise) + SiLU + tail slice"),
-        Kernel(EXPERT_MATMUL, "cpu", expert_matmul_cpu,
-               description="gather_mm in fp32; bf16/fp16 upcast to fp32, one rounding"),
+        Kernel(
+            GATED_DELTA,
+            "cpu",
+            gated_delta_cpu,
+            description="mx.fast.gated_delta_update (bit-equal to mlx-lm's ops path, fp32)",
+        ),
+        Kernel(
+            GATED_DELTA_MASKED,
+            "cpu",
+            gated_delta_masked_cpu,
+            description="mx.fast.gated_delta_update with a [B, T] step mask",
+        ),
+        Kernel(
+            GATED_DELTA_REPLAY,
+            "cpu",
+            gated_delta_replay_cpu,
+            description="state-only prefix replay via mx.fast.gated_delta_update",
+        ),
+        Kernel(
+            CAUSAL_CONV,
+            "cpu",
+            causal_conv_silu_cpu,
+            description="mx.conv1d (depthwise) + SiLU + tail slice",
+        ),
+        Kernel(
+            EXPERT_MATMUL,
+            "cpu",
+            expert_matmul_cpu,
+            description="gather_mm in fp32; bf16/fp16 upcast to fp32, one rounding",
+        ),
     ]
 
 
@@ -221,9 +241,7 @@ _CAUSAL_CONV_SOURCE = """
 
 
 def _gated_delta_metal_source(*, masked: bool, state_only: bool) -> str:
-    src = _GATED_DELTA_SOURCE.replace(
-        "MASK_EXPR", "mask[b_idx * T + t]" if masked else "true"
-    )
+    src = _GATED_DELTA_SOURCE.replace("MASK_EXPR", "mask[b_idx * T + t]" if masked else "true")
     write = "" if state_only else "y[v_off] = static_cast<InT>(out);"
     return src.replace("WRITE_Y", write)
 
@@ -250,8 +268,15 @@ def _metal_gated_delta(*, masked: bool, state_only: bool) -> tuple[Callable[...,
         dtypes = [state.dtype] if state_only else [q.dtype, state.dtype]
         out = kernels[use_mask](
             inputs=inputs,
-            template=[("InT", q.dtype), ("StT", state.dtype), ("T", T), ("Dk", Dk),
-                      ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+            template=[
+                ("InT", q.dtype),
+                ("StT", state.dtype),
+                ("T", T),
+                ("Dk", Dk),
+                ("Dv", Dv),
+                ("Hk", Hk),
+                ("Hv", Hv),
+            ],
             grid=(Dv, B * Hv, 1),
             threadgroup=(min(Dv, 32), 1, 1),
             output_shapes=shapes,
@@ -306,11 +331,31 @@ def metal_kernels() -> list[Kernel]:
         (GATED_DELTA_REPLAY, False, True),
     ):
         fn, source = _metal_gated_delta(masked=masked, state_only=state_only)
-        out.append(Kernel(name, "metal", fn, source=source,
-                          description="one thread per state row, Dk entries in registers"))
+        out.append(
+            Kernel(
+                name,
+                "metal",
+                fn,
+                source=source,
+                description="one thread per state row, Dk entries in registers",
+            )
+        )
     fn, source = _metal_causal_conv()
-    out.append(Kernel(CAUSAL_CONV, "metal", fn, source=source,
-                      description="one thread per (row, channel): taps, SiLU, tail"))
-    out.append(Kernel(EXPERT_MATMUL, "metal", _expert_matmul_metal,
-                      description="mx.gather_mm (native on Metal in every float dtype)"))
+    out.append(
+        Kernel(
+            CAUSAL_CONV,
+            "metal",
+            fn,
+            source=source,
+            description="one thread per (row, channel): taps, SiLU, tail",
+        )
+    )
+    out.append(
+        Kernel(
+            EXPERT_MATMUL,
+            "metal",
+            _expert_matmul_metal,
+            description="mx.gather_mm (native on Metal in every float dtype)",
+        )
+    )
     return out

@@ -46,17 +46,28 @@ TINY_QWEN3_NEXT: dict[str, Any] = {
 }
 
 _MOE_KEYS = {
-    "num_experts", "num_experts_per_tok", "decoder_sparse_step", "mlp_only_layers",
-    "shared_expert_intermediate_size", "moe_intermediate_size", "norm_topk_prob",
-    "rope_theta", "partial_rotary_factor", "architectures", "model_type",
+    "num_experts",
+    "num_experts_per_tok",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "shared_expert_intermediate_size",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "rope_theta",
+    "partial_rotary_factor",
+    "architectures",
+    "model_type",
 }
 
 TINY_QWEN3_5_TEXT: dict[str, Any] = {
     k: v for k, v in TINY_QWEN3_NEXT.items() if k not in _MOE_KEYS
 } | {
     "model_type": "qwen3_5_text",
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                        "partial_rotary_factor": 0.25},
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+    },
 }
 
 TINY_QWEN3_5: dict[str, Any] = {
@@ -67,7 +78,7 @@ TINY_QWEN3_5: dict[str, Any] = {
 
 
 def checkpoint_tensors(config: Mapping[str, Any]) -> dict[str, tuple[Shape, str]]:
-    """``{hf_name: (shape, "F32")}`` for a ``qwen3_next``, ``qwen3_5`` or ``qwen3_5_text`` config."""
+    """``{hf_name: (shape, "F32")}`` for a qwen3_next, qwen3_5 or qwen3_5_text config."""
     t = config.get("text_config", config)
     D, V = t["hidden_size"], t["vocab_size"]
     H, KV = t["num_attention_heads"], t["num_key_value_heads"]
@@ -89,36 +100,60 @@ def checkpoint_tensors(config: Mapping[str, Any]) -> dict[str, tuple[Shape, str]
         if (i + 1) % t["full_attention_interval"]:
             la = p + "linear_attn."
             if split:
-                out |= {la + "in_proj_qkv.weight": (conv, D), la + "in_proj_z.weight": (nv * dv, D),
-                        la + "in_proj_b.weight": (nv, D), la + "in_proj_a.weight": (nv, D)}
+                out |= {
+                    la + "in_proj_qkv.weight": (conv, D),
+                    la + "in_proj_z.weight": (nv * dv, D),
+                    la + "in_proj_b.weight": (nv, D),
+                    la + "in_proj_a.weight": (nv, D),
+                }
             else:
-                out |= {la + "in_proj_qkvz.weight": (2 * nk * dk + 2 * nv * dv, D),
-                        la + "in_proj_ba.weight": (2 * nv, D)}
-            out |= {la + "conv1d.weight": (conv, 1, K), la + "dt_bias": (nv,), la + "A_log": (nv,),
-                    la + "norm.weight": (dv,), la + "out_proj.weight": (D, nv * dv)}
+                out |= {
+                    la + "in_proj_qkvz.weight": (2 * nk * dk + 2 * nv * dv, D),
+                    la + "in_proj_ba.weight": (2 * nv, D),
+                }
+            out |= {
+                la + "conv1d.weight": (conv, 1, K),
+                la + "dt_bias": (nv,),
+                la + "A_log": (nv,),
+                la + "norm.weight": (dv,),
+                la + "out_proj.weight": (D, nv * dv),
+            }
         else:
             sa = p + "self_attn."
-            out |= {sa + "q_proj.weight": (2 * H * hd, D), sa + "k_proj.weight": (KV * hd, D),
-                    sa + "v_proj.weight": (KV * hd, D), sa + "o_proj.weight": (D, H * hd),
-                    sa + "q_norm.weight": (hd,), sa + "k_norm.weight": (hd,)}
+            out |= {
+                sa + "q_proj.weight": (2 * H * hd, D),
+                sa + "k_proj.weight": (KV * hd, D),
+                sa + "v_proj.weight": (KV * hd, D),
+                sa + "o_proj.weight": (D, H * hd),
+                sa + "q_norm.weight": (hd,),
+                sa + "k_norm.weight": (hd,),
+            }
         m = p + "mlp."
         sparse = (
-            n_exp > 0 and i not in t.get("mlp_only_layers", [])
+            n_exp > 0
+            and i not in t.get("mlp_only_layers", [])
             and (i + 1) % t.get("decoder_sparse_step", 1) == 0
         )
         if sparse:
             inter, shared = t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
             out[m + "gate.weight"] = (n_exp, D)
             for e in range(n_exp):
-                out |= {m + f"experts.{e}.gate_proj.weight": (inter, D),
-                        m + f"experts.{e}.up_proj.weight": (inter, D),
-                        m + f"experts.{e}.down_proj.weight": (D, inter)}
-            out |= {m + "shared_expert.gate_proj.weight": (shared, D),
-                    m + "shared_expert.up_proj.weight": (shared, D),
-                    m + "shared_expert.down_proj.weight": (D, shared),
-                    m + "shared_expert_gate.weight": (1, D)}
+                out |= {
+                    m + f"experts.{e}.gate_proj.weight": (inter, D),
+                    m + f"experts.{e}.up_proj.weight": (inter, D),
+                    m + f"experts.{e}.down_proj.weight": (D, inter),
+                }
+            out |= {
+                m + "shared_expert.gate_proj.weight": (shared, D),
+                m + "shared_expert.up_proj.weight": (shared, D),
+                m + "shared_expert.down_proj.weight": (D, shared),
+                m + "shared_expert_gate.weight": (1, D),
+            }
         else:
             inter = t["intermediate_size"]
-            out |= {m + "gate_proj.weight": (inter, D), m + "up_proj.weight": (inter, D),
-                    m + "down_proj.weight": (D, inter)}
+            out |= {
+                m + "gate_proj.weight": (inter, D),
+                m + "up_proj.weight": (inter, D),
+                m + "down_proj.weight": (D, inter),
+            }
     return {name: (shape, "F32") for name, shape in out.items()}

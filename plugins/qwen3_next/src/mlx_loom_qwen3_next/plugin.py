@@ -38,12 +38,27 @@ QWEN3_5_TYPES = frozenset({"qwen3_5", "qwen3_5_text"})
 CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE})
 
 _FINGERPRINT = (
-    "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "linear_num_value_heads", "linear_num_key_heads",
-    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "vocab_size",
-    "full_attention_interval", "num_experts", "num_experts_per_tok", "decoder_sparse_step",
-    "moe_intermediate_size", "shared_expert_intermediate_size", "mlp_only_layers",
-    "tie_word_embeddings", "partial_rotary_factor",
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_value_heads",
+    "linear_num_key_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "vocab_size",
+    "full_attention_interval",
+    "num_experts",
+    "num_experts_per_tok",
+    "decoder_sparse_step",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "mlp_only_layers",
+    "tie_word_embeddings",
+    "partial_rotary_factor",
 )
 
 
@@ -54,7 +69,10 @@ def _factory(*, fused: bool) -> Callable[[BuildContext], nn.Module]:
         cfg = ctx.family_config
         assert isinstance(cfg, HybridConfig)
         return load_model(
-            ctx.model_dir, cfg, Kernels.from_mapping(ctx.kernels), fused=fused,
+            ctx.model_dir,
+            cfg,
+            Kernels.from_mapping(ctx.kernels),
+            fused=fused,
             quantization=ctx.config.quantization,
         )
 
@@ -69,15 +87,30 @@ def loom_plugin_api_version() -> str:
 @hookimpl
 def loom_model_types() -> list[ModelType]:
     return [
-        ModelType("qwen3_next", Qwen3NextConfig, _FINGERPRINT,
-                  description="Qwen3-Next: gated delta nets + gated attention, sparse MoE",
-                  tiny_config=TINY_QWEN3_NEXT, checkpoint_tensors=checkpoint_tensors),
-        ModelType("qwen3_5", Qwen3_5Config, _FINGERPRINT,
-                  description="Qwen3.5 (text): gated delta nets + gated attention",
-                  tiny_config=TINY_QWEN3_5, checkpoint_tensors=checkpoint_tensors),
-        ModelType("qwen3_5_text", Qwen3_5Config, _FINGERPRINT,
-                  description="Qwen3.5 text config",
-                  tiny_config=TINY_QWEN3_5_TEXT, checkpoint_tensors=checkpoint_tensors),
+        ModelType(
+            "qwen3_next",
+            Qwen3NextConfig,
+            _FINGERPRINT,
+            description="Qwen3-Next: gated delta nets + gated attention, sparse MoE",
+            tiny_config=TINY_QWEN3_NEXT,
+            checkpoint_tensors=checkpoint_tensors,
+        ),
+        ModelType(
+            "qwen3_5",
+            Qwen3_5Config,
+            _FINGERPRINT,
+            description="Qwen3.5 (text): gated delta nets + gated attention",
+            tiny_config=TINY_QWEN3_5,
+            checkpoint_tensors=checkpoint_tensors,
+        ),
+        ModelType(
+            "qwen3_5_text",
+            Qwen3_5Config,
+            _FINGERPRINT,
+            description="Qwen3.5 text config",
+            tiny_config=TINY_QWEN3_5_TEXT,
+            checkpoint_tensors=checkpoint_tensors,
+        ),
     ]
 
 
@@ -90,15 +123,23 @@ def loom_kernels() -> list[Kernel]:
 def loom_implementations() -> list[Implementation]:
     return [
         Implementation(
-            id="qwen3_next.hybrid-moe.default", graph=QWEN3_NEXT_GRAPH, loader=LOADER,
-            model_types=frozenset({"qwen3_next"}), factory=_factory(fused=True),
-            kernels=KERNEL_NAMES, capabilities=CAPABILITIES,
+            id="qwen3_next.hybrid-moe.default",
+            graph=QWEN3_NEXT_GRAPH,
+            loader=LOADER,
+            model_types=frozenset({"qwen3_next"}),
+            factory=_factory(fused=True),
+            kernels=KERNEL_NAMES,
+            capabilities=CAPABILITIES,
             description="fused in_proj_qkvz/in_proj_ba delta nets, MoE beside dense layers",
         ),
         Implementation(
-            id="qwen3_next.hybrid-split.default", graph=QWEN3_5_GRAPH, loader=LOADER,
-            model_types=QWEN3_5_TYPES, factory=_factory(fused=False),
-            kernels=KERNEL_NAMES, capabilities=CAPABILITIES,
+            id="qwen3_next.hybrid-split.default",
+            graph=QWEN3_5_GRAPH,
+            loader=LOADER,
+            model_types=QWEN3_5_TYPES,
+            factory=_factory(fused=False),
+            kernels=KERNEL_NAMES,
+            capabilities=CAPABILITIES,
             description="separate in_proj_qkv/z/b/a delta nets (Qwen3.5)",
         ),
     ]
@@ -107,10 +148,18 @@ def loom_implementations() -> list[Implementation]:
 @hookimpl
 def loom_profiles() -> list[Profile]:
     return [
-        Profile(id="qwen3_next/family", model_types=frozenset({"qwen3_next"}),
-                execution=Execution(graph=QWEN3_NEXT_GRAPH, loader=LOADER),
-                capabilities=CAPABILITIES, description="every qwen3_next checkpoint"),
-        Profile(id="qwen3_next/qwen3_5-family", model_types=QWEN3_5_TYPES,
-                execution=Execution(graph=QWEN3_5_GRAPH, loader=LOADER),
-                capabilities=CAPABILITIES, description="every qwen3_5 / qwen3_5_text checkpoint"),
+        Profile(
+            id="qwen3_next/family",
+            model_types=frozenset({"qwen3_next"}),
+            execution=Execution(graph=QWEN3_NEXT_GRAPH, loader=LOADER),
+            capabilities=CAPABILITIES,
+            description="every qwen3_next checkpoint",
+        ),
+        Profile(
+            id="qwen3_next/qwen3_5-family",
+            model_types=QWEN3_5_TYPES,
+            execution=Execution(graph=QWEN3_5_GRAPH, loader=LOADER),
+            capabilities=CAPABILITIES,
+            description="every qwen3_5 / qwen3_5_text checkpoint",
+        ),
     ]
