@@ -16,8 +16,8 @@ Both engines run the same loop shape — prefill of a random prompt, then
 greedy decode — through their own public token loops (``generate_tokens`` and
 mlx-lm's ``generate_step``). Peak memory is measured for each engine with only
 its model loaded (one copy of the weights); speed is then measured with both
-loaded, warmed up once, and timed ``--repeats`` times interleaved (loom,
-mlx-lm, loom, ...); the best run of each is reported. Ratios are
+loaded, warmed up once, and timed ``--repeats`` times interleaved, the
+order alternating each round; the best run of each is reported. Ratios are
 mlx-loom / mlx-lm: above 1.0 is faster for speed, below 1.0 is leaner for
 memory.
 """
@@ -219,8 +219,10 @@ def measure(path: Path, prompt: list[int], gen: int, repeats: int) -> dict[str, 
         runners[name] = ENGINES[name](path)
         runners[name](prompt, gen)  # warm-up
     best = {name: [0.0, 0.0] for name in runners}
+    order = list(runners.items())
     for _ in range(repeats):
-        for name, run in runners.items():
+        order.reverse()  # alternate who goes first: running first after a pause costs
+        for name, run in order:
             p, d = run(prompt, gen)
             best[name] = [max(best[name][0], p), max(best[name][1], d)]
     for name in runners:
