@@ -25,6 +25,7 @@ memory.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import shutil
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
+    faulthandler.enable()  # a crash in a native worker thread should say where
     table = rows()
     if args.list:
         for r in table:
