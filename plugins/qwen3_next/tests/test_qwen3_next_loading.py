@@ -9,36 +9,11 @@ from mlx_loom.artifacts import validate_family_config
 from mlx_loom.errors import ConfigError, WeightsError
 from mlx_loom_qwen3_next.config import Qwen3_5Config, Qwen3NextConfig
 from mlx_loom_qwen3_next.loader import sanitize
+from mlx_loom_qwen3_next.manifest import TINY_QWEN3_NEXT
 
 
 def _cfg(**changes):
-    base = {
-        "model_type": "qwen3_next",
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 8,
-        "linear_conv_kernel_dim": 4,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "decoder_sparse_step": 1,
-        "shared_expert_intermediate_size": 32,
-        "mlp_only_layers": [2],
-        "moe_intermediate_size": 32,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": 256,
-        "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.25,
-        "max_position_embeddings": 4096,
-        "full_attention_interval": 2,
-    }
-    return {**base, **changes}
+    return {**TINY_QWEN3_NEXT, "head_dim": 16, **changes}
 
 
 def _validate(data):

@@ -108,7 +108,8 @@ class _BatchRowsBase:
                 fix=f"extend a {self.kind} only with another {self.kind}",
             )
 
-    def _check_prepare_left(self, left_padding: Sequence[int]) -> mx.array:
+    def _add_left_padding(self, left_padding: Sequence[int]) -> None:
+        """Shift every row right by its declared left padding (empty cache only)."""
         if self.keys is not None:
             raise CacheError(
                 f"{self.kind}.prepare: left padding can only be declared on an empty cache",
@@ -121,7 +122,8 @@ class _BatchRowsBase:
                 f"{self.batch_size} rows",
                 fix="pass one entry per batch row",
             )
-        return mx.array(pads)
+        self.left_padding = self.left_padding + mx.array(pads)
+        self.offset = self.offset - mx.array(pads)
 
     def _pad_for_extend(
         self, c: Any, max_idx: int, max_len: int, H: int, Dk: int, Dv: int, dtype: mx.Dtype
@@ -230,9 +232,7 @@ class BatchKVCache(_BatchRowsBase):
         right_padding: Sequence[int] | None = None,
     ) -> None:
         if left_padding is not None:
-            pads = self._check_prepare_left(left_padding)
-            self.left_padding = self.left_padding + pads
-            self.offset = self.offset - pads
+            self._add_left_padding(left_padding)
         if right_padding is not None:
             pads = _int_list(right_padding, owner=f"{self.kind}.prepare", name="right_padding")
             if max(pads) > 0:
@@ -502,9 +502,7 @@ class BatchRotatingKVCache(_BatchRowsBase):
         right_padding: Sequence[int] | None = None,
     ) -> None:
         if left_padding is not None:
-            pads = self._check_prepare_left(left_padding)
-            self.left_padding = self.left_padding + pads
-            self.offset = self.offset - pads
+            self._add_left_padding(left_padding)
         if right_padding is not None:
             pads = _int_list(right_padding, owner=f"{self.kind}.prepare", name="right_padding")
             if max(pads) > 0:

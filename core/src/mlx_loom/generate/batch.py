@@ -20,7 +20,7 @@ from ..model import Model
 from ..profiles import BATCH
 from ..text import Tokenizer
 from .params import SamplingParams
-from .sampling import logprobs_from_logits, make_sampler
+from .sampling import logprobs_from_logits, make_logits_processors, make_sampler
 from .stream import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, _check_request, encode_prompt
 
 
@@ -82,11 +82,14 @@ def batch_generate_tokens(
     rows = list(range(len(prompts)))  # original index of each live row
     out: list[list[int]] = [[] for _ in prompts]
     reasons = ["length"] * len(prompts)
-    bias = _bias(params, model)
+    # Penalties are refused above, so at most the logit bias remains; it does
+    # not read the token history.
+    processors = make_logits_processors(params)
+    no_history = mx.array([], mx.uint32)
     while rows:
         logits = model(inputs, cache)[:, -1, :]
-        if bias is not None:
-            logits = logits + bias
+        for processor in processors:
+            logits = processor(no_history, logits)
         tokens = sampler(logprobs_from_logits(logits)).tolist()
         keep = []
         for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
@@ -105,14 +108,6 @@ def batch_generate_tokens(
             tokens = [tokens[i] for i in keep]
         inputs = mx.array(tokens, mx.int32)[:, None]
     return [(out[i], reasons[i]) for i in range(len(prompts))]
-
-
-def _bias(params: SamplingParams, model: Model) -> mx.array | None:
-    if not params.logit_bias or model.vocab_size is None:
-        return None
-    bias = mx.zeros((model.vocab_size,))
-    ids = mx.array(list(params.logit_bias.keys()))
-    return bias.at[ids].add(mx.array(list(params.logit_bias.values())))
 
 
 def batch_generate(

@@ -52,6 +52,8 @@ class KVQuantization:
     start: int = 0
 
     def apply(self, cache: list[Any]) -> None:
+        if self.bits is None:  # runs every step: the common case costs nothing
+            return
         maybe_quantize_kv_cache(
             cache, kv_bits=self.bits, kv_group_size=self.group_size, quantized_kv_start=self.start
         )
