@@ -1,0 +1,50 @@
+"""The family author's API: everything a model-family plugin imports from the core.
+
+A plugin imports from here, from :mod:`mlx_loom.cache` (cache kinds, masks,
+attention) and from :mod:`mlx_loom.nn` (layers families share) — nothing
+else in the core is a contract for plugins.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    CacheError,
+    CapabilityRefused,
+    ConfigError,
+    RequestError,
+    WeightsError,
+)
+from .hookspecs import PLUGIN_API_VERSION, hookimpl
+from .kernels import Backend, Kernel
+from .profiles import (
+    BATCH,
+    GENERATE,
+    KV_QUANTIZATION,
+    PROMPT_CACHE,
+    SPECULATIVE,
+    Execution,
+    Profile,
+)
+from .registry import BuildContext, Implementation, ModelType
+
+__all__ = [
+    "BATCH",
+    "GENERATE",
+    "KV_QUANTIZATION",
+    "PLUGIN_API_VERSION",
+    "PROMPT_CACHE",
+    "SPECULATIVE",
+    "Backend",
+    "BuildContext",
+    "CacheError",
+    "CapabilityRefused",
+    "ConfigError",
+    "Execution",
+    "Implementation",
+    "Kernel",
+    "ModelType",
+    "Profile",
+    "RequestError",
+    "WeightsError",
+    "hookimpl",
+]
