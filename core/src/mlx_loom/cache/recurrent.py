@@ -438,6 +438,15 @@ class RecurrentCache:
             merged.extend(c)
         return merged
 
+    @classmethod
+    def stack(cls, caches: Sequence[RecurrentCache]) -> RecurrentCache:
+        """A batch whose row ``i`` continues bit for bit as ``caches[i]`` alone.
+
+        A row's state is its own slice of the batch state and the recurrence
+        is computed row by row, so stacking changes no value (tested).
+        """
+        return cls.merge(caches)
+
     def empty_batch(self, left_padding: Sequence[int]) -> RecurrentCache:
         """An empty batch cache of this kind, one row per entry of ``left_padding``."""
         return RecurrentCache(left_padding=left_padding)
