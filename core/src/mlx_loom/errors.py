@@ -63,6 +63,14 @@ class RequestError(LoomError, ValueError):
     """A generation request has an invalid parameter (empty prompt, bad top-p ...)."""
 
 
+class EngineBusy(LoomError):
+    """The engine's queue of waiting requests is full; try again shortly."""
+
+
+class EngineStopped(LoomError):
+    """The engine was shut down (or stopped) before the request could finish."""
+
+
 # --- plugins ---------------------------------------------------------------
 
 

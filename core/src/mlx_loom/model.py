@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import mlx.nn as nn
 
     from .artifacts import ArtifactConfig
+    from .engine import EngineService
     from .profiles import Profile
     from .registry import Binding, Implementation
 
@@ -101,6 +102,20 @@ class Model:
         mx.eval(_arrays(module, constants_only=True))
         self._engine_lock = threading.Lock()
         self._engine: Any = None
+
+    @property
+    def engine(self) -> EngineService:
+        """The continuous-batching engine every generation on this model goes through.
+
+        Started on first use; see :mod:`mlx_loom.engine.service` for the
+        thread-safety contract it provides.
+        """
+        with self._engine_lock:
+            if self._engine is None or not self._engine.alive:
+                from .engine import EngineService
+
+                self._engine = EngineService(self)
+            return self._engine
 
     def materialize(self) -> None:
         """Evaluate every array of the graph, weights included, on the calling thread.
