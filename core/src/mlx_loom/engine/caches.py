@@ -53,9 +53,7 @@ def _bounded(cache: Any, n: int) -> Any:
             return cache
         if kind is RotatingKVCache:
             return RotatingKVCache(n, cache.keep)
-        return QuantizedRotatingKVCache(
-            n, cache.keep, group_size=cache.group_size, bits=cache.bits
-        )
+        return QuantizedRotatingKVCache(n, cache.keep, group_size=cache.group_size, bits=cache.bits)
     raise CapabilityRefused(
         f"max_kv_size={n} cannot bound a {kind.__name__} cache (this model makes one per layer "
         "of that kind).",

@@ -265,9 +265,7 @@ class Engine:
 
     def _admit(self, events: list[Event]) -> None:
         s = self.settings
-        active = len(self._prefilling) + sum(len(g) for g in self._groups) + len(
-            self._speculative
-        )
+        active = len(self._prefilling) + sum(len(g) for g in self._groups) + len(self._speculative)
         while (
             self._waiting
             and active < s.decode_concurrency
@@ -373,4 +371,3 @@ def _typed(err: BaseException) -> BaseException:
             "custom sampler or logits processor captures, or load the model without lazy=True.",
         )
     return err
-

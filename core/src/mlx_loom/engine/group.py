@@ -170,7 +170,12 @@ class DecodeGroup:
         rows = self.rows
         last = [self.emit[i] and row.at_last_token for i, row in enumerate(rows)]
         going = [i for i in range(len(rows)) if not last[i]]
-        cur_tokens, cur_chosen, cur_extras, cur_emit = self.tokens, self.chosen, self.extras, self.emit
+        cur_tokens, cur_chosen, cur_extras, cur_emit = (
+            self.tokens,
+            self.chosen,
+            self.extras,
+            self.emit,
+        )
         ending: list[tuple[int, list[Any] | None]] = []
         if len(going) < len(rows):
             ending = [(i, self._row_caches(i)) for i in range(len(rows)) if last[i]]
@@ -197,11 +202,7 @@ class DecodeGroup:
         for i, caches in ending:
             leaving[rows[i].uid] = Left(rows[i], caches)
         # Rows that finished by content, or whose own processing failed, leave now.
-        done = [
-            j
-            for j, row in enumerate(self.rows)
-            if row.finished or j in failed
-        ]
+        done = [j for j, row in enumerate(self.rows) if row.finished or j in failed]
         for j in done:
             row = self.rows[j]
             leaving[row.uid] = Left(row, self._row_caches(j), failed.get(j))

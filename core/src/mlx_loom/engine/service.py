@@ -161,7 +161,11 @@ class EngineService:
         return new
 
     def submit(self, request: Request, *, sink: Sink | None = None) -> Handle:
-        """Queue ``request``; its :class:`Handle`. Raises :class:`EngineBusy` if the queue is full."""
+        """Queue ``request`` and return its :class:`Handle`.
+
+        Raises :class:`~mlx_loom.errors.EngineBusy` when ``max_queued``
+        requests already wait for a row.
+        """
         handle = Handle(self, request, sink)
         with self._lock:
             if self._closed:
@@ -173,8 +177,7 @@ class EngineService:
             queued = self._submitted + self._stats.waiting
             if limit is not None and queued >= limit:
                 raise EngineBusy(
-                    f"{queued} requests are already waiting for a free row (the limit is "
-                    f"{limit}).",
+                    f"{queued} requests are already waiting for a free row (the limit is {limit}).",
                     fix="Retry in a moment, or raise the queue limit (max_queued / --queue-size).",
                 )
             self._submitted += 1

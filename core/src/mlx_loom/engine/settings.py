@@ -82,7 +82,9 @@ class EngineSettings(BaseModel):
     @field_validator("prompt_cache_bytes", "max_queued", mode="before")
     @classmethod
     def _optional_count(cls, value: Any) -> Any:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
             raise ValueError("it must be None or an int >= 0")
         return value
 

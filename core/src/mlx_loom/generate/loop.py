@@ -45,7 +45,7 @@ def generate_tokens(
     history: Sequence[int] = (),
     max_tokens: int = 256,
     prefill_step_size: int = 2048,
-    kv: KVQuantization = KVQuantization(),
+    kv: KVQuantization | None = None,
     max_kv_size: int | None = None,
     log: StepLog | None = None,
 ) -> Iterator[tuple[int, mx.array]]:
@@ -60,6 +60,7 @@ def generate_tokens(
     applied: the caller stops when it wants. ``log.fed`` receives the tokens
     fed into ``cache``.
     """
+    kv = kv or KVQuantization()
     request = make_request(
         model,
         None,

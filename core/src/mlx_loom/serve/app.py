@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine import EngineSettings
 from ..errors import LoomError, RequestError
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
@@ -27,6 +28,9 @@ from .worker import GenerationWorker, Job, Piece
 #: The largest ``max_tokens`` a request may ask for unless the server is started
 #: with another ``--max-tokens-limit``.
 DEFAULT_MAX_TOKENS_LIMIT = 4096
+
+#: Requests that may wait for a free row before the server answers 503.
+DEFAULT_MAX_QUEUED = 64
 
 
 @dataclass
@@ -52,7 +56,8 @@ class ServeApp:
 
     ``model_id`` is the id clients see in ``GET /v1/models`` and may send as
     ``model``; a request naming any other model is refused (404), never
-    silently answered by this one.
+    silently answered by this one. ``engine`` sets how the model's engine
+    batches (concurrency, prefill chunking, the prefix store, the queue bound).
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class ServeApp:
         *,
         model_id: str | None = None,
         max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+        engine: EngineSettings | None = None,
     ) -> None:
         if (
             isinstance(max_tokens_limit, bool)
@@ -78,7 +84,7 @@ class ServeApp:
         self.max_tokens_limit = max_tokens_limit
         self.default_max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
         self.created = int(time.time())
-        self.worker = GenerationWorker(model, tokenizer)
+        self.worker = GenerationWorker(model, tokenizer, engine or server_engine_settings())
 
     def close(self) -> None:
         self.worker.close()
@@ -98,14 +104,27 @@ class ServeApp:
         return schemas.ModelCard(id=self.model_id, created=self.created).model_dump()
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        """``(status, body)``: 503 once the generation thread has died."""
+        """``(status, body)``: 503 once the engine has been shut down.
+
+        ``queued`` counts requests waiting for a free row, ``active_rows`` the
+        requests being prefilled or decoded.
+        """
         worker = self.worker
         ok = worker.alive
+        stats = worker.stats()
+        engine = stats.engine
+        settings = worker.service.settings
         return (200 if ok else 503), {
             "status": "ok" if ok else "unavailable",
             "model": self.model_id,
-            "busy": worker.busy,
-            "queued": worker.queued,
+            "busy": engine.active > 0,
+            "queued": stats.queued,
+            "active_rows": engine.active,
+            "prefilling": engine.prefilling,
+            "decoding": engine.decoding,
+            "decode_concurrency": settings.decode_concurrency,
+            "max_queued": settings.max_queued,
+            "prompt_cache": {"entries": engine.prefix_entries, "bytes": engine.prefix_bytes},
         }
 
     # --- validation -------------------------------------------------------------
@@ -206,12 +225,14 @@ class ServeApp:
                     code="invalid_token",
                 )
         limit = self.model.context_length
-        if limit is not None and len(ids) > limit:
+        if limit is not None and len(ids) >= limit:
+            # Generation stops at the context (finish_reason "length"); a prompt
+            # that fills it leaves no room for a single token.
             raise HttpError(
                 400,
                 f"The {param} is {len(ids)} tokens long; this model's context "
-                f"(max_position_embeddings) is {limit} tokens.",
-                fix="shorten the prompt",
+                f"(max_position_embeddings) is {limit} tokens, which leaves no room to generate.",
+                fix=f"shorten the prompt to fewer than {limit} tokens",
                 param=param,
                 code="context_length_exceeded",
             )
@@ -444,6 +465,15 @@ class ServeApp:
         if final and prep.include_usage:
             out.append(self._chunk(prep, [], usage=self._usage(piece)))
         return out
+
+
+def server_engine_settings(**changes: Any) -> EngineSettings:
+    """The engine settings ``loom serve`` uses unless told otherwise (mlx-lm's defaults).
+
+    Unlike the Python API's default engine, the server keeps a prefix store
+    (``prompt_cache_size`` 10) and bounds its queue (``max_queued`` 64).
+    """
+    return EngineSettings(**{"prompt_cache_size": 10, "max_queued": DEFAULT_MAX_QUEUED, **changes})
 
 
 def _failing_option(options: dict[str, Any]) -> str:

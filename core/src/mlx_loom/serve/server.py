@@ -23,7 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import LoomError
+from ..engine import EngineSettings
+from ..errors import EngineBusy, LoomError
 from .app import ServeApp
 from .errors import NOT_FOUND, SERVER_ERROR, HttpError, ServerStartError, from_loom_error
 from .worker import END, Job, Piece
@@ -36,6 +37,9 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 
 #: How often a handler waiting for tokens checks that its client is still there.
 POLL_SECONDS = 0.05
+
+#: Seconds a client told the queue is full should wait before retrying.
+RETRY_AFTER_SECONDS = 1
 
 ROUTES: dict[str, tuple[str, ...]] = {
     "/health": ("GET",),
@@ -242,7 +246,7 @@ class Handler(BaseHTTPRequestHandler):
                 if not self.app.worker.alive:
                     raise HttpError(
                         503,
-                        "The generation thread has stopped.",
+                        "The generation engine has stopped.",
                         type=SERVER_ERROR,
                         fix="restart the server",
                     ) from None
@@ -266,7 +270,17 @@ class Handler(BaseHTTPRequestHandler):
         body = self._read_json()
         prep = self.app.prepare(body, chat=chat)
         job = prep.job
-        self.app.worker.submit(job)
+        try:
+            self.app.worker.submit(job)
+        except EngineBusy as err:
+            raise HttpError(
+                503,
+                err.message,
+                fix=err.fix,
+                type=SERVER_ERROR,
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from None
         try:
             events = self._events(job)
             if not prep.stream:
@@ -374,10 +388,15 @@ def make_server(
     port: int = 8080,
     model_id: str | None = None,
     max_tokens_limit: int | None = None,
+    engine: EngineSettings | None = None,
 ) -> LoomServer:
-    """A server for a loaded ``(model, tokenizer)``, bound but not yet serving."""
+    """A server for a loaded ``(model, tokenizer)``, bound but not yet serving.
+
+    ``engine`` sets how requests are batched (default:
+    :func:`~mlx_loom.serve.app.server_engine_settings`).
+    """
     options = {} if max_tokens_limit is None else {"max_tokens_limit": max_tokens_limit}
-    app = ServeApp(model, tokenizer, model_id=model_id, **options)
+    app = ServeApp(model, tokenizer, model_id=model_id, engine=engine, **options)
     try:
         return LoomServer(app, host, port)
     except BaseException:
