@@ -281,6 +281,11 @@ class Engine:
 
     def _start(self, row: Row) -> None:
         request = row.request
+        if request.sampler is not None and request.params.seed is not None:
+            # A custom sampler (mlx-lm's) draws from MLX's global generator,
+            # which is per thread: seed this thread's, as mlx-lm's user would
+            # call mx.random.seed(seed) before generating.
+            mx.random.seed(request.params.seed)
         if request.speculation is not None:
             step = request.prefill_step_size or self.settings.prefill_step_size
             self._speculative.append(_SpeculativeRun(self.model, row, step))

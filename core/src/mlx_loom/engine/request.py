@@ -212,6 +212,11 @@ def make_request(
     room = context_room(model, len(ids) + len(history))
     limit = max_tokens if room is None else min(max_tokens, room)
     StopStrings(stop)  # refuses empty stop strings, by name
+    if stop and tokenizer is None:
+        raise RequestError(
+            "Stop strings need the tokenizer, to see the text being generated.",
+            fix="Pass the model's tokenizer, or stop on token ids (eos) instead.",
+        )
     if sampler is not None:
         if not callable(sampler):
             raise RequestError(
@@ -220,7 +225,7 @@ def make_request(
             )
         moved = [
             name
-            for name in ("temperature", "top_p", "top_k", "min_p", "seed")
+            for name in ("temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep")
             if getattr(params, name) != SamplingParams.model_fields[name].default
         ]
         if moved:

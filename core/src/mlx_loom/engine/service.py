@@ -35,7 +35,7 @@ from mlx_loom.engine.core import Engine, EngineStats
 from mlx_loom.engine.events import Done, Event, TokenEvent
 from mlx_loom.engine.request import Request
 from mlx_loom.engine.settings import EngineSettings
-from mlx_loom.errors import EngineBusy, EngineStopped
+from mlx_loom.errors import EngineBusy, EngineStopped, RequestError
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
@@ -168,6 +168,13 @@ class EngineService:
         """
         handle = Handle(self, request, sink)
         with self._lock:
+            if self._thread is threading.current_thread():
+                raise RequestError(
+                    "A generation was started from inside a generation on the same model (a "
+                    "custom sampler or logits processor called generate); it would wait on "
+                    "itself forever.",
+                    fix="Do not generate from inside a sampler or logits processor.",
+                )
             if self._closed:
                 raise EngineStopped(
                     "The model's generation engine has been shut down.",
