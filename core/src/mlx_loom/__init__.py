@@ -1,14 +1,19 @@
 """mlx-loom: LLM inference on MLX with model families as separately installed plugins.
 
-The public API::
+The user API::
 
     import mlx_loom
     model, tokenizer = mlx_loom.load("path/or/org-repo")
     print(mlx_loom.generate(model, tokenizer, "Hello", max_tokens=64))
 
-Plugin authors import from :mod:`mlx_loom.hookspecs` (``hookimpl``),
-:mod:`mlx_loom.registry`, :mod:`mlx_loom.profiles`, :mod:`mlx_loom.kernels`
-and :mod:`mlx_loom.cache`.
+Every generation runs on the model's continuous-batching engine
+(``model.engine``; :mod:`mlx_loom.engine`), so the API may be called from
+several threads at once: their requests are batched together.
+
+An application that embeds the engine and chooses its composition uses
+:class:`PluginHost`, :class:`PluginPolicy` and :class:`Registry` (more in
+:mod:`mlx_loom.host`). Family authors import from :mod:`mlx_loom.plugin`.
+Every error is in :mod:`mlx_loom.errors`.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -18,8 +23,10 @@ try:
 except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0+unknown"
 
+from . import errors  # noqa: E402
 from .errors import LoomError, Refusal  # noqa: E402
 from .generate import (  # noqa: E402
+    BatchResponse,
     BatchResult,
     GenerationResponse,
     PromptCache,
@@ -28,34 +35,40 @@ from .generate import (  # noqa: E402
     generate,
     stream_generate,
 )
-from .kernels import Kernel  # noqa: E402
-from .loading import default_host, load, resolve_model  # noqa: E402
+from .engine import Engine, EngineSettings, make_request  # noqa: E402
+from .host import (  # noqa: E402
+    PluginHost,
+    PluginPolicy,
+    Registry,
+    default_host,
+    load,
+    resolve_model,
+)
 from .model import Model  # noqa: E402
-from .plugins import PluginHost, PluginPolicy  # noqa: E402
-from .profiles import Execution, Profile  # noqa: E402
-from .registry import Implementation, ModelType, Registry  # noqa: E402
+from .text import Tokenizer  # noqa: E402
 
 __all__ = [
+    "BatchResponse",
     "BatchResult",
-    "Execution",
+    "Engine",
+    "EngineSettings",
     "GenerationResponse",
-    "Implementation",
-    "Kernel",
     "LoomError",
     "Model",
-    "ModelType",
     "PluginHost",
     "PluginPolicy",
-    "Profile",
     "PromptCache",
     "Refusal",
     "Registry",
     "SamplingParams",
+    "Tokenizer",
     "__version__",
     "batch_generate",
     "default_host",
+    "errors",
     "generate",
     "load",
+    "make_request",
     "resolve_model",
     "stream_generate",
 ]

@@ -21,8 +21,7 @@ if TYPE_CHECKING:
 
     from .artifacts import ArtifactConfig
     from .engine import EngineService
-    from .profiles import Profile
-    from .registry import Binding, Implementation
+    from .host import Binding, Implementation, Profile
 
 
 @runtime_checkable

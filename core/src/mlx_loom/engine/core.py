@@ -47,6 +47,7 @@ from mlx_loom.engine.request import Request
 from mlx_loom.engine.row import Row
 from mlx_loom.engine.settings import EngineSettings
 from mlx_loom.errors import LoomError, RequestError
+from mlx_loom.host import BATCH
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
@@ -134,7 +135,7 @@ class Engine:
         self._groups: list[DecodeGroup] = []
         self._speculative: list[_SpeculativeRun] = []
         self.store = PrefixStore(self.settings.prompt_cache_size, self.settings.prompt_cache_bytes)
-        self._batchable = "batch" in model.capabilities
+        self._batchable = BATCH in model.capabilities
         self._counts = dict(completed=0, cancelled=0, failed=0, generated_tokens=0, steps=0)
         self._peak = 0
 

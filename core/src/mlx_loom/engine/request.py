@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_loom.cache import maybe_quantize_kv_cache, validate_kv_quantization
 from mlx_loom.errors import RequestError
 from mlx_loom.generate.params import SamplingParams
-from mlx_loom.profiles import KV_QUANTIZATION, SPECULATIVE
+from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model

@@ -20,8 +20,8 @@ import mlx.core as mx
 
 from ..engine.request import make_request
 from ..errors import RequestError
+from ..host import BATCH
 from ..model import Model
-from ..profiles import BATCH
 from ..text import Tokenizer
 from .params import SamplingParams
 from .stream import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, sampling_params

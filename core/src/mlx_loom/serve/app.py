@@ -18,8 +18,8 @@ from ..engine import EngineSettings
 from ..errors import LoomError, RequestError
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
+from ..host import GENERATE
 from ..model import Model
-from ..profiles import GENERATE
 from ..text import StopStrings, Tokenizer
 from . import schemas
 from .errors import NOT_FOUND, HttpError, from_loom_error

@@ -24,8 +24,8 @@ from typing import Any
 
 from ..engine import Done, EngineSettings, Handle, ServiceStats, TokenEvent, make_request
 from ..generate import SamplingParams
+from ..host import PROMPT_CACHE
 from ..model import Model
-from ..profiles import PROMPT_CACHE
 from ..text import Tokenizer
 
 
