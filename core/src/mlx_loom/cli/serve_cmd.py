@@ -15,7 +15,7 @@ from ..engine.settings import (
     DEFAULT_PROMPT_CONCURRENCY,
 )
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
-from ..serve.app import DEFAULT_MAX_QUEUED
+from ..serve.app import DEFAULT_MAX_QUEUED, server_engine_settings
 from .generate_cmd import add_model_options, load_from_args
 
 
@@ -129,7 +129,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
-    return EngineSettings(
+    return server_engine_settings(
         decode_concurrency=args.decode_concurrency,
         prompt_concurrency=args.prompt_concurrency,
         prefill_step_size=args.prefill_step_size,

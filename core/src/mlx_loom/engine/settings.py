@@ -40,7 +40,9 @@ class EngineSettings(BaseModel):
       unbounded. Past it, :meth:`EngineService.submit` raises
       :class:`~mlx_loom.errors.EngineBusy` (the server answers 503).
     * ``idle_seconds``: how long the engine thread waits for work before it
-      exits (it restarts on the next request; the prefix store survives).
+      exits (it restarts on the next request; the prefix store survives), so
+      that an idle model holds no thread; ``None`` keeps it for good (the
+      server does).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -51,7 +53,7 @@ class EngineSettings(BaseModel):
     prompt_cache_size: int = 0
     prompt_cache_bytes: int | None = None
     max_queued: int | None = None
-    idle_seconds: float = 5.0
+    idle_seconds: float | None = 5.0
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -91,6 +93,8 @@ class EngineSettings(BaseModel):
     @field_validator("idle_seconds", mode="before")
     @classmethod
     def _seconds(cls, value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError("it must be a positive number of seconds")
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
+            raise ValueError("it must be a positive number of seconds below 1e6, or None")
         return float(value)

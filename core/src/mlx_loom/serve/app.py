@@ -471,9 +471,11 @@ def server_engine_settings(**changes: Any) -> EngineSettings:
     """The engine settings ``loom serve`` uses unless told otherwise (mlx-lm's defaults).
 
     Unlike the Python API's default engine, the server keeps a prefix store
-    (``prompt_cache_size`` 10) and bounds its queue (``max_queued`` 64).
+    (``prompt_cache_size`` 10), bounds its queue (``max_queued`` 64) and keeps
+    its engine thread for its whole life (no idle exit and restart).
     """
-    return EngineSettings(**{"prompt_cache_size": 10, "max_queued": DEFAULT_MAX_QUEUED, **changes})
+    defaults = {"prompt_cache_size": 10, "max_queued": DEFAULT_MAX_QUEUED, "idle_seconds": None}
+    return EngineSettings(**{**defaults, **changes})
 
 
 def _failing_option(options: dict[str, Any]) -> str:
