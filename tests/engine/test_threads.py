@@ -131,3 +131,13 @@ def test_a_closed_engine_refuses_new_work_until_the_model_makes_a_new_one(loaded
         old.submit(None)  # type: ignore[arg-type]
     assert model.engine is not old
     assert mlx_loom.generate(model, tok, "hello", max_tokens=2)
+
+
+def test_a_prompt_cache_can_be_saved_on_the_callers_thread_after_generating(loaded, tmp_path):
+    """Its arrays were computed on the engine thread; none is left lazy for the caller."""
+    model, tok = loaded("qwen3_next")
+    cache = PromptCache(model)
+    list(mlx_loom.stream_generate(model, tok, "the model reads", prompt_cache=cache, max_tokens=5))
+    cache.save(tmp_path / "conversation.safetensors")
+    again = PromptCache.load(tmp_path / "conversation.safetensors", model)
+    assert again.tokens == cache.tokens

@@ -359,6 +359,9 @@ class Engine:
             if caches is not request.cache:
                 request.cache[:] = caches
             caches = request.cache
+            # The caller's thread may save these caches, or a later engine
+            # thread continue them: no lazy graph of this thread may remain.
+            mx.eval([c.state for c in caches])
         elif caches is not None and self.store.max_entries and row.fed:
             held = [*request.prompt[: row.cached], *row.fed]
             try:

@@ -140,6 +140,9 @@ class EngineService:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        # Every thread started and perhaps still running: one that left for
+        # idleness may still be destroying its streams when close() runs.
+        self._threads: list[threading.Thread] = []
         self._submitted = 0  # posted, not yet taken in by the engine thread
         self._stats = self._engine.stats()
         self._closed = False
@@ -206,10 +209,10 @@ class EngineService:
         """Cancel everything, stop the thread (destroying its streams) and wait for it."""
         with self._lock:
             self._closed = True
-            thread = self._thread
-            if thread is not None:
+            if self._thread is not None:
                 self._inbox.put(("stop", None))
-        if thread is not None and thread is not threading.current_thread():
+            threads = [t for t in self._threads if t is not threading.current_thread()]
+        for thread in threads:
             thread.join(timeout)
         _services.discard(self)
 
@@ -224,6 +227,7 @@ class EngineService:
             self._thread = threading.Thread(
                 target=self._run, name=f"loom-engine-{self.model.model_type}", daemon=True
             )
+            self._threads = [t for t in self._threads if t.is_alive()] + [self._thread]
             self._thread.start()
 
     # --- the engine thread ------------------------------------------------------------
@@ -316,5 +320,7 @@ _services: weakref.WeakSet[EngineService] = weakref.WeakSet()
 
 @atexit.register
 def _stop_all() -> None:
+    # Each thread stops after its current step (one decode step or prefill
+    # chunk); waiting for that is what keeps the exit clean.
     for service in list(_services):
-        service.close(timeout=5.0)
+        service.close(timeout=60.0)
