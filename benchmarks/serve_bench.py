@@ -21,6 +21,12 @@ Rounds are interleaved — for every repeat, every concurrency, both servers,
 the order alternating — and the table gives medians over repeats (TTFT
 percentiles over every request of every repeat). ``vs serial`` is the
 aggregate rate over the same server's rate at concurrency 1.
+
+``--openblas PATH`` preloads an OpenBLAS library into both servers alike
+(``LD_PRELOAD``; the ``mlx[cpu]`` wheel otherwise links reference BLAS,
+whose fp32 matrix products cost time in proportion to their rows, so that
+batching rows saves little). Results then differ from the bundled BLAS by
+~1e-6, so the parity tests never run with it.
 """
 
 from __future__ import annotations
@@ -67,8 +73,10 @@ class Server:
     port: int
     proc: subprocess.Popen | None = None
 
+    env: dict[str, str] = field(default_factory=dict)
+
     def start(self, timeout: float = 600.0) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(
             self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True
         )
@@ -95,15 +103,17 @@ class Server:
                 self.proc.kill()
 
 
-def servers(path: Path) -> list[Server]:
+def servers(path: Path, env: dict[str, str] | None = None) -> list[Server]:
     loom = str(Path(sys.executable).parent / "loom")
     a, b = free_port(), free_port()
+    env = env or {}
     return [
-        Server("mlx-loom", [loom, "serve", "--model", str(path), "--port", str(a)], a),
+        Server("mlx-loom", [loom, "serve", "--model", str(path), "--port", str(a)], a, env=env),
         Server(
             "mlx-lm",
             [sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port", str(b)],
             b,
+            env=env,
         ),
     ]
 
@@ -183,12 +193,14 @@ def percentile(values: list[float], q: float) -> float:
     return values[k]
 
 
-def bench_row(row: Row, levels: list[int], repeats: int, max_tokens: int) -> dict:
+def bench_row(
+    row: Row, levels: list[int], repeats: int, max_tokens: int, env: dict[str, str]
+) -> dict:
     from mlx_loom.text import Tokenizer
 
     path = build(row)
     eos = sorted(Tokenizer.from_dir(path).eos_token_ids)
-    pair = servers(path)
+    pair = servers(path, env)
     for s in pair:
         s.start()
     rounds: dict[tuple[str, int], list[Round]] = {}
@@ -238,8 +250,8 @@ def print_table(row: Row, table: dict, levels: list[int]) -> None:
         print(
             f"| {n} | {a['tps_median']:.1f} | {b['tps_median']:.1f} | "
             f"{a['tps_median'] / b['tps_median']:.2f} | {a['tps_median'] / serial:.2f} | "
-            f"{a['ttft_p50']:.3f} / {a['ttft_p95']:.3f} | {b['ttft_p50']:.3f} / {b['ttft_p95']:.3f} | "
-            f"{spread} |"
+            f"{a['ttft_p50']:.3f} / {a['ttft_p95']:.3f} | "
+            f"{b['ttft_p50']:.3f} / {b['ttft_p95']:.3f} | {spread} |"
         )
 
 
@@ -250,13 +262,17 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--openblas", help="preload this OpenBLAS library into both servers")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
+    env = {}
+    if args.openblas:
+        env = {"LD_PRELOAD": args.openblas, "OPENBLAS_NUM_THREADS": "1"}
     results = {}
     for key in args.rows.split(","):
         row = ROWS[key]
         print(f"{row.name}: {levels} concurrent streams x {args.max_tokens} tokens", flush=True)
-        results[row.name] = bench_row(row, levels, args.repeats, args.max_tokens)
+        results[row.name] = bench_row(row, levels, args.repeats, args.max_tokens, env)
         print_table(row, results[row.name], levels)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

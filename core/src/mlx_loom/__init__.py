@@ -35,6 +35,11 @@ from .generate import (  # noqa: E402
     generate,
     stream_generate,
 )
+
+# isort: split
+# After .generate: the engine uses the sampling modules of mlx_loom.generate,
+# whose package imports the engine's clients; importing .generate first keeps
+# that cycle resolvable whichever module a program imports first.
 from .engine import Engine, EngineSettings, make_request  # noqa: E402
 from .host import (  # noqa: E402
     PluginHost,

@@ -87,11 +87,6 @@ class Request:
     logprobs_vector: bool = False
     speculation: Speculation | None = None
 
-    @property
-    def context_bound(self) -> bool:
-        """True when the context, not ``max_tokens``, is what ends this request."""
-        return self.limit < self.max_tokens
-
 
 def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:
     """Token ids for ``prompt``; refuse an empty one."""
@@ -104,9 +99,7 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> l
             raise RequestError(
                 "A text prompt needs a tokenizer.", fix="Pass token ids, or the model's tokenizer."
             )
-        bos = tokenizer.bos_token
-        add_special = bos is None or not prompt.startswith(bos)
-        ids = tokenizer.encode(prompt, add_special_tokens=add_special)
+        ids = tokenizer.encode_prompt(prompt)  # BOS unless the text starts with it
     else:
         try:
             ids = [_token_id(t) for t in prompt]

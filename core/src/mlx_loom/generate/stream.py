@@ -100,7 +100,8 @@ def stream_generate(
     (or ``temp``), ``top_p``, ``top_k``, ``min_p``, penalties, ``logit_bias``,
     ``seed``, ``logprobs``); ``sampler`` and ``logits_processors`` take
     mlx-lm-style callables instead (processors run after the built-in
-    penalties). ``max_kv_size`` bounds each attention layer's cache to a
+    penalties; with ``sampler``, ``seed`` seeds MLX's generator, which
+    mlx-lm's samplers draw from). ``max_kv_size`` bounds each attention layer's cache to a
     sliding window of that many tokens. Pass a :class:`PromptCache` to reuse
     the longest usable prefix of an earlier call's caches (one generation at
     a time per cache). ``draft_model`` turns on speculative decoding
@@ -108,47 +109,6 @@ def stream_generate(
     tokenizer). The last response carries ``finish_reason``: ``"stop"`` (EOS
     or a stop string) or ``"length"`` (``max_tokens``, or the context).
     """
-    yield from _stream(
-        model,
-        tokenizer,
-        prompt,
-        vectors=True,
-        max_tokens=max_tokens,
-        stop=stop,
-        prompt_cache=prompt_cache,
-        prefill_step_size=prefill_step_size,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        quantized_kv_start=quantized_kv_start,
-        max_kv_size=max_kv_size,
-        sampler=sampler,
-        logits_processors=logits_processors,
-        draft_model=draft_model,
-        num_draft_tokens=num_draft_tokens,
-        sampling=sampling,
-    )
-
-
-def _stream(
-    model: Model,
-    tokenizer: Tokenizer,
-    prompt: str | Sequence[int],
-    *,
-    vectors: bool,
-    max_tokens: int,
-    stop: Sequence[str],
-    prompt_cache: PromptCache | None,
-    prefill_step_size: int,
-    kv_bits: int | None,
-    kv_group_size: int,
-    quantized_kv_start: int,
-    max_kv_size: int | None,
-    sampler: Callable[[mx.array], mx.array] | None,
-    logits_processors: Sequence[Callable[[mx.array, mx.array], mx.array]] | None,
-    draft_model: Model | None,
-    num_draft_tokens: int,
-    sampling: dict[str, Any],
-) -> Iterator[GenerationResponse]:
     params = sampling_params(sampling)
     ids = encode_prompt(tokenizer, prompt)
     options: dict[str, Any] = dict(
@@ -162,7 +122,7 @@ def _stream(
         max_kv_size=max_kv_size,
         sampler=sampler,
         logits_processors=logits_processors,
-        logprobs_vector=vectors,
+        logprobs_vector=True,
     )
     if draft_model is not None:
         options["speculation"] = Speculation(draft_model, num_draft_tokens)
@@ -231,7 +191,7 @@ def generate(
     """Generate and return the whole text (``verbose`` prints it as it streams)."""
     text = []
     last: GenerationResponse | None = None
-    for last in _stream_options(model, tokenizer, prompt, options):
+    for last in stream_generate(model, tokenizer, prompt, **options):
         if verbose:
             print(last.text, end="", flush=True)
         text.append(last.text)
@@ -243,44 +203,3 @@ def generate(
         )
         print(f"Peak memory: {last.peak_memory:.3f} GB")
     return "".join(text)
-
-
-def _stream_options(
-    model: Model, tokenizer: Tokenizer, prompt: str | Sequence[int], options: dict[str, Any]
-) -> Iterator[GenerationResponse]:
-    """``stream_generate`` without log-probability vectors (``generate`` only needs text)."""
-    named = {
-        name: options.pop(name)
-        for name in (
-            "max_tokens",
-            "stop",
-            "prompt_cache",
-            "prefill_step_size",
-            "kv_bits",
-            "kv_group_size",
-            "quantized_kv_start",
-            "max_kv_size",
-            "sampler",
-            "logits_processors",
-            "draft_model",
-            "num_draft_tokens",
-        )
-        if name in options
-    }
-    defaults: dict[str, Any] = dict(
-        max_tokens=DEFAULT_MAX_TOKENS,
-        stop=(),
-        prompt_cache=None,
-        prefill_step_size=DEFAULT_PREFILL_STEP,
-        kv_bits=None,
-        kv_group_size=64,
-        quantized_kv_start=0,
-        max_kv_size=None,
-        sampler=None,
-        logits_processors=None,
-        draft_model=None,
-        num_draft_tokens=3,
-    )
-    return _stream(
-        model, tokenizer, prompt, vectors=False, sampling=options, **{**defaults, **named}
-    )
