@@ -126,6 +126,13 @@ class Result:
 
 
 def one_request(port: int, prompt: str, max_tokens: int, eos: list[int], out: list) -> None:
+    try:
+        _one_request(port, prompt, max_tokens, eos, out)
+    except OSError as err:  # a server that drops a connection under load: count it
+        out.append(err)
+
+
+def _one_request(port: int, prompt: str, max_tokens: int, eos: list[int], out: list) -> None:
     body = json.dumps(
         {
             "prompt": prompt,
@@ -166,6 +173,7 @@ def one_request(port: int, prompt: str, max_tokens: int, eos: list[int], out: li
 class Round:
     tps: float
     ttfts: list[float] = field(default_factory=list)
+    failed: int = 0
 
 
 def run_round(server: Server, n: int, max_tokens: int, eos: list[int], seed: int) -> Round:
@@ -184,7 +192,8 @@ def run_round(server: Server, n: int, max_tokens: int, eos: list[int], seed: int
         t.join()
     wall = time.perf_counter() - start
     assert len(results) == n
-    return Round(n * max_tokens / wall, [r.ttft for r in results])
+    done = [r for r in results if isinstance(r, Result)]
+    return Round(len(done) * max_tokens / wall, [r.ttft for r in done], n - len(done))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -214,9 +223,11 @@ def bench_row(
                     rounds.setdefault((s.name, n), []).append(
                         run_round(s, n, max_tokens, eos, seed=r)
                     )
+                    last = rounds[(s.name, n)][-1]
+                    failed = f" ({last.failed} requests failed)" if last.failed else ""
                     print(
                         f"  {row.name} {s.name:8s} N={n:2d} repeat {r}: "
-                        f"{rounds[(s.name, n)][-1].tps:7.1f} tok/s",
+                        f"{last.tps:7.1f} tok/s{failed}",
                         flush=True,
                     )
     finally:
@@ -232,6 +243,7 @@ def bench_row(
             "tps_max": max(tps),
             "ttft_p50": percentile(ttfts, 0.5),
             "ttft_p95": percentile(ttfts, 0.95),
+            "failed_requests": sum(x.failed for x in rs),
         }
     return table
 

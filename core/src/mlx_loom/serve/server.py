@@ -333,6 +333,10 @@ class LoomServer(ThreadingHTTPServer):
     """
 
     daemon_threads = True
+    #: The listen backlog. socketserver's default (5) overflows when a burst of
+    #: clients connects at once, as they do to a batching server, and the
+    #: kernel then resets some of those connections.
+    request_queue_size = 128
 
     def __init__(self, app: ServeApp, host: str = "127.0.0.1", port: int = 8080) -> None:
         self.app = app
