@@ -220,3 +220,53 @@ def test_a_batch_of_one_runs_through_the_rows_own_caches(loaded):
     assert len(run.tokens) == 5
     assert all(type(c) is KVCache for c in caches) and caches[0].offset == 6 + 4
     assert run.done.caches is caches and len(run.done.fed) == 6 + 4
+
+
+def test_a_request_with_its_own_caches_leaves_a_batch_holding_exactly_its_tokens(loaded):
+    """A caller's caches (a PromptCache's) are stacked into the batch and handed back."""
+    model, _ = loaded("llama")
+    mine = model.make_cache()
+    prompt = ids(9, 1)
+    engine = Engine(model)
+    runs = drive(
+        engine,
+        {
+            0: [("other", request(model, prompt=ids(12, 2), max_tokens=20))],
+            2: [("mine", request(model, prompt=prompt, max_tokens=10, cache=mine))],
+        },
+    )
+    held = prompt + runs["mine"].tokens[:-1]  # the last token was never fed
+    assert list(runs["mine"].done.fed) == held and runs["mine"].done.caches is mine
+    # Continuing from the handed-back caches equals a fresh run over everything.
+    more = ids(4, 3)
+    continued = alone(model, request(model, prompt=more, history=held, cache=mine, max_tokens=8))
+    fresh = alone(model, request(model, prompt=held + more, max_tokens=8))
+    assert_same_run(continued, fresh, "continued")
+
+
+def test_a_model_without_the_batch_capability_still_serves_requests_side_by_side(tmp_path):
+    from mlx_loom import load
+    from mlx_loom.host import PluginHost
+
+    from mlx_loom.testing.tokenizer import write_tokenizer
+
+    from ..core.toyfamily import ToyPlugin, write_toy_checkpoint
+
+    host = PluginHost(plugins=[("toy", ToyPlugin())], entry_points=False)
+    ckpt = write_toy_checkpoint(tmp_path / "toy", vocab=256)
+    write_tokenizer(ckpt, 256)
+    model, _ = load(ckpt, host=host)
+    reqs = [
+        request(model, prompt=[1, 2, 3], max_tokens=6),
+        request(model, prompt=[4, 5], max_tokens=6),
+    ]
+    engine = Engine(model)
+    groups = []
+    runs = drive(
+        engine,
+        {0: [("a", reqs[0]), ("b", reqs[1])]},
+        on_step=lambda *_: groups.append(engine.stats().groups),
+    )
+    assert max(groups) == 2  # one forward per row: never stacked
+    for name, req in zip("ab", reqs, strict=True):
+        assert_same_run(runs[name], alone(model, req), name)

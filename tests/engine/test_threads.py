@@ -141,3 +141,30 @@ def test_a_prompt_cache_can_be_saved_on_the_callers_thread_after_generating(load
     cache.save(tmp_path / "conversation.safetensors")
     again = PromptCache.load(tmp_path / "conversation.safetensors", model)
     assert again.tokens == cache.tokens
+
+
+def test_a_loaded_model_runs_on_any_thread(loaded):
+    """Construction-time constants (Gemma 4's RoPE frequencies) are evaluated at load:
+    a lazy graph built on the loading thread would fail on any other thread with
+    "There is no Stream(cpu, 0) in current thread" (every Gemma 4 request through
+    ``loom serve`` did)."""
+    import mlx.core as mx
+
+    model, _ = loaded("gemma4_text")
+    out: list = []
+
+    def forward() -> None:
+        try:
+            logits = model(mx.array([[5, 6, 7]]))
+            mx.eval(logits)
+            out.append(logits.shape)
+        except Exception as err:  # the assertion below reports it
+            out.append(err)
+        finally:
+            mx.synchronize()
+            mx.clear_streams()
+
+    thread = threading.Thread(target=forward)
+    thread.start()
+    thread.join(60)
+    assert out == [(1, 3, model.vocab_size)]
