@@ -247,7 +247,6 @@ def test_a_request_with_its_own_caches_leaves_a_batch_holding_exactly_its_tokens
 def test_a_model_without_the_batch_capability_still_serves_requests_side_by_side(tmp_path):
     from mlx_loom import load
     from mlx_loom.host import PluginHost
-
     from mlx_loom.testing.tokenizer import write_tokenizer
 
     from ..core.toyfamily import ToyPlugin, write_toy_checkpoint
@@ -270,3 +269,32 @@ def test_a_model_without_the_batch_capability_still_serves_requests_side_by_side
     assert max(groups) == 2  # one forward per row: never stacked
     for name, req in zip("ab", reqs, strict=True):
         assert_same_run(runs[name], alone(model, req), name)
+
+
+class CountingModule:
+    """Wraps a graph to count its forwards and record their input shapes."""
+
+    def __init__(self, module):
+        self.module, self.shapes = module, []
+
+    def __call__(self, inputs, cache=None):
+        self.shapes.append(tuple(inputs.shape))
+        return self.module(inputs, cache=cache)
+
+    def make_cache(self):
+        return self.module.make_cache()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next", "gemma4_text"])
+def test_a_burst_of_fresh_prompts_is_prefilled_in_one_forward_exactly(name, loaded, monkeypatch):
+    model, _ = loaded(name)
+    reqs = [request(model, prompt=ids(n, i), max_tokens=6) for i, n in enumerate([9, 8, 9, 7, 120])]
+    counter = CountingModule(model.module)
+    monkeypatch.setattr(model, "module", counter)
+    runs = drive(Engine(model), {0: [(str(i), r) for i, r in enumerate(reqs)]})
+    prefills = [s for s in counter.shapes if s[1] > 1]
+    # The four similar prompts share one padded forward; the long one goes alone.
+    assert sorted(prefills) == [(1, 119), (4, 8)]
+    monkeypatch.undo()
+    for i, r in enumerate(reqs):
+        assert_same_run(runs[str(i)], alone(model, r), f"{name} request {i}")

@@ -13,7 +13,7 @@ requests, :meth:`Engine.remove` takes them out (cancellation), and each
    ``prompt_concurrency`` prefill), reusing the longest usable prefix from
    the shared prefix store;
 4. one prefill chunk (``prefill_step_size`` tokens) of every prompt being
-   prefilled, each through the row's own caches — so a long prompt arriving
+   prefilled (:mod:`mlx_loom.engine.prefill`), so a long prompt arriving
    delays the running streams by one chunk per step, never by its whole
    prefill, and its caches come out exactly as a lone prefill makes them;
 5. regrouping: a row whose prompt is done joins the decode group its caches
@@ -42,6 +42,7 @@ import mlx.core as mx
 from mlx_loom.engine.caches import fresh_caches
 from mlx_loom.engine.events import Done, Event, TokenEvent
 from mlx_loom.engine.group import DecodeGroup, Left
+from mlx_loom.engine.prefill import prefill_step
 from mlx_loom.engine.prefix import PrefixStore
 from mlx_loom.engine.request import Request
 from mlx_loom.engine.row import Row
@@ -308,19 +309,16 @@ class Engine:
             self._groups.append(DecodeGroup(self.model, row, row.caches))
 
     def _prefill(self, events: list[Event]) -> None:
-        for row in list(self._prefilling[: self.settings.prompt_concurrency]):
-            request = row.request
-            step = request.prefill_step_size or self.settings.prefill_step_size
-            try:
-                chunk = row.next_chunk(step)
-                self.model(mx.array(chunk, mx.uint32)[None], row.caches)
-                request.kv.apply(row.caches)
-                mx.eval([c.state for c in row.caches])
-            except BaseException as err:  # a plugin or user callable may raise anything
+        rows = self._prefilling[: self.settings.prompt_concurrency]
+        if not rows:
+            return
+        steps = [r.request.prefill_step_size or self.settings.prefill_step_size for r in rows]
+        failed = prefill_step(self.model, rows, steps, self._batchable)
+        for row in rows:
+            if row.uid in failed:
                 self._prefilling.remove(row)
-                events.append(self._leave(Left(row, None, _typed(err)), "failed"))
-                continue
-            if row.prefill_left == 0:
+                events.append(self._leave(Left(row, None, _typed(failed[row.uid])), "failed"))
+            elif row.prefill_left == 0:
                 self._prefilling.remove(row)
                 self._groups.append(DecodeGroup(self.model, row, row.caches))
 
