@@ -35,16 +35,24 @@ def _registry() -> Registry:
     )
 
 
-def test_every_kernel_is_registered_for_cpu_and_metal():
+def test_every_kernel_is_registered_for_every_backend():
     reg = KernelRegistry(plugin.loom_kernels())
     for name in qk.KERNEL_NAMES:
-        assert reg.backends_for(name) == ("metal", "cpu")
+        assert reg.backends_for(name) == ("metal", "cuda", "cpu")
 
 
-def test_the_cpu_kernels_are_selected_on_this_device():
+def test_the_ops_kernels_are_selected_on_this_device():
     reg = KernelRegistry(plugin.loom_kernels())
-    assert reg.resolve(qk.GATED_DELTA).fn is qk.gated_delta_cpu
-    assert reg.resolve(qk.CAUSAL_CONV).fn is qk.causal_conv_silu_cpu
+    assert reg.resolve(qk.GATED_DELTA).fn is qk.gated_delta_ops
+    assert reg.resolve(qk.CAUSAL_CONV).fn is qk.causal_conv_silu_ops
+
+
+def test_the_cuda_registrations_are_the_ops_kernels():
+    cuda = {k.name: k for k in plugin.loom_kernels() if k.backend == "cuda"}
+    cpu = {k.name: k for k in plugin.loom_kernels() if k.backend == "cpu"}
+    assert set(cuda) == set(qk.KERNEL_NAMES)
+    assert all(cuda[name].fn is cpu[name].fn for name in cuda)
+    assert all("registered for cpu and cuda" in k.description for k in cuda.values())
 
 
 def test_pinning_metal_here_is_refused_naming_the_kernel():
@@ -56,9 +64,9 @@ def test_pinning_metal_here_is_refused_naming_the_kernel():
 
 def test_metal_registrations_carry_their_kernel_sources():
     metal = {k.name: k for k in qk.metal_kernels()}
-    assert "y[v_off]" in metal[qk.GATED_DELTA].source
-    assert "mask[b_idx * T + t]" in metal[qk.GATED_DELTA_MASKED].source
-    assert "y[v_off]" not in metal[qk.GATED_DELTA_REPLAY].source  # state only
+    assert "simd_sum" in metal[qk.GATED_DELTA].source
+    assert "mask[batch * T + step]" in metal[qk.GATED_DELTA_MASKED].source
+    assert metal[qk.GATED_DELTA_REPLAY].source == metal[qk.GATED_DELTA].source  # same kernel
     assert "new_tail" in metal[qk.CAUSAL_CONV].source
 
 

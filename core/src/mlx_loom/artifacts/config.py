@@ -124,17 +124,22 @@ class ConfigView:
         return self.config.text_config()
 
     def text_weights(self, weights: Mapping[str, _T]) -> dict[str, _T]:
-        """``weights`` under the text model's names; other towers dropped (and counted)."""
-        if not self.nested:
-            return dict(weights)
+        """``weights`` under the text model's names.
+
+        The wrapper prefixes are mapped whatever the config's layout (mlx-lm
+        saves a converted wrapper's tensors under ``language_model.`` even
+        when it flattens the config). Other towers' tensors are dropped, and
+        counted in one log line, only for a wrapper config: in a flat
+        checkpoint they are unexpected, and the strict check says so.
+        """
         out: dict[str, _T] = {}
         dropped = 0
         for name, value in weights.items():
             new = self.layout.text_name(name)
-            if new is None:
+            if new is None and self.nested:
                 dropped += 1
             else:
-                out[new] = value
+                out[name if new is None else new] = value
         if dropped:
             logger.warning(
                 "%s: dropped %d tensor(s) of non-text towers; the language model runs alone",
@@ -147,13 +152,12 @@ class ConfigView:
     def quantization(self) -> QuantizationConfig | None:
         """The checkpoint's quantization, overrides keyed by text-model module paths."""
         q = self.config.quantization
-        if q is None or not self.nested:
+        if q is None:
             return q
         overrides = {}
         for path, spec in q.overrides.items():
             new = self.layout.text_name(path + ".")
-            if new is not None:
-                overrides[new.removesuffix(".")] = spec
+            overrides[path if new is None else new.removesuffix(".")] = spec
         return q.model_copy(update={"overrides": overrides})
 
 
