@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlx_loom.nn import switch_glu
 from mlx_loom.profiles import validate_profile
 from mlx_loom_gemma4 import plugin
 
@@ -21,9 +22,15 @@ def test_plugin_claims_both_layouts_and_declares_its_capabilities():
     validate_profile(profile)
 
 
-def test_expert_kernel_is_registered_for_cpu_and_metal():
+def test_expert_kernel_is_registered_for_every_backend():
     backends = {(k.name, k.backend) for k in plugin.loom_kernels()}
-    assert backends == {("gemma4.switch_glu", "cpu"), ("gemma4.switch_glu", "metal")}
+    assert backends == {("gemma4.switch_glu", b) for b in ("cpu", "cuda", "metal")}
+
+
+def test_the_cuda_registration_is_the_ops_kernel_that_runs_here():
+    by_backend = {k.backend: k for k in plugin.loom_kernels()}
+    assert by_backend["cuda"].fn is by_backend["cpu"].fn is switch_glu
+    assert "registered for cpu and cuda" in by_backend["cuda"].description
 
 
 def _core_forward(path, prompt):

@@ -88,9 +88,14 @@ class TextLayout:
         "vision_embedder.",
     )
 
+    def tower_of(self, name: str) -> str | None:
+        """The other tower a wrapper tensor belongs to (``"vision_tower"``), if any."""
+        short = name.removeprefix("model.")
+        return next((t.rstrip(".") for t in self.towers if short.startswith(t)), None)
+
     def text_name(self, name: str) -> str | None:
         """The text model's name for a wrapper tensor, or ``None`` for another tower's."""
-        if name.removeprefix("model.").startswith(self.towers):
+        if self.tower_of(name) is not None:
             return None
         for old, new in self.prefixes:
             if name.startswith(old):
@@ -133,18 +138,20 @@ class ConfigView:
         checkpoint they are unexpected, and the strict check says so.
         """
         out: dict[str, _T] = {}
-        dropped = 0
+        dropped: dict[str, int] = {}
         for name, value in weights.items():
+            tower = self.layout.tower_of(name)
+            if tower is not None and self.nested:
+                dropped[tower] = dropped.get(tower, 0) + 1
+                continue
             new = self.layout.text_name(name)
-            if new is None and self.nested:
-                dropped += 1
-            else:
-                out[name if new is None else new] = value
+            out[name if new is None else new] = value
         if dropped:
             logger.warning(
-                "%s: dropped %d tensor(s) of non-text towers; the language model runs alone",
+                "%s: dropped %d non-text tensor(s) (%s); the language model runs alone",
                 self.config.path.parent,
-                dropped,
+                sum(dropped.values()),
+                ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items())),
             )
         return out
 
