@@ -118,3 +118,38 @@ def test_the_cores_batch_loop_gives_each_row_its_own_greedy_tokens(ckpt_dir):
             want.append(t.item())
             logits = model(t[:, None], cache)
         assert tokens == want
+
+
+def _on_a_cuda_device(monkeypatch):
+    """A test double for a CUDA machine: the default device reports cuda, and cuda runs.
+
+    Patched where the core's selection looks the two functions up (found through
+    the selection functions themselves, so the double follows the core's modules).
+    """
+    for fn in (KernelRegistry.resolve, Registry.select, Registry._default_backend):
+        names = fn.__globals__
+        if "active_backend" in names:
+            monkeypatch.setitem(names, "active_backend", lambda: "cuda")
+        if "runnable_backends" in names:
+            monkeypatch.setitem(names, "runnable_backends", lambda: frozenset({"cpu", "cuda"}))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5"])
+def test_on_a_cuda_device_selection_picks_the_ops_kernels(model_type, monkeypatch):
+    _on_a_cuda_device(monkeypatch)
+    registry = _registry()
+    profile = next(p for p in registry.profiles if model_type in p.model_types)
+    binding = registry.select(model_type, profile)
+    assert binding.backend == "cuda"
+    assert binding.kernels[qk.GATED_DELTA].fn is qk.gated_delta_ops
+    assert binding.kernels[qk.CAUSAL_CONV].fn is qk.causal_conv_silu_ops
+    assert {k.backend for k in binding.kernels.values()} == {"cuda"}
+
+
+def test_a_checkpoint_builds_and_runs_with_cuda_kernels(ckpt_dir, loaders, monkeypatch):
+    _on_a_cuda_device(monkeypatch)
+    path = ckpt_dir("qwen3_next-fp32")
+    model = build_model(resolve_model(path, kernel_backend="cuda"))
+    assert model.backend == "cuda"
+    x = mx.array([PROMPT])
+    assert mx.array_equal(model(x), loaders("qwen3_next-fp32")[0](x))
