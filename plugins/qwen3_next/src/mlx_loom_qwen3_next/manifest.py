@@ -161,17 +161,20 @@ def checkpoint_tensors(config: Mapping[str, Any]) -> dict[str, tuple[Shape, str]
     nested = isinstance(config.get("text_config"), Mapping)
     text = dict(config["text_config"] if nested else config)
     schema = Qwen3NextConfig if config.get("model_type") == "qwen3_next" else Qwen3_5Config
-    out: dict[str, tuple[Shape, str]] = {}
+    hf: dict[str, tuple[Shape, str]] = {}
     for name, (shape, dtype) in dense_tensors(tensors(schema.model_validate(text))).items():
         stacked = _STACKED.match(name)
         if stacked:
             base, proj = stacked.groups()
             for e in range(shape[0]):
-                out[f"{base}.experts.{e}.{proj}.weight"] = (shape[1:], dtype)
-            continue
-        if name.endswith("conv1d.weight"):
-            shape = (shape[0], 1, shape[1])  # torch's (C, 1, K)
-        if nested and name.startswith("model."):
-            name = "model.language_model." + name.removeprefix("model.")
-        out[name] = (shape, dtype)
-    return out
+                hf[f"{base}.experts.{e}.{proj}.weight"] = (shape[1:], dtype)
+        elif name.endswith("conv1d.weight"):
+            hf[name] = ((shape[0], 1, shape[1]), dtype)  # torch's (C, 1, K)
+        else:
+            hf[name] = (shape, dtype)
+    if not nested:
+        return hf
+    return {
+        ("model.language_model." + n.removeprefix("model.")) if n.startswith("model.") else n: v
+        for n, v in hf.items()
+    }
