@@ -20,30 +20,32 @@ registers the three :func:`expert_kernels` under its own kernel name):
 
 The one bf16-on-CPU strategy, and why (measured with
 ``benchmarks/moe_bf16_cpu.py``: 64 experts, hidden 1024, expert width 512,
-top-8, bf16, 2-core x86 CPU, MLX 0.32.4):
+top-8, bf16, 2-core x86 CPU, MLX 0.32.4; best of 3, quiet machine):
 
-================  ==================  ==================  =========================
+================  ==================  ==================  ==============
  tokens            upcast to fp32       grouped on host      result
-================  ==================  ==================  =========================
+================  ==================  ==================  ==============
  1 (decode)        50.7 ms, 264 MiB     15.3 ms, 214 MiB     bit-identical
  16                458 ms, 579 MiB      149 ms, 241 MiB      bit-identical
  128 (prefill)     1778 ms, 602 MiB     788 ms, 245 MiB      bit-identical
- 8 layers, decode  185 ms/step          138 ms/step          (async-pipelined loop)
-================  ==================  ==================  =========================
+ 8 layers, decode  185 ms/step          138 ms/step          pipelined loop
+================  ==================  ==================  ==============
 
-(peak memory includes the 192 MiB of expert weights). "Upcast" converts the
-routed experts' weights (all of them once there are more pairs than experts)
-and the activations to fp32, runs ``gather_mm`` and rounds the product once
-to bf16. "Grouped" reads the router's choice on the host, sorts the tokens by
-expert and lets each used expert run three plain bf16 matmuls on its tokens.
-MLX's CPU bf16 matmul accumulates in fp32 and rounds once, so both produce
-the same bits — the rounding a bf16 ``gather_mm`` on a GPU delivers — and
-grouped is 1.3-3.4x faster and never materialises fp32 copies of the experts
-(at real sizes, 512 experts x 2048 x 512 per projection, an upcast prefill
-would allocate 2 GiB per projection and layer). Its cost: one host sync per
-MoE layer per forward (it reads the router's indices), so it cannot run
-inside ``mx.compile`` and it shortens how far ``mx.async_eval`` can run ahead
-— the 8-layer pipelined row above includes that cost.
+(peak memory includes the 192 MiB of expert weights; rerun on a loaded
+machine, load average 10, the ordering held: grouped 1.6-4.8x faster per
+call, and 546 vs 608 ms per pipelined decode step). "Upcast" converts the
+routed experts' weights (all of them once there are as many pairs as
+experts) and the activations to fp32, runs ``gather_mm`` and rounds the
+product once to bf16. "Grouped" reads the router's choice on the host, sorts
+the tokens by expert and lets each used expert run three plain bf16 matmuls
+on its tokens. MLX's CPU bf16 matmul accumulates in fp32 and rounds once, so
+both produce the same bits — the rounding a bf16 ``gather_mm`` on a GPU
+delivers — and grouped is faster and never materialises fp32 copies of the
+experts (at real sizes, 512 experts x 2048 x 512 per projection, an upcast
+prefill would allocate 2 GiB per projection and layer). Its cost: one host
+sync per MoE layer per forward (it reads the router's indices), so it cannot
+run inside ``mx.compile`` and it shortens how far ``mx.async_eval`` can run
+ahead; the pipelined decode row above includes that cost, and it did not show.
 """
 
 from __future__ import annotations
