@@ -63,7 +63,9 @@ def _route(tokens: int, seed: int = 1):
 def test_fp32_experts_are_mlx_lms_switch_glu_bit_for_bit(tokens, act):
     activation, theirs_act = (swiglu, None) if act == "swiglu" else (geglu, GeGLU())
     x, idx = _route(tokens)
-    assert mx.array_equal(_ours(activation=activation)(x, idx), _theirs(activation=theirs_act)(x, idx))
+    assert mx.array_equal(
+        _ours(activation=activation)(x, idx), _theirs(activation=theirs_act)(x, idx)
+    )
 
 
 def test_quantized_experts_are_mlx_lms_bit_for_bit_in_bf16():

@@ -117,7 +117,9 @@ def test_unknown_kind_is_refused_naming_it():
 
 def test_dynamic_needs_max_position_embeddings():
     with pytest.raises(ValueError, match="needs max_position_embeddings"):
-        parse_rope_scaling({"type": "dynamic", "factor": 2.0}, dims=HEAD, max_position_embeddings=None)
+        parse_rope_scaling(
+            {"type": "dynamic", "factor": 2.0}, dims=HEAD, max_position_embeddings=None
+        )
 
 
 @pytest.mark.parametrize("factor", [float("inf"), float("nan"), 0.0, -1.0])
@@ -140,7 +142,11 @@ def test_llama3_band_factors_must_differ():
 def test_longrope_factors_must_cover_half_the_rotated_dims():
     with pytest.raises(ValueError, match="long_factor has 3 entries"):
         parse_rope_scaling(
-            {"rope_type": "longrope", "original_max_position_embeddings": 8, "long_factor": [1.0] * 3},
+            {
+                "rope_type": "longrope",
+                "original_max_position_embeddings": 8,
+                "long_factor": [1.0] * 3,
+            },
             dims=HEAD,
             max_position_embeddings=MAX_POS,
         )

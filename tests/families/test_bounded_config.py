@@ -192,9 +192,7 @@ def outcomes(tmp_path_factory) -> dict[str, dict[str, Any]]:
     for model_type in {c[1] for c in CASES}:
         claim = claims[model_type]
         cfg = json.loads(json.dumps(claim.tiny_config))
-        clean[model_type] = write_checkpoint(
-            root / model_type, cfg, claim.checkpoint_tensors(cfg)
-        )
+        clean[model_type] = write_checkpoint(root / model_type, cfg, claim.checkpoint_tensors(cfg))
     paths = {}
     for case, model_type, edit, _, _ in CASES:
         path = root / case

@@ -7,7 +7,16 @@ else in the core is a contract for plugins.
 
 from __future__ import annotations
 
-from .artifacts.fields import Count, FieldError, FiniteFloat, Flag, LayerCount, PositiveFloat, Size, UnitFloat  # noqa: E501
+from .artifacts.fields import (
+    Count,
+    FieldError,
+    FiniteFloat,
+    Flag,
+    LayerCount,
+    PositiveFloat,
+    Size,
+    UnitFloat,
+)
 from .errors import (
     CacheError,
     CapabilityRefused,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-
 PROMPT = [1, 5, 7, 9, 11, 200, 3, 4, 8, 100, 42, 17]
 
 

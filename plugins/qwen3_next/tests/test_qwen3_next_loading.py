@@ -36,13 +36,17 @@ def test_attention_heads_that_do_not_divide_fail_at_load():
 
 
 def test_linear_heads_that_do_not_divide_fail_at_load():
-    with pytest.raises(ConfigError, match="linear_num_value_heads: found 5; .* linear_num_key_heads = 2"):
+    with pytest.raises(
+        ConfigError, match="linear_num_value_heads: found 5; .* linear_num_key_heads = 2"
+    ):
         _validate(_cfg(linear_num_value_heads=5))
 
 
 @pytest.mark.parametrize("width", [1, 9])
 def test_a_conv_width_the_kernels_do_not_implement_fails_at_load(width):
-    with pytest.raises(ConfigError, match=f"linear_conv_kernel_dim: found {width}; .*supported: 2, 3"):
+    with pytest.raises(
+        ConfigError, match=f"linear_conv_kernel_dim: found {width}; .*supported: 2, 3"
+    ):
         _validate(_cfg(linear_conv_kernel_dim=width))
 
 

@@ -51,11 +51,11 @@ def test_the_graph_holds_exactly_the_manifests_tensors(name):
     from mlx.utils import tree_flatten
 
     from mlx_loom.kernels import KernelRegistry
+    from mlx_loom.nn import dense_tensors
     from mlx_loom_qwen3_next import kernels as qk
     from mlx_loom_qwen3_next.config import Qwen3_5Config, Qwen3NextConfig
     from mlx_loom_qwen3_next.graph import Kernels, Model
     from mlx_loom_qwen3_next.manifest import tensors
-    from mlx_loom.nn import dense_tensors
 
     config = VARIANTS[name]
     fused = config["model_type"] == "qwen3_next"
@@ -63,7 +63,9 @@ def test_the_graph_holds_exactly_the_manifests_tensors(name):
     cfg = schema.model_validate(config.get("text_config", config))
     registry = KernelRegistry(qk.kernels())
     kernels = Kernels.from_mapping({n: registry.resolve(n).fn for n in qk.KERNEL_NAMES})
-    graph = {k: tuple(v.shape) for k, v in tree_flatten(Model(cfg, kernels, fused=fused).parameters())}
+    graph = {
+        k: tuple(v.shape) for k, v in tree_flatten(Model(cfg, kernels, fused=fused).parameters())
+    }
     assert graph == {k: shape for k, (shape, _) in dense_tensors(tensors(cfg)).items()}
 
 

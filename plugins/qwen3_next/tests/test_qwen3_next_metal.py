@@ -105,13 +105,12 @@ class _Recorder:
 
     def __call__(self, **launch):
         self.calls.append((self.name, launch))
-        return [mx.zeros(s, dtype=d) for s, d in zip(launch["output_shapes"], launch["output_dtypes"])]
+        shapes, dtypes = launch["output_shapes"], launch["output_dtypes"]
+        return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
 
 
 def _launch_signature(name: str, launch: dict) -> tuple:
-    inputs = tuple(
-        x if isinstance(x, int) else (tuple(x.shape), x.dtype) for x in launch["inputs"]
-    )
+    inputs = tuple(x if isinstance(x, int) else (tuple(x.shape), x.dtype) for x in launch["inputs"])
     return (
         name,
         inputs,

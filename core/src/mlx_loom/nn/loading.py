@@ -146,7 +146,9 @@ def expected_tensors(
         spec = quantization.for_module(name) if quantization is not None else None
         declared = quantization.overrides.get(name) if quantization is not None else None
         if has_scales and quantization is None:
-            problems.append(f"{name}: the checkpoint has scales but config.json has no quantization")
+            problems.append(
+                f"{name}: the checkpoint has scales but config.json has no quantization"
+            )
         elif has_scales and spec is None:
             problems.append(
                 f"{name}: the config leaves it unquantized ({quantization.source_key}"  # type: ignore[union-attr]

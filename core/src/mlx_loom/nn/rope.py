@@ -294,9 +294,7 @@ def _longrope(
 def _proportional(dims: int, base: float, s: ProportionalScaling) -> mx.array:
     rotated = int(dims * s.partial_rotary_factor)
     exponents = mx.arange(0, rotated, 2, dtype=mx.float32) / dims
-    return mx.concatenate(
-        [s.factor * (base**exponents), mx.full(((dims - rotated) // 2,), mx.inf)]
-    )
+    return mx.concatenate([s.factor * (base**exponents), mx.full(((dims - rotated) // 2,), mx.inf)])
 
 
 def make_rope(

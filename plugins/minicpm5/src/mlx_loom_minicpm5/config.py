@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from mlx_loom.plugin import Flag, LayerCount, PositiveFloat, Size
 from mlx_loom.nn import RopeScaling, parse_rope_scaling
+from mlx_loom.plugin import Flag, LayerCount, PositiveFloat, Size
 
 LayerType = Literal["full_attention", "sliding_attention"]
 

@@ -28,7 +28,12 @@ from .config import MiniCPM5Config
 class Attention(nn.Module):
     def __init__(self, cfg: MiniCPM5Config) -> None:
         super().__init__()
-        D, H, KV, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        D, H, KV, hd = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         bias = cfg.attention_bias
         self.n_heads, self.n_kv_heads, self.scale = H, KV, hd**-0.5
         self.q_proj = nn.Linear(D, H * hd, bias=bias)

@@ -353,4 +353,3 @@ class Model(nn.Module):
     def make_cache(self) -> list[Any]:
         """A :class:`RecurrentCache` per delta-net layer, a :class:`KVCache` per attention layer."""
         return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.layers]
-

@@ -51,6 +51,7 @@ Backends, honestly:
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -142,9 +143,7 @@ def causal_conv_silu_emulated(x, tail, weight, ends=None):
     S, K = x.shape[1], weight.shape[1]
     acc = mx.zeros(x.shape, dtype=mx.float32)
     for j in range(K):
-        acc = acc + conv_input[:, j : j + S].astype(mx.float32) * weight[:, j, 0].astype(
-            mx.float32
-        )
+        acc = acc + conv_input[:, j : j + S].astype(mx.float32) * weight[:, j, 0].astype(mx.float32)
     conv = acc.astype(x.dtype)
     return conv * mx.sigmoid(conv), new_tail
 
@@ -457,7 +456,9 @@ class _MetalGatedDelta:
         sources = gated_delta_metal_sources()
         self.plain = _delta_kernel("qwen3_next_gated_delta", sources["plain"], masked=False)
         self.masked = _delta_kernel("qwen3_next_gated_delta_mask", sources["masked"], masked=True)
-        self.packed = _delta_kernel("qwen3_next_gated_delta_packed", sources["packed"], masked=False)
+        self.packed = _delta_kernel(
+            "qwen3_next_gated_delta_packed", sources["packed"], masked=False
+        )
 
     def __call__(self, q, k, v, g, beta, state, mask=None):
         B, T, Hk, Dk = k.shape
