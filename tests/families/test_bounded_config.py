@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from mlx_loom.plugins import PluginHost
+from mlx_loom.host import PluginHost
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 INT32_PAST = 2**31  # one past the largest MLX dimension
@@ -147,7 +147,7 @@ _CHILD = textwrap.dedent(
     """
     import json, resource, sys, time
     resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
-    from mlx_loom.loading import build_model, resolve_model
+    from mlx_loom.host import build_model, resolve_model
 
     def peak_mb():
         for line in open("/proc/self/status"):

@@ -5,11 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlx_loom.kernels import KernelRegistry
-from mlx_loom.loading import build_model, resolve_model
+from mlx_loom.host import Registry, build_model, resolve_model
+from mlx_loom.host._kernels import KernelRegistry
+from mlx_loom.host._profiles import validate_profile
 from mlx_loom.nn import switch_glu
-from mlx_loom.profiles import validate_profile
-from mlx_loom.registry import Registry
 from mlx_loom_gemma4 import plugin
 
 
@@ -38,7 +37,7 @@ def test_the_cuda_registration_is_the_ops_kernel_that_runs_here():
 
 
 def _core_forward(path, prompt):
-    from mlx_loom.loading import build_model, resolve_model
+    from mlx_loom.host import build_model, resolve_model
 
     resolved = resolve_model(path)
     assert resolved.summary.implementation == plugin.IMPLEMENTATION_ID
