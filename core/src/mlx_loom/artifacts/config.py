@@ -110,11 +110,12 @@ TEXT_LAYOUT = TextLayout()
 class ConfigView:
     """The language model of a checkpoint, as a family sees it, whatever the layout.
 
-    ``fields`` are the flat text fields the family schema validated;
-    :meth:`text_weights` and :attr:`quantization` give tensor names and
-    per-module quantization overrides in the text model's own names
-    (``model.layers.0...``, ``lm_head``). For a flat checkpoint every name is
-    already that, and the view changes nothing.
+    The family schema validates the flat text fields
+    (:meth:`ArtifactConfig.text_config`); :meth:`text_weights` and
+    :attr:`quantization` give tensor names and per-module quantization
+    overrides in the text model's own names (``model.layers.0...``,
+    ``lm_head``). For a flat checkpoint every name is already that, and the
+    view changes nothing.
     """
 
     config: ArtifactConfig
@@ -123,10 +124,6 @@ class ConfigView:
     @property
     def nested(self) -> bool:
         return self.config.is_nested
-
-    @property
-    def fields(self) -> dict[str, Any]:
-        return self.config.text_config()
 
     def text_weights(self, weights: Mapping[str, _T]) -> dict[str, _T]:
         """``weights`` under the text model's names.

@@ -57,6 +57,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_loom.plugin import Kernel
+
 from .activations import Activation, swiglu
 
 __all__ = [
@@ -271,15 +273,13 @@ class SwitchGLU(nn.Module):
         )
 
 
-def expert_kernels(name: str) -> list[Any]:
+def expert_kernels(name: str) -> list[Kernel]:
     """The registrations of one expert-GLU kernel called ``name``, for every backend.
 
     ``cpu`` and ``cuda`` get :func:`switch_glu` (MLX ops, valid on every
     backend), ``metal`` gets :func:`gather_switch_glu` (MLX's native Metal
     gather kernels). A family returns these from its ``loom_kernels`` hook.
     """
-    from mlx_loom.plugin import Kernel
-
     ops = (
         "routed-expert GLU in MLX ops (runs on every backend; registered for cpu and cuda): "
         "gather_mm/gather_qmm for fp32 and quantized experts, bit-equal to mlx-lm; bf16/fp16 "

@@ -17,7 +17,6 @@ from mlx_loom.nn import expert_kernels
 from mlx_loom.plugin import Kernel
 
 SWITCH_GLU = "gemma4.switch_glu"
-KERNEL_NAMES: tuple[str, ...] = (SWITCH_GLU,)
 
 
 def kernels() -> list[Kernel]:
