@@ -145,9 +145,12 @@ class ToyPlugin:
         return self.profile_list
 
 
+#: An installable toy family written exactly as a plugin-API 1.0 plugin was: the
+#: old import paths, four hooks, and an implementation id that is not its graph
+#: id (so it resolves by the 1.0 rule: its own plugin's one implementation).
 PLUGIN_SOURCE = '''
-"""An installable toy family plugin, written by the core's tests."""
-from mlx_loom.hookspecs import PLUGIN_API_VERSION, hookimpl
+"""An installable toy family plugin, written by the core's tests against plugin API 1.0."""
+from mlx_loom.hookspecs import hookimpl
 from mlx_loom.profiles import Execution, Profile
 from mlx_loom.registry import Implementation, ModelType
 
@@ -155,7 +158,7 @@ from mlx_loom.registry import Implementation, ModelType
 
 @hookimpl
 def loom_plugin_api_version():
-    return PLUGIN_API_VERSION
+    return "1.0"
 
 
 @hookimpl

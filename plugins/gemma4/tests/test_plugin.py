@@ -7,11 +7,14 @@ import mlx.core as mx
 from mlx_loom.host._profiles import validate_profile
 from mlx_loom_gemma4 import plugin
 
+REGISTERED = plugin.FAMILY.registrations()
+
 
 def test_plugin_claims_both_layouts_and_declares_its_capabilities():
-    (impl,) = plugin.loom_implementations()
-    (profile,) = plugin.loom_profiles()
-    assert {m.name for m in plugin.loom_model_types()} == {"gemma4_text", "gemma4"}
+    (impl,) = REGISTERED.implementations
+    (profile,) = REGISTERED.profiles
+    assert (impl.id, profile.id) == ("gemma4.text", "gemma4/text")
+    assert {m.name for m in REGISTERED.model_types} == {"gemma4_text", "gemma4"}
     assert impl.model_types == profile.model_types == {"gemma4_text", "gemma4"}
     assert (
         impl.capabilities
@@ -22,7 +25,7 @@ def test_plugin_claims_both_layouts_and_declares_its_capabilities():
 
 
 def test_expert_kernel_is_registered_for_cpu_and_metal():
-    backends = {(k.name, k.backend) for k in plugin.loom_kernels()}
+    backends = {(k.name, k.backend) for k in REGISTERED.kernels}
     assert backends == {("gemma4.switch_glu", "cpu"), ("gemma4.switch_glu", "metal")}
 
 
@@ -30,7 +33,7 @@ def _core_forward(path, prompt):
     from mlx_loom.host import build_model, resolve_model
 
     resolved = resolve_model(path)
-    assert resolved.summary.implementation == plugin.IMPLEMENTATION_ID
+    assert resolved.summary.implementation == "gemma4.text"
     model = build_model(resolved)
     return model(prompt, cache=model.make_cache())
 

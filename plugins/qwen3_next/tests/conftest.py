@@ -175,7 +175,7 @@ def write_checkpoint(
 
 
 def cpu_kernels() -> Kernels:
-    reg = KernelRegistry(plugin.loom_kernels())
+    reg = KernelRegistry(plugin.FAMILY.kernels)
     return Kernels.from_mapping({n: reg.resolve(n).fn for n in KERNEL_NAMES})
 
 

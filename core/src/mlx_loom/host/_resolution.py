@@ -11,10 +11,11 @@ its cause:
 3. the family's schema validates the config;
 4. fingerprints are computed (config: the family's fields; artifact: the
    tensor manifest from the safetensors headers — no tensor data is read);
-5. the profile is chosen (exact artifact beats family) and re-validated
-   against the config;
-6. the registry selects exactly one implementation and resolves each kernel
-   it needs for this device (or the host's pinned backend).
+5. the profile is chosen (exact artifact beats family);
+6. the registry re-validates it against the config and both fingerprints,
+   selects its implementation by id (the selection rule in
+   :mod:`mlx_loom.host._registry`) and resolves each kernel it needs for this
+   device (or the host's pinned backend).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ..artifacts import (
 )
 from ..errors import PluginUnavailable, UnknownModelType
 from ._discovery import PluginHost, PluginRecord
-from ._profiles import resolve_profile, validate_against_config
+from ._profiles import resolve_profile
 from ._registry import Binding, ModelType, Registry
 
 # Where the project's own families live, so a refusal can name the package to
@@ -120,8 +121,9 @@ def resolve(
         artifact_fingerprint=artifact_fp,
         config_fingerprint=config_fp,
     )
-    validate_against_config(choice.profile, name, registry.graph_model_types())
-    binding = registry.select(name, choice.profile)
+    binding = registry.select(
+        name, choice.profile, config_fingerprint=config_fp, artifact_fingerprint=artifact_fp
+    )
     impl = binding.implementation
     summary = Resolution(
         model_ref=str(model_ref),

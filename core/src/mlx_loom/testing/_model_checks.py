@@ -401,11 +401,7 @@ def check_kernel_refusal(subject: Any, target: Target) -> CheckResult:
         implementations=reg.implementations.values(),
         profiles=reg.profiles,
         kernels=[k for k in reg.kernels if not (k.name == kernel and k.backend == here)],
-        profile_providers={
-            p.id: reg.profile_provider(p.id)
-            for p in reg.profiles
-            if reg.profile_provider(p.id) is not None
-        },
+        cache_kinds=[c for k, c in reg.cache_kinds.items() if k not in CACHE_KINDS],
     )
     outcome = _expect_kernel_refusal(
         lambda: resolve_for(target.checkpoint, impl, host=subject.host, registry=stripped),

@@ -280,11 +280,12 @@ def check_hooks(subject: _Subject) -> CheckResult:
     unknown = sorted(set(implemented) - known)
     if unknown:
         return failed(name, f"implements unknown hooks {unknown}")
-    if not set(implemented) & {"loom_model_types", "loom_implementations", "loom_profiles"}:
+    registering = {"loom_families", "loom_model_types", "loom_implementations", "loom_profiles"}
+    if not set(implemented) & registering:
         return failed(
             name,
-            "implements none of loom_model_types, loom_implementations, loom_profiles; "
-            "a family plugin registers at least a model type, an implementation and a profile",
+            f"implements none of {', '.join(sorted(registering))}; a plugin registers at least "
+            "a family, or an implementation and a profile",
         )
     return passed(
         name,
