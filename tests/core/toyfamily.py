@@ -101,6 +101,7 @@ class ToyPlugin:
         api_version: str = PLUGIN_API_VERSION,
         profiles: Sequence[Profile] | None = None,
         capabilities: Sequence[str] = ("generate",),
+        factory=build_toy,
     ) -> None:
         self.model_type = model_type
         self.impl_id = impl_id
@@ -109,6 +110,7 @@ class ToyPlugin:
         self.api_version = api_version
         self.profile_list = list(profiles) if profiles is not None else [family_profile(model_type)]
         self.capabilities = frozenset(capabilities)
+        self.factory = factory
 
     @hookimpl
     def loom_plugin_api_version(self) -> str:
@@ -134,7 +136,7 @@ class ToyPlugin:
                 graph=GRAPH,
                 loader=LOADER,
                 model_types=frozenset({self.model_type}),
-                factory=build_toy,
+                factory=self.factory,
                 kernels=self.kernel_names,
                 capabilities=self.capabilities,
             )
