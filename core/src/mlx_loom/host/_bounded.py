@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from types import ModuleType
@@ -103,7 +104,12 @@ def call(fn: Callable[[], T], *, what: str, timeout: float, raised: str | None =
 
     worker = threading.Thread(target=run, name=f"mlx-loom plugin call: {what}", daemon=True)
     worker.start()
-    worker.join(timeout)  # a real Ctrl-C interrupts this wait and propagates to the caller
+    # Waiting in short slices keeps the wait interruptible however the
+    # interrupt is raised (a real SIGINT, or an embedding IDE's
+    # interrupt_main); a KeyboardInterrupt here is the user's and propagates.
+    deadline = time.monotonic() + timeout
+    while worker.is_alive() and (left := deadline - time.monotonic()) > 0:
+        worker.join(min(left, 0.05))
     if worker.is_alive():
         raise PluginFault(
             f"{what} did not return within {timeout:g} s (the limit is set by {TIMEOUT_ENV})"
