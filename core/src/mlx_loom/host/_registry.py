@@ -197,6 +197,20 @@ class Registry:
 
     # --- composition -------------------------------------------------------
 
+    @classmethod
+    def combined(cls, *parts: Registry) -> Registry:
+        """One registry of every part's registrations, providers kept — what a host
+        loading all their plugins together builds. The parts' host choices
+        (allow-lists, pinned backend) are not carried over; a duplicate id
+        raises :class:`~mlx_loom.errors.RegistrationError`."""
+        return cls(
+            model_types=[m for p in parts for m in p._model_types.values()],
+            implementations=[i for p in parts for i in p._implementations.values()],
+            profiles=[q for p in parts for q in p._profiles.values()],
+            kernels=[k for p in parts for k in p._kernels],
+            cache_kinds=[c for p in parts for c in p._extra_cache_kinds],
+        )
+
     def with_(
         self,
         *,

@@ -94,11 +94,21 @@ class Resolved:
     model_dir: Path
 
 
-def resolve(
-    model_ref: str | Path, *, host: PluginHost, registry: Registry | None = None
-) -> Resolved:
-    """Resolve ``model_ref`` against the host's (or the given composed) registry."""
-    registry = registry if registry is not None else host.registry
+@dataclass(frozen=True)
+class Identity:
+    """What an artifact is, before any profile is chosen: its directory, config,
+    validated family config, model type and both fingerprints."""
+
+    model_dir: Path
+    config: ArtifactConfig
+    family_config: BaseModel
+    model_type: ModelType
+    config_fingerprint: str
+    artifact_fingerprint: str
+
+
+def identify(model_ref: str | Path, *, host: PluginHost, registry: Registry) -> Identity:
+    """Steps 1–4: directory, config, claiming model type, schema, fingerprints."""
     model_dir = resolve_model_ref(model_ref)
     config = read_config(model_dir)
     name = config.model_type
@@ -113,8 +123,23 @@ def resolve(
         prefix="text_config" if config.is_nested else None,
     )
     config_fp = config_fingerprint({f: text.get(f) for f in claim.fingerprint_fields})
-    manifest = read_manifest(model_dir)
-    artifact_fp = artifact_fingerprint(manifest)
+    artifact_fp = artifact_fingerprint(read_manifest(model_dir))
+    return Identity(model_dir, config, family_config, claim, config_fp, artifact_fp)
+
+
+def resolve(
+    model_ref: str | Path, *, host: PluginHost, registry: Registry | None = None
+) -> Resolved:
+    """Resolve ``model_ref`` against the host's (or the given composed) registry."""
+    registry = registry if registry is not None else host.registry
+    ident = identify(model_ref, host=host, registry=registry)
+    model_dir, config, family_config, claim = (
+        ident.model_dir,
+        ident.config,
+        ident.family_config,
+        ident.model_type,
+    )
+    name, config_fp, artifact_fp = claim.name, ident.config_fingerprint, ident.artifact_fingerprint
     choice = resolve_profile(
         registry.profiles,
         model_type=name,
