@@ -106,3 +106,15 @@ def test_a_good_factory_builds_an_evaluated_model(tmp_path):
     model = build(write_toy_checkpoint(tmp_path / "c"), factory=build_toy)
     assert model.implementation.id == "toy.lm.v1"
     assert model(mx.array([[1, 2, 3]])).shape == (1, 3, 32)
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (4, 6), (3, 4, 5), (2, 0, 3)])
+def test_the_finiteness_screen_sees_every_element_of_any_shape(shape):
+    from mlx_loom.host._loading import _screen
+
+    clean = mx.ones(shape, dtype=mx.bfloat16)
+    assert mx.isfinite(_screen(clean)).item()
+    size = clean.size
+    for flat in {0, size // 2, size - 1} if size else set():
+        poisoned = clean.reshape(-1).at[flat].add(float("nan")).reshape(shape)
+        assert not mx.isfinite(_screen(poisoned)).item(), (shape, flat)

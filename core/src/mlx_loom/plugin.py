@@ -4,7 +4,9 @@ A plugin imports from here, from :mod:`mlx_loom.cache` (cache kinds, masks,
 attention) and from :mod:`mlx_loom.nn` (layers families share) — nothing
 else in the core is a contract for plugins. A whole plugin module reads::
 
-    from mlx_loom.plugin import PLUGIN_API_VERSION, Family, Graph, ModelType, hookimpl
+    from mlx_loom.plugin import (
+        BATCH, GENERATE, PLUGIN_API_VERSION, PROMPT_CACHE, Family, Graph, ModelType, hookimpl,
+    )
 
     FAMILY = Family(
         name="mydecoder",
