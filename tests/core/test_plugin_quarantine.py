@@ -4,10 +4,10 @@ Installed plugins are simulated for real: each test writes a module and its
 ``.dist-info`` (METADATA + entry_points.txt) into a directory on
 ``sys.path``, so discovery goes through the real entry-point machinery
 in-process. Every test is time-bounded: the host's per-call limit is set to
-a fraction of a second, and each test asserts the host finished well within
-a few seconds, so a regression that hangs fails instead of stalling the
-suite. Hanging plugin code waits on an event that the test releases at the
-end, so no thread outlives its test.
+two seconds (generous for a loaded machine, short for a hang), and each test
+asserts the host finished within :data:`BOUND`, so a regression that hangs
+fails instead of stalling the suite. Hanging plugin code waits on an event
+that the test releases at the end, so no thread outlives its test.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from mlx_loom.plugin import Implementation, Kernel, ModelType
 
 from .toyfamily import ToyConfig, ToyPlugin, build_toy, write_toy_checkpoint
 
-LIMIT = 0.5  # seconds the host waits for one plugin call in these tests
-BOUND = 8.0  # seconds any one test's host may take, hangs included
+LIMIT = 2.0  # seconds the host waits for one plugin call in these tests (hangs cost this)
+BOUND = 15.0  # seconds any one test's host may take, hangs included
 
 RELEASE = threading.Event()  # set at teardown: hanging plugin code then returns
 
