@@ -28,7 +28,9 @@ from mlx_loom.artifacts.quantization import (
 )
 from mlx_loom.artifacts.reference import (
     ALLOW_PATTERNS,
+    SHORT_NAMES,
     hub_cache_dir,
+    hub_command,
     hub_offline,
     parse_repo_ref,
     resolve_model_ref,
@@ -56,6 +58,7 @@ __all__ = [
     "INDEX_FILE",
     "MAX_HEADER_BYTES",
     "SAFETENSORS_DTYPES",
+    "SHORT_NAMES",
     "SUPPORTED_BITS",
     "SUPPORTED_GROUP_SIZES",
     "ArtifactConfig",
@@ -69,6 +72,7 @@ __all__ = [
     "check_weights",
     "config_fingerprint",
     "hub_cache_dir",
+    "hub_command",
     "hub_offline",
     "list_weight_files",
     "load_weights",
