@@ -1,0 +1,230 @@
+"""Naming models: the bundled short name, ``loom models`` over the hub cache, ``loom explain``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mlx_loom
+from mlx_loom.artifacts import read_config, resolve_model_ref
+from mlx_loom.artifacts.summary import summarize_artifact
+from mlx_loom.cli.main import main
+
+from .conftest import family_checkpoint
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+BRANCH_COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
+
+
+def cache_snapshot(cache: Path, repo: str, source: Path, *, commit=COMMIT, ref="main") -> None:
+    """Copy ``source`` into the hub cache the way huggingface_hub lays it out (blobs + links)."""
+    storage = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = storage / "snapshots" / commit
+    (storage / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for file in source.iterdir():
+        blob = storage / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    (storage / "refs").mkdir(exist_ok=True)
+    (storage / "refs" / ref).write_text(commit)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hub-sources")
+    found = {t: family_checkpoint(root, t) for t in ("llama", "qwen3_next", "gemma4")}
+    unknown = root / "unknown"
+    shutil.copytree(found["llama"], unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "no_such_family"}))
+    found["unknown"] = unknown
+    partial = root / "partial"
+    partial.mkdir()
+    shutil.copy(found["llama"] / "config.json", partial / "config.json")
+    found["partial"] = partial
+    return found
+
+
+@pytest.fixture(scope="module")
+def quantized(checkpoints, tmp_path_factory) -> Path:
+    """The Llama checkpoint quantized to 4 bits by mlx-lm's own converter."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model, quantize_model, save_config
+
+    model, config = load_model(checkpoints["llama"])
+    model, config = quantize_model(model, config, 32, 4)
+    dst = tmp_path_factory.mktemp("quantized") / "q4"
+    dst.mkdir()
+    mx.save_safetensors(str(dst / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    save_config(config, dst / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(checkpoints["llama"] / name, dst / name)
+    return dst
+
+
+@pytest.fixture
+def hub(loom_env, checkpoints, quantized) -> Path:
+    cache = Path(loom_env["HF_HUB_CACHE"])
+    cache_snapshot(cache, "org/llama-tiny", checkpoints["llama"])
+    cache_snapshot(cache, "org/llama-tiny", quantized, commit=BRANCH_COMMIT, ref="q4")
+    cache_snapshot(cache, "org/qwen-tiny", checkpoints["qwen3_next"])
+    cache_snapshot(cache, "org/gemma-tiny", checkpoints["gemma4"])
+    cache_snapshot(cache, "org/mystery", checkpoints["unknown"])
+    cache_snapshot(cache, "org/half-downloaded", checkpoints["partial"])
+    return cache
+
+
+# --- the short name ------------------------------------------------------------------
+
+
+def test_the_short_name_tiny_is_the_bundled_model():
+    assert resolve_model_ref("tiny") == mlx_loom.BUNDLED_MODEL
+    assert resolve_model_ref("tiny-minicpm5") == mlx_loom.BUNDLED_MODEL
+    assert (mlx_loom.BUNDLED_MODEL / "config.json").is_file()
+
+
+def test_load_accepts_the_short_name():
+    model, tokenizer = mlx_loom.load("tiny")
+    assert model.model_dir == mlx_loom.BUNDLED_MODEL
+    assert mlx_loom.generate(model, tokenizer, "Once upon a time", max_tokens=3)
+
+
+def test_a_local_directory_named_like_a_short_name_wins(tmp_path, monkeypatch, checkpoints):
+    shutil.copytree(checkpoints["llama"], tmp_path / "tiny")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_ref("tiny") == Path("tiny")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "explain"])
+def test_every_command_accepts_model_tiny(loom, command):
+    args = ["explain", "tiny"] if command == "explain" else [command, "--model", "tiny", "-m", "3"]
+    result = loom(*args, input="hello\n")
+    assert result.returncode == 0, result.stderr
+    if command == "explain":
+        assert "minicpm5/llama" in result.stdout
+
+
+def test_bundled_model_is_on_the_package_root_without_importing_a_submodule():
+    shown = subprocess.run(
+        [sys.executable, "-c", "import mlx_loom; print(mlx_loom.BUNDLED_MODEL)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert Path(shown) == mlx_loom.BUNDLED_MODEL
+
+
+# --- loom models ----------------------------------------------------------------------
+
+
+def test_models_lists_the_bundled_model_and_runnable_cache_snapshots(loom, hub):
+    result = loom("models")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == [
+        "NAME",
+        "MODEL",
+        "TYPE",
+        "PARAMS",
+        "DTYPE",
+        "QUANT",
+        "CONTEXT",
+        "SIZE",
+    ]
+    names = [line.split()[0] for line in lines[1:] if not line.startswith("(")]
+    assert names == [
+        "tiny",
+        "org/gemma-tiny",
+        "org/llama-tiny",
+        "org/llama-tiny@q4",
+        "org/qwen-tiny",
+    ]
+    assert "(2 more cannot run here; `loom models --all` says why.)" in result.stdout
+
+
+def test_models_all_says_why_the_others_cannot_run(loom, hub):
+    result = loom("models", "--all", "--json")
+    entries = {e["name"]: e for e in json.loads(result.stdout)}
+    assert not entries["org/mystery"]["runnable"]
+    assert "no_such_family" in entries["org/mystery"]["reason"]
+    assert not entries["org/half-downloaded"]["runnable"]
+    assert "safetensors" in entries["org/half-downloaded"]["reason"]
+
+
+def test_models_json_reports_size_dtype_quantization_and_context(loom, hub, checkpoints):
+    entries = {e["name"]: e for e in json.loads(loom("models", "--json").stdout)}
+    plain, q4 = entries["org/llama-tiny"], entries["org/llama-tiny@q4"]
+    assert plain["weights"]["dtype"] == "float32" and plain["weights"]["quantization"] is None
+    assert q4["weights"]["quantization_bits"] == [4]
+    assert q4["weights"]["quantization"] == "4-bit, group 32"
+    assert q4["weights"]["parameters"] == plain["weights"]["parameters"]
+    assert q4["weights"]["weights_bytes"] < plain["weights"]["weights_bytes"]
+    assert entries["org/qwen-tiny"]["model_type"] == "qwen3_next"
+    assert entries["org/gemma-tiny"]["weights"]["context_length"] == 4096
+    assert entries["tiny"]["weights"]["context_length"] == 256
+    assert (
+        plain["weights"]["weights_bytes"]
+        == (checkpoints["llama"] / "model.safetensors").stat().st_size
+    )
+
+
+def test_every_listed_name_runs_with_that_name(loom, hub, loom_env, monkeypatch, capsys):
+    listed = json.loads(loom("models", "--json").stdout)
+    monkeypatch.setenv("HF_HUB_CACHE", loom_env["HF_HUB_CACHE"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for entry in listed:
+        assert main(["explain", entry["name"], "--json"]) == 0, entry["name"]
+        assert json.loads(capsys.readouterr().out)["model_dir"] == entry["path"]
+
+
+def test_models_with_an_empty_cache_still_lists_the_bundled_model(loom):
+    result = loom("models")
+    assert result.returncode == 0
+    assert [line.split()[0] for line in result.stdout.splitlines()[1:]] == ["tiny"]
+
+
+# --- loom explain ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "gemma4"])
+def test_explain_shows_params_dtype_quantization_and_context(loom, checkpoints, model_type):
+    result = loom("explain", checkpoints[model_type])
+    assert result.returncode == 0, result.stderr
+    summary = summarize_artifact(checkpoints[model_type], read_config(checkpoints[model_type]))
+    rows = dict(
+        re.split(r"\s{2,}", line, maxsplit=1)
+        for line in result.stdout.splitlines()
+        if re.search(r"\S\s{2,}\S", line) and not line.startswith(" ")
+    )
+    assert rows["parameters"].endswith(f"({summary.parameters:,})")
+    assert rows["dtype"] == "float32"
+    assert rows["quantization"] == "none"
+    assert rows["context length"] == ("512" if model_type == "llama" else "4096")
+
+
+def test_explain_json_counts_a_quantized_checkpoint_like_its_source(loom, checkpoints, quantized):
+    source = json.loads(loom("explain", checkpoints["llama"], "--json").stdout)["weights"]
+    packed = json.loads(loom("explain", quantized, "--json").stdout)["weights"]
+    assert packed["parameters"] == source["parameters"]
+    assert packed["quantization_bits"] == [4]
+    assert source["context_length"] == packed["context_length"] == 512
+
+
+def test_parameter_count_matches_the_loaded_model(checkpoints):
+    from mlx.utils import tree_flatten
+
+    for model_type in ("llama", "qwen3_next", "gemma4"):
+        model, _ = mlx_loom.load(checkpoints[model_type])
+        loaded = sum(v.size for _, v in tree_flatten(model.module.parameters()))
+        summary = summarize_artifact(checkpoints[model_type], model.config)
+        assert summary.parameters == loaded, model_type
