@@ -1,0 +1,134 @@
+"""``loom chat`` keeps a long conversation inside the context, for every family (real CLI)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from .conftest import FAMILIES
+
+TURNS = "".join(f"message number {i} goes here\n" for i in range(6))
+STATS = re.compile(r"Prompt: (\d+) tokens.*?\nGeneration: (\d+) tokens", re.S)
+
+
+def turn_sizes(stderr: str) -> list[tuple[int, int]]:
+    return [(int(p), int(g)) for p, g in STATS.findall(stderr)]
+
+
+def test_the_bundled_model_answers_every_turn_of_a_long_chat(loom):
+    result = loom("chat", "--model", "tiny", "--stats", input="Tell me a story\n" * 4)
+    assert result.returncode == 0, result.stderr
+    assert "error" not in result.stderr
+    sizes = turn_sizes(result.stderr)
+    assert len(sizes) == 4
+    assert all(prompt + generated <= 256 for prompt, generated in sizes)
+    assert result.stderr.count("no longer fits the 256-token context") == 1  # said once
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_every_family_stays_inside_its_context_turn_after_turn(loom, short_context, model_type):
+    result = loom("chat", "--model", short_context[model_type], "-m", "24", "--stats", input=TURNS)
+    assert result.returncode == 0, result.stderr
+    assert "error" not in result.stderr
+    sizes = turn_sizes(result.stderr)
+    assert len(sizes) == 6
+    assert all(prompt + generated <= 64 for prompt, generated in sizes), sizes
+    assert result.stderr.count("the oldest turns are left out") == 1
+
+
+def test_max_kv_size_caps_what_the_conversation_occupies(loom, short_context):
+    model = short_context["llama"]
+    result = loom("chat", "--model", model, "--max-kv-size", "40", "--stats", input=TURNS)
+    assert result.returncode == 0, result.stderr
+    sizes = turn_sizes(result.stderr)
+    assert len(sizes) == 6 and all(p + g <= 40 for p, g in sizes), sizes
+    assert "no longer fits the 40-token context" in result.stderr
+
+
+def test_a_max_kv_size_beyond_the_context_is_a_usage_error_naming_the_flag(loom, short_context):
+    result = loom("chat", "--model", short_context["llama"], "--max-kv-size", "1000", input="")
+    assert result.returncode == 2
+    assert "argument --max-kv-size: 1000 is more than the model's context of 64" in result.stderr
+    assert "fix: pass --max-kv-size 64 or less" in result.stderr
+
+
+def test_a_message_too_long_for_the_context_is_refused_and_the_chat_goes_on(loom, short_context):
+    long = "the model reads a token " * 40
+    result = loom(
+        "chat", "--model", short_context["llama"], "-m", "4", "--stats", input=f"{long}\nhello\n"
+    )
+    assert result.returncode == 0
+    assert "The message is too long for the chat" in result.stderr
+    assert "--max-kv-size" in result.stderr  # the fix names the flag
+    assert len(turn_sizes(result.stderr)) == 1  # the short message was still answered
+
+
+def test_save_keeps_every_turn_and_load_continues_the_conversation(loom, short_context, tmp_path):
+    model = short_context["llama"]
+    saved = tmp_path / "talk.json"
+    first = loom(
+        "chat", "--model", model, "-m", "8", "--system", "be brief", input=f"{TURNS}/save {saved}\n"
+    )
+    assert first.returncode == 0, first.stderr
+    data = json.loads(saved.read_text())
+    roles = [m["role"] for m in data["messages"]]
+    assert roles == ["system"] + ["user", "assistant"] * 6  # dropped turns are still saved
+    assert data["messages"][0]["content"] == "be brief"
+
+    second = loom(
+        "chat",
+        "--model",
+        model,
+        "-m",
+        "8",
+        "--stats",
+        input=f"/load {saved}\none more\n/save {saved}\n",
+    )
+    assert second.returncode == 0, second.stderr
+    assert "(loaded 6 turn(s)" in second.stderr
+    again = json.loads(saved.read_text())["messages"]
+    assert [m["content"] for m in again[:-2]] == [m["content"] for m in data["messages"]]
+    assert again[-2] == {"role": "user", "content": "one more"}
+
+
+def test_loading_a_broken_file_reports_it_and_keeps_the_chat(loom, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"messages": [{"role": "tool", "content": "x"}]}')
+    result = loom("chat", "--model", "tiny", "-m", "4", "--stats", input=f"/load {bad}\nhi\n")
+    assert result.returncode == 0
+    assert "messages.0.role" in result.stderr and "fix:" in result.stderr
+    assert len(turn_sizes(result.stderr)) == 1
+
+
+def test_system_command_sets_the_system_message_the_model_sees(loom, tmp_path):
+    saved = tmp_path / "talk.json"
+    result = loom(
+        "chat",
+        "--model",
+        "tiny",
+        "-m",
+        "4",
+        input=f"/system talk like a pirate\nhi\n/system\n/save {saved}\n",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "(system message: 'talk like a pirate')" in result.stderr
+    assert json.loads(saved.read_text())["messages"][0] == {
+        "role": "system",
+        "content": "talk like a pirate",
+    }
+
+
+def test_reset_forgets_the_turns(loom, tmp_path):
+    saved = tmp_path / "talk.json"
+    result = loom("chat", "--model", "tiny", "-m", "4", input=f"hi\n/reset\n/save {saved}\n")
+    assert "(conversation reset)" in result.stderr
+    assert json.loads(saved.read_text())["messages"] == []
+
+
+def test_piped_replies_go_to_stdout_and_remarks_to_stderr(loom):
+    result = loom("chat", "--model", "tiny", "-m", "4", input="/help\n/nope\nhi\n")
+    assert result.returncode == 0
+    assert "/save FILE" in result.stdout  # help answers the command
+    assert "unknown command /nope" in result.stderr and "unknown" not in result.stdout
