@@ -3,8 +3,10 @@
 The public API::
 
     import mlx_loom
-    model, tokenizer = mlx_loom.load("path/or/org-repo")
+    model, tokenizer = mlx_loom.load("path/or/org-repo")   # or "tiny", the bundled model
     print(mlx_loom.generate(model, tokenizer, "Hello", max_tokens=64))
+
+``mlx_loom.BUNDLED_MODEL`` is the bundled tiny model's directory.
 
 Plugin authors import from :mod:`mlx_loom.hookspecs` (``hookimpl``),
 :mod:`mlx_loom.registry`, :mod:`mlx_loom.profiles`, :mod:`mlx_loom.kernels`
@@ -18,6 +20,7 @@ try:
 except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0+unknown"
 
+from .assets import BUNDLED_MODEL  # noqa: E402
 from .errors import LoomError, Refusal  # noqa: E402
 from .generate import (  # noqa: E402
     BatchResult,
@@ -36,6 +39,7 @@ from .profiles import Execution, Profile  # noqa: E402
 from .registry import Implementation, ModelType, Registry  # noqa: E402
 
 __all__ = [
+    "BUNDLED_MODEL",
     "BatchResult",
     "Execution",
     "GenerationResponse",
