@@ -32,12 +32,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_model_options(parser)
     parser.add_argument(
-        "--system", "--system-prompt", dest="system", help="system message (also: /system)"
+        "--system",
+        "--system-prompt",
+        dest="system",
+        metavar="TEXT",
+        help="system message (also: /system in the chat)",
     )
     parser.add_argument("--stats", action="store_true", help="print speed after each reply")
     parser.add_argument(
         "--max-kv-size",
         type=flags.MAX_KV_SIZE,
+        metavar="N",
         help="tokens the conversation may occupy, prompt and reply together "
         "(default: the model's context length); older turns are left out to stay inside it",
     )
@@ -45,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     history.add_argument(
         "--history-file",
         type=Path,
+        metavar="FILE",
         help=f"where to keep typed lines (default: ${HISTORY_ENV}, else chat_history in the "
         "mlx-loom data directory)",
     )

@@ -25,6 +25,7 @@ PREFERRED_KV_GROUP_SIZE = 64
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
+        metavar="MODEL",
         help="model directory, Hugging Face repo id (org/name[@revision]) or short name "
         f"(default: {BUNDLED_MODEL_ALIAS!r}, the bundled tiny MiniCPM5 model; "
         "`loom models` lists what is here)",
@@ -37,19 +38,34 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument(
-        "--max-tokens", "-m", type=flags.MAX_TOKENS, default=256, help="default: 256"
+        "--max-tokens", "-m", type=flags.MAX_TOKENS, default=256, metavar="N", help="default: 256"
     )
-    group.add_argument("--temp", type=flags.TEMP, default=0.0, help="0 = greedy (default)")
-    group.add_argument("--top-p", type=flags.TOP_P, default=1.0, help="in (0, 1]; default: 1 (off)")
-    group.add_argument("--top-k", type=flags.TOP_K, default=0, help="default: 0 (off)")
-    group.add_argument("--min-p", type=flags.MIN_P, default=0.0, help="in [0, 1]; default: 0 (off)")
     group.add_argument(
-        "--repetition-penalty", type=flags.REPETITION_PENALTY, help="> 0; 1.0 is neutral"
+        "--temp", type=flags.TEMP, default=0.0, metavar="T", help="0 = greedy (default)"
     )
-    group.add_argument("--presence-penalty", type=flags.PRESENCE_PENALTY)
-    group.add_argument("--frequency-penalty", type=flags.FREQUENCY_PENALTY)
-    group.add_argument("--seed", type=flags.SEED, help="default: a fresh random seed")
-    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument(
+        "--top-p", type=flags.TOP_P, default=1.0, metavar="P", help="in (0, 1]; default: 1 (off)"
+    )
+    group.add_argument("--top-k", type=flags.TOP_K, default=0, metavar="K", help="default: 0 (off)")
+    group.add_argument(
+        "--min-p", type=flags.MIN_P, default=0.0, metavar="P", help="in [0, 1]; default: 0 (off)"
+    )
+    group.add_argument(
+        "--repetition-penalty",
+        type=flags.REPETITION_PENALTY,
+        metavar="R",
+        help="> 0; 1.0 is neutral",
+    )
+    group.add_argument(
+        "--presence-penalty", type=flags.PRESENCE_PENALTY, metavar="X", help="0 = off"
+    )
+    group.add_argument(
+        "--frequency-penalty", type=flags.FREQUENCY_PENALTY, metavar="X", help="0 = off"
+    )
+    group.add_argument("--seed", type=flags.SEED, metavar="S", help="default: a fresh random seed")
+    group.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
+    )
     cache = parser.add_argument_group("KV cache")
     cache.add_argument(
         "--kv-bits",
@@ -69,12 +85,14 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
         "--quantized-kv-start",
         type=flags.QUANTIZED_KV_START,
         default=0,
+        metavar="N",
         help="quantize once the cache holds this many tokens (default: 0)",
     )
     cache.add_argument(
         "--prefill-step-size",
         type=flags.PREFILL_STEP_SIZE,
         default=2048,
+        metavar="N",
         help="prompt tokens per prefill forward (default: 2048)",
     )
 
@@ -189,9 +207,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"the prompt ('-' reads stdin; default: {DEFAULT_PROMPT!r})",
     )
     add_model_options(parser)
-    parser.add_argument("--prompt", "-p", help="the prompt, as a flag (as in mlx-lm)")
     parser.add_argument(
-        "--system", "--system-prompt", dest="system", help="system message for the chat template"
+        "--prompt", "-p", metavar="PROMPT", help="the prompt, as a flag (as in mlx-lm)"
+    )
+    parser.add_argument(
+        "--system",
+        "--system-prompt",
+        dest="system",
+        metavar="TEXT",
+        help="system message for the chat template",
     )
     parser.add_argument(
         "--no-chat-template",
@@ -202,12 +226,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--verbose", action="store_true", help="also show what was resolved")
     parser.add_argument(
-        "--draft-model", help="a smaller model with the same tokenizer, for speculative decoding"
+        "--draft-model",
+        metavar="MODEL",
+        help="a smaller model with the same tokenizer, for speculative decoding",
     )
     parser.add_argument(
         "--num-draft-tokens",
         type=flags.NUM_DRAFT_TOKENS,
         default=3,
+        metavar="N",
         help="tokens the draft proposes per step (default: 3)",
     )
     add_sampling_options(parser)

@@ -27,11 +27,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="address to bind (default: 127.0.0.1, reachable from this machine only)",
     )
     parser.add_argument(
-        "--port", type=flags.PORT, default=8080, help="default: 8080; 0 picks a free port"
+        "--port",
+        type=flags.PORT,
+        default=8080,
+        metavar="PORT",
+        help="default: 8080; 0 picks a free port",
     )
     parser.add_argument(
         "--max-tokens-limit",
         type=flags.MAX_TOKENS_LIMIT,
+        metavar="N",
         default=DEFAULT_MAX_TOKENS_LIMIT,
         help=f"largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_LIMIT})",
     )
