@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
+import signal
 
 import pytest
 
-from .conftest import FAMILIES
+import mlx_loom
+from mlx_loom.cli.main import main
+
+from .conftest import FAMILIES, family_checkpoint
 
 TURNS = "".join(f"message number {i} goes here\n" for i in range(6))
 STATS = re.compile(r"Prompt: (\d+) tokens.*?\nGeneration: (\d+) tokens", re.S)
@@ -28,14 +34,18 @@ def test_the_bundled_model_answers_every_turn_of_a_long_chat(loom):
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_every_family_stays_inside_its_context_turn_after_turn(loom, short_context, model_type):
-    result = loom("chat", "--model", short_context[model_type], "-m", "24", "--stats", input=TURNS)
-    assert result.returncode == 0, result.stderr
-    assert "error" not in result.stderr
-    sizes = turn_sizes(result.stderr)
+def test_every_family_stays_inside_its_context_turn_after_turn(
+    short_context, model_type, monkeypatch, capsys
+):
+    monkeypatch.setattr("sys.stdin", io.StringIO(TURNS))
+    code = main(["chat", "--model", str(short_context[model_type]), "-m", "24", "--stats"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "error" not in err
+    sizes = turn_sizes(err)
     assert len(sizes) == 6
     assert all(prompt + generated <= 64 for prompt, generated in sizes), sizes
-    assert result.stderr.count("the oldest turns are left out") == 1
+    assert err.count("the oldest turns are left out") == 1
 
 
 def test_max_kv_size_caps_what_the_conversation_occupies(loom, short_context):
@@ -132,3 +142,58 @@ def test_piped_replies_go_to_stdout_and_remarks_to_stderr(loom):
     assert result.returncode == 0
     assert "/save FILE" in result.stdout  # help answers the command
     assert "unknown command /nope" in result.stderr and "unknown" not in result.stdout
+
+
+class InterruptAfter:
+    """A stdout that presses Ctrl-C (a real SIGINT) after ``n`` pieces of the answer."""
+
+    def __init__(self, n: int, presses: int = 1) -> None:
+        self.n, self.presses, self.pieces, self.text = n, presses, 0, []
+
+    def write(self, text: str) -> None:
+        self.text.append(text)
+        self.pieces += 1
+        if self.pieces == self.n:
+            for _ in range(self.presses):
+                os.kill(os.getpid(), signal.SIGINT)
+
+    def flush(self) -> None:
+        pass
+
+
+def chat_session(model_dir, out, err):
+    from mlx_loom.cli.chat_session import ChatSession
+
+    model, tokenizer = mlx_loom.load(model_dir)
+    return ChatSession(
+        model,
+        tokenizer,
+        options={"max_tokens": 40, "temperature": 0.0},
+        budget=model.context_length,
+        name="test",
+        out=out,
+        err=err,
+    )
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_after_ctrl_c_the_next_reply_equals_a_fresh_chats(tmp_path, model_type, presses):
+    """Stopping an answer (once: at a token boundary; twice: at once) leaves no stale cache."""
+    from mlx_loom.cli.conversation import Conversation
+
+    model_dir = family_checkpoint(tmp_path, model_type)
+    out, err = InterruptAfter(3, presses), io.StringIO()
+    session = chat_session(model_dir, out, err)
+    session.handle("the model reads a token")
+    assert "(stopped)" in err.getvalue()
+    stopped = session.conversation.messages[-1].content
+    assert stopped == "".join(out.text[:3]) and stopped
+    out.n = -1  # no more presses
+    session.handle("and writes the next")
+    cached_reply = session.conversation.messages[-1].content
+
+    fresh = chat_session(model_dir, io.StringIO(), io.StringIO())
+    fresh.conversation = Conversation(messages=list(session.conversation.messages[:-2]))
+    fresh.handle("and writes the next")
+    assert fresh.conversation.messages[-1].content == cached_reply

@@ -7,8 +7,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from mlx_loom.artifacts import read_config, resolve_model_ref
 from mlx_loom.artifacts.summary import summarize_artifact
 from mlx_loom.cli.main import main
 
-from .conftest import family_checkpoint
+from .conftest import family_checkpoint, loom_command
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 BRANCH_COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
@@ -112,6 +114,29 @@ def test_every_command_accepts_model_tiny(loom, command):
     assert result.returncode == 0, result.stderr
     if command == "explain":
         assert "minicpm5/llama" in result.stdout
+
+
+def test_loom_serve_accepts_model_tiny_and_serves_it_under_that_id(loom_env, tmp_path):
+    proc = subprocess.Popen(
+        [*loom_command(), "serve", "--model", "tiny", "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=loom_env,
+        cwd=tmp_path,
+    )
+    try:
+        line = proc.stderr.readline()  # "loom: serving tiny at http://127.0.0.1:PORT/v1 ..."
+        match = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
+        assert match, line
+        with urllib.request.urlopen(f"{match[1]}/v1/models", timeout=30) as response:
+            assert [m["id"] for m in json.loads(response.read())["data"]] == ["tiny"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stderr.close()
 
 
 def test_bundled_model_is_on_the_package_root_without_importing_a_submodule():

@@ -137,20 +137,23 @@ class ChatSession:
         reply: list[str] = []
         last = None
         failure: LoomError | None = None
+        torn = False  # interrupted mid-step: the caches may hold what the bookkeeping missed
         with StopOnInterrupt() as interrupt:
             try:
                 for last in stream:
+                    reply.append(last.text)  # first: a second Ctrl-C may land in the write
                     self.out.write(last.text)
                     self.out.flush()
-                    reply.append(last.text)
                     if interrupt.requested:
                         break
             except KeyboardInterrupt:
-                self.cache.reset()
+                torn = True
             except LoomError as err:
                 failure = err
             finally:
-                stream.close()
+                stream.close()  # records what was fed in the prompt cache
+        if torn:
+            self.cache.reset()  # after close(), which would record into a fresh cache
         if failure is not None and not reply:
             conversation.pop_user()
             self.report(failure)
