@@ -253,3 +253,12 @@ def test_parameter_count_matches_the_loaded_model(checkpoints):
         loaded = sum(v.size for _, v in tree_flatten(model.module.parameters()))
         summary = summarize_artifact(checkpoints[model_type], model.config)
         assert summary.parameters == loaded, model_type
+
+
+def test_an_unreadable_cache_is_an_error_with_a_fix(tmp_path, monkeypatch, capsys):
+    not_a_dir = tmp_path / "hub"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("HF_HUB_CACHE", str(not_a_dir))
+    assert main(["models"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot be read" in err and "fix: point HF_HUB_CACHE" in err

@@ -23,6 +23,7 @@ from huggingface_hub.errors import CacheNotFound
 
 from mlx_loom.artifacts.reference import hub_cache_dir
 from mlx_loom.assets import BUNDLED_MODEL, BUNDLED_MODEL_ALIAS
+from mlx_loom.errors import ArtifactError
 
 __all__ = ["LocalModel", "local_models"]
 
@@ -51,6 +52,11 @@ def _hub_snapshots(cache_dir: Path) -> list[LocalModel]:
         info = huggingface_hub.scan_cache_dir(cache_dir)
     except CacheNotFound:
         return []
+    except (OSError, ValueError) as err:  # a file where the cache should be, no permission
+        raise ArtifactError(
+            f"the Hugging Face cache {cache_dir} cannot be read: {err}",
+            fix="point HF_HUB_CACHE (or HF_HOME) at a readable cache directory, or unset it",
+        ) from err
     found = []
     for repo in info.repos:
         if repo.repo_type != "model":

@@ -65,10 +65,6 @@ class FlagType:
     valid: str
     fix: str
 
-    @property
-    def __name__(self) -> str:  # argparse names the type in some messages
-        return self.kind.__name__
-
     def __call__(self, text: str) -> Any:
         try:
             value = self.kind(text)

@@ -65,6 +65,16 @@ def report_error(err: LoomError, *, as_json: bool = False) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # also from --help piped into head
+        return _reader_went_away()
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:  # reported by the command's own parser, so the fix names its --help
@@ -76,11 +86,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args) or EXIT_OK)
     except LoomError as err:
         return report_error(err, as_json=getattr(args, "json", False))
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        return _reader_went_away()
 
 
 def _reader_went_away() -> int:
