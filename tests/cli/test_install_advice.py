@@ -13,7 +13,7 @@ import pytest
 
 from mlx_loom import advice
 from mlx_loom.advice import allow_plugin_fix, install_command
-from mlx_loom.plugins import PluginPolicy
+from mlx_loom.host import PluginPolicy
 
 from .conftest import family_checkpoint
 

@@ -24,7 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from .plugins import POLICY_ENV, PluginPolicy
+from .host._policy import POLICY_ENV, PluginPolicy
 
 __all__ = ["allow_plugin_fix", "install_command"]
 

@@ -6,8 +6,7 @@ import argparse
 import json
 
 from ..artifacts.summary import summarize_artifact
-from ..loading import resolve_model
-from ..plugins import PluginHost
+from ..host import PluginHost, resolve_model
 from .models_cmd import human_bytes, human_count
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..assets import BUNDLED_MODEL_ALIAS
 from ..generate import stream_generate
-from ..loading import load
+from ..host import load
 from ..model import Model
 from . import flags
 from .flags import usage_error

@@ -18,8 +18,7 @@ from ..artifacts import read_config
 from ..artifacts.catalog import LocalModel, local_models
 from ..artifacts.summary import WeightsSummary, summarize_artifact
 from ..errors import LoomError
-from ..loading import resolve_model
-from ..plugins import PluginHost
+from ..host import PluginHost, resolve_model
 
 
 class ModelEntry(BaseModel):

@@ -13,7 +13,7 @@ import json
 import sys
 
 from ..advice import allow_plugin_fix
-from ..plugins import PluginHost
+from ..host import PluginHost
 
 EXIT_OK, EXIT_FAILED, EXIT_UNAVAILABLE = 0, 1, 3
 

@@ -12,7 +12,7 @@ import argparse
 import json
 
 from ..advice import install_command
-from ..plugins import PluginHost, PluginRecord
+from ..host import PluginHost, PluginRecord
 
 
 def register(sub: argparse._SubParsersAction) -> None:
