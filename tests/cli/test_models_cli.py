@@ -86,6 +86,19 @@ def hub(loom_env, checkpoints, quantized) -> Path:
     return cache
 
 
+@pytest.fixture
+def run_here(hub, loom_env, monkeypatch, capsys):
+    """``run_here(*argv)`` -> (exit code, stdout): ``loom ARGV`` in-process, against the hub."""
+    for name in ("HF_HUB_CACHE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(name, loom_env[name])
+
+    def run(*argv: str) -> tuple[int, str]:
+        code = main([*map(str, argv)])
+        return code, capsys.readouterr().out
+
+    return run
+
+
 # --- the short name ------------------------------------------------------------------
 
 
@@ -107,7 +120,7 @@ def test_a_local_directory_named_like_a_short_name_wins(tmp_path, monkeypatch, c
     assert resolve_model_ref("tiny") == Path("tiny")
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "explain"])
+@pytest.mark.parametrize("command", ["generate", "explain"])  # chat: test_chat_terminal
 def test_every_command_accepts_model_tiny(loom, command):
     args = ["explain", "tiny"] if command == "explain" else [command, "--model", "tiny", "-m", "3"]
     result = loom(*args, input="hello\n")
@@ -177,17 +190,18 @@ def test_models_lists_the_bundled_model_and_runnable_cache_snapshots(loom, hub):
     assert "(2 more cannot run here; `loom models --all` says why.)" in result.stdout
 
 
-def test_models_all_says_why_the_others_cannot_run(loom, hub):
-    result = loom("models", "--all", "--json")
-    entries = {e["name"]: e for e in json.loads(result.stdout)}
+def test_models_all_says_why_the_others_cannot_run(run_here):
+    code, out = run_here("models", "--all", "--json")
+    assert code == 0
+    entries = {e["name"]: e for e in json.loads(out)}
     assert not entries["org/mystery"]["runnable"]
     assert "no_such_family" in entries["org/mystery"]["reason"]
     assert not entries["org/half-downloaded"]["runnable"]
     assert "safetensors" in entries["org/half-downloaded"]["reason"]
 
 
-def test_models_json_reports_size_dtype_quantization_and_context(loom, hub, checkpoints):
-    entries = {e["name"]: e for e in json.loads(loom("models", "--json").stdout)}
+def test_models_json_reports_size_dtype_quantization_and_context(run_here, checkpoints):
+    entries = {e["name"]: e for e in json.loads(run_here("models", "--json")[1])}
     plain, q4 = entries["org/llama-tiny"], entries["org/llama-tiny@q4"]
     assert plain["weights"]["dtype"] == "float32" and plain["weights"]["quantization"] is None
     assert q4["weights"]["quantization_bits"] == [4]
@@ -203,32 +217,30 @@ def test_models_json_reports_size_dtype_quantization_and_context(loom, hub, chec
     )
 
 
-def test_every_listed_name_runs_with_that_name(loom, hub, loom_env, monkeypatch, capsys):
-    listed = json.loads(loom("models", "--json").stdout)
-    monkeypatch.setenv("HF_HUB_CACHE", loom_env["HF_HUB_CACHE"])
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for entry in listed:
-        assert main(["explain", entry["name"], "--json"]) == 0, entry["name"]
-        assert json.loads(capsys.readouterr().out)["model_dir"] == entry["path"]
+def test_every_listed_name_runs_with_that_name(run_here):
+    for entry in json.loads(run_here("models", "--json")[1]):
+        code, out = run_here("explain", entry["name"], "--json")
+        assert code == 0, entry["name"]
+        assert json.loads(out)["model_dir"] == entry["path"]
 
 
-def test_models_with_an_empty_cache_still_lists_the_bundled_model(loom):
-    result = loom("models")
-    assert result.returncode == 0
-    assert [line.split()[0] for line in result.stdout.splitlines()[1:]] == ["tiny"]
+def test_models_with_an_empty_cache_still_lists_the_bundled_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    assert main(["models"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]] == ["tiny"]
 
 
 # --- loom explain ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "gemma4"])
-def test_explain_shows_params_dtype_quantization_and_context(loom, checkpoints, model_type):
-    result = loom("explain", checkpoints[model_type])
-    assert result.returncode == 0, result.stderr
+def test_explain_shows_params_dtype_quantization_and_context(checkpoints, model_type, capsys):
+    assert main(["explain", str(checkpoints[model_type])]) == 0
+    out = capsys.readouterr().out
     summary = summarize_artifact(checkpoints[model_type], read_config(checkpoints[model_type]))
     rows = dict(
         re.split(r"\s{2,}", line, maxsplit=1)
-        for line in result.stdout.splitlines()
+        for line in out.splitlines()
         if re.search(r"\S\s{2,}\S", line) and not line.startswith(" ")
     )
     assert rows["parameters"].endswith(f"({summary.parameters:,})")
@@ -237,9 +249,11 @@ def test_explain_shows_params_dtype_quantization_and_context(loom, checkpoints, 
     assert rows["context length"] == ("512" if model_type == "llama" else "4096")
 
 
-def test_explain_json_counts_a_quantized_checkpoint_like_its_source(loom, checkpoints, quantized):
-    source = json.loads(loom("explain", checkpoints["llama"], "--json").stdout)["weights"]
-    packed = json.loads(loom("explain", quantized, "--json").stdout)["weights"]
+def test_explain_json_counts_a_quantized_checkpoint_like_its_source(checkpoints, quantized, capsys):
+    main(["explain", str(checkpoints["llama"]), "--json"])
+    source = json.loads(capsys.readouterr().out)["weights"]
+    main(["explain", str(quantized), "--json"])
+    packed = json.loads(capsys.readouterr().out)["weights"]
     assert packed["parameters"] == source["parameters"]
     assert packed["quantization_bits"] == [4]
     assert source["context_length"] == packed["context_length"] == 512
