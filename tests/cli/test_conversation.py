@@ -6,6 +6,7 @@ import io
 import json
 import os
 import signal
+import sys
 
 import pytest
 
@@ -163,3 +164,17 @@ def read_all(text: str) -> list[str]:
 def test_piped_multi_line_messages_and_an_unfinished_block():
     text = 'one \\\ntwo\n"""\nthree\n\nfour"""\n"""inline"""\n"""never closed\n'
     assert read_all(text) == ["one \ntwo", "three\n\nfour", "inline", "<end unfinished=True>"]
+
+
+def test_the_history_file_follows_the_environment(tmp_path, monkeypatch):
+    from mlx_loom.cli.repl import HISTORY_ENV, default_history_path
+
+    monkeypatch.setenv(HISTORY_ENV, str(tmp_path / "mine"))
+    assert default_history_path() == tmp_path / "mine"
+    monkeypatch.setenv(HISTORY_ENV, "")
+    assert default_history_path() is None  # empty: no history
+    monkeypatch.delenv(HISTORY_ENV)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    if sys.platform not in ("darwin", "win32"):
+        assert default_history_path() == tmp_path / "data" / "mlx-loom" / "chat_history"
+    assert default_history_path().name == "chat_history"
