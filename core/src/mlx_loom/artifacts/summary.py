@@ -12,7 +12,9 @@ How the numbers are counted, and why:
   packed element count times ``32 / bits``; its ``scales`` and ``biases`` are
   packing overhead, not parameters (mlx names a layer's real bias ``bias``
   and quantization offsets ``biases``). This matches the count of the
-  unquantized checkpoint the file was converted from.
+  unquantized checkpoint the file was converted from. Every tensor the
+  checkpoint holds counts — a vision tower beside the language model too —
+  as model cards count them.
 * **dtype** is the floating type that holds the most parameters; a quantized
   matrix counts under the dtype of its scales, which is the type its matmuls
   compute in. A 4-bit mlx-community checkpoint therefore reads ``bfloat16``
