@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from ..assets import BUNDLED_MODEL
+from ..assets import BUNDLED_MODEL_NAME
 from ..engine import EngineSettings
 from ..engine.settings import (
     DEFAULT_DECODE_CONCURRENCY,
@@ -16,6 +16,7 @@ from ..engine.settings import (
 )
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from ..serve.app import DEFAULT_MAX_QUEUED, server_engine_settings
+from . import flags
 from .generate_cmd import add_model_options, load_from_args
 
 
@@ -33,10 +34,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="127.0.0.1",
         help="address to bind (default: 127.0.0.1, reachable from this machine only)",
     )
-    parser.add_argument("--port", type=int, default=8080, help="default: 8080; 0 picks a free port")
+    parser.add_argument(
+        "--port",
+        type=flags.PORT,
+        default=8080,
+        metavar="PORT",
+        help="default: 8080; 0 picks a free port",
+    )
     parser.add_argument(
         "--max-tokens-limit",
-        type=int,
+        type=flags.MAX_TOKENS_LIMIT,
+        metavar="N",
         default=DEFAULT_MAX_TOKENS_LIMIT,
         help=f"largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_LIMIT})",
     )
@@ -45,17 +53,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run, _parser=parser)
 
 
-def _count(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is below the minimum {minimum}")
-        return value
-
-    return parse
+def _count(flag: str, low: int, what: str, example: int):
+    return flags.integer(
+        flag,
+        low=low,
+        valid=f"an integer >= {low} ({what})",
+        fix=f"pass a count such as {{flag}} {example}",
+    )
 
 
 _SIZES = {"": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
@@ -73,7 +77,8 @@ def parse_size(text: str) -> int:
         value = -1.0
     if factor is None or value < 0:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; use a byte count or a number with K, M or G (e.g. 2GB)"
+            f"{text!r} is not a size: it must be a byte count, or a number with K, M or G\n"
+            "fix: pass a size such as --prompt-cache-bytes 2GB, or omit it for no bound"
         )
     return int(value * factor)
 
@@ -83,21 +88,21 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("batching (continuous batching engine)")
     group.add_argument(
         "--decode-concurrency",
-        type=_count(1),
+        type=_count("--decode-concurrency", 1, "requests decoded together", 32),
         default=DEFAULT_DECODE_CONCURRENCY,
         metavar="N",
         help=f"most requests decoded together (default: {DEFAULT_DECODE_CONCURRENCY})",
     )
     group.add_argument(
         "--prompt-concurrency",
-        type=_count(1),
+        type=_count("--prompt-concurrency", 1, "prompts prefilled at once", 8),
         default=DEFAULT_PROMPT_CONCURRENCY,
         metavar="N",
         help=f"most prompts prefilled at once (default: {DEFAULT_PROMPT_CONCURRENCY})",
     )
     group.add_argument(
         "--prefill-step-size",
-        type=_count(1),
+        type=_count("--prefill-step-size", 1, "prompt tokens per prefill chunk", 2048),
         default=DEFAULT_PREFILL_STEP,
         metavar="N",
         help="prompt tokens per prefill chunk; smaller chunks stall running streams less "
@@ -105,7 +110,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--prompt-cache-size",
-        type=_count(0),
+        type=_count("--prompt-cache-size", 0, "prompt caches kept; 0 keeps none", 10),
         default=DEFAULT_PROMPT_CACHE_SIZE,
         metavar="N",
         help="most prompt caches kept for reuse; 0 keeps none "
@@ -120,7 +125,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--queue-size",
-        type=_count(0),
+        type=_count("--queue-size", 0, "requests that may wait for a row", 64),
         default=DEFAULT_MAX_QUEUED,
         metavar="N",
         help="requests that may wait for a free row; more are answered 503 with Retry-After "
@@ -150,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer,
         host=args.host,
         port=args.port,
-        model_id=args.model or BUNDLED_MODEL,
+        model_id=args.model or BUNDLED_MODEL_NAME,
         max_tokens_limit=args.max_tokens_limit,
         engine=engine_settings(args),
     )
