@@ -351,20 +351,23 @@ class BatchKVCache(_BatchRowsBase):
         if longest == 0:
             return cache
         ref = next(c for c in caches if c.keys is not None)
-        B = len(caches)
 
-        def zeros(like: buf.Stored) -> buf.Stored:
-            return buf.apply(
-                lambda a: mx.zeros((B, a.shape[1], longest, a.shape[3]), a.dtype), like
-            )
+        def row(stored: buf.Stored | None, like: buf.Stored, pad: int, n: int) -> buf.Stored:
+            # Each row right-aligned in ``longest`` slots, zeros in front: built
+            # per row and concatenated once (not written slot by slot).
+            if stored is None or n == 0:
+                return buf.apply(
+                    lambda a: mx.zeros((1, a.shape[1], longest, a.shape[3]), a.dtype), like
+                )
+            used = buf.take(stored, None, n)
+            return buf.apply(lambda a: mx.pad(a, [(0, 0), (0, 0), (pad, 0), (0, 0)]), used)
 
-        keys, values = zeros(ref.keys), zeros(ref.values)
-        for i, (p, n, c) in enumerate(zip(pads, lengths, caches, strict=True)):
-            if c.keys is None or n == 0:
-                continue
-            for dst, src in ((keys, c.keys), (values, c.values)):
-                for d, a in zip(buf.leaves(dst), buf.leaves(src), strict=True):
-                    d[i : i + 1, :, p : p + n] = a[..., :n, :]
+        keys = _cat_rows(
+            [row(c.keys, ref.keys, p, n) for p, n, c in zip(pads, lengths, caches, strict=True)]
+        )
+        values = _cat_rows(
+            [row(c.values, ref.values, p, n) for p, n, c in zip(pads, lengths, caches, strict=True)]
+        )
         cache.keys, cache.values = keys, values
         cache.offset = cache.offset + longest
         cache._idx = longest

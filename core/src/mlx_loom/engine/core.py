@@ -326,17 +326,19 @@ class Engine:
         """Merge groups whose caches can share a batch (a model with the batch capability)."""
         if not self._batchable or len(self._groups) < 2:
             return
-        by_key: dict[Hashable, DecodeGroup] = {}
-        for group in list(self._groups):
+        by_key: dict[Hashable, list[DecodeGroup]] = {}
+        for group in self._groups:
             key = group.key
-            if key is None:
+            if key is not None:
+                by_key.setdefault(key, []).append(group)
+        for groups in by_key.values():
+            if len(groups) < 2:
                 continue
-            home = by_key.get(key)
-            if home is None:
-                by_key[key] = group
-                continue
-            home.absorb(group)
-            self._groups.remove(group)
+            # A running batch takes the newcomers in, so its caches grow in place.
+            home = next((g for g in groups if g.stacked), groups[0])
+            others = [g for g in groups if g is not home]
+            home.absorb(others)
+            self._groups = [g for g in self._groups if g not in others]
 
     # --- leaving ------------------------------------------------------------------
 

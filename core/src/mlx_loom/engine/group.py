@@ -105,24 +105,44 @@ class DecodeGroup:
             return None
         return layout(self.caches)
 
-    def _stack(self) -> None:
+    def absorb(self, others: list[DecodeGroup]) -> None:
+        """Take every row of ``others`` (groups with this group's :attr:`key`).
+
+        Lone rows are stacked all at once (one ``stack`` per layer, not one
+        per row), then appended to this group's batch with one ``extend``:
+        a burst of new rows costs one copy of their caches, not one each.
+        """
+        batches = [g for g in [self, *others] if g.stacked]
+        lone = [g for g in [self, *others] if not g.stacked]
+        order = batches + lone
         if not self.stacked:
             self._key = layout(self.caches)
-            self.caches = [type(c).stack([c]) for c in self.caches]
-            self.stacked = True
-
-    def absorb(self, other: DecodeGroup) -> None:
-        """Take every row of ``other`` (same :attr:`key`) into this group."""
-        self._stack()
-        other._stack()
-        for mine, theirs in zip(self.caches, other.caches, strict=True):
-            mine.extend(theirs)
-        self.rows += other.rows
-        self.tokens = mx.concatenate([self.tokens, other.tokens.astype(self.tokens.dtype)])
-        self.chosen = mx.concatenate([self.chosen, other.chosen.astype(self.chosen.dtype)])
-        self.extras += other.extras
-        self.emit += other.emit
-        other.rows = []
+        layers: list[Any] | None = None
+        for group in batches:
+            if layers is None:
+                layers = group.caches
+            else:
+                for mine, theirs in zip(layers, group.caches, strict=True):
+                    mine.extend(theirs)
+        if lone:
+            fresh = [
+                type(first).stack([g.caches[i] for g in lone])
+                for i, first in enumerate(lone[0].caches)
+            ]
+            if layers is None:
+                layers = fresh
+            else:
+                for mine, theirs in zip(layers, fresh, strict=True):
+                    mine.extend(theirs)
+        self.caches = layers or []
+        self.stacked = True
+        self.rows = [row for g in order for row in g.rows]
+        self.tokens = mx.concatenate([g.tokens.astype(mx.uint32) for g in order])
+        self.chosen = mx.concatenate([g.chosen.astype(mx.float32) for g in order])
+        self.extras = [e for g in order for e in g.extras]
+        self.emit = [e for g in order for e in g.emit]
+        for g in others:
+            g.rows = []
 
     def _row_caches(self, i: int) -> list[Any]:
         """Row ``i``'s caches as single-row caches (its own list when alone)."""
