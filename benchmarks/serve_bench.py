@@ -54,6 +54,8 @@ ROWS = {
     "tiny": Row("serve-llama-tiny-f32", "llama", llama(256, 4, 8, 2, 688, 512), "F32"),  # 3.4M
     "100m": Row("serve-llama-100m-f32", "llama", llama(768, 16, 12, 4, 2048, 512), "F32"),  # 102M
 }
+#: Seconds a request may wait for its next byte before it counts as failed.
+REQUEST_TIMEOUT = 300.0
 WORDS = (
     "the model reads a token and writes the next one while the cache keeps every key "
     "and value of the prompt so decoding stays cheap and fast on every device hello world"
@@ -143,7 +145,9 @@ def _one_request(port: int, prompt: str, max_tokens: int, eos: list[int], out: l
         }
     )
     start = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    # A connection a server never answers (mlx_lm.server's listen backlog of 5
+    # overflows under bursts) would otherwise hang the round: it counts as failed.
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT)
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()[:500]
