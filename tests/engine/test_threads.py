@@ -168,3 +168,20 @@ def test_a_loaded_model_runs_on_any_thread(loaded):
     thread.start()
     thread.join(60)
     assert out == [(1, 3, model.vocab_size)]
+
+
+def test_a_model_its_user_drops_is_freed_once_its_engine_idles(checkpoints):
+    import gc
+    import time
+    import weakref
+
+    model, tok = mlx_loom.load(checkpoints("llama"))
+    model.engine.configure(idle_seconds=0.05)
+    mlx_loom.generate(model, tok, "hello", max_tokens=3)
+    alive = weakref.ref(model)
+    del model
+    deadline = time.monotonic() + 10
+    while alive() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()
+    assert alive() is None, "the engine thread kept the model alive"
