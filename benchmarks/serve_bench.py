@@ -13,6 +13,7 @@ decode concurrency 32, prompt concurrency 8, prefill step 2048). The client
 is the same for both: ``N`` concurrent streaming ``/v1/completions``
 requests, each with its own prompt, greedy, EOS suppressed with
 ``logit_bias`` so every request generates exactly ``--max-tokens`` tokens.
+Time to first token is the time to the first streamed chunk with text.
 
 For each concurrency ``N`` a round reports the aggregate generation rate
 (all generated tokens / the round's wall time) and each request's time to
@@ -48,11 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import Row, build, llama  # noqa: E402
 
-#: The vocabulary is the test tokenizer's (512 ids), so that every generated token
-#: decodes to text and streams at once (an id the tokenizer lacks streams nothing).
+#: The vocabulary is exactly the test tokenizer's (270 ids: all its corpus
+#: yields), so that every generated token decodes to text and streams at once;
+#: an id the tokenizer lacks decodes to nothing and would stream nothing.
+VOCAB = 270
 ROWS = {
-    "tiny": Row("serve-llama-tiny-f32", "llama", llama(256, 4, 8, 2, 688, 512), "F32"),  # 3.4M
-    "100m": Row("serve-llama-100m-f32", "llama", llama(768, 16, 12, 4, 2048, 512), "F32"),  # 102M
+    "tiny": Row("serve-llama-tiny-f32", "llama", llama(256, 4, 8, 2, 688, VOCAB), "F32"),  # 3.0M
+    "100m": Row("serve-llama-100m-f32", "llama", llama(768, 16, 12, 4, 2048, VOCAB), "F32"),  # 101M
 }
 #: Seconds a request may wait for its next byte before it counts as failed.
 REQUEST_TIMEOUT = 300.0
@@ -164,7 +167,10 @@ def _one_request(port: int, prompt: str, max_tokens: int, eos: list[int], out: l
             if not event.startswith(b"data: ") or event == b"data: [DONE]":
                 continue
             payload = json.loads(event[6:])
-            if payload.get("choices"):
+            choices = payload.get("choices") or [{}]
+            if choices[0].get("text"):
+                # The first *text*: a server may stream chunks with empty text
+                # while its detokenizer holds bytes back; they show nothing.
                 chunks += 1
                 if first is None:
                     first = time.perf_counter()
@@ -212,7 +218,9 @@ def bench_row(
     from mlx_loom.text import Tokenizer
 
     path = build(row)
-    eos = sorted(Tokenizer.from_dir(path).eos_token_ids)
+    tokenizer = Tokenizer.from_dir(path)
+    assert tokenizer.vocab_size == row.config["vocab_size"], "every id must decode to text"
+    eos = sorted(tokenizer.eos_token_ids)
     pair = servers(path, env)
     for s in pair:
         s.start()
