@@ -12,7 +12,7 @@ from mlx_lm.sample_utils import make_sampler as lm_sampler
 from mlx_lm.utils import load_model
 
 import mlx_loom
-from mlx_loom.assets import default_model_path
+from mlx_loom.assets import BUNDLED_MODEL
 from mlx_loom.errors import CapabilityRefused, RequestError
 from mlx_loom.generate import BatchResponse, generate_tokens
 
@@ -149,7 +149,7 @@ def test_a_prompt_cache_must_be_made_with_the_requests_max_kv_size(llama):
 
 @pytest.fixture(scope="module")
 def bundled():
-    return mlx_loom.load(default_model_path())
+    return mlx_loom.load(BUNDLED_MODEL)
 
 
 def long_prompt(tok, n: int) -> list[int]:

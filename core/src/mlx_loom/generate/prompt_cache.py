@@ -85,6 +85,10 @@ class PromptCache:
                 fix="Pass the same max_kv_size to PromptCache(...) and to the request.",
             )
 
+    def record(self, fed: Sequence[int]) -> None:
+        """Note tokens fed into the caches by hand (outside a generation)."""
+        self.tokens.extend(fed)
+
     def finish(self, done: Done) -> None:
         """Take in how a generation left the caches (the engine continued them in place)."""
         if done.outcome == "failed":
