@@ -46,8 +46,10 @@ log = logging.getLogger("mlx_loom.engine")
 #: Called on the engine thread with each event of a request; must not block.
 Sink = Callable[[Event], None]
 
-#: After idling: the pause in submissions that ends a burst, and the longest an
-#: idle engine waits for one to end (see ``EngineService._drain``).
+#: After idling: how long a first submission waits for a second (a lone request
+#: pays this), the pause that then ends a burst, and the longest an idle engine
+#: waits for one to end (see ``EngineService._drain``).
+GATHER_FIRST = 0.002
 GATHER_SECONDS = 0.005
 GATHER_LIMIT = 0.05
 
@@ -315,10 +317,12 @@ class EngineService:
         second of 8 concurrent HTTP requests reached the engine 65 ms after
         the first). Waiting, lock released, until submissions pause for
         ``GATHER_SECONDS`` (at most ``GATHER_LIMIT`` in all) lets the burst
-        arrive and be prefilled together. A busy engine never waits: its
+        arrive and be prefilled together; a lone request waits only
+        ``GATHER_FIRST`` for a second one. A busy engine never waits: its
         running rows' next step comes first.
         """
         deadline = time.monotonic() + GATHER_LIMIT
+        pause = GATHER_FIRST
         while True:
             try:
                 commands.append(self._inbox.get_nowait())
@@ -329,9 +333,10 @@ class EngineService:
             if not gather or remaining <= 0:
                 return
             try:
-                commands.append(self._inbox.get(timeout=min(GATHER_SECONDS, remaining)))
+                commands.append(self._inbox.get(timeout=min(pause, remaining)))
             except queue.Empty:
                 return
+            pause = GATHER_SECONDS  # a burst: wait for it to pause
 
     def _dispatch(self, events: list[Event], handles: dict[int, Handle]) -> None:
         for event in events:
