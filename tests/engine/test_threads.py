@@ -185,3 +185,16 @@ def test_a_model_its_user_drops_is_freed_once_its_engine_idles(checkpoints):
         time.sleep(0.05)
         gc.collect()
     assert alive() is None, "the engine thread kept the model alive"
+
+
+def test_a_burst_submitted_to_an_idle_engine_is_prefilled_together(loaded, monkeypatch):
+    """An idle engine waits for a burst to finish arriving before it prefills."""
+    from .test_engine import CountingModule
+
+    model, tok = loaded("llama")
+    counter = CountingModule(model.module)
+    monkeypatch.setattr(model, "module", counter)
+    prompts = ["the model reads a", "hello world, this", "a b c d e", "once upon a"]
+    mlx_loom.batch_generate(model, tok, prompts, max_tokens=3)
+    prefills = [s for s in counter.shapes if s[1] > 1]
+    assert len(prefills) == 1 and prefills[0][0] == len(prompts)
