@@ -76,7 +76,7 @@ class StackedRotatingKVCache:
 
     kind: ClassVar[str] = "StackedRotatingKVCache"
     step: ClassVar[int] = 256
-    _codec: ClassVar[buf.PlainCodec | buf.AffineCodec] = buf.PlainCodec()
+    _codec: ClassVar[Any] = buf.PlainCodec()
     _single: ClassVar[type[RotatingBase]] = RotatingKVCache
 
     def __init__(self, max_size: int, rows: int = 0) -> None:
@@ -129,20 +129,27 @@ class StackedRotatingKVCache:
         slots = self._slots_after_write()
         if slots > self._slots():
             grow = slots - self._slots()
-            new_k, new_v = self._codec.zeros(keys, grow), self._codec.zeros(values, grow)
+            new_k, new_v = (
+                self._codec.zeros_keys(keys, grow),
+                self._codec.zeros_values(values, grow),
+            )
             if self.keys is None:
                 self.keys, self.values = new_k, new_v
             else:
                 self.keys = buf.cat([self.keys, new_k])
                 self.values = buf.cat([self.values, new_v])
         where = mx.array(self._next, dtype=mx.int32)[:, None, None, None]
-        self.keys = _scatter(self.keys, where, self._codec.encode(keys))
-        self.values = _scatter(self.values, where, self._codec.encode(values))
+        self.keys = _scatter(self.keys, where, self._codec.encode_keys(keys))
+        self.values = _scatter(self.values, where, self._codec.encode_values(values))
         W = self.max_size
         self._count = [c + 1 for c in self._count]
         self._next = [(n + 1) % W for n in self._next]
         self._offset_array = None
         return self.keys, self.values
+
+    def append(self, keys: mx.array, values: mx.array) -> Any:
+        """Append one token per row; return the view that attends over every row's window."""
+        return self._codec.view(*self.update_and_fetch(keys, values))
 
     def _positions(self, window: int) -> mx.array:
         """``[B, S]`` bool: which slots the row's next token attends to (after its write)."""
