@@ -9,6 +9,8 @@ alone, state round trips), and what is lossy is bounded by its theory
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import pytest
 
@@ -274,7 +276,7 @@ def test_a_stacked_row_decodes_bit_for_bit_as_alone(make, batch):
 def test_rows_of_different_widths_do_not_stack():
     with pytest.raises(CacheError, match="widths"):
         TurboQuantKVCache.stack(
-            [_filled(lambda: TurboQuantKVCache(bits=b), [3], 0) for b in (3, 4)]
+            [_filled(partial(TurboQuantKVCache, bits=b), [3], 0) for b in (3, 4)]
         )
 
 

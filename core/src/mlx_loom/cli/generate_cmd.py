@@ -75,6 +75,14 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
         "default: not quantized)",
     )
     cache.add_argument(
+        "--kv-codec",
+        type=flags.KV_CODEC,
+        metavar="NAME",
+        help="how the KV cache is stored: 'affine' (the default with --kv-bits) or "
+        "'turboquant' (int8 keys, 3- or 4-bit rotated values; --kv-bits 3|4, default 4), "
+        "or a codec a plugin registers",
+    )
+    cache.add_argument(
         "--kv-group-size",
         type=flags.KV_GROUP_SIZE,
         metavar="{32,64,128}",
@@ -120,6 +128,9 @@ def kv_group_size(args: argparse.Namespace, model: Model) -> int:
     default. An explicit ``--kv-group-size`` is checked, never replaced.
     """
     dims = model_head_dims(model)
+    if getattr(args, "kv_codec", None) not in (None, "affine"):
+        # Only affine storage groups values; other codecs ignore the size.
+        return args.kv_group_size if args.kv_group_size is not None else PREFERRED_KV_GROUP_SIZE
     if args.kv_group_size is not None:
         if args.kv_bits is not None:
             bad = sorted(d for d in dims if d % args.kv_group_size)
@@ -164,6 +175,7 @@ def sampling_kwargs(args: argparse.Namespace, model: Model) -> dict[str, Any]:
         kv_bits=args.kv_bits,
         kv_group_size=kv_group_size(args, model),
         quantized_kv_start=args.quantized_kv_start,
+        kv_codec=args.kv_codec,
         prefill_step_size=args.prefill_step_size,
     )
     for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -259,11 +271,14 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_from_args(args)
     options = sampling_kwargs(args, model)
     if args.verbose:
-        kv = f"  kv cache: {args.kv_bits}-bit, group {options['kv_group_size']}"
+        codec = args.kv_codec or "affine"
+        kv = f"  kv cache: {codec}, {args.kv_bits or 'default'}-bit"
+        if codec == "affine":
+            kv += f", group {options['kv_group_size']}"
         print(
             f"model: {model.model_dir}\nprofile: {model.profile.id} ({model.profile_reason})\n"
             f"implementation: {model.implementation.id}  backend: {model.backend}"
-            + (kv if args.kv_bits is not None else ""),
+            + (kv if args.kv_bits is not None or args.kv_codec is not None else ""),
             file=sys.stderr,
         )
     if not args.no_chat_template and tokenizer.has_chat_template:

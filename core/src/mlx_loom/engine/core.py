@@ -344,7 +344,7 @@ class Engine:
 
     def _store_key(self, request: Request) -> Hashable:
         kv = request.kv
-        return (request.max_kv_size, kv.bits, kv.group_size, kv.start)
+        return (request.max_kv_size, kv.codec, kv.bits, kv.group_size, kv.start)
 
     def _leave(self, left: Left, outcome: str) -> Done:
         row, request = left.row, left.row.request
