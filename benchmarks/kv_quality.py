@@ -14,8 +14,8 @@ so each prediction attends over the codec's stored keys/values. The same is
 done with plain caches (the reference) and, for full-attention models, with
 mlx-lm's own graph and ``QuantizedKVCache`` at the same bits.
 
-Reported per codec: KV bytes per token (every layer, the codec's own
-``nbytes`` after the last token, divided by the tokens held), mean and max
+Reported per codec: KV bytes per token (every layer's cache ``state``
+arrays after the last token, divided by the tokens held), mean and max
 absolute logit error against the plain cache (over every scored position
 and vocabulary entry), perplexity and its change against the plain cache,
 and greedy decode speed (tokens/s through ``generate_tokens``, after a
