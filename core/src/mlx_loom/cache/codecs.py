@@ -72,6 +72,27 @@ class KVCodec:
                 return converted
         return None
 
+    def check_storable(self, caches: Any) -> None:
+        """Refuse (:class:`~mlx_loom.errors.CapabilityRefused`) unless every KV cache converts.
+
+        ``caches`` are a model's fresh caches; state with nothing to compress
+        (recurrent caches, which have no ``to_quantized``) is left alone.
+        """
+        from mlx_loom.errors import CapabilityRefused
+
+        for cache in caches:
+            if getattr(cache, "to_quantized", None) is None:
+                continue
+            bits = self.default_bits if self.default_bits is not None else 0
+            if self.convert(cache, bits=bits, group_size=64) is None and self.name != "affine":
+                kinds = ", ".join(k.__name__ for k in self.kinds)
+                raise CapabilityRefused(
+                    f"the {self.name!r} KV codec has no cache kind for a "
+                    f"{type(cache).__name__} (its kinds: {kinds})",
+                    fix="use a codec that stores every cache kind of this model (affine, "
+                    f"turboquant), or drop kv_codec={self.name!r}",
+                )
+
 
 def codec_table(kinds: Mapping[str, type] | None = None) -> dict[str, KVCodec]:
     """Every codec the cache-kind table ``kinds`` provides (default: the core's kinds)."""

@@ -82,7 +82,7 @@ def maybe_quantize_kv_cache(
         return
     for i, cache in enumerate(caches):
         to_quantized = getattr(cache, "to_quantized", None)
-        if to_quantized is None:
+        if to_quantized is None or isinstance(getattr(cache, "codec", None), str):
             continue  # nothing to compress (recurrent state), or already in a codec
         offset = cache.offset
         # A batch cache's offset is an array: it is refused at once, whatever
@@ -94,9 +94,11 @@ def maybe_quantize_kv_cache(
             if codec.name == "affine":
                 converted = to_quantized(group_size=kv_group_size, bits=bits)  # refuses batches
             else:
+                kinds_of = ", ".join(k.__name__ for k in codec.kinds)
                 raise CapabilityRefused(
-                    f"the {codec.name!r} KV codec cannot store a {type(cache).__name__}",
-                    fix=f"generate one sequence at a time with kv_codec={codec.name!r}, "
-                    "or drop kv_codec",
+                    f"the {codec.name!r} KV codec has no cache kind for a "
+                    f"{type(cache).__name__} (its kinds: {kinds_of})",
+                    fix="use a codec that stores every cache kind of this model (affine, "
+                    f"turboquant), or drop kv_codec={codec.name!r}",
                 )
         caches[i] = converted

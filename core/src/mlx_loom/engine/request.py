@@ -213,6 +213,10 @@ def make_request(
         _positive_int(
             "max_kv_size", max_kv_size, "Pass the most tokens each attention layer may keep."
         )
+    if codec is not None and codec.name != "affine":
+        from mlx_loom.engine.caches import fresh_caches
+
+        codec.check_storable(fresh_caches(model, max_kv_size))
     vocab = model.vocab_size
     if vocab is not None:
         bad = [t for t in ids if not 0 <= t < vocab]
