@@ -104,3 +104,15 @@ def test_an_unknown_codec_is_refused_by_loom_generate(family, capsys):
     err = capsys.readouterr().err
     assert code != 0
     assert "--kv-codec zstd is not a KV cache codec" in err and "turboquant" in err
+
+
+def test_batch_generate_with_turboquant_equals_each_prompt_alone(family):
+    _, (model, tok) = family
+    prompts = ["the model reads a token", "hello", "once upon a time there was"]
+    options = dict(kv_codec="turboquant", kv_bits=3, max_tokens=6)
+    batch = mlx_loom.batch_generate(model, tok, prompts, **options)
+    for prompt, result in zip(prompts, batch, strict=True):
+        alone = [r.token for r in mlx_loom.stream_generate(model, tok, prompt, **options)]
+        # The stream also yields an EOS token, which a batch result leaves out.
+        assert result.tokens and result.tokens == alone[: len(result.tokens)]
+        assert len(alone) - len(result.tokens) in (0, 1)
