@@ -179,6 +179,56 @@ def decode_speeds(model, prompt: list[int], n: int, repeats: int) -> dict[str, f
     return best
 
 
+#: A wider random Llama for decode speed at a long context, where attention over
+#: the stored keys/values (not per-step overhead) is what a codec changes.
+WIDE = {
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 4,
+    "max_position_embeddings": 8192,
+}
+
+
+def speed_row(args) -> list[Result]:
+    claim = mlx_loom.default_host().registry.model_types["llama"]
+    cfg = {**claim.tiny_config, **WIDE}
+    path = CACHE_DIR / "kvq-llama-wide"
+    if not (path / "config.json").is_file():
+        write_checkpoint(path, cfg, claim.checkpoint_tensors(cfg))
+    model, _ = mlx_loom.load(path)
+    vocab = model.vocab_size or 256
+    prompt = mx.random.randint(4, vocab, (args.wide_prompt,), key=mx.random.key(3)).tolist()
+    speeds = decode_speeds(model, prompt, 32, max(1, args.speed_repeats // 2))
+    out = []
+    for label, codec, bits in CODECS:
+        caches = model.make_cache()
+        model(mx.array(prompt, mx.uint32)[None], caches)
+        if bits is not None:
+            maybe_quantize_kv_cache(
+                caches, kv_bits=bits, kv_group_size=GROUP, quantized_kv_start=0, kv_codec=codec
+            )
+        per_token = _state_bytes(caches)
+        nan = float("nan")
+        out.append(
+            Result(
+                f"llama-wide@{len(prompt)}",
+                label,
+                "mlx-loom",
+                0,
+                per_token,
+                nan,
+                nan,
+                nan,
+                nan,
+                speeds[label],
+            )
+        )
+        print(_line(out[-1]), flush=True)
+    return out
+
+
 def run_row(name: str, path: Path, ids: list[int], args) -> list[Result]:
     model, _ = mlx_loom.load(path)
     context = model.context_length or 256
@@ -219,12 +269,15 @@ def _line(r: Result) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="tiny,random-llama,random-qwen3_next,random-gemma4_text")
+    parser.add_argument(
+        "--rows", default="tiny,random-llama,random-qwen3_next,random-gemma4_text,llama-wide"
+    )
     parser.add_argument("--tokens", type=int, default=2304, help="held-out tokens (default 2304)")
     parser.add_argument("--segment", type=int, default=256, help="tokens per scored segment")
     parser.add_argument("--prefill", type=int, default=16, help="plain prefill per segment")
     parser.add_argument("--speed-prompt", type=int, default=180)
     parser.add_argument("--speed-repeats", type=int, default=5)
+    parser.add_argument("--wide-prompt", type=int, default=2048, help="llama-wide context")
     parser.add_argument("--seed", type=int, default=20261201, help="corpus seed (held out)")
     parser.add_argument("--no-mlx-lm", dest="mlx_lm", action="store_false")
     parser.add_argument("--json", type=Path)
@@ -236,6 +289,9 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     results: list[Result] = []
     for name in args.rows.split(","):
+        if name == "llama-wide":
+            results += speed_row(args)
+            continue
         if name == "tiny":
             model, tok = mlx_loom.load(mlx_loom.BUNDLED_MODEL)
             ids = held_out_tokens(tok, args.tokens, args.seed)
