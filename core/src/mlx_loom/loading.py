@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .cpu.path import apply_cpu_path
 from .kernels import Backend
 from .model import Model
 from .plugins import POLICY_ENV, PluginHost, PluginPolicy
@@ -45,13 +46,21 @@ def resolve_model(
     host: PluginHost | None = None,
     registry: Registry | None = None,
     kernel_backend: Backend | None = None,
+    compute_dtype: str | None = None,
+    cpu_kernels: str | None = None,
 ) -> Resolved:
     """Resolve without loading weights (what ``loom explain`` shows)."""
     host = host if host is not None else make_host(policy)
     registry = registry if registry is not None else host.registry
     if kernel_backend is not None:
         registry = registry.with_(kernel_backend=kernel_backend)
-    return resolve(model_ref, host=host, registry=registry)
+    return resolve(
+        model_ref,
+        host=host,
+        registry=registry,
+        compute_dtype=compute_dtype,
+        cpu_kernels=cpu_kernels,
+    )
 
 
 def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
@@ -66,6 +75,7 @@ def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
         kernels={name: kernel.fn for name, kernel in binding.kernels.items()},
     )
     module = binding.implementation.factory(context)
+    apply_cpu_path(module, resolved.summary.cpu)
     if not lazy:
         mx.eval(module.parameters())
     module.eval()
@@ -75,6 +85,7 @@ def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
         config=resolved.config,
         model_dir=resolved.model_dir,
         profile_reason=resolved.summary.profile_reason,
+        cpu_path=resolved.summary.cpu,
     )
 
 
@@ -85,6 +96,8 @@ def load(
     host: PluginHost | None = None,
     registry: Registry | None = None,
     kernel_backend: Backend | None = None,
+    compute_dtype: str | None = None,
+    cpu_kernels: str | None = None,
     lazy: bool = False,
 ) -> tuple[Model, Tokenizer]:
     """Load a model and its tokenizer, shaped like ``mlx_lm.load``.
@@ -92,10 +105,19 @@ def load(
     ``policy`` restricts which plugins may serve it; ``host``/``registry`` let
     an embedding application supply its own composition; ``kernel_backend``
     pins the backend kernels resolve on (a refusal, never a substitute, if it
-    cannot run here).
+    cannot run here). ``compute_dtype`` (``"checkpoint"``, ``"float32"``,
+    ``"bfloat16"``, ``"float16"``) and ``cpu_kernels`` (``"cpu-native"``,
+    ``"cpu-ops"``) choose the CPU compute path; the defaults and their
+    reasons are in :mod:`mlx_loom.cpu`.
     """
     resolved = resolve_model(
-        model_ref, policy=policy, host=host, registry=registry, kernel_backend=kernel_backend
+        model_ref,
+        policy=policy,
+        host=host,
+        registry=registry,
+        kernel_backend=kernel_backend,
+        compute_dtype=compute_dtype,
+        cpu_kernels=cpu_kernels,
     )
     model = build_model(resolved, lazy=lazy)
     tokenizer = Tokenizer.from_dir(resolved.model_dir, config_eos=resolved.config.eos_token_id)

@@ -14,7 +14,9 @@ its cause:
 5. the profile is chosen (exact artifact beats family) and re-validated
    against the config;
 6. the registry selects exactly one implementation and resolves each kernel
-   it needs for this device (or the host's pinned backend).
+   it needs for this device (or the host's pinned backend);
+7. the compute dtype and, on the CPU, the kernel set for the model's matrix
+   products are chosen (:mod:`mlx_loom.cpu`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .artifacts import (
     resolve_model_ref,
     validate_family_config,
 )
+from .cpu.path import CpuPath, resolve_cpu_path
 from .errors import PluginUnavailable, UnknownModelType
 from .plugins import PluginHost, PluginRecord
 from .profiles import resolve_profile, validate_against_config
@@ -77,6 +80,7 @@ class Resolution(BaseModel):
     backend: str
     kernels: tuple[KernelChoice, ...]
     capabilities: tuple[str, ...]
+    cpu: CpuPath
     config_fingerprint: str
     artifact_fingerprint: str
 
@@ -94,9 +98,19 @@ class Resolved:
 
 
 def resolve(
-    model_ref: str | Path, *, host: PluginHost, registry: Registry | None = None
+    model_ref: str | Path,
+    *,
+    host: PluginHost,
+    registry: Registry | None = None,
+    compute_dtype: str | None = None,
+    cpu_kernels: str | None = None,
 ) -> Resolved:
-    """Resolve ``model_ref`` against the host's (or the given composed) registry."""
+    """Resolve ``model_ref`` against the host's (or the given composed) registry.
+
+    ``compute_dtype`` and ``cpu_kernels`` are this run's requests for the CPU
+    compute path (:mod:`mlx_loom.cpu`); the host's pins win, and a request
+    that contradicts one is refused.
+    """
     registry = registry if registry is not None else host.registry
     model_dir = resolve_model_ref(model_ref)
     config = read_config(model_dir)
@@ -122,6 +136,13 @@ def resolve(
     )
     validate_against_config(choice.profile, name, registry.graph_model_types())
     binding = registry.select(name, choice.profile)
+    cpu = resolve_cpu_path(
+        binding.backend,
+        compute_dtype=compute_dtype,
+        cpu_kernels=cpu_kernels,
+        host_compute_dtype=registry.compute_dtype,
+        host_cpu_kernels=registry.cpu_kernels,
+    )
     impl = binding.implementation
     summary = Resolution(
         model_ref=str(model_ref),
@@ -142,6 +163,7 @@ def resolve(
             for k, kern in binding.kernels.items()
         ),
         capabilities=tuple(sorted(impl.capabilities & choice.profile.capabilities)),
+        cpu=cpu,
         config_fingerprint=config_fp,
         artifact_fingerprint=artifact_fp,
     )

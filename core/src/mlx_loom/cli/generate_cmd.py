@@ -19,6 +19,20 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kernel-backend", choices=["metal", "cuda", "cpu"], help="pin the kernel backend"
     )
+    add_cpu_path_options(parser)
+
+
+def add_cpu_path_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compute-dtype",
+        choices=["checkpoint", "float32", "bfloat16", "float16"],
+        help="dtype activations run in (default on the CPU: float32; elsewhere: checkpoint)",
+    )
+    parser.add_argument(
+        "--cpu-kernels",
+        choices=["cpu-native", "cpu-ops"],
+        help="kernel set for the matrix products on the CPU (default: cpu-native where it runs)",
+    )
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +76,12 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def load_from_args(args: argparse.Namespace):
     model_ref = args.model or default_model_path()
-    return load(model_ref, kernel_backend=args.kernel_backend)
+    return load(
+        model_ref,
+        kernel_backend=args.kernel_backend,
+        compute_dtype=args.compute_dtype,
+        cpu_kernels=args.cpu_kernels,
+    )
 
 
 def print_stats(last, out=None) -> None:
@@ -123,7 +142,12 @@ def run(args: argparse.Namespace) -> int:
         ids = prompt
     options = sampling_kwargs(args)
     if args.draft_model:
-        options["draft_model"], _ = load(args.draft_model, kernel_backend=args.kernel_backend)
+        options["draft_model"], _ = load(
+            args.draft_model,
+            kernel_backend=args.kernel_backend,
+            compute_dtype=args.compute_dtype,
+            cpu_kernels=args.cpu_kernels,
+        )
         options["num_draft_tokens"] = args.num_draft_tokens
     last = None
     for last in stream_generate(model, tokenizer, ids, **options):
