@@ -29,7 +29,8 @@ def test_expert_kernel_is_registered_for_cpu_and_metal():
 def _core_forward(path, prompt):
     from mlx_loom.loading import build_model, resolve_model
 
-    resolved = resolve_model(path)
+    # MLX operations in the checkpoint's dtype: the plugin's own arithmetic, bit for bit.
+    resolved = resolve_model(path, compute_dtype="checkpoint", cpu_kernels="cpu-ops")
     assert resolved.summary.implementation == plugin.IMPLEMENTATION_ID
     model = build_model(resolved)
     return model(prompt, cache=model.make_cache())

@@ -65,8 +65,15 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
     compute_dtype: mx.Dtype | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        out = super().__call__(x)
-        return out if self.compute_dtype is None else out.astype(self.compute_dtype)
+        # Dequantize the looked-up rows in the compute dtype (not in the
+        # scales' stored dtype, then converted): the rows equal those of a
+        # model whose scales were converted at load, bit for bit.
+        scales, biases = self["scales"][x], self["biases"][x]
+        if self.compute_dtype is not None:
+            scales, biases = scales.astype(self.compute_dtype), biases.astype(self.compute_dtype)
+        return mx.dequantize(
+            self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits
+        )
 
     def as_linear(self, x: mx.array) -> mx.array:
         return native.module().affine_matmul(
