@@ -111,7 +111,7 @@ CPU_KERNEL_SETS: dict[str, KernelSet] = {
                 provider=CORE,
             ),
         ),
-        native.unavailable_reason,
+        lambda: native.unavailable_reason(),
     ),
 }
 
