@@ -7,6 +7,7 @@ import json
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 
 import mlx_loom
 from mlx_loom.cli.main import main
@@ -134,10 +135,12 @@ def test_ops_float32_converts_every_floating_parameter():
 
 def test_checkpoint_on_ops_changes_nothing():
     model = Tiny()
-    before = {k: v.dtype for k, v in model.parameters().items() if isinstance(v, mx.array)}
-    apply_cpu_path(model, resolve_cpu_path("cpu", compute_dtype="checkpoint", cpu_kernels="cpu-ops"))
+    before = {k: v.dtype for k, v in tree_flatten(model.parameters())}
+    path = resolve_cpu_path("cpu", compute_dtype="checkpoint", cpu_kernels="cpu-ops")
+    apply_cpu_path(model, path)
     assert type(model.proj) is nn.Linear
-    assert {k: v.dtype for k, v in model.parameters().items() if isinstance(v, mx.array)} == before
+    assert {k: v.dtype for k, v in tree_flatten(model.parameters())} == before
+    assert before["proj.weight"] == mx.bfloat16
 
 
 def test_subclasses_of_the_matrix_layers_are_left_alone():
