@@ -33,5 +33,5 @@ CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL="${JOBS:-2}" \
 # transformers (for the tokenizer), and the vendored gguf package.
 "$VENV/bin/pip" install -q "torch==2.13.0" numpy safetensors transformers sentencepiece
 "$VENV/bin/pip" install -q "$LLAMA_SRC/vendor/llama.cpp/gguf-py"
-ln -sfn "$LLAMA_SRC/vendor/llama.cpp/convert_hf_to_gguf.py" "$VENV/convert_hf_to_gguf.py"
+echo "$LLAMA_SRC/vendor/llama.cpp" > "$VENV/llama_cpp_source"
 echo "llama.cpp benchmark venv ready: $VENV"
