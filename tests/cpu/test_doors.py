@@ -9,7 +9,8 @@ import urllib.request
 import pytest
 
 import mlx_loom
-from mlx_loom.cli import generate_cmd, serve_cmd
+import mlx_loom.loading
+import mlx_loom.serve
 from mlx_loom.cli.main import main
 from mlx_loom.serve import make_server
 from mlx_loom.testing.checkpoints import write_checkpoint
@@ -35,7 +36,7 @@ def loaded(monkeypatch):
         models.append(model)
         return model, tokenizer
 
-    monkeypatch.setattr(generate_cmd, "load", recording_load)
+    monkeypatch.setattr(mlx_loom.loading, "load", recording_load)
     return models
 
 
@@ -93,7 +94,7 @@ def test_loom_serve_loads_the_path_it_is_given(family_checkpoint, monkeypatch, c
         def stop(self):
             pass
 
-    monkeypatch.setattr(serve_cmd, "make_server", Stopped)
+    monkeypatch.setattr(mlx_loom.serve, "make_server", Stopped)
     argv = ["serve", "--model", str(family_checkpoint), "--port", "0"]
     assert main(argv + flags("bfloat16", "cpu-ops")) == 0, capsys.readouterr().err
     assert (served[0].cpu_path.compute_dtype, served[0].cpu_path.kernel_set) == (

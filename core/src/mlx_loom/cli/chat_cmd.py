@@ -6,7 +6,6 @@ import argparse
 import sys
 
 from ..errors import RequestError, TokenizerError
-from ..generate import PromptCache, stream_generate
 from .generate_cmd import (
     add_model_options,
     add_sampling_options,
@@ -33,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..generate import PromptCache, stream_generate
+
     model, tokenizer = load_from_args(args)
     if not tokenizer.has_chat_template:
         raise TokenizerError(

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..loading import resolve_model
-from ..plugins import PluginHost
 from .generate_cmd import add_cpu_path_options
 
 
@@ -28,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..loading import resolve_model
+    from ..plugins import PluginHost
+
     resolved = resolve_model(
         args.model,
         host=PluginHost(),

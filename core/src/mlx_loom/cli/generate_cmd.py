@@ -7,8 +7,9 @@ import sys
 from typing import Any
 
 from ..assets import default_model_path
-from ..generate import stream_generate
-from ..loading import load
+
+# Heavy modules (MLX, the generation loop, the loader) are imported inside the
+# handlers, so that building the parser — `loom --help` — stays cheap.
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +76,8 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load_from_args(args: argparse.Namespace):
+    from ..loading import load
+
     model_ref = args.model or default_model_path()
     return load(
         model_ref,
@@ -124,6 +127,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..generate import stream_generate
+    from ..loading import load
+
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer = load_from_args(args)
     if args.verbose:

@@ -12,8 +12,6 @@ import argparse
 import json
 import sys
 
-from ..plugins import PluginHost
-
 EXIT_OK, EXIT_FAILED, EXIT_UNAVAILABLE = 0, 1, 3
 
 
@@ -32,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..plugins import PluginHost
     from ..testing.conformance import run_conformance
 
     # Respect the host policy: a plugin this environment blocks is reported as

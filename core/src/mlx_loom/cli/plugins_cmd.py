@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
-from ..plugins import PluginHost, PluginRecord
+if TYPE_CHECKING:  # the plugin host is imported by the handler, not by `loom --help`
+    from ..plugins import PluginRecord
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..plugins import PluginHost
+
     host = PluginHost()
     if args.json:
         payload = {

@@ -7,8 +7,11 @@ import logging
 import sys
 
 from ..assets import BUNDLED_MODEL
-from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from .generate_cmd import add_model_options, load_from_args
+
+#: mlx_loom.serve.DEFAULT_MAX_TOKENS_LIMIT, restated so that building the
+#: parser does not import the server (a test keeps the two equal).
+DEFAULT_MAX_TOKENS_LIMIT = 4096
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO if args.log_requests else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",
     )
+    from ..serve import make_server
+
     model, tokenizer = load_from_args(args)
     server = make_server(
         model,
