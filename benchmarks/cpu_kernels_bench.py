@@ -32,6 +32,24 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(samples) * 1e3
 
 
+def cases(nat, x, w32, w16, packed) -> dict:
+    """name -> (native call, MLX call, the weight arrays read)."""
+    out = {
+        "bf16": (lambda: nat.dense_matmul(x, w16), lambda: x @ w16.astype(mx.float32).T, [w16]),
+        "fp32": (lambda: nat.dense_matmul(x, w32), lambda: x @ w32.T, [w32]),
+    }
+    for bits, (wq, s, b) in packed.items():
+        s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
+        out[f"q{bits}"] = (
+            lambda wq=wq, s=s, b=b, bits=bits: nat.affine_matmul(x, wq, s, b, bits, 64),
+            lambda wq=wq, s32=s32, b32=b32, bits=bits: mx.quantized_matmul(
+                x, wq, s32, b32, group_size=64, bits=bits
+            ),
+            [wq, s, b],
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,8,64,512")
@@ -49,23 +67,10 @@ def main() -> None:
     print(f"{'M':>5} {'weights':>8} {'native':>9} {'mlx':>9} {'speed-up':>9} {'native GB/s':>12}")
     for M in map(int, args.rows.split(",")):
         x = mx.random.normal((M, K), key=mx.random.key(M))
-        cases = {
-            "bf16": (lambda: nat.dense_matmul(x, w16), lambda: x @ w16.astype(mx.float32).T, w16),
-            "fp32": (lambda: nat.dense_matmul(x, w32), lambda: x @ w32.T, w32),
-        }
-        for bits, (wq, s, b) in packed.items():
-            s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
-            cases[f"q{bits}"] = (
-                lambda wq=wq, s=s, b=b, bits=bits: nat.affine_matmul(x, wq, s, b, bits, 64),
-                lambda wq=wq, s32=s32, b32=b32, bits=bits: mx.quantized_matmul(
-                    x, wq, s32, b32, group_size=64, bits=bits
-                ),
-                (wq, s, b),
-            )
-        for name, (ours, theirs, weights) in cases.items():
+        for name, (ours, theirs, weights) in cases(nat, x, w32, w16, packed).items():
             repeats = args.repeats if M <= 64 else max(3, args.repeats // 3)
             t_ours, t_theirs = timed(ours, repeats), timed(theirs, repeats)
-            nbytes = sum(a.nbytes for a in weights) if isinstance(weights, tuple) else weights.nbytes
+            nbytes = sum(a.nbytes for a in weights)
             print(
                 f"{M:>5} {name:>8} {t_ours:>9.3f} {t_theirs:>9.3f} {t_theirs / t_ours:>8.1f}x "
                 f"{nbytes / t_ours / 1e6:>12.1f}"
