@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten
 
 import mlx_loom
 from mlx_loom.cli.main import main
-from mlx_loom.cpu import CPU_KERNEL_SETS, apply_cpu_path, native, resolve_cpu_path
+from mlx_loom.cpu import apply_cpu_path, cpu_kernel_sets, native, resolve_cpu_path
 from mlx_loom.cpu.layers import NativeEmbedding, NativeLinear, NativeQuantizedLinear
 from mlx_loom.errors import KernelUnavailable, RequestError
 from mlx_loom.testing.checkpoints import write_checkpoint
@@ -90,8 +90,8 @@ def test_without_avx2_asking_for_the_native_set_is_refused_with_a_fix(no_avx2):
 
 
 def test_both_kernel_sets_are_registered_by_the_core():
-    assert set(CPU_KERNEL_SETS) == {"cpu-ops", "cpu-native"}
-    for kernel_set in CPU_KERNEL_SETS.values():
+    assert set(cpu_kernel_sets()) == {"cpu-ops", "cpu-native"}
+    for kernel_set in cpu_kernel_sets().values():
         (kernel,) = kernel_set.kernels
         assert (kernel.name, kernel.backend) == ("matmul", "cpu")
         assert kernel.provider is not None and "core" in kernel.provider.plugin

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 import mlx_loom
-import mlx_loom.loading
+import mlx_loom.host
 import mlx_loom.serve
 from mlx_loom.cli.main import main
 from mlx_loom.serve import make_server
@@ -30,13 +30,14 @@ def family_checkpoint(request, tmp_path_factory):
 def loaded(monkeypatch):
     """The models the CLI loads, recorded."""
     models = []
+    real_load = mlx_loom.host.load
 
     def recording_load(*args, **kwargs):
-        model, tokenizer = mlx_loom.load(*args, **kwargs)
+        model, tokenizer = real_load(*args, **kwargs)
         models.append(model)
         return model, tokenizer
 
-    monkeypatch.setattr(mlx_loom.loading, "load", recording_load)
+    monkeypatch.setattr(mlx_loom.host, "load", recording_load)
     return models
 
 

@@ -28,7 +28,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_loom.loading import build_model, default_host, resolve_model
+from mlx_loom.host import build_model, default_host, resolve_model
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 FAMILIES = ["llama", "qwen3_next", "gemma4_text"]

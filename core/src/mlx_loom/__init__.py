@@ -1,19 +1,20 @@
 """mlx-loom: LLM inference on MLX with model families as separately installed plugins.
 
-The public API::
+The user API::
 
     import mlx_loom
     model, tokenizer = mlx_loom.load("path/or/org-repo")
     print(mlx_loom.generate(model, tokenizer, "Hello", max_tokens=64))
 
-Plugin authors import from :mod:`mlx_loom.hookspecs` (``hookimpl``),
-:mod:`mlx_loom.registry`, :mod:`mlx_loom.profiles`, :mod:`mlx_loom.kernels`
-and :mod:`mlx_loom.cache`.
+An application that embeds the engine and chooses its composition uses
+:class:`PluginHost`, :class:`PluginPolicy` and :class:`Registry` (more in
+:mod:`mlx_loom.host`). Family authors import from :mod:`mlx_loom.plugin`.
+Every error is in :mod:`mlx_loom.errors`.
 
 The names below are imported on first use (PEP 562): importing the package,
-or any light submodule such as the CLI's argument parser, does not pull in
+or a light submodule such as the CLI's argument parser, does not pull in
 MLX, pydantic models, the tokenizer or the Hub client until something needs
-them. ``loom --help`` stays a fraction of a second that way.
+them, so ``loom --help`` stays a fraction of a second.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+from . import errors
 from .errors import LoomError, Refusal
 
 #: public name -> the submodule that defines it
@@ -34,21 +36,17 @@ _LAZY = {
     "batch_generate": "generate",
     "generate": "generate",
     "stream_generate": "generate",
-    "Kernel": "kernels",
-    "default_host": "loading",
-    "load": "loading",
-    "resolve_model": "loading",
+    "PluginHost": "host",
+    "PluginPolicy": "host",
+    "Registry": "host",
+    "default_host": "host",
+    "load": "host",
+    "resolve_model": "host",
     "Model": "model",
-    "PluginHost": "plugins",
-    "PluginPolicy": "plugins",
-    "Execution": "profiles",
-    "Profile": "profiles",
-    "Implementation": "registry",
-    "ModelType": "registry",
-    "Registry": "registry",
+    "Tokenizer": "text",
 }
 
-__all__ = ["LoomError", "Refusal", "__version__", *sorted(_LAZY)]
+__all__ = ["LoomError", "Refusal", "__version__", "errors", *sorted(_LAZY)]
 
 
 def __getattr__(name: str) -> Any:
@@ -88,7 +86,6 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
-
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from .generate import (  # noqa: F401
         BatchResult,
@@ -99,9 +96,13 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         generate,
         stream_generate,
     )
-    from .kernels import Kernel  # noqa: F401
-    from .loading import default_host, load, resolve_model  # noqa: F401
+    from .host import (  # noqa: F401
+        PluginHost,
+        PluginPolicy,
+        Registry,
+        default_host,
+        load,
+        resolve_model,
+    )
     from .model import Model  # noqa: F401
-    from .plugins import PluginHost, PluginPolicy  # noqa: F401
-    from .profiles import Execution, Profile  # noqa: F401
-    from .registry import Implementation, ModelType, Registry  # noqa: F401
+    from .text import Tokenizer  # noqa: F401

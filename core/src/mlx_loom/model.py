@@ -20,8 +20,7 @@ if TYPE_CHECKING:
 
     from .artifacts import ArtifactConfig
     from .cpu.path import CpuPath
-    from .profiles import Profile
-    from .registry import Binding, Implementation
+    from .host import Binding, Implementation, Profile
 
 
 @runtime_checkable

@@ -26,8 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading import resolve_model
-    from ..plugins import PluginHost
+    from ..host import PluginHost, resolve_model
 
     resolved = resolve_model(
         args.model,

@@ -76,7 +76,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load_from_args(args: argparse.Namespace):
-    from ..loading import load
+    from ..host import load
 
     model_ref = args.model or default_model_path()
     return load(
@@ -128,7 +128,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..generate import stream_generate
-    from ..loading import load
+    from ..host import load
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer = load_from_args(args)

@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..plugins import PluginHost
+    from ..host import PluginHost
     from ..testing.conformance import run_conformance
 
     # Respect the host policy: a plugin this environment blocks is reported as

@@ -13,7 +13,7 @@ import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the plugin host is imported by the handler, not by `loom --help`
-    from ..plugins import PluginRecord
+    from ..host import PluginRecord
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..plugins import PluginHost
+    from ..host import PluginHost
 
     host = PluginHost()
     if args.json:

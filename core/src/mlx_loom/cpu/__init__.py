@@ -7,7 +7,6 @@ matrix products; :mod:`mlx_loom.cpu.native` for the compiled extension.
 
 from .path import (
     COMPUTE_DTYPES,
-    CPU_KERNEL_SETS,
     DEFAULT_CPU_COMPUTE_DTYPE,
     KERNEL_SETS,
     ComputeDtype,
@@ -15,12 +14,12 @@ from .path import (
     KernelSet,
     KernelSetName,
     apply_cpu_path,
+    cpu_kernel_sets,
     resolve_cpu_path,
 )
 
 __all__ = [
     "COMPUTE_DTYPES",
-    "CPU_KERNEL_SETS",
     "DEFAULT_CPU_COMPUTE_DTYPE",
     "KERNEL_SETS",
     "ComputeDtype",
@@ -28,5 +27,6 @@ __all__ = [
     "KernelSet",
     "KernelSetName",
     "apply_cpu_path",
+    "cpu_kernel_sets",
     "resolve_cpu_path",
 ]

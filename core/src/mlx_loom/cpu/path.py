@@ -38,17 +38,20 @@ then only ask for the pinned value.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import mlx.core as mx
 import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import KernelUnavailable, RequestError
-from ..kernels import Kernel, Provider
 from . import layers, native
+
+if TYPE_CHECKING:
+    from ..host import Kernel
 
 ComputeDtype = Literal["checkpoint", "float32", "bfloat16", "float16"]
 KernelSetName = Literal["cpu-ops", "cpu-native"]
@@ -57,7 +60,6 @@ KERNEL_SETS: tuple[str, ...] = get_args(KernelSetName)
 DEFAULT_CPU_COMPUTE_DTYPE: ComputeDtype = "float32"
 
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-CORE = Provider("mlx-loom (core)")
 
 
 def _ops_dense(x: mx.array, w: mx.array, bias: mx.array | None = None) -> mx.array:
@@ -83,37 +85,48 @@ class KernelSet:
     unavailable: Callable[[], str | None]
 
 
-CPU_KERNEL_SETS: dict[str, KernelSet] = {
-    "cpu-ops": KernelSet(
-        "cpu-ops",
-        "MLX operations (matmul, quantized_matmul): the reference arithmetic",
-        (
-            Kernel(
-                "matmul",
-                "cpu",
-                _ops_dense,
-                description="x @ W.T and mx.quantized_matmul as the family's MLX layers run them",
-                provider=CORE,
+@functools.cache
+def cpu_kernel_sets() -> dict[str, KernelSet]:
+    """The kernel sets the core registers for the CPU backend, by name.
+
+    Built on first use: the host imports this module, so the host's
+    ``Kernel`` record is imported here only when the table is needed.
+    """
+    from ..host import Kernel, Provider
+
+    core = Provider("mlx-loom (core)")
+    return {
+        "cpu-ops": KernelSet(
+            "cpu-ops",
+            "MLX operations (matmul, quantized_matmul): the reference arithmetic",
+            (
+                Kernel(
+                    "matmul",
+                    "cpu",
+                    _ops_dense,
+                    description="x @ W.T and mx.quantized_matmul as the family's MLX layers "
+                    "run them",
+                    provider=core,
+                ),
             ),
+            lambda: None,
         ),
-        lambda: None,
-    ),
-    "cpu-native": KernelSet(
-        "cpu-native",
-        "compiled AVX2/FMA kernels: multithreaded matrix-vector and blocked GEMM products "
-        "for fp32/bf16/fp16 and affine 2-8 bit weights, fp32 accumulation",
-        (
-            Kernel(
-                "matmul",
-                "cpu",
-                _native_dense,
-                description="mlx_loom.cpu._native dense_matmul / affine_matmul",
-                provider=CORE,
+        "cpu-native": KernelSet(
+            "cpu-native",
+            "compiled AVX2/FMA kernels: multithreaded matrix-vector and blocked GEMM products "
+            "for fp32/bf16/fp16 and affine 2-8 bit weights, fp32 accumulation",
+            (
+                Kernel(
+                    "matmul",
+                    "cpu",
+                    _native_dense,
+                    description="mlx_loom.cpu._native dense_matmul / affine_matmul",
+                    provider=core,
+                ),
             ),
+            lambda: native.unavailable_reason(),
         ),
-        lambda: native.unavailable_reason(),
-    ),
-}
+    }
 
 
 class CpuPath(BaseModel):
@@ -214,7 +227,8 @@ def resolve_cpu_path(
             kernel_set=None,
             kernel_set_reason=f"the {backend} backend runs the family's own kernels",
         )
-    native_missing = CPU_KERNEL_SETS["cpu-native"].unavailable()
+    sets = cpu_kernel_sets()
+    native_missing = sets["cpu-native"].unavailable()
     default_set, default_reason = (
         ("cpu-native", "the CPU default: the native kernels run here")
         if native_missing is None
@@ -223,7 +237,7 @@ def resolve_cpu_path(
     kernel_set, kernel_reason = _pick(
         "CPU kernel set", cpu_kernels, host_cpu_kernels, default_set, default_reason
     )
-    missing = CPU_KERNEL_SETS[kernel_set].unavailable()
+    missing = sets[kernel_set].unavailable()
     if missing is not None:
         raise KernelUnavailable(
             f"CPU kernel set {kernel_set!r} ({kernel_reason}) cannot run here: {missing}.",
