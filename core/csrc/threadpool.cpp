@@ -18,7 +18,17 @@ namespace {
 // How long an idle worker spins before it sleeps. Long enough to bridge the
 // gap between two products of one decode step, short enough not to hold a
 // core that other processes want.
-constexpr auto kSpin = std::chrono::microseconds(300);
+constexpr auto kSpin = std::chrono::microseconds(200);
+
+// When the caller, done with its share, then waits for the workers longer
+// than its share took (a worker was preempted: more runnable threads than
+// cores), the next regions run on the caller alone: 256 at first, doubling
+// up to 8192 while workers keep being late, back to 256 once a region goes
+// well. On a machine shared with busy processes this keeps one late worker
+// from costing every product a time slice; on an idle one it never triggers.
+constexpr int kSoloFirst = 256;
+constexpr int kSoloMost = 8192;
+constexpr auto kSlack = std::chrono::microseconds(50);
 
 int configured_threads() {
   if (const char* env = std::getenv("MLX_LOOM_CPU_THREADS")) {
@@ -70,7 +80,11 @@ class Pool {
     if (tasks <= 0) {
       return;
     }
-    if (threads_ == 1 || tasks == 1 || static_cast<unsigned long long>(tasks) > kTaskMask) {
+    if (threads_ == 1 || tasks == 1 || static_cast<unsigned long long>(tasks) > kTaskMask ||
+        solo_.load(std::memory_order_relaxed) > 0) {
+      if (threads_ > 1 && tasks > 1) {
+        solo_.fetch_sub(1, std::memory_order_relaxed);
+      }
       for (int t = 0; t < tasks; ++t) {
         fn(t);
       }
@@ -90,9 +104,23 @@ class Pool {
     if (sleepers_.load(std::memory_order_acquire) > 0) {
       wake_.notify_all();
     }
+    const auto begin = std::chrono::steady_clock::now();
     work(gen);
+    const auto done = std::chrono::steady_clock::now();
+    int spins = 0;
     while (pending_.load(std::memory_order_acquire) > 0) {
-      cpu_relax();
+      // Spin briefly, then yield the core: a preempted worker may need it.
+      if (++spins < 256) {
+        cpu_relax();
+      } else {
+        sched_yield();
+      }
+    }
+    if (std::chrono::steady_clock::now() - done > (done - begin) + kSlack) {
+      solo_.store(backoff_, std::memory_order_relaxed);
+      backoff_ = std::min(backoff_ * 2, kSoloMost);
+    } else {
+      backoff_ = kSoloFirst;
     }
     if (error_) {
       std::exception_ptr e = error_;
@@ -165,6 +193,8 @@ class Pool {
   std::atomic<unsigned long long> ticket_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<int> pending_{0};
+  std::atomic<int> solo_{0};
+  int backoff_ = kSoloFirst;  // guarded by region_mutex_
   std::atomic<const std::function<void(int)>*> fn_{nullptr};
 };
 
