@@ -141,11 +141,12 @@ def test_small_batch_rows_equal_the_same_rows_alone(kind):
 
 def test_gemm_rows_do_not_depend_on_the_other_rows():
     K, N = 300, 150
-    x = rand((33, K), seed=9)
+    rows = 2 * nat.SMALL_ROWS + 5
+    first = nat.SMALL_ROWS + 1  # the fewest rows that still take the GEMM
+    x = rand((rows, K), seed=9)
     w = rand((N, K), mx.bfloat16)
     wq, s, b = quantized(N, 320, 4, 64)
-    xq = rand((33, 320), seed=10)
-    first = nat.SMALL_ROWS + 1
+    xq = rand((rows, 320), seed=10)
     assert mx.array_equal(nat.dense_matmul(x, w)[:first], nat.dense_matmul(x[:first], w))
     assert mx.array_equal(
         nat.affine_matmul(xq, wq, s, b, 4, 64)[5 : 5 + first],
