@@ -254,11 +254,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", type=float, default=90.0, help="seconds per engine per row")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--engines",
+        choices=["all", "mlx", "llama.cpp"],
+        default="all",
+        help="run only the MLX engines or only llama.cpp (then combine with --table)",
+    )
+    parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of runs")
     args = parser.parse_args(argv)
     faulthandler.enable()
     table = rows()
     if args.list:
         print("\n".join(r.name for r in table))
+        return 0
+    if args.table:
+        print_table([entry for f in args.table for entry in json.loads(Path(f).read_text())])
         return 0
     if args.rows:
         wanted = set(args.rows.split(","))
@@ -274,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
             0, row.config["vocab_size"], (prompt_len,), key=mx.random.key(1)
         ).tolist()
         print(f"{row.name}: prompt {prompt_len}, decode {gen}", flush=True)
-        engines = measure_mlx(path, prompt, gen, args.repeats, args.budget)
-        gguf = gguf_for(path, row.bits, bf16_source(row))
+        engines = []
+        if args.engines in ("all", "mlx"):
+            engines += measure_mlx(path, prompt, gen, args.repeats, args.budget)
+        gguf = gguf_for(path, row.bits, bf16_source(row)) if args.engines != "mlx" else None
         if gguf is not None:
             engines.append(measure_llama_cpp(gguf, prompt, gen, args.repeats))
         limit = bandwidth * 1e9 / decode_bytes(path)
@@ -305,6 +317,9 @@ def print_table(results: list[dict]) -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     base = {r["row"]: r["decode_tps"] for r in results if r["engine"] == "mlx-lm"}
+    order = {name: i for i, name in enumerate([*MLX_ENGINES, "llama.cpp"])}
+    rows_seen = list(dict.fromkeys(r["row"] for r in results))
+    results = sorted(results, key=lambda r: (rows_seen.index(r["row"]), order[r["engine"]]))
     for r in results:
         ratio = r["decode_tps"] / base[r["row"]] if base.get(r["row"]) else float("nan")
         print(
