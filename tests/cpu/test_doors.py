@@ -9,8 +9,7 @@ import urllib.request
 import pytest
 
 import mlx_loom
-import mlx_loom.host
-import mlx_loom.serve
+from mlx_loom.cli import generate_cmd, serve_cmd
 from mlx_loom.cli.main import main
 from mlx_loom.serve import make_server
 from mlx_loom.testing.checkpoints import write_checkpoint
@@ -30,14 +29,14 @@ def family_checkpoint(request, tmp_path_factory):
 def loaded(monkeypatch):
     """The models the CLI loads, recorded."""
     models = []
-    real_load = mlx_loom.host.load
+    real_load = generate_cmd.load
 
     def recording_load(*args, **kwargs):
         model, tokenizer = real_load(*args, **kwargs)
         models.append(model)
         return model, tokenizer
 
-    monkeypatch.setattr(mlx_loom.host, "load", recording_load)
+    monkeypatch.setattr(generate_cmd, "load", recording_load)
     return models
 
 
@@ -95,7 +94,7 @@ def test_loom_serve_loads_the_path_it_is_given(family_checkpoint, monkeypatch, c
         def stop(self):
             pass
 
-    monkeypatch.setattr(mlx_loom.serve, "make_server", Stopped)
+    monkeypatch.setattr(serve_cmd, "make_server", Stopped)
     argv = ["serve", "--model", str(family_checkpoint), "--port", "0"]
     assert main(argv + flags("bfloat16", "cpu-ops")) == 0, capsys.readouterr().err
     assert (served[0].cpu_path.compute_dtype, served[0].cpu_path.kernel_set) == (

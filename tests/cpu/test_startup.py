@@ -1,4 +1,4 @@
-"""Start-up stays cheap: `loom --help` builds its parser without the heavy imports."""
+"""Start-up stays cheap: `loom --help` imports none of the heavy modules."""
 
 from __future__ import annotations
 
@@ -8,16 +8,25 @@ import sys
 HEAVY = ("mlx", "pydantic", "huggingface_hub", "tokenizers", "jinja2", "safetensors")
 
 
-def test_building_the_cli_parser_imports_none_of_the_heavy_modules():
+def test_loom_help_imports_none_of_the_heavy_modules():
     probe = (
-        "import sys\n"
-        "from mlx_loom.cli.main import build_parser\n"
-        "build_parser().format_help()\n"
+        "import contextlib, io, sys\n"
+        "from mlx_loom.cli.main import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
         f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "", f"imported at start-up: {done.stdout.strip()}"
+
+
+def test_the_command_table_matches_each_commands_own_help():
+    from mlx_loom.cli.main import COMMANDS, build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, type(a)) and a.choices)
+    helps = {action.dest: action.help for action in sub._choices_actions}
+    assert helps == {name: help_line for name, (_, help_line) in COMMANDS.items()}
 
 
 def test_the_package_still_exports_its_api_on_first_use():
@@ -28,8 +37,8 @@ def test_the_package_still_exports_its_api_on_first_use():
     assert issubclass(mlx_loom.Refusal, mlx_loom.LoomError)
 
 
-def test_serve_default_limit_restated_for_the_parser_equals_the_servers():
-    from mlx_loom.cli import serve_cmd
-    from mlx_loom.serve import DEFAULT_MAX_TOKENS_LIMIT
+def test_constants_restated_for_the_parser_equal_their_sources():
+    from mlx_loom.cache._buffers import KV_BITS, KV_GROUP_SIZES
+    from mlx_loom.cli import flags
 
-    assert serve_cmd.DEFAULT_MAX_TOKENS_LIMIT == DEFAULT_MAX_TOKENS_LIMIT
+    assert (flags.KV_BITS, flags.KV_GROUP_SIZES) == (KV_BITS, KV_GROUP_SIZES)

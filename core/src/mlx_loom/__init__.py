@@ -3,8 +3,10 @@
 The user API::
 
     import mlx_loom
-    model, tokenizer = mlx_loom.load("path/or/org-repo")
+    model, tokenizer = mlx_loom.load("path/or/org-repo")   # or "tiny", the bundled model
     print(mlx_loom.generate(model, tokenizer, "Hello", max_tokens=64))
+
+``mlx_loom.BUNDLED_MODEL`` is the bundled tiny model's directory.
 
 An application that embeds the engine and chooses its composition uses
 :class:`PluginHost`, :class:`PluginPolicy` and :class:`Registry` (more in
@@ -25,6 +27,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from . import errors
+from .assets import BUNDLED_MODEL
 from .errors import LoomError, Refusal
 
 #: public name -> the submodule that defines it
@@ -46,7 +49,7 @@ _LAZY = {
     "Tokenizer": "text",
 }
 
-__all__ = ["LoomError", "Refusal", "__version__", "errors", *sorted(_LAZY)]
+__all__ = ["BUNDLED_MODEL", "LoomError", "Refusal", "__version__", "errors", *sorted(_LAZY)]
 
 
 def __getattr__(name: str) -> Any:

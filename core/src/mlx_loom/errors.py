@@ -63,6 +63,10 @@ class RequestError(LoomError, ValueError):
     """A generation request has an invalid parameter (empty prompt, bad top-p ...)."""
 
 
+class UsageError(RequestError):
+    """A command-line flag has a value the command cannot use (CLI exit code 2)."""
+
+
 # --- plugins ---------------------------------------------------------------
 
 
@@ -80,6 +84,10 @@ class PluginApiMismatch(PluginError):
 
 class RegistrationError(PluginError):
     """A plugin registered something malformed: an empty id, a duplicate id ..."""
+
+
+class ImplementationFailed(PluginError):
+    """An implementation's factory raised, or returned something that is not a model."""
 
 
 # --- caches ----------------------------------------------------------------

@@ -9,14 +9,21 @@ The path a model takes::
     weights = load_weights(model_dir)                # lazy mx.arrays, headers validated first
     apply_quantization(model, config.quantization, weights)
     model.load_weights(list(weights.items()))
+
+Families do the last four steps through :func:`mlx_loom.nn.load_checkpoint`
+(the strict loader), with ``config.view()`` mapping wrapper layouts.
 """
 
 from mlx_loom.artifacts.config import (
     CONFIG_FILE,
+    TEXT_LAYOUT,
     ArtifactConfig,
+    ConfigView,
+    TextLayout,
     read_config,
     validate_family_config,
 )
+from mlx_loom.artifacts.fields import FieldError
 from mlx_loom.artifacts.fingerprint import artifact_fingerprint, config_fingerprint
 from mlx_loom.artifacts.quantization import (
     SUPPORTED_BITS,
@@ -28,7 +35,9 @@ from mlx_loom.artifacts.quantization import (
 )
 from mlx_loom.artifacts.reference import (
     ALLOW_PATTERNS,
+    SHORT_NAMES,
     hub_cache_dir,
+    hub_command,
     hub_offline,
     parse_repo_ref,
     resolve_model_ref,
@@ -56,19 +65,25 @@ __all__ = [
     "INDEX_FILE",
     "MAX_HEADER_BYTES",
     "SAFETENSORS_DTYPES",
+    "SHORT_NAMES",
     "SUPPORTED_BITS",
     "SUPPORTED_GROUP_SIZES",
+    "TEXT_LAYOUT",
     "ArtifactConfig",
+    "ConfigView",
     "ExpectedTensor",
+    "FieldError",
     "QuantSpec",
     "QuantizationConfig",
     "SafetensorsHeader",
     "TensorInfo",
+    "TextLayout",
     "apply_quantization",
     "artifact_fingerprint",
     "check_weights",
     "config_fingerprint",
     "hub_cache_dir",
+    "hub_command",
     "hub_offline",
     "list_weight_files",
     "load_weights",

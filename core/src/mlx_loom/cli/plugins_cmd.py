@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the plugin host is imported by the handler, not by `loom --help`
-    from ..host import PluginRecord
+from ..advice import install_command
+from ..host import PluginHost, PluginRecord
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,8 +35,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..host import PluginHost
-
     host = PluginHost()
     if args.json:
         payload = {
@@ -49,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not host.records:
         print("No mlx-loom plugins are installed.")
-        print("Install a model family, e.g.: pip install mlx-loom-minicpm5")
+        print(f"Install a model family, e.g.: {install_command('minicpm5', 'mlx-loom-minicpm5')}")
         return 0
     print(f"plugin policy: {host.policy.describe()}")
     for record in host.records:

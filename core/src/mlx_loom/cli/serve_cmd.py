@@ -6,12 +6,10 @@ import argparse
 import logging
 import sys
 
-from ..assets import BUNDLED_MODEL
+from ..assets import BUNDLED_MODEL_NAME
+from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
+from . import flags
 from .generate_cmd import add_model_options, load_from_args
-
-#: mlx_loom.serve.DEFAULT_MAX_TOKENS_LIMIT, restated so that building the
-#: parser does not import the server (a test keeps the two equal).
-DEFAULT_MAX_TOKENS_LIMIT = 4096
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,10 +26,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="127.0.0.1",
         help="address to bind (default: 127.0.0.1, reachable from this machine only)",
     )
-    parser.add_argument("--port", type=int, default=8080, help="default: 8080; 0 picks a free port")
+    parser.add_argument(
+        "--port",
+        type=flags.PORT,
+        default=8080,
+        metavar="PORT",
+        help="default: 8080; 0 picks a free port",
+    )
     parser.add_argument(
         "--max-tokens-limit",
-        type=int,
+        type=flags.MAX_TOKENS_LIMIT,
+        metavar="N",
         default=DEFAULT_MAX_TOKENS_LIMIT,
         help=f"largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_LIMIT})",
     )
@@ -44,15 +49,13 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO if args.log_requests else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",
     )
-    from ..serve import make_server
-
     model, tokenizer = load_from_args(args)
     server = make_server(
         model,
         tokenizer,
         host=args.host,
         port=args.port,
-        model_id=args.model or BUNDLED_MODEL,
+        model_id=args.model or BUNDLED_MODEL_NAME,
         max_tokens_limit=args.max_tokens_limit,
     )
     if not server.loopback_only:
