@@ -58,6 +58,7 @@ def convert(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    import numpy as np
     from llama_cpp import Llama
 
     prompt = [int(t) for t in args.prompt.split(",")]
@@ -71,15 +72,19 @@ def run(args: argparse.Namespace) -> dict:
         logits_all=False,
     )
 
+    def last_argmax() -> int:
+        # Without logits_all llama.cpp keeps the last position's logits only.
+        return int(np.argmax(llm.eval_logits[-1]))
+
     def once(prompt_ids, gen):
         llm.reset()
         start = time.perf_counter()
         llm.eval(prompt_ids)
-        token = int(llm.scores[llm.n_tokens - 1].argmax())
+        token = last_argmax()
         first = time.perf_counter()
         for _ in range(gen - 1):
             llm.eval([token])
-            token = int(llm.scores[llm.n_tokens - 1].argmax())
+            token = last_argmax()
         end = time.perf_counter()
         return len(prompt_ids) / (first - start), (gen - 1) / (end - first)
 
