@@ -261,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run only the MLX engines or only llama.cpp (then combine with --table)",
     )
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of runs")
+    parser.add_argument(
+        "--bandwidth",
+        type=float,
+        help="with --table: GB/s to take as the read-bandwidth limit (default: as measured)",
+    )
     args = parser.parse_args(argv)
     faulthandler.enable()
     table = rows()
@@ -268,7 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(r.name for r in table))
         return 0
     if args.table:
-        print_table([entry for f in args.table for entry in json.loads(Path(f).read_text())])
+        results = [entry for f in args.table for entry in json.loads(Path(f).read_text())]
+        if args.bandwidth:
+            for r in results:
+                limit = args.bandwidth * 1e9 / decode_bytes(CACHE_DIR / r["row"])
+                r["bandwidth_pct"] = 100 * r["decode_tps"] / limit
+        print_table(results)
         return 0
     if args.rows:
         wanted = set(args.rows.split(","))
