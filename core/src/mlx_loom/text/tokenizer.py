@@ -16,7 +16,6 @@ Files read from the model directory:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import tokenizers
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from mlx_loom.bounded_json import read_json_file
 from mlx_loom.errors import TokenizerError
 from mlx_loom.text.chat_template import NO_TEMPLATE_FIX, ChatTemplate
 from mlx_loom.text.detokenizer import DecodePlan, StreamingDetokenizer
@@ -34,6 +34,10 @@ SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
 GENERATION_CONFIG_FILE = "generation_config.json"
+#: ``tokenizer.json`` is parsed by the tokenizers library (whose JSON parser
+#: stops at 128 levels of nesting); we bound its size before it reads it. The
+#: largest published ones are ~35 MB.
+MAX_TOKENIZER_BYTES = 512 * 1024 * 1024
 
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -100,13 +104,11 @@ class TokenizerConfig(BaseModel):
 
 
 def _read_json(path: Path) -> Any:
+    fix = f"restore {path.name} from the original model files"
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(
-            f"{path} could not be read as JSON: {exc}",
-            fix=f"restore {path.name} from the original model files",
-        ) from exc
+        return read_json_file(path, error=TokenizerError, fix=fix)
+    except FileNotFoundError:
+        raise TokenizerError(f"{path} could not be read: it does not exist", fix=fix) from None
 
 
 class Tokenizer:
@@ -343,6 +345,12 @@ def _load_backend(path: Path) -> tokenizers.Tokenizer:
         raise TokenizerError(
             f"{path} is missing{hint}",
             fix=f"copy {TOKENIZER_FILE} from the original model into {path.parent}",
+        )
+    size = path.stat().st_size
+    if size > MAX_TOKENIZER_BYTES:
+        raise TokenizerError(
+            f"{path} is {size} bytes; the limit is {MAX_TOKENIZER_BYTES} bytes",
+            fix=f"restore {TOKENIZER_FILE} from the original model files",
         )
     try:
         return tokenizers.Tokenizer.from_file(str(path))
