@@ -13,6 +13,7 @@ from .generate_cmd import (
     load_from_args,
     print_stats,
     sampling_kwargs,
+    template_budget_from_args,
 )
 
 HELP = "Type a message. Commands: /reset (forget the conversation), /exit (or Ctrl-D)."
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
             fix="Use `loom generate --no-chat-template`, or add chat_template.jinja to the model.",
         )
     options = sampling_kwargs(args)
+    budget = template_budget_from_args(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     cache = PromptCache(model)
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             print("(conversation reset)")
             continue
         messages.append({"role": "user", "content": text})
-        ids = tokenizer.encode_chat(messages)
+        ids = tokenizer.encode_chat(messages, template_budget=budget)
         reply, last = [], None
         try:
             for last in stream_generate(model, tokenizer, ids, prompt_cache=cache, **options):

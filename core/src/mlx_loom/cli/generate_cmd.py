@@ -9,6 +9,7 @@ from typing import Any
 from ..assets import default_model_path
 from ..generate import stream_generate
 from ..loading import load
+from ..text.template_budget import ENV_MAX_OUTPUT, ENV_TIMEOUT, TemplateBudget
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +19,27 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kernel-backend", choices=["metal", "cuda", "cpu"], help="pin the kernel backend"
+    )
+    group = parser.add_argument_group("chat template budget")
+    group.add_argument(
+        "--template-timeout",
+        type=float,
+        metavar="SECONDS",
+        help=f"time one chat-template render may take (default: {ENV_TIMEOUT} or 1)",
+    )
+    group.add_argument(
+        "--template-max-output",
+        type=int,
+        metavar="CHARS",
+        help=f"longest prompt text a chat template may render (default: {ENV_MAX_OUTPUT} or 8Mi)",
+    )
+
+
+def template_budget_from_args(args: argparse.Namespace) -> TemplateBudget:
+    """The chat-template budget: the flags, else the environment, else the defaults."""
+    return TemplateBudget.from_env().replaced(
+        {"timeout_s": args.template_timeout, "max_output_chars": args.template_max_output},
+        names={"timeout_s": "--template-timeout", "max_output_chars": "--template-max-output"},
     )
 
 
@@ -118,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         if args.system:
             messages.append({"role": "system", "content": args.system})
         messages.append({"role": "user", "content": prompt})
-        ids = tokenizer.encode_chat(messages)
+        ids = tokenizer.encode_chat(messages, template_budget=template_budget_from_args(args))
     else:
         ids = prompt
     options = sampling_kwargs(args)

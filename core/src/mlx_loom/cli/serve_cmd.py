@@ -8,7 +8,7 @@ import sys
 
 from ..assets import BUNDLED_MODEL
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
-from .generate_cmd import add_model_options, load_from_args
+from .generate_cmd import add_model_options, load_from_args, template_budget_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         model_id=args.model or BUNDLED_MODEL,
         max_tokens_limit=args.max_tokens_limit,
+        template_budget=template_budget_from_args(args),
     )
     if not server.loopback_only:
         print(

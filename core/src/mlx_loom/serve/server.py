@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 from ..bounded_json import REQUEST_JSON, parse_json
 from ..errors import LoomError, RequestError
+from ..text.template_budget import TemplateBudget
 from .app import ServeApp
 from .errors import NOT_FOUND, SERVER_ERROR, HttpError, ServerStartError, from_loom_error
 from .worker import END, Job, Piece
@@ -373,10 +374,17 @@ def make_server(
     port: int = 8080,
     model_id: str | None = None,
     max_tokens_limit: int | None = None,
+    template_budget: TemplateBudget | None = None,
 ) -> LoomServer:
-    """A server for a loaded ``(model, tokenizer)``, bound but not yet serving."""
-    options = {} if max_tokens_limit is None else {"max_tokens_limit": max_tokens_limit}
-    app = ServeApp(model, tokenizer, model_id=model_id, **options)
+    """A server for a loaded ``(model, tokenizer)``, bound but not yet serving.
+
+    ``template_budget`` bounds every chat-template render (default: the
+    environment's, see :meth:`TemplateBudget.from_env`).
+    """
+    options: dict[str, Any] = (
+        {} if max_tokens_limit is None else {"max_tokens_limit": max_tokens_limit}
+    )
+    app = ServeApp(model, tokenizer, model_id=model_id, template_budget=template_budget, **options)
     try:
         return LoomServer(app, host, port)
     except BaseException:

@@ -27,6 +27,7 @@ from mlx_loom.bounded_json import read_json_file
 from mlx_loom.errors import TokenizerError
 from mlx_loom.text.chat_template import NO_TEMPLATE_FIX, ChatTemplate
 from mlx_loom.text.detokenizer import DecodePlan, StreamingDetokenizer
+from mlx_loom.text.template_budget import TemplateBudget
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -293,13 +294,17 @@ class Tokenizer:
         tools: Sequence[Any] | None = None,
         continue_final_message: bool = False,
         template_name: str | None = None,
+        template_budget: TemplateBudget | None = None,
         **template_kwargs: Any,
     ) -> str:
         """Render a conversation to prompt text.
 
         ``system`` prepends a system message. ``template_kwargs`` are template
         variables (``enable_thinking=False`` ...), and may override the special
-        token strings the template sees.
+        token strings the template sees. The render runs under
+        ``template_budget`` (default: :meth:`TemplateBudget.from_env`, 1 s and
+        8 Mi characters); running out raises
+        :class:`~mlx_loom.errors.TemplateBudgetExceeded`.
         """
         chat = list(messages)
         if system is not None:
@@ -316,6 +321,7 @@ class Tokenizer:
             tools=tools,
             continue_final_message=continue_final_message,
             special_tokens=self.special_tokens,
+            budget=template_budget,
             **template_kwargs,
         )
 
