@@ -154,8 +154,10 @@ def read_json_file(
                     f"{path} is {size} bytes; the limit for this file is {limits.max_bytes} bytes",
                     fix=fix,
                 )
-            cap = None if limits.max_bytes is None else limits.max_bytes + 1
-            data = fh.read(cap) if cap is not None else fh.read()
+            # Read what fstat reported (plus one byte, to notice a file growing
+            # past the limit meanwhile): read(n) allocates n bytes up front.
+            want = size if limits.max_bytes is None else min(size, limits.max_bytes)
+            data = fh.read(want + 1)
     except FileNotFoundError:
         raise
     except OSError as err:
