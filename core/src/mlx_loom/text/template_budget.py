@@ -34,8 +34,8 @@ How it is enforced, in the template's own thread, without a second process:
   computed keys are compiled into calls for this purpose (a code generator
   subclass, jinja's documented hook for changing what templates compile to).
 * **The deadline is checked everywhere control passes**: each loop
-  iteration (loop iterables are wrapped), call, filter, test, attribute or
-  item access, operator and output piece. Between two checks runs one
+  iteration (loop iterables are wrapped), call, filter, test, operator,
+  comparison and output piece. Between two checks runs one
   operation whose size was bounded above, so the overrun past ``timeout_s``
   is bounded too — a Python-level filter over the largest allowed list can
   take about a second. Templates cannot loop without a loop, and macro
@@ -120,6 +120,10 @@ MAX_TEMPLATE_CHARS = 1024 * 1024
 MAX_SLOW_FILTER_CHARS = 256 * 1024
 MAX_SLOW_FILTER_ITEMS = 100_000
 _SLOW_CHAR_FILTERS = frozenset({"wordwrap", "urlize", "pprint", "truncate"})
+_GROWING_FILTERS = frozenset(
+    {"center", "indent", "replace", "format", "join", "batch", "slice", "wordwrap"}
+    | {"truncate", "tojson"}
+)
 _SLOW_ITEM_FILTERS = frozenset(
     {
         "sort",
@@ -266,7 +270,13 @@ class _Meter:
 
     def built(self, result: Any) -> Any:
         """Count what an operation returned toward everything built; return it."""
-        size = _flat_size(result)
+        kind = type(result)
+        if kind is str or kind is list or kind is tuple or kind is dict or kind is bytes:
+            size = len(result)
+        elif kind in _NUMBERS or result is None:
+            return result
+        else:
+            size = _flat_size(result)
         if size:
             self.created += size
             if self.created > self.budget.max_created_chars:
@@ -278,6 +288,7 @@ class _Meter:
         return result
 
 
+_DEFAULT_BUDGET = TemplateBudget()
 _ACTIVE: contextvars.ContextVar[_Meter | None] = contextvars.ContextVar(
     "mlx_loom_template_meter", default=None
 )
@@ -291,7 +302,7 @@ def _meter() -> _Meter:
     the default budget: the size checks hold, the deadline cannot.
     """
     meter = _ACTIVE.get()
-    return meter if meter is not None else _Meter(TemplateBudget())
+    return meter if meter is not None else _Meter(_DEFAULT_BUDGET)
 
 
 # --- sizes ---------------------------------------------------------------------
@@ -683,6 +694,11 @@ def _compare(first: Any, *ops_and_values: Any) -> bool:
     """
     meter = _meter()
     meter.tick()
+    if len(ops_and_values) == 2:  # one comparison: the common case
+        op, right = ops_and_values
+        if type(first) not in _LEAF_TYPES or type(right) not in _LEAF_TYPES:
+            _look((first, right), meter, "compared value")
+        return _COMPARE[op](first, right)
     if type(first) not in _LEAF_TYPES:
         _look((first,), meter, "compared value")
     left = first
@@ -817,15 +833,13 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
                 _expanded_size(owner, meter, "value whose method it calls")
         return meter.built(super().call(__context, __obj, *args, **kwargs))
 
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        _meter().tick()
-        return super().getattr(obj, attribute)
+    # Attribute and item access are O(1) and need no deadline check (work that
+    # could run long needs a loop or a call, and those check); only a tuple key
+    # can make Python hash a large shared structure.
 
     def getitem(self, obj: Any, argument: Any) -> Any:
-        meter = _meter()
-        meter.tick()
         if isinstance(argument, tuple):
-            _expanded_size(argument, meter, "dictionary key")
+            _expanded_size(argument, _meter(), "dictionary key")
         return super().getitem(obj, argument)
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
@@ -887,6 +901,10 @@ def _wrap(name: str, fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
         return fn
     passes_arg = getattr(fn, "jinja_pass_arg", None) is not None
     shallow = name in _SHALLOW_FILTERS if kind == "filter" else name not in _DEEP_TESTS
+    checked = kind == "filter" and (
+        name in _GROWING_FILTERS or name in _SLOW_CHAR_FILTERS or name in _SLOW_ITEM_FILTERS
+    )
+    what_input, what_arg = f"input to the {name!r} {kind}", f"argument to the {name!r} {kind}"
 
     @functools.wraps(fn)
     def bounded(*args: Any, **kwargs: Any) -> Any:
@@ -898,9 +916,10 @@ def _wrap(name: str, fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
             plain = (_bounded_list(plain[0], meter, "joined list"), *plain[1:])
             args = (*args[: len(args) - len(plain)], *plain)
         if not shallow:
-            _look(plain, meter, f"input to the {name!r} {kind}")
-            _look(kwargs.values(), meter, f"argument to the {name!r} {kind}")
-        if kind == "filter":
+            _look(plain, meter, what_input)
+            if kwargs:
+                _look(kwargs.values(), meter, what_arg)
+        if checked:
             _pre_filter(name, plain, kwargs, meter)
         return meter.built(fn(*args, **kwargs))
 
