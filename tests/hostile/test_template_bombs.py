@@ -187,7 +187,9 @@ def test_the_server_answers_400_and_keeps_serving_for_every_family(hostile_dirs)
     for name in FAMILIES:
         answer = result[name]
         assert answer["status"] == 400 and answer["health"] == 200, answer
-        assert "made by repetition" in answer["error"]["message"] and answer["error"]["fix"]
+        assert answer["error"]["code"] == "template_budget_exceeded"
+        assert answer["error"]["param"] == "messages" and answer["error"]["fix"]
+        assert "made by repetition" in answer["error"]["message"]
 
 
 def test_the_server_budget_flag_reaches_the_template(family_dirs, tmp_path):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import LoomError, RequestError
+from ..errors import LoomError, RequestError, TemplateBudgetExceeded
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
 from ..model import Model
@@ -267,6 +267,10 @@ class ServeApp:
             ids = self.tokenizer.encode_chat(
                 messages, template_budget=self.template_budget, **kwargs
             )
+        except TemplateBudgetExceeded as err:
+            raise HttpError(
+                400, err.message, fix=err.fix, param="messages", code="template_budget_exceeded"
+            ) from None
         except LoomError as err:
             raise from_loom_error(err, param="messages") from None
         self._check_prompt(ids, "messages")
