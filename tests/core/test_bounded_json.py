@@ -9,13 +9,15 @@ import pytest
 from mlx_loom.bounded_json import (
     ARTIFACT_JSON,
     CONFIG_JSON,
+    REQUEST_JSON,
     JsonLimits,
     parse_json,
     read_json_file,
 )
-from mlx_loom.errors import ConfigError, TokenizerError
+from mlx_loom.errors import ConfigError, RequestError, TokenizerError
 
 FIX = "repair the file"
+REQUEST = {"source": "body", "error": RequestError, "fix": FIX, "limits": REQUEST_JSON}
 
 
 def parse(text: str | bytes, **kwargs):
@@ -133,3 +135,18 @@ def test_read_json_file_names_the_path_in_errors(tmp_path):
 def test_a_directory_is_an_unreadable_file_not_a_crash(tmp_path):
     with pytest.raises(ConfigError, match="cannot be read"):
         read_json_file(tmp_path, error=ConfigError, fix=FIX)
+
+
+def test_lone_surrogate_escapes_are_refused_where_text_must_be_unicode():
+    body = '{"messages": [{"role": "user", "content": "hi \\ud800 there"}]}'
+    with pytest.raises(RequestError, match=r"string at messages\[0\].content holds a lone"):
+        parse_json(body, source="body", error=RequestError, fix=FIX, limits=REQUEST_JSON)
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_ordinary_text():
+    value = parse_json(r'{"a": "\ud83d\ude00", "b": "\\ud800"}', **REQUEST)
+    assert value == {"a": "😀", "b": "\\ud800"}
+
+
+def test_artifact_json_keeps_lone_surrogates_as_python_does():
+    assert parse('{"t": "\\udc80"}') == {"t": "\udc80"}

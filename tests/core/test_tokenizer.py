@@ -152,3 +152,14 @@ def test_invalid_special_token_field_is_refused_naming_it(fixture_dirs, tmp_path
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(TokenizerError, match="'eos_token'"):
         Tokenizer.from_dir(path)
+
+
+def test_text_with_a_lone_surrogate_is_a_request_error_not_a_type_error(tmp_path):
+    from mlx_loom.errors import RequestError
+    from mlx_loom.testing.tokenizer import write_tokenizer
+
+    write_tokenizer(tmp_path, 256)
+    tok = Tokenizer.from_dir(tmp_path)
+    with pytest.raises(RequestError, match="lone UTF-16 surrogate") as info:
+        tok.encode("hi \ud800 there")
+    assert "character 3" in info.value.message and info.value.fix

@@ -63,6 +63,9 @@ class JsonLimits:
     max_depth: int = 64
     max_containers: int = 2_000_000
     max_int_digits: int = 64
+    #: JSON may escape half of a UTF-16 surrogate pair (``"\ud800"``); Python
+    #: then holds a string no UTF-8 encoder (the tokenizer's included) accepts.
+    allow_lone_surrogates: bool = True
 
 
 #: ``config.json``: configs are kilobytes; 16 MiB bounds the parse at well under 1 GB.
@@ -70,8 +73,9 @@ CONFIG_JSON = JsonLimits(max_bytes=16 * 1024 * 1024)
 #: Tokenizer configs, the safetensors index, prompt-cache headers. A
 #: ``tokenizer_config.json`` listing 250k added tokens is ~40 MB.
 ARTIFACT_JSON = JsonLimits()
-#: HTTP request bodies (the server bounds the body size before reading it).
-REQUEST_JSON = JsonLimits(max_bytes=None, max_containers=500_000)
+#: HTTP request bodies (the server bounds the body size before reading it):
+#: text a client sends must be valid Unicode.
+REQUEST_JSON = JsonLimits(max_bytes=None, max_containers=500_000, allow_lone_surrogates=False)
 
 # One JSON string literal, escapes included (unrolled so it never backtracks).
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
@@ -81,6 +85,8 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 # Tokens for the walk that locates a violation: strings, structure, numbers.
 _TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}:,]|-?\d[\d.eE+\-]*', re.DOTALL)
 _SHOW_PATH = 8  # path components shown before eliding the middle
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where a lone surrogate can come from
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @functools.lru_cache(maxsize=8)
@@ -126,7 +132,7 @@ def parse_json(
             )
     _check_shape(text, source=source, error=error, fix=fix, limits=limits)
     try:
-        return json.loads(text, object_pairs_hook=object_pairs_hook)
+        value = json.loads(text, object_pairs_hook=object_pairs_hook)
     except json.JSONDecodeError as err:
         raise error(
             f"{source} is not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})",
@@ -134,6 +140,15 @@ def parse_json(
         ) from None
     except (RecursionError, ValueError) as err:  # backstops; the checks above come first
         raise error(f"{source} could not be parsed as JSON: {err}", fix=fix) from None
+    if not limits.allow_lone_surrogates and _SURROGATE_ESCAPE.search(text):
+        where = _find_surrogate(value)
+        if where is not None:
+            raise error(
+                f"{source}: the string at {where or '<root>'} holds a lone UTF-16 surrogate "
+                "escape, which is not valid Unicode",
+                fix=fix,
+            )
+    return value
 
 
 def read_json_file(
@@ -247,6 +262,28 @@ def _locate(text: str, hit: Callable[[str, str, int], bool]) -> tuple[str, str]:
             if hit("number", tok, len(stack)):
                 return _where(text, match.start(), stack), tok
     return "", ""
+
+
+def _find_surrogate(value: Any) -> str | None:
+    """The path of the first string (value or key) holding a lone surrogate, or ``None``.
+
+    Only runs when the text has a surrogate escape; a valid pair decodes to
+    one character and is not found.
+    """
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                return path
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                if _SURROGATE.search(key):
+                    return f"{path}.{key!a}".lstrip(".")
+                stack.append((item, f"{path}.{key}".lstrip(".")))
+        elif isinstance(node, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(node))
+    return None
 
 
 def _string_value(tok: str) -> str:

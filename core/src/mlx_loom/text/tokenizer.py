@@ -24,7 +24,7 @@ import tokenizers
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from mlx_loom.bounded_json import read_json_file
-from mlx_loom.errors import TokenizerError
+from mlx_loom.errors import RequestError, TokenizerError
 from mlx_loom.text.chat_template import NO_TEMPLATE_FIX, ChatTemplate
 from mlx_loom.text.detokenizer import DecodePlan, StreamingDetokenizer
 from mlx_loom.text.template_budget import TemplateBudget
@@ -225,8 +225,23 @@ class Tokenizer:
     # --- encode / decode -----------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; the post-processor adds BOS/EOS when asked."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; the post-processor adds BOS/EOS when asked.
+
+        Text holding a lone UTF-16 surrogate (possible in Python strings, e.g.
+        from JSON ``"\\ud800"``) is not valid Unicode; it is a
+        :class:`~mlx_loom.errors.RequestError` rather than the library's TypeError.
+        """
+        try:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
+            if not isinstance(text, str) or bad is None:
+                raise
+            raise RequestError(
+                f"the text to encode holds a lone UTF-16 surrogate "
+                f"({ascii(text[bad])}) at character {bad}, which is not valid Unicode",
+                fix="pass valid Unicode text: remove the surrogate or complete its pair",
+            ) from None
 
     def encode_prompt(self, text: str) -> list[int]:
         """Ids of a raw (un-templated) prompt, adding BOS unless the text already starts with it.
