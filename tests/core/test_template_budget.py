@@ -59,9 +59,9 @@ def refused(source: str, *needles: str, budget: TemplateBudget = SMALL) -> Templ
 # --- the budget itself -----------------------------------------------------------
 
 
-def test_defaults_are_one_second_and_eight_mebi_characters():
+def test_defaults_are_one_second_and_two_mebi_characters():
     budget = TemplateBudget()
-    assert (budget.timeout_s, budget.max_output_chars) == (DEFAULT_TIMEOUT_S, 8 * 1024 * 1024)
+    assert (budget.timeout_s, budget.max_output_chars) == (DEFAULT_TIMEOUT_S, 2 * 1024 * 1024)
     assert budget.max_created_chars == CREATED_FACTOR * DEFAULT_MAX_OUTPUT_CHARS
 
 

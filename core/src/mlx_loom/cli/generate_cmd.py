@@ -31,7 +31,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "--template-max-output",
         type=int,
         metavar="CHARS",
-        help=f"longest prompt text a chat template may render (default: {ENV_MAX_OUTPUT} or 8Mi)",
+        help=f"longest prompt text a chat template may render (default: {ENV_MAX_OUTPUT} or 2Mi)",
     )
 
 

@@ -97,10 +97,11 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 1.0
-#: 8 Mi characters: about 2M tokens of prompt, and the size of the largest
-#: request body ``loom serve`` accepts, so no request the server takes is
-#: refused for its length alone.
-DEFAULT_MAX_OUTPUT_CHARS = 8 * 1024 * 1024
+#: 2 Mi characters: about 500k tokens of ordinary text, past the context of
+#: most models. The rendered text goes to the tokenizer next, which needs
+#: ~250-550 bytes and ~6 us per token (measured: 1M tokens took 560 MB and 7 s
+#: here), so this also bounds what a template can make the tokenizer do.
+DEFAULT_MAX_OUTPUT_CHARS = 2 * 1024 * 1024
 #: All strings and lists a render builds together, as a multiple of
 #: ``max_output_chars``. Real templates build a few times their output (each
 #: message is trimmed, concatenated, printed).

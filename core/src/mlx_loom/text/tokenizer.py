@@ -318,7 +318,7 @@ class Tokenizer:
         variables (``enable_thinking=False`` ...), and may override the special
         token strings the template sees. The render runs under
         ``template_budget`` (default: :meth:`TemplateBudget.from_env`, 1 s and
-        8 Mi characters); running out raises
+        2 Mi characters); running out raises
         :class:`~mlx_loom.errors.TemplateBudgetExceeded`.
         """
         chat = list(messages)
