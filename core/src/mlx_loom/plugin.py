@@ -7,6 +7,16 @@ else in the core is a contract for plugins.
 
 from __future__ import annotations
 
+from .artifacts.fields import (
+    Count,
+    FieldError,
+    FiniteFloat,
+    Flag,
+    LayerCount,
+    PositiveFloat,
+    Size,
+    UnitFloat,
+)
 from .errors import (
     CacheError,
     CapabilityRefused,
@@ -14,18 +24,22 @@ from .errors import (
     RequestError,
     WeightsError,
 )
-from .hookspecs import PLUGIN_API_VERSION, hookimpl
-from .kernels import Backend, Kernel
-from .profiles import (
+from .host import (
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
+    PLUGIN_API_VERSION,
     PROMPT_CACHE,
     SPECULATIVE,
+    Backend,
+    BuildContext,
     Execution,
+    Implementation,
+    Kernel,
+    ModelType,
     Profile,
+    hookimpl,
 )
-from .registry import BuildContext, Implementation, ModelType
 
 __all__ = [
     "BATCH",
@@ -39,12 +53,20 @@ __all__ = [
     "CacheError",
     "CapabilityRefused",
     "ConfigError",
+    "Count",
     "Execution",
+    "FieldError",
+    "FiniteFloat",
+    "Flag",
     "Implementation",
     "Kernel",
+    "LayerCount",
     "ModelType",
+    "PositiveFloat",
     "Profile",
     "RequestError",
+    "Size",
+    "UnitFloat",
     "WeightsError",
     "hookimpl",
 ]
