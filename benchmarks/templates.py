@@ -7,7 +7,8 @@ Usage::
 Every ``*.jinja`` file under the directories is rendered with a conversation
 of ``--messages`` alternating user/assistant messages (each ~400 characters,
 a system message first when the template accepts one), ``--repeat`` times,
-in two environments built from the same options, globals and filters:
+interleaved, in two environments built from the same options, globals and
+filters:
 
 * ``stock``: jinja2's ``ImmutableSandboxedEnvironment`` (what mlx-loom used
   before templates were budgeted, and what transformers uses);
@@ -75,13 +76,15 @@ def render_budgeted(template: ct.ChatTemplate, messages: list[dict[str, str]]) -
     return template.render(messages, add_generation_prompt=True, special_tokens=SPECIAL)
 
 
-def median_us(fn, repeat: int) -> float:
-    times = []
+def median_us(first, second, repeat: int) -> tuple[float, float]:
+    """Median microseconds of each, the two calls interleaved so load noise hits both."""
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+        for fn, out in ((first, times[0]), (second, times[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(times[0]) * 1e6, statistics.median(times[1]) * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append(path.name)
             continue
         assert got == want, f"{path}: the budgeted render differs from the stock render"
-        t_stock = median_us(functools.partial(before, messages), args.repeat)
-        t_budget = median_us(functools.partial(after, messages), args.repeat)
+        t_stock, t_budget = median_us(
+            functools.partial(before, messages), functools.partial(after, messages), args.repeat
+        )
         rows.append((path.name, len(source), len(got), t_stock, t_budget))
 
     print(f"{len(rows)} templates, {args.messages} messages, median of {args.repeat} renders\n")

@@ -553,9 +553,14 @@ def _width_result(value: Any, width: Any, meter: _Meter, what: str) -> None:
 
 
 def _check_replace(value: Any, old: Any = None, new: Any = None, count: Any = -1) -> int | None:
-    """The length of ``value.replace(old, new, count)`` (without building it)."""
+    """The length of ``value.replace(old, new, count)``, without building it.
+
+    ``None`` when it cannot be longer than ``value`` (or the arguments are not strings).
+    """
     if not isinstance(value, str) or not isinstance(old, str) or not isinstance(new, str):
         return None
+    if old and len(new) <= len(old):
+        return None  # cannot grow
     hits = len(value) + 1 if old == "" else value.count(old)
     if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
         hits = min(hits, count)
@@ -819,19 +824,24 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         meter = _meter()
         meter.tick()
-        if not isinstance(__obj, jinja2.runtime.Macro) and getattr(__obj, "_loom_look", True):
-            what = getattr(__obj, "_loom_what", "call argument")
-            _look(args, meter, what)
-            # jinja passes its own _loop_vars/_block_vars inside loops; not arguments
-            _look((v for k, v in kwargs.items() if k not in _JINJA_KWARGS), meter, what)
-            owner = getattr(__obj, "__self__", None)
-            if isinstance(owner, str) and isinstance(__obj, types.BuiltinMethodType):
+        kind = type(__obj)
+        if kind is types.BuiltinMethodType:  # a method of a str, list, dict ...
+            if args:
+                _look(args, meter, "call argument")
+            owner = __obj.__self__
+            if isinstance(owner, str):
                 if __obj.__name__ == "join" and args and not isinstance(args[0], (list, tuple)):
                     args = (_bounded_list(args[0], meter, "joined list"), *args[1:])
                     _look(args[:1], meter, "call argument")
                 _pre_str_method(__obj.__name__, owner, args, meter)
             elif isinstance(owner, (list, tuple)) and __obj.__name__ in _DEEP_SEQUENCE_METHODS:
                 _expanded_size(owner, meter, "value whose method it calls")
+        elif kind is not jinja2.runtime.Macro and getattr(__obj, "_loom_look", True):
+            what = getattr(__obj, "_loom_what", "call argument")
+            if args:
+                _look(args, meter, what)
+            if kwargs:  # jinja adds _loop_vars/_block_vars inside loops: not arguments
+                _look((v for k, v in kwargs.items() if k not in _JINJA_KWARGS), meter, what)
         return meter.built(super().call(__context, __obj, *args, **kwargs))
 
     # Attribute and item access are O(1) and need no deadline check (work that
