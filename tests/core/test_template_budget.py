@@ -165,6 +165,16 @@ def test_many_format_fields_add_up_to_the_budget():
     refused("{{ ('%100s' * 50) % (('x',) * 50) }}", "formatted string")
 
 
+def test_a_mapping_value_written_by_many_fields_adds_up_to_the_budget():
+    refused("{{ ('%(a)s' * 30) % {'a': 'x' * 100} }}", "formatted string")
+
+
+def test_percent_fields_take_their_own_values():
+    # one big value and one small: sized as written, not as twice the biggest
+    assert render("{{ (('%s|%s') % ('x' * 600, 'y'))|length }}") == "602"
+    assert render("{{ '%*.*f' % (6, 2, 3.14159) }}") == "  3.14"
+
+
 @pytest.mark.parametrize(
     ("source", "needle"),
     [
