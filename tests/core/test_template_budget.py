@@ -269,6 +269,12 @@ def test_range_stays_bounded_by_the_sandbox():
         render("{{ range(10**9)|list|length }}")
 
 
+def test_a_huge_raised_message_is_clipped_in_the_error():
+    with pytest.raises(TokenizerError) as info:
+        render("{{ raise_exception('x' * 900) }}")
+    assert len(info.value.message) < 700 and "400 more characters" in info.value.message
+
+
 def test_lipsum_is_not_available():
     with pytest.raises(TokenizerError, match="'lipsum' is undefined"):
         render("{{ lipsum(10**9) }}")

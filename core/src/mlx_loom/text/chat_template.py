@@ -283,30 +283,42 @@ class ChatTemplate:
             ) from None
         except RecursionError as exc:  # a macro calling itself without end
             raise TokenizerError(
-                f"chat template from {self.origin} recursed too deeply: {exc}",
+                f"chat template from {self.origin} recursed too deeply: {_clip(exc)}",
                 fix=f"fix the template in {self.origin}, or pass --no-chat-template",
             ) from None
         except SecurityError as exc:
             raise TokenizerError(
-                f"chat template from {self.origin} was refused by the sandbox: {exc}",
+                f"chat template from {self.origin} was refused by the sandbox: {_clip(exc)}",
                 fix=f"replace the template in {self.origin} with one that only reads its "
                 "variables, or pass --no-chat-template",
             ) from exc
         except TemplateError as exc:
             raise TokenizerError(
-                f"chat template from {self.origin} raised: {exc}",
+                f"chat template from {self.origin} raised: {_clip(exc)}",
                 fix="check the messages against what the template accepts (roles, order, "
                 f"tools), fix the template in {self.origin}, or pass --no-chat-template",
             ) from exc
         except Exception as exc:  # a template calling e.g. .strip() on a list
             raise TokenizerError(
-                f"chat template from {self.origin} failed: {type(exc).__name__}: {exc}",
+                f"chat template from {self.origin} failed: {type(exc).__name__}: {_clip(exc)}",
                 fix=f"check the message fields the template reads, fix {self.origin}, "
                 "or pass --no-chat-template",
             ) from exc
         if continue_final_message:
             text = _cut_at_continue_tag(text, final, self.origin)
         return text
+
+
+def _clip(exc: BaseException, limit: int = 500) -> str:
+    """An exception's text for an error message, at most ``limit`` characters.
+
+    A template decides what it raises (``raise_exception(big_string)``, a
+    missing key of a megabyte): the message must stay readable and small.
+    """
+    text = str(exc)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def _cut_at_continue_tag(text: str, final: str, origin: str) -> str:

@@ -509,9 +509,7 @@ def _check_add(left: Any, right: Any, meter: _Meter) -> None:
 
 # ``%`` conversion specs: an optional ``(key)``, flags, width and precision
 # (numbers or ``*``), a conversion.
-_PERCENT_SPEC = re.compile(
-    r"%(?:\(([^)]*)\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?[a-zA-Z%]"
-)
+_PERCENT_SPEC = re.compile(r"%(?:\(([^)]*)\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?[a-zA-Z%]")
 
 
 def _check_percent(fmt: Any, args: Any, meter: _Meter) -> None:
