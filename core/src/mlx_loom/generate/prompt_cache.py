@@ -84,6 +84,7 @@ class PromptCache:
                 "implementation": self.model.implementation.id,
                 "model": str(self.model.model_dir.resolve()),
             },
+            kinds=self.model.binding.cache_kinds,
         )
 
     @classmethod
@@ -92,9 +93,11 @@ class PromptCache:
 
         The file is verified before anything is used (see
         :mod:`mlx_loom.cache.persist`): checksum, token list, and the caches'
-        geometry against this model (:mod:`mlx_loom.cache.geometry`).
+        geometry against this model (:mod:`mlx_loom.cache.geometry`). Only
+        the cache kinds ``model``'s registry knows (the core's and those
+        plugins registered) can be restored.
         """
-        caches, meta = load_prompt_cache(path)
+        caches, meta = load_prompt_cache(path, kinds=model.binding.cache_kinds)
         source = f"The prompt cache {str(path)!r}"
         # A cache is only meaningful with the weights that produced it: the same
         # implementation and the same model directory.
