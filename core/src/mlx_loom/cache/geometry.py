@@ -80,7 +80,10 @@ def _layer_problems(i: int, loaded: Any, short: Any, long: Any, tokens: int) -> 
     problems = []
     offset = getattr(loaded, "offset", None)
     if isinstance(offset, bool) or not isinstance(offset, int):
-        problems.append(f"layer {i} ({kind}): its offset is per row (a batch cache), not one count")
+        problems.append(
+            f"layer {i} ({kind}): its offset is {type(offset).__name__}, not the int count of "
+            "tokens it holds (a batch cache, or a kind without Cache.offset)"
+        )
     elif offset != tokens:
         problems.append(f"layer {i} ({kind}): holds {offset} tokens; the file lists {tokens}")
 
