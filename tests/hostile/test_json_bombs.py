@@ -202,3 +202,20 @@ def test_body_bombs_are_400_invalid_json_and_the_server_keeps_serving(
     assert reply.error["code"] == "invalid_json" and needle in reply.error["message"]
     assert reply.error["fix"]
     assert served.get("/health").status == 200
+
+
+# --- installation metadata ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", [DEEP, '{"url": ' + BIG_INT + "}", "[1, 2]", "not json"])
+def test_unreadable_install_metadata_falls_back_to_the_index_command(monkeypatch, text):
+    from mlx_loom import advice
+
+    class Distribution:
+        def read_text(self, name: str) -> str:
+            return text
+
+    monkeypatch.setattr(advice.metadata, "distribution", lambda name: Distribution())
+    assert advice.install_command("minicpm5", "mlx-loom-minicpm5") == (
+        "pip install mlx-loom-minicpm5"
+    )
