@@ -134,28 +134,37 @@ def test_the_api_refuses_for_every_family(hostile_dirs):
     assert all("made by repetition" in message for message in result.values()), result
 
 
-@pytest.mark.parametrize("command", ["generate", "chat"])
-def test_the_cli_exits_1_with_the_error_for_every_family(hostile_dirs, command):
-    code = """
-    import contextlib, io, sys
-    from mlx_loom.cli.main import main
-    out = {}
-    for name, path in ARGS["dirs"].items():
-        sys.stdin = io.StringIO("hello\\n")
-        err = io.StringIO()
-        argv = [ARGS["command"], "--model", path, "-m", "2"]
-        if ARGS["command"] == "generate":
-            argv += ["-p", "hello"]
-        with contextlib.redirect_stderr(err):
-            out[name] = {"code": main(argv), "stderr": err.getvalue()}
-    RESULT = out
-    """
-    args = {"dirs": hostile_dirs, "command": command}
-    result = run_bounded(code, args=args, timeout_s=TIMEOUT_S).expect_ok()
+CLI = """
+import contextlib, io, sys
+from mlx_loom.cli.main import main
+out = {}
+for name, path in ARGS["dirs"].items():
+    sys.stdin = io.StringIO("hello\\nagain\\n")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        out[name] = {"code": main([*ARGS["argv"], "--model", path]), "stderr": err.getvalue()}
+RESULT = out
+"""
+
+
+def test_loom_generate_exits_1_with_the_error_for_every_family(hostile_dirs):
+    args = {"dirs": hostile_dirs, "argv": ["generate", "hello", "-m", "2"]}
+    result = run_bounded(CLI, args=args, timeout_s=TIMEOUT_S).expect_ok()
     for name in FAMILIES:
         assert result[name]["code"] == 1, result[name]
         assert "made by repetition" in result[name]["stderr"]
         assert "fix:" in result[name]["stderr"]
+
+
+def test_loom_chat_reports_each_refused_turn_and_keeps_going_for_every_family(hostile_dirs):
+    args = {"dirs": hostile_dirs, "argv": ["chat", "-m", "2"]}
+    result = run_bounded(CLI, args=args, timeout_s=TIMEOUT_S).expect_ok()
+    for name in FAMILIES:
+        # both typed lines were refused, each with its message and fix; the chat then
+        # ended normally at the end of its input
+        assert result[name]["code"] == 0, result[name]
+        assert result[name]["stderr"].count("made by repetition") == 2
+        assert result[name]["stderr"].count("fix:") == 2
 
 
 def test_the_server_answers_400_and_keeps_serving_for_every_family(hostile_dirs):
