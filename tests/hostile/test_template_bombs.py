@@ -235,3 +235,21 @@ def test_the_server_budget_flag_reaches_the_template(family_dirs, tmp_path):
     """
     result = run_bounded(code, args={"path": str(path)}, timeout_s=TIMEOUT_S).expect_ok()
     assert result["status"] == 400 and "the limit is 100" in result["error"]["message"]
+
+
+@pytest.mark.parametrize("key", ["template_budget", "budget", "special_tokens", "tokenize", "self"])
+def test_chat_template_kwargs_cannot_reach_the_renderers_own_arguments(family_dirs, key):
+    import mlx_loom
+
+    from ..server.conftest import serve
+
+    model, tok = mlx_loom.load(family_dirs["llama"])
+    for client in serve(model, tok):
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "chat_template_kwargs": {key: 1},
+        }
+        reply = client.post("/v1/chat/completions", body)
+        assert reply.status == 400, reply.text
+        assert reply.error["param"] == "chat_template_kwargs" and key in reply.error["message"]

@@ -248,12 +248,19 @@ class ServeApp:
             )
         messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
         kwargs = dict(request.chat_template_kwargs or {})
+        # Names the tokenizer or the template renderer takes themselves: a client
+        # setting one would collide with the server's own argument (a 500) or
+        # override what the server decides (the template budget).
         reserved = {
             "messages",
             "tools",
             "system",
             "template_name",
             "template_budget",
+            "budget",
+            "special_tokens",
+            "tokenize",
+            "self",
         } & kwargs.keys()
         if reserved:
             raise HttpError(
