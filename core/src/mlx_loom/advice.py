@@ -19,11 +19,13 @@ The plugin policy's fix likewise depends on the policy's form: a deny list
 
 from __future__ import annotations
 
-import json
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
+
+from .bounded_json import parse_json
+from .errors import LoomError
 
 if TYPE_CHECKING:  # the host imports this module; importing the host here is a cycle
     from .host._policy import PluginPolicy
@@ -41,9 +43,11 @@ def _core_origin() -> tuple[Path, bool] | None:
         return None
     if not text:
         return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
+    try:  # pip wrote it, but it is a file on disk like any other: parse it bounded
+        data = parse_json(text, source="direct_url.json", error=LoomError, fix="")
+    except LoomError:
+        return None
+    if not isinstance(data, dict):
         return None
     url = urlparse(str(data.get("url", "")))
     if url.scheme != "file":
