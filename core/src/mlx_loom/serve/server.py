@@ -265,18 +265,23 @@ class Handler(BaseHTTPRequestHandler):
     def _complete(self, *, chat: bool) -> None:
         body = self._read_json()
         prep = self.app.prepare(body, chat=chat)
-        job = prep.job
-        self.app.worker.submit(job)
+        for job in prep.jobs:
+            self.app.worker.submit(job)
         try:
-            events = self._events(job)
             if not prep.stream:
-                prep.pieces.extend(events)
-                if not prep.pieces:
-                    raise ClientGone  # cancelled before it produced anything
+                for choice in prep.choices:
+                    for piece in self._events(choice.job):
+                        self.app.absorb(prep, choice, piece)
+                        if choice.done:
+                            break
+                    if not choice.pieces:
+                        raise ClientGone  # cancelled before it produced anything
+                    choice.job.cancel()  # a no-op unless it was cut short
                 self._send_json(200, self.app.response(prep))
                 return
             # Wait for the first token before committing to 200: a failure up to
             # and through the prefill is still answered with an error status.
+            events = self._events(prep.choices[0].job)
             first = next(events, None)
             if first is None:
                 raise ClientGone
@@ -287,14 +292,24 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             self._started = True
-            for chunk in self.app.first_chunks(prep):
-                self._sse(chunk)
-            for piece in _chain(first, events):
-                for chunk in self.app.chunks(prep, piece):
+            for choice in prep.choices:
+                if choice.index:
+                    events = self._events(choice.job)
+                for chunk in self.app.first_chunks(prep, choice):
                     self._sse(chunk)
+                pieces = _chain(first, events) if choice.index == 0 else events
+                for piece in pieces:
+                    for chunk in self.app.chunks(prep, choice, piece):
+                        self._sse(chunk)
+                    if choice.done:
+                        break
+                choice.job.cancel()
+            for chunk in self.app.last_chunks(prep):
+                self._sse(chunk)
             self._sse("[DONE]")
         finally:
-            job.cancel()  # a no-op once the job is done; stops it if we left early
+            for job in prep.jobs:
+                job.cancel()  # a no-op once a job is done; stops it if we left early
 
 
 def _chain(first: Piece, rest: Iterator[Piece]) -> Iterator[Piece]:

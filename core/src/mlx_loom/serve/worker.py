@@ -83,6 +83,10 @@ class Job:
     max_tokens: int
     stop: list[str] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)
+    #: KV-cache quantization (the server's ``--kv-bits`` ...), as ``stream_generate`` takes it.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -191,6 +195,9 @@ class GenerationWorker:
                 max_tokens=job.max_tokens,
                 stop=job.stop,
                 prompt_cache=self._prompt_cache,
+                kv_bits=job.kv_bits,
+                kv_group_size=job.kv_group_size,
+                quantized_kv_start=job.quantized_kv_start,
                 **job.sampling,
             )
             for response in stream:
