@@ -48,6 +48,8 @@ class Piece:
     generation_tokens: int
     cached_tokens: int
     finish_reason: str | None
+    #: The stop string that ended the generation, if one did.
+    stop: str | None = None
 
     @classmethod
     def of(cls, r: GenerationResponse) -> Piece:
@@ -60,6 +62,7 @@ class Piece:
             generation_tokens=r.generation_tokens,
             cached_tokens=r.cached_tokens,
             finish_reason=r.finish_reason,
+            stop=r.stop,
         )
 
 
