@@ -19,8 +19,8 @@ from ..cache import validate_kv_quantization
 from ..errors import CapabilityRefused, LoomError, RequestError
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
+from ..host import GENERATE, KV_QUANTIZATION
 from ..model import Model
-from ..profiles import GENERATE, KV_QUANTIZATION
 from ..text import StopStrings, Tokenizer
 from ..text.output_parser import Content, OutputParser, Reasoning, ToolCallFound
 from ..text.tool_calls import ToolCall, ToolParser, parser_table

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..kernels import Provider
+    from ..host import Provider
 
 
 @dataclass(frozen=True)

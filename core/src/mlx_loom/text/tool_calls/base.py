@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ...kernels import Provider
+    from ...host import Provider
 
 
 class MalformedToolCall(ValueError):
