@@ -2,7 +2,8 @@
 
 A plugin imports from here, from :mod:`mlx_loom.cache` (cache kinds, masks,
 attention) and from :mod:`mlx_loom.nn` (layers families share) — nothing
-else in the core is a contract for plugins.
+else in the core is a contract for plugins. A plugin that brings its own
+tool-call format registers a :class:`ToolParser` (``loom_tool_parsers``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .host import (
     Profile,
     hookimpl,
 )
+from .text.tool_calls import MalformedToolCall, ToolCall, ToolParser
 
 __all__ = [
     "BATCH",
@@ -46,9 +48,12 @@ __all__ = [
     "Execution",
     "Implementation",
     "Kernel",
+    "MalformedToolCall",
     "ModelType",
     "Profile",
     "RequestError",
+    "ToolCall",
+    "ToolParser",
     "WeightsError",
     "hookimpl",
 ]

@@ -35,6 +35,7 @@ from ..errors import (
     PolicyError,
     RegistrationError,
 )
+from ..text.tool_calls import ToolParser, parser_table
 from . import _hookspecs as hookspecs
 from ._kernels import Kernel, Provider
 from ._policy import PluginPolicy
@@ -82,6 +83,7 @@ class _Collected:
     kernels: list[Kernel] = field(default_factory=list)
     implementations: list[Implementation] = field(default_factory=list)
     profiles: list[Profile] = field(default_factory=list)
+    tool_parsers: list[ToolParser] = field(default_factory=list)
 
 
 _EXPECTED = {
@@ -89,6 +91,7 @@ _EXPECTED = {
     "loom_kernels": Kernel,
     "loom_implementations": Implementation,
     "loom_profiles": Profile,
+    "loom_tool_parsers": ToolParser,
 }
 
 
@@ -139,6 +142,7 @@ class PluginHost:
                 implementations=collected.implementations,
                 profiles=collected.profiles,
                 kernels=collected.kernels,
+                tool_parsers=collected.tool_parsers,
                 profile_providers={
                     p.id: prov
                     for p, prov in zip(collected.profiles, self._profile_providers, strict=True)
@@ -223,12 +227,14 @@ class PluginHost:
         collected.kernels += found.kernels
         collected.implementations += found.implementations
         collected.profiles += found.profiles
+        collected.tool_parsers += found.tool_parsers
         self._profile_providers += [provider] * len(found.profiles)
         registers = {
             "model_types": tuple(m.name for m in found.model_types),
             "implementations": tuple(i.id for i in found.implementations),
             "profiles": tuple(p.id for p in found.profiles),
             "kernels": tuple(f"{k.name}[{k.backend}]" for k in found.kernels),
+            "tool_parsers": tuple(t.name for t in found.tool_parsers),
         }
         return PluginRecord(**base, status="loaded", api_version=api_version, registers=registers)
 
@@ -305,6 +311,11 @@ class PluginHost:
                         validate_profile(profile, origin=str(provider))
                     except LoomError as err:
                         raise _Quarantine(f"invalid profile: {err.message}") from None
+            if hook == "loom_tool_parsers":
+                try:
+                    parser_table(items)
+                except LoomError as err:
+                    raise _Quarantine(f"invalid tool parser: {err.message}") from None
             setattr(found, hook.removeprefix("loom_"), items)
         return found
 

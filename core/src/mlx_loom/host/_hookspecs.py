@@ -8,8 +8,8 @@ plugin, so every registration carries its provider's name and version.
 Call order at discovery: :func:`loom_plugin_api_version` first (an
 incompatible answer quarantines the plugin before anything else is called),
 then :func:`loom_model_types`, :func:`loom_kernels`,
-:func:`loom_implementations`, :func:`loom_profiles`. A plugin implements only
-the hooks it needs; a hook implementation whose name matches no spec below
+:func:`loom_implementations`, :func:`loom_profiles`, :func:`loom_tool_parsers`.
+A plugin implements only the hooks it needs; a hook implementation whose name matches no spec below
 (a misspelling) makes the plugin fail validation.
 """
 
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from ..text.tool_calls import ToolParser
     from ._kernels import Kernel
     from ._profiles import Profile
     from ._registry import Implementation, ModelType
@@ -65,9 +66,21 @@ def loom_profiles() -> Sequence[Profile]:
     """Family profiles and exact-artifact profiles this plugin registers."""
 
 
+@hookspec
+def loom_tool_parsers() -> Sequence[ToolParser]:
+    """Tool-call formats this plugin provides, beyond the core's built-in ones.
+
+    Each is a :class:`~mlx_loom.text.tool_calls.ToolParser`; its ``name`` is
+    what ``tool_parser_type``, ``--tool-call-parser`` and a model type's
+    ``tool_parser`` refer to, and may not be a built-in name. Plugin parsers
+    are tried before the built-ins when a chat template's markers are matched.
+    """
+
+
 REGISTRATION_HOOKS: tuple[str, ...] = (
     "loom_model_types",
     "loom_kernels",
     "loom_implementations",
     "loom_profiles",
+    "loom_tool_parsers",
 )

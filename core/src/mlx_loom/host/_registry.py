@@ -1,7 +1,8 @@
 """The implementation registry: what plugins registered, frozen, and selection.
 
 A :class:`Registry` is an immutable snapshot of everything the allowed plugins
-registered — model types, implementations, profiles, kernels. It is the one
+registered — model types, implementations, profiles, kernels, tool-call
+parsers (with the core's built-in ones). It is the one
 piece of shared state the engine documents: built once by the plugin host and
 never mutated. A host narrows or pins it with :meth:`Registry.with_`, which
 returns a *new* registry; models already built keep the binding they were
@@ -29,6 +30,7 @@ from ..errors import (
     RegistrationError,
     UnknownModelType,
 )
+from ..text.tool_calls import ToolParser, parser_table
 from ._kernels import Backend, Kernel, KernelRegistry, Provider, active_backend, runnable_backends
 from ._profiles import Profile
 
@@ -60,6 +62,10 @@ class ModelType:
     checkpoint_tensors: (
         Callable[[Mapping[str, Any]], Mapping[str, tuple[tuple[int, ...], str]]] | None
     ) = None
+    #: The tool-call format (a registered parser's name) this model type's chat
+    #: templates teach, used when neither ``tokenizer_config.json`` nor the
+    #: template's markers say which (see :mod:`mlx_loom.text.tool_calls`).
+    tool_parser: str | None = None
     provider: Provider | None = field(default=None, compare=False)
 
 
@@ -149,6 +155,7 @@ class Registry:
         implementations: Iterable[Implementation] = (),
         profiles: Iterable[Profile] = (),
         kernels: Iterable[Kernel] = (),
+        tool_parsers: Iterable[ToolParser] = (),
         profile_providers: Mapping[str, Provider] | None = None,
         _composition: _Composition | None = None,
     ) -> None:
@@ -160,6 +167,8 @@ class Registry:
             "profile", [_ProfileEntry(p, providers.get(p.id)) for p in profiles], lambda e: e.id
         )
         self._kernels = KernelRegistry(kernels)
+        self._plugin_tool_parsers = tuple(tool_parsers)
+        self._tool_parsers = parser_table(self._plugin_tool_parsers)
         self._composition = _composition or _Composition()
 
     # --- read access -------------------------------------------------------
@@ -183,6 +192,11 @@ class Registry:
     @property
     def kernels(self) -> KernelRegistry:
         return self._kernels
+
+    @property
+    def tool_parsers(self) -> Mapping[str, ToolParser]:
+        """Every tool-call parser by name: the plugins' first, then the core's."""
+        return dict(self._tool_parsers)
 
     @property
     def kernel_backend(self) -> Backend | None:
@@ -218,6 +232,7 @@ class Registry:
         profiles: Iterable[Profile] = (),
         kernels: Iterable[Kernel] = (),
         model_types: Iterable[ModelType] = (),
+        tool_parsers: Iterable[ToolParser] = (),
         allow_implementations: Iterable[str] | None = None,
         kernel_backend: Backend | None = None,
     ) -> Registry:
@@ -246,6 +261,7 @@ class Registry:
             implementations=[*self._implementations.values(), *implementations],
             profiles=[*self.profiles, *profiles],
             kernels=[*self._kernels, *kernels],
+            tool_parsers=[*self._plugin_tool_parsers, *tool_parsers],
             profile_providers={
                 **{k: e.provider for k, e in self._profiles.items() if e.provider},
             },

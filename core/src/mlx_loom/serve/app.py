@@ -19,11 +19,11 @@ from ..cache import validate_kv_quantization
 from ..errors import CapabilityRefused, LoomError, RequestError
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
-from ..host import GENERATE, KV_QUANTIZATION
+from ..host import GENERATE, KV_QUANTIZATION, Registry, default_host
 from ..model import Model
 from ..text import StopStrings, Tokenizer
 from ..text.output_parser import Content, OutputParser, Reasoning, ToolCallFound
-from ..text.tool_calls import ToolCall, ToolParser, parser_table
+from ..text.tool_calls import ToolCall
 from . import schemas
 from .errors import NOT_FOUND, HttpError, from_loom_error
 from .tools import ChatFormat, ToolPlan, output_parser, plan_tools, prompt_suffix
@@ -101,9 +101,10 @@ class ServeApp:
     silently answered by this one.
 
     Server-wide options, each validated here (a bad one fails start-up, not
-    the first request): ``tool_call_parser`` names the tool-call format
-    (overriding what the model declares; ``tool_parsers`` are the registered
-    ones, ``family_tool_parser`` the model type's default);
+    the first request): ``tool_call_parser`` names the tool-call format,
+    overriding what the model declares (``registry`` — by default the
+    default host's — holds the registered parsers and the model type's
+    default format);
     ``chat_template_args`` are template variables under each request's
     ``chat_template_kwargs``; ``kv_bits``/``kv_group_size``/
     ``quantized_kv_start`` quantize every request's KV cache.
@@ -117,8 +118,7 @@ class ServeApp:
         model_id: str | None = None,
         max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
         tool_call_parser: str | None = None,
-        tool_parsers: Mapping[str, ToolParser] | None = None,
-        family_tool_parser: str | None = None,
+        registry: Registry | None = None,
         chat_template_args: Mapping[str, Any] | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
@@ -150,11 +150,13 @@ class ServeApp:
             "kv_group_size": kv_group_size,
             "quantized_kv_start": quantized_kv_start,
         }
+        registry = registry if registry is not None else default_host().registry
+        claim = registry.model_types.get(model.model_type)
         self.chat_format = ChatFormat.for_model(
             tokenizer,
-            parsers=tool_parsers if tool_parsers is not None else parser_table(),
+            parsers=registry.tool_parsers,
             override=tool_call_parser,
-            family_default=family_tool_parser,
+            family_default=claim.tool_parser if claim is not None else None,
             model_type=model.model_type,
         )
         self.worker = GenerationWorker(model, tokenizer)

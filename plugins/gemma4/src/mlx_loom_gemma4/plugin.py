@@ -72,6 +72,7 @@ def loom_model_types() -> list[ModelType]:
             description="Gemma 4 text model (flat config)",
             tiny_config=TINY_TEXT_CONFIG,
             checkpoint_tensors=checkpoint_tensors,
+            tool_parser="gemma4",
         ),
         ModelType(
             name="gemma4",
@@ -80,6 +81,7 @@ def loom_model_types() -> list[ModelType]:
             description="Gemma 4 multimodal checkpoint; text tower only (vision/audio dropped)",
             tiny_config=TINY_WRAPPER_CONFIG,
             checkpoint_tensors=checkpoint_tensors,
+            tool_parser="gemma4",
         ),
     ]
 

@@ -104,6 +104,7 @@ def loom_model_types() -> list[ModelType]:
             description="Llama architecture (MiniCPM5 is published as model_type 'llama').",
             tiny_config=TINY_CONFIG,
             checkpoint_tensors=checkpoint_tensors,
+            tool_parser="minicpm5",
         )
     ]
 

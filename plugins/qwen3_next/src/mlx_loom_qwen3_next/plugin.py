@@ -94,6 +94,7 @@ def loom_model_types() -> list[ModelType]:
             description="Qwen3-Next: gated delta nets + gated attention, sparse MoE",
             tiny_config=TINY_QWEN3_NEXT,
             checkpoint_tensors=checkpoint_tensors,
+            tool_parser="json_tools",
         ),
         ModelType(
             "qwen3_5",
@@ -102,6 +103,7 @@ def loom_model_types() -> list[ModelType]:
             description="Qwen3.5 (text): gated delta nets + gated attention",
             tiny_config=TINY_QWEN3_5,
             checkpoint_tensors=checkpoint_tensors,
+            tool_parser="qwen3_coder",
         ),
         ModelType(
             "qwen3_5_text",
@@ -110,6 +112,7 @@ def loom_model_types() -> list[ModelType]:
             description="Qwen3.5 text config",
             tiny_config=TINY_QWEN3_5_TEXT,
             checkpoint_tensors=checkpoint_tensors,
+            tool_parser="qwen3_coder",
         ),
     ]
 
