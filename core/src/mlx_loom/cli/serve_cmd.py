@@ -1,23 +1,52 @@
-"""``loom serve``: serve one model over an OpenAI-compatible HTTP API."""
+"""``loom serve``: serve one model over OpenAI- and Anthropic-compatible HTTP APIs."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
+from typing import Any
 
 from ..assets import BUNDLED_MODEL
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from .generate_cmd import add_model_options, load_from_args
 
+#: Read when ``--api-key`` is not given, so the key need not appear in the process list.
+API_KEY_ENV = "MLX_LOOM_API_KEY"
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 0..65535 (0 picks a free port)")
+    return port
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object such as '{{\"enable_thinking\": false}}', not a "
+            f"{type(value).__name__}"
+        )
+    return value
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "serve",
-        help="serve a model over an OpenAI-compatible HTTP API",
-        description="Load a model once and serve /v1/completions, /v1/chat/completions, "
-        "/v1/models and /health. Requests are generated one at a time, in arrival order; "
-        "one prompt cache is kept across requests.",
+        help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs",
+        description="Load a model once and serve /v1/chat/completions, /v1/completions, "
+        "/v1/messages, /v1/models, /health and a chat page at /. Requests are generated "
+        "one at a time, in arrival order; one prompt cache is kept across requests.",
     )
     add_model_options(parser)
     parser.add_argument(
@@ -25,7 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="127.0.0.1",
         help="address to bind (default: 127.0.0.1, reachable from this machine only)",
     )
-    parser.add_argument("--port", type=int, default=8080, help="default: 8080; 0 picks a free port")
+    parser.add_argument(
+        "--port", type=_port, default=8080, help="default: 8080; 0 picks a free port"
+    )
     parser.add_argument(
         "--max-tokens-limit",
         type=int,
@@ -33,6 +64,44 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_LIMIT})",
     )
     parser.add_argument("--log-requests", action="store_true", help="log each request to stderr")
+    chat = parser.add_argument_group("chat")
+    chat.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help="the model's tool-call format (default: tokenizer_config.json's "
+        "tool_parser_type, else the chat template's markers, else the family's default); "
+        "an unknown name is refused, listing the registered ones",
+    )
+    chat.add_argument(
+        "--chat-template-args",
+        type=_json_object,
+        metavar="JSON",
+        help="template variables for every request, under each request's "
+        """chat_template_kwargs, e.g. '{"enable_thinking": false}'""",
+    )
+    cache = parser.add_argument_group("KV cache")
+    cache.add_argument("--kv-bits", type=int, help="quantize every request's KV cache (4 or 8)")
+    cache.add_argument("--kv-group-size", type=int, default=64, help="default: 64")
+    cache.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=0,
+        help="tokens kept unquantized before KV quantization starts (default: 0)",
+    )
+    access = parser.add_argument_group("access")
+    access.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="web origins whose pages may call the API (CORS), e.g. http://localhost:3000, "
+        "or '*' for any (default: none; the chat page at / needs none)",
+    )
+    access.add_argument(
+        "--api-key",
+        help=f"require 'Authorization: Bearer KEY' (or x-api-key) on the API "
+        f"(default: ${API_KEY_ENV}, else no key)",
+    )
     parser.set_defaults(handler=run, _parser=parser)
 
 
@@ -41,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO if args.log_requests else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",
     )
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     model, tokenizer = load_from_args(args)
     server = make_server(
         model,
@@ -49,15 +119,30 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         model_id=args.model or BUNDLED_MODEL,
         max_tokens_limit=args.max_tokens_limit,
+        allowed_origins=args.allowed_origins,
+        api_key=api_key,
+        tool_call_parser=args.tool_call_parser,
+        chat_template_args=args.chat_template_args,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        quantized_kv_start=args.quantized_kv_start,
     )
-    if not server.loopback_only:
+    if not server.loopback_only and server.api_key is None:
         print(
             f"loom: warning: listening on {server.host}, reachable from other machines; "
-            "the server has no authentication.",
+            "the server has no API key (--api-key).",
             file=sys.stderr,
         )
     print(
-        f"loom: serving {server.app.model_id} at {server.url}/v1 (Ctrl-C to stop)",
+        f"loom: serving {server.app.model_id} at {server.url}/v1 (chat page: {server.url}/; "
+        "Ctrl-C to stop)",
+        file=sys.stderr,
+    )
+    fmt = server.app.chat_format
+    tools = fmt.tool_parser.name if fmt.tool_parser is not None else "none"
+    reasoning = fmt.reasoning.name if fmt.reasoning is not None else "none"
+    print(
+        f"loom: tool calls: {tools} ({fmt.tool_parser_reason}); reasoning: {reasoning}",
         file=sys.stderr,
     )
     try:
