@@ -207,9 +207,14 @@ def add_tokens(path: Path, tokens: tuple[str, ...]) -> None:
 
 
 def write_format_checkpoint(path: Path, fmt: Format, *, model_type: str = "llama") -> Path:
-    """A tiny random-weight checkpoint of ``model_type`` whose template uses ``fmt``."""
+    """A tiny random-weight checkpoint of ``model_type`` whose template uses ``fmt``.
+
+    Its context is at least 4096 tokens: tool schemas make long prompts.
+    """
     claim = mlx_loom.default_host().registry.model_types[model_type]
     config = dict(claim.tiny_config)
+    if "max_position_embeddings" in config:
+        config["max_position_embeddings"] = max(config["max_position_embeddings"], 4096)
     write_checkpoint(path, config, claim.checkpoint_tensors(config), tokenizer=True)
     fmt.write(path)
     return path

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..model import Model
 from ..text import Tokenizer
@@ -68,7 +70,12 @@ def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
     )
     module = binding.implementation.factory(context)
     if not lazy:
-        mx.eval(module.parameters())
+        # Buffers (arrays a module keeps beside its parameters, such as RoPE
+        # frequency tables) too: MLX ties an unevaluated array to the stream of
+        # the thread that built it, so a model built on one thread and run on
+        # another (the server's generation thread) would fail with "There is
+        # no Stream(cpu, 0) in current thread".
+        mx.eval(module.parameters(), _buffers(module))
     module.eval()
     return Model(
         module,
@@ -77,6 +84,18 @@ def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
         model_dir=resolved.model_dir,
         profile_reason=resolved.summary.profile_reason,
     )
+
+
+def _buffers(module: nn.Module) -> list[mx.array]:
+    """Arrays the module tree holds under ``_``-prefixed keys (not parameters)."""
+    return [
+        leaf
+        for m in module.modules()
+        for key, value in m.items()
+        if key.startswith("_")
+        for _, leaf in tree_flatten(value)
+        if isinstance(leaf, mx.array)
+    ]
 
 
 def load(
