@@ -119,3 +119,25 @@ def test_server_wide_template_args_may_not_set_what_the_server_sets(checkpoints,
     model, tokenizer = checkpoints["json_tools"]
     with pytest.raises(mlx_loom.LoomError):
         make_server(model, tokenizer, port=0, chat_template_args=args)
+
+
+def test_python_callers_read_a_reply_with_the_servers_chat_format(checkpoints):
+    from mlx_loom.serve import ChatFormat
+    from mlx_loom.text import Content, Reasoning, ToolCallFound
+
+    from .formats import SCRIPTED_CALLS, WEATHER_TOOL
+
+    model, tokenizer = checkpoints["json_tools"]
+    fmt = ChatFormat.for_model(model, tokenizer)
+    assert (fmt.tool_parser.name, fmt.reasoning.name) == ("json_tools", "think")
+    prompt = tokenizer.apply_chat_template([USER], tools=[WEATHER_TOOL], enable_thinking=True)
+    parser = fmt.output_parser(tools=[WEATHER_TOOL], prompt=prompt)
+    events = parser.feed("why\n</think>\nSure." + SCRIPTED_CALLS["json_tools"]) + parser.finish()
+    assert [type(e) for e in events] == [Reasoning, Content, ToolCallFound]
+    assert events[2].call.arguments == {"city": "Paris", "days": 2}
+    # Without tools, the markup is text.
+    plain = fmt.output_parser(prompt=prompt)
+    assert [type(e) for e in plain.feed("a</think>b<tool_call>") + plain.finish()] == [
+        Reasoning,
+        Content,
+    ]

@@ -19,7 +19,7 @@ from ..cache import validate_kv_quantization
 from ..errors import CapabilityRefused, LoomError, RequestError
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
-from ..host import GENERATE, KV_QUANTIZATION, Registry, default_host
+from ..host import GENERATE, KV_QUANTIZATION, Registry
 from ..model import Model
 from ..text import StopStrings, Tokenizer
 from ..text.output_parser import Content, OutputParser, Reasoning, ToolCallFound
@@ -150,14 +150,8 @@ class ServeApp:
             "kv_group_size": kv_group_size,
             "quantized_kv_start": quantized_kv_start,
         }
-        registry = registry if registry is not None else default_host().registry
-        claim = registry.model_types.get(model.model_type)
         self.chat_format = ChatFormat.for_model(
-            tokenizer,
-            parsers=registry.tool_parsers,
-            override=tool_call_parser,
-            family_default=claim.tool_parser if claim is not None else None,
-            model_type=model.model_type,
+            model, tokenizer, registry=registry, override=tool_call_parser
         )
         self.worker = GenerationWorker(model, tokenizer)
 

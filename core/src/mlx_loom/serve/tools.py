@@ -18,11 +18,13 @@ and ``parallel_tool_calls`` into a :class:`ToolPlan`:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ToolParserUnavailable
+from ..errors import LoomError, ToolParserUnavailable
+from ..host import Registry, default_host
+from ..model import Model
 from ..text import Tokenizer
 from ..text.output_parser import OutputParser
 from ..text.reasoning import ReasoningFormat, infer_reasoning
@@ -36,7 +38,16 @@ _ANY_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "f
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """How this model's chat output is read; decided once, when the server starts."""
+    """How a model's chat output is read: its tool-call format and reasoning markers.
+
+    The server decides it once, at start-up; a Python caller can do the same
+    to read :func:`mlx_loom.generate` output as the server does::
+
+        fmt = ChatFormat.for_model(model, tokenizer)
+        prompt = tokenizer.apply_chat_template(messages, tools=tools)
+        parser = fmt.output_parser(tools=tools, prompt=prompt)
+        events = parser.feed(mlx_loom.generate(model, tokenizer, prompt_ids)) + parser.finish()
+    """
 
     tool_parser: ToolParser | None
     #: Why this parser (or none): for the start-up log and ``/health``.
@@ -48,34 +59,48 @@ class ChatFormat:
     @classmethod
     def for_model(
         cls,
+        model: Model,
         tokenizer: Tokenizer,
         *,
-        parsers: Mapping[str, ToolParser],
+        registry: Registry | None = None,
         override: str | None = None,
-        family_default: str | None = None,
-        model_type: str | None = None,
-        reasoning_formats: tuple[ReasoningFormat, ...] | None = None,
     ) -> ChatFormat:
+        """Choose for ``model``: ``override`` (a parser name), else what the artifact and
+        its family declare (see :func:`~mlx_loom.text.tool_calls.choose_tool_parser`).
+
+        ``registry`` (default: the default host's) supplies the registered
+        parsers and the model type's default format.
+        """
+        registry = registry if registry is not None else default_host().registry
+        claim = registry.model_types.get(model.model_type)
         source = ""
         if tokenizer.has_chat_template:
             try:
                 source = tokenizer.chat_template(tools=_ANY_TOOLS).source
-            except Exception:  # noqa: BLE001 - several templates, none named default
+            except LoomError:  # several templates, none of them the default
                 source = ""
         choice = choose_tool_parser(
-            parsers,
+            registry.tool_parsers,
             override=override,
             tokenizer_config=tokenizer.config.tool_parser_type,
             template=source,
-            family_default=family_default,
-            model_type=model_type,
+            family_default=claim.tool_parser if claim is not None else None,
+            model_type=model.model_type,
         )
-        has_token = lambda t: tokenizer.token_to_id(t) is not None  # noqa: E731
-        if reasoning_formats is None:
-            reasoning = infer_reasoning(source, has_token)
-        else:
-            reasoning = infer_reasoning(source, has_token, reasoning_formats)
+        reasoning = infer_reasoning(source, lambda t: tokenizer.token_to_id(t) is not None)
         return cls(choice.parser, choice.reason, reasoning, source)
+
+    def output_parser(
+        self, *, tools: Sequence[Any] | None = None, prompt: str = ""
+    ) -> OutputParser:
+        """A splitter for one reply to ``prompt`` (the rendered chat), searching for calls
+        to ``tools`` (none given: tool markup stays text)."""
+        return OutputParser(
+            tool_parser=self.tool_parser if tools else None,
+            tools=tools,
+            reasoning=self.reasoning,
+            in_reasoning=self.reasoning is not None and self.reasoning.opens_inside(prompt),
+        )
 
 
 @dataclass(frozen=True)
