@@ -152,6 +152,19 @@ def test_an_out_of_range_port_is_a_usage_error(port, capsys):
     assert "--port" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--allowed-origins", "http://a.example", "http://b.example"], 2),
+        (["--allowed-origins", "http://a.example,http://b.example"], 2),
+        (["--allowed-origins", "*"], 1),
+        ([], 0),
+    ],
+)
+def test_allowed_origins_are_listed_by_spaces_or_commas(argv, expected):
+    assert len(build_parser().parse_args(["serve", *argv]).allowed_origins) == expected
+
+
 @pytest.mark.parametrize("value", ["{not json", "[1, 2]"])
 def test_chat_template_args_must_be_a_json_object(value, capsys):
     with pytest.raises(SystemExit) as info:

@@ -40,6 +40,15 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+class _Origins(argparse.Action):
+    """One or more origins, separated by spaces or commas (mlx_lm.server's spelling)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        found = list(getattr(namespace, self.dest) or [])
+        found += [o.strip() for value in values for o in value.split(",") if o.strip()]
+        setattr(namespace, self.dest, found)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "serve",
@@ -92,6 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     access.add_argument(
         "--allowed-origins",
         nargs="+",
+        action=_Origins,
         default=[],
         metavar="ORIGIN",
         help="web origins whose pages may call the API (CORS), e.g. http://localhost:3000, "
