@@ -239,6 +239,10 @@ class ScriptedWorker:
         self.queued = 0
         self.alive = True
 
+    def clear(self) -> None:
+        """Forget replies no request took (one refused before generating leaves its own)."""
+        self.replies = queue.Queue()
+
     def script(self, *replies: str | tuple[str, str]) -> None:
         for reply in replies:
             self.replies.put(reply if isinstance(reply, tuple) else (reply, "stop"))

@@ -32,6 +32,10 @@ from ..text.tool_calls import ToolParser, choose_tool_parser
 from . import schemas
 from .errors import HttpError, from_loom_error
 
+#: The deepest nesting (objects and lists) a tool's definition may have. Real
+#: schemas nest a few levels; templates and schema coercion recurse over it.
+MAX_TOOL_DEPTH = 100
+
 #: Placeholder tool list used only to pick the template a request with tools renders with.
 _ANY_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "f"}}]
 
@@ -133,6 +137,16 @@ def plan_tools(request: schemas.ChatCompletionRequest, fmt: ChatFormat) -> ToolP
                 code="invalid_parameter",
             )
         return ToolPlan(parallel=parallel)
+    for index, tool in enumerate(tools):
+        depth = _nesting(tool)
+        if depth > MAX_TOOL_DEPTH:
+            raise HttpError(
+                400,
+                f"tools[{index}] nests {depth} levels deep; at most {MAX_TOOL_DEPTH} are served.",
+                fix="flatten the tool's parameters schema",
+                param=f"tools[{index}].function.parameters",
+                code="invalid_parameter",
+            )
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
@@ -171,6 +185,22 @@ def plan_tools(request: schemas.ChatCompletionRequest, fmt: ChatFormat) -> ToolP
     if choice == "required":
         return ToolPlan(tools, True, "", parallel)
     return ToolPlan(tools, True, None, parallel)
+
+
+def _nesting(value: Any) -> int:
+    """How deeply objects and lists nest in ``value`` (iteratively: the value is client input)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def prompt_suffix(plan: ToolPlan, fmt: ChatFormat, *, in_reasoning: bool) -> str:
