@@ -141,3 +141,25 @@ def test_python_callers_read_a_reply_with_the_servers_chat_format(checkpoints):
         Reasoning,
         Content,
     ]
+
+
+def test_a_forced_call_closes_a_thinking_section_the_template_opened(think):
+    from .formats import SCRIPTED_CALLS, WEATHER_TOOL
+
+    server, worker = think
+    worker.script(SCRIPTED_CALLS["json_tools"].removeprefix("<tool_call>"))
+    content, reasoning, calls, finish = ask(
+        server,
+        [USER],
+        stream=False,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    assert (content, reasoning, finish) == (None, None, "tool_calls")
+    assert calls[0]["name"] == "get_weather"
+    tokenizer = server.app.tokenizer
+    rendered = tokenizer.apply_chat_template([USER], tools=[WEATHER_TOOL], enable_thinking=True)
+    assert rendered.endswith("<think>\n")
+    expected = tokenizer.encode(rendered + "</think>\n\n<tool_call>", add_special_tokens=False)
+    assert worker.jobs[-1].prompt == expected
