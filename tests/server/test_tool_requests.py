@@ -129,3 +129,24 @@ def test_loom_serve_with_an_unknown_tool_call_parser_exits_3(checkpoint, capsys)
     code = main(["serve", "--model", str(checkpoint), "--port", "0", "--tool-call-parser", "x"])
     assert code == 3
     assert "qwen3_coder" in capsys.readouterr().err
+
+
+def test_completions_serve_n_choices_plain_and_streamed(client):
+    eos = next(iter(client.server.app.tokenizer.eos_token_ids))
+    body = {
+        "prompt": "the model",
+        "max_tokens": 4,
+        "n": 2,
+        "temperature": 1.0,
+        "seed": 5,
+        "logit_bias": {str(eos): -100},
+    }
+    whole = client.post("/v1/completions", body).json
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    assert whole["usage"]["completion_tokens"] == 8
+    events = client.post("/v1/completions", {**body, "stream": True}).events()[:-1]
+    streamed = {0: "", 1: ""}
+    for chunk in events:
+        choice = chunk["choices"][0]
+        streamed[choice["index"]] += choice["text"]
+    assert [streamed[0], streamed[1]] == [c["text"] for c in whole["choices"]]
