@@ -197,3 +197,31 @@ def test_an_error_answer_is_shown(page, served):
     say(page, "hello")
     error = wait_for(lambda: page.find_element("css selector", ".msg.error"))
     assert "max_tokens" in error.text
+
+
+def test_a_server_with_an_api_key_asks_for_it_and_then_serves(driver, tmp_path):
+    path = write_format_checkpoint(tmp_path / "ckpt", FORMATS["json_tools"])
+    model, tokenizer = mlx_loom.load(path)
+    server = make_server(model, tokenizer, port=0, model_id="keyed", api_key="page-key")
+    worker = scripted(server)
+    server.start_in_background()
+    try:
+        driver.get(server.url + "/")
+        driver.execute_script("localStorage.clear()")
+        driver.get(server.url + "/")
+        wait_for(lambda: "API key" in driver.find_element("id", "status").text)
+        key = driver.find_element("id", "api-key")
+        assert key.is_displayed()
+        key.send_keys("page-key")
+        driver.find_element("id", "input").click()  # leaving the field saves the key
+        wait_for(lambda: driver.find_element("id", "model").get_attribute("value") == "keyed")
+        worker.script("Authenticated answer.")
+        say(driver, "hi")
+        reply = wait_for(lambda: last_reply(driver).find_elements("css selector", ".stats"))
+        assert reply
+        assert last_reply(driver).find_element("css selector", ".content").text == (
+            "Authenticated answer."
+        )
+    finally:
+        driver.execute_script("localStorage.clear()")
+        server.stop()
