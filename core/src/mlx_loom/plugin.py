@@ -8,6 +8,16 @@ tool-call format registers a :class:`ToolParser` (``loom_tool_parsers``).
 
 from __future__ import annotations
 
+from .artifacts.fields import (
+    Count,
+    FieldError,
+    FiniteFloat,
+    Flag,
+    LayerCount,
+    PositiveFloat,
+    Size,
+    UnitFloat,
+)
 from .errors import (
     CacheError,
     CapabilityRefused,
@@ -45,15 +55,23 @@ __all__ = [
     "CacheError",
     "CapabilityRefused",
     "ConfigError",
+    "Count",
     "Execution",
+    "FieldError",
+    "FiniteFloat",
+    "Flag",
     "Implementation",
     "Kernel",
+    "LayerCount",
     "MalformedToolCall",
     "ModelType",
+    "PositiveFloat",
     "Profile",
     "RequestError",
+    "Size",
     "ToolCall",
     "ToolParser",
+    "UnitFloat",
     "WeightsError",
     "hookimpl",
 ]
