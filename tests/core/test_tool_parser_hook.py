@@ -51,19 +51,51 @@ def test_a_parser_taking_a_builtin_name_quarantines_its_plugin():
     clash = ToolParser(name="json_tools", start="<x>", end="</x>", parse=lambda t: [])
     record = host(("clash", ParserPlugin(clash))).record("clash")
     assert record.status == "quarantined"
-    assert "invalid tool parser" in record.reason and "json_tools" in record.reason
+    assert "'json_tools' is built into the core" in record.reason
 
 
-def test_a_parser_without_a_start_marker_quarantines_its_plugin():
-    empty = ToolParser(name="empty", start="", end="", parse=lambda t: [])
-    record = host(("empty", ParserPlugin(empty))).record("empty")
-    assert record.status == "quarantined" and "empty start marker" in record.reason
+class LateParser:
+    """A plugin whose parser is malformed: building it in the hook raises there."""
+
+    @hookimpl
+    def loom_plugin_api_version(self):
+        return "1.0"
+
+    @hookimpl
+    def loom_tool_parsers(self):
+        return [ToolParser(name="empty", start="", end="", parse=lambda t: [])]
 
 
-def test_two_plugins_registering_one_name_is_an_error_naming_both():
+def test_a_malformed_parser_is_refused_where_it_is_made_and_quarantines_its_plugin():
+    with pytest.raises(RegistrationError, match="start must be"):
+        ToolParser(name="empty", start="", end="", parse=lambda t: [])
+    record = host(("late", LateParser())).record("late")
+    assert record.status == "quarantined" and "start must be" in record.reason
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"name": "has space"},
+        {"end": None},
+        {"parse": "not callable"},
+        {"template_markers": ("not", "groups")},
+        {"template_markers": ((),)},
+    ],
+)
+def test_every_field_of_a_parser_is_checked(fields):
+    base = dict(name="ok", start="<", end=">", parse=lambda t: [])
+    with pytest.raises(RegistrationError, match="ToolParser"):
+        ToolParser(**{**base, **fields})
+
+
+def test_two_plugins_registering_one_name_are_both_quarantined_naming_each_other():
     h = host(("a", ParserPlugin(ANGLE)), ("b", ParserPlugin(ANGLE)))
-    with pytest.raises(RegistrationError, match="registered twice"):
-        h.registry  # noqa: B018 - the registry is built lazily, and refuses here
+    for name, other in (("a", "b"), ("b", "a")):
+        record = h.record(name)
+        assert record.status == "quarantined"
+        assert "tool parser 'angle'" in record.reason and other in record.reason
+    assert "angle" not in h.registry.tool_parsers
 
 
 def test_a_composed_registry_keeps_the_plugin_parsers_and_adds_more():

@@ -23,7 +23,7 @@ def test_generate_streams_text_and_ends_with_stats(llama_f32, capsys):
 def test_generate_verbose_names_the_resolution(llama_f32, capsys):
     main(["generate", "--model", str(llama_f32), "-p", "hi", "-m", "2", "--verbose"])
     err = capsys.readouterr().err
-    assert "profile: minicpm5/llama" in err and "implementation: minicpm5.llama.mlx" in err
+    assert "profile: minicpm5/llama" in err and "implementation: minicpm5.llama" in err
 
 
 def test_generate_without_chat_template_feeds_raw_text(llama_f32, capsys):
@@ -102,7 +102,7 @@ def test_explain_json_for_a_family_checkpoint(llama_f32, capsys):
     assert main(["explain", str(llama_f32), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["profile"] == "minicpm5/llama"
-    assert summary["implementation"] == "minicpm5.llama.mlx"
+    assert summary["implementation"] == "minicpm5.llama"
 
 
 def test_usage_errors_exit_2(capsys):

@@ -82,6 +82,10 @@ class RegistrationError(PluginError):
     """A plugin registered something malformed: an empty id, a duplicate id ..."""
 
 
+class ImplementationFailed(PluginError):
+    """An implementation's factory raised, or returned something that is not a model."""
+
+
 # --- caches ----------------------------------------------------------------
 
 

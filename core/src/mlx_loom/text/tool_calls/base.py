@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ...errors import RegistrationError
+
 if TYPE_CHECKING:
     from ...host import Provider
 
@@ -41,6 +43,13 @@ class ToolCall:
     name: str
     arguments: dict[str, Any]
     id: str | None = None
+
+
+def _invalid(who: str, field_name: str, want: str, got: object) -> RegistrationError:
+    return RegistrationError(
+        f"{who}: {field_name} must be {want}, got {got!r}.",
+        fix=f"Correct {field_name} where the parser is declared.",
+    )
 
 
 def _no_opening(name: str, template: str) -> str:
@@ -74,6 +83,33 @@ class ToolParser:
     opening: Callable[[str, str], str] = _no_opening
     description: str = ""
     provider: Provider | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        """Check every field, so a malformed registration fails where it is made."""
+        who = f"ToolParser {self.name!r}"
+        if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
+            raise _invalid(who, "name", "a non-blank string without whitespace", self.name)
+        if not isinstance(self.start, str) or not self.start:
+            raise _invalid(who, "start", "the non-empty text that opens a call", self.start)
+        if not isinstance(self.end, str):
+            raise _invalid(who, "end", 'the text that closes a call ("" for none)', self.end)
+        for name in ("parse", "opening"):
+            if not callable(getattr(self, name)):
+                raise _invalid(who, name, "a callable", getattr(self, name))
+        markers = self.template_markers
+        if not (
+            isinstance(markers, (tuple, list))
+            and all(
+                isinstance(group, (tuple, list))
+                and group
+                and all(isinstance(m, str) and m for m in group)
+                for group in markers
+            )
+        ):
+            raise _invalid(who, "template_markers", "groups (tuples) of non-empty strings", markers)
+        object.__setattr__(self, "template_markers", tuple(tuple(g) for g in markers))
+        if not isinstance(self.description, str):
+            raise _invalid(who, "description", "a string", self.description)
 
     def matches_template(self, source: str) -> bool:
         """Whether a chat template's source carries this format's markers."""

@@ -40,23 +40,20 @@ def parser_table(extra: Iterable[ToolParser] = ()) -> dict[str, ToolParser]:
     """Plugin parsers (``extra``) then the built-ins, by name; a name twice is an error."""
     table: dict[str, ToolParser] = {}
     for parser in (*extra, *BUILTIN_TOOL_PARSERS):
-        if not parser.name or not parser.name.strip():
-            raise RegistrationError(
-                f"{parser.provider or 'a plugin'} registered a tool parser with an empty name.",
-                fix="Give every tool parser a non-empty name.",
-            )
         if parser.name in table:
-            first = table[parser.name].provider or "the core"
+            first = table[parser.name].provider or "the host"
+            if parser in BUILTIN_TOOL_PARSERS:
+                raise RegistrationError(
+                    f"Tool parser {parser.name!r} is built into the core; {first} registers "
+                    "another under that name.",
+                    fix="Rename the plugin's parser (built-in names: "
+                    + ", ".join(p.name for p in BUILTIN_TOOL_PARSERS)
+                    + ").",
+                )
             raise RegistrationError(
                 f"Tool parser {parser.name!r} is registered twice: by {first} and by "
-                f"{parser.provider or 'the core'}.",
-                fix="Rename the plugin's parser, or uninstall or disallow one of the plugins.",
-            )
-        if not parser.start:
-            raise RegistrationError(
-                f"Tool parser {parser.name!r} from {parser.provider or 'the core'} has an empty "
-                "start marker.",
-                fix="Declare the text that opens a call in this format as start.",
+                f"{parser.provider or 'the host'}.",
+                fix="Rename one of the parsers, or uninstall or disallow one of the plugins.",
             )
         table[parser.name] = parser
     return table
