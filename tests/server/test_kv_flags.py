@@ -49,7 +49,23 @@ def test_an_unsupported_width_fails_at_start(checkpoint):
         next(serve(model, tokenizer, kv_bits=7))
 
 
-def test_loom_serve_refuses_a_bad_kv_flag_before_serving(checkpoint, capsys):
-    code = main(["serve", "--model", str(checkpoint), "--port", "0", "--kv-group-size", "48"])
-    assert code == 1
-    assert "kv_group_size=48" in capsys.readouterr().err
+def test_loom_serve_refuses_a_bad_kv_flag_before_loading(checkpoint, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model", str(checkpoint), "--port", "0", "--kv-group-size", "48"])
+    assert info.value.code == 2
+    assert "--kv-group-size" in capsys.readouterr().err
+
+
+def test_loom_serve_picks_a_kv_group_size_that_divides_the_heads(checkpoint, monkeypatch):
+    from mlx_loom.cli import serve_cmd
+    from mlx_loom.serve import ServerStartError
+
+    seen = {}
+
+    def fake_make_server(model, tokenizer, **options):
+        seen.update(options)
+        raise ServerStartError("stop here", fix="none")
+
+    monkeypatch.setattr(serve_cmd, "make_server", fake_make_server)
+    assert main(["serve", "--model", str(checkpoint), "--port", "0", "--kv-bits", "8"]) == 1
+    assert (seen["kv_bits"], seen["kv_group_size"]) == (8, 32)  # the heads are 32 wide

@@ -63,6 +63,10 @@ class RequestError(LoomError, ValueError):
     """A generation request has an invalid parameter (empty prompt, bad top-p ...)."""
 
 
+class UsageError(RequestError):
+    """A command-line flag has a value the command cannot use (CLI exit code 2)."""
+
+
 # --- plugins ---------------------------------------------------------------
 
 

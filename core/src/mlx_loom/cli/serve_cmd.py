@@ -9,33 +9,24 @@ import os
 import sys
 from typing import Any
 
-from ..assets import BUNDLED_MODEL
+from ..assets import BUNDLED_MODEL_NAME
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
-from .generate_cmd import add_model_options, load_from_args
+from . import flags
+from .generate_cmd import add_model_options, kv_group_size, load_from_args
 
 #: Read when ``--api-key`` is not given, so the key need not appear in the process list.
 API_KEY_ENV = "MLX_LOOM_API_KEY"
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is outside 0..65535 (0 picks a free port)")
-    return port
-
-
 def _json_object(text: str) -> dict[str, Any]:
+    fix = """fix: pass a JSON object, e.g. --chat-template-args '{"enable_thinking": false}'"""
     try:
         value = json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}\n{fix}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(
-            f"must be a JSON object such as '{{\"enable_thinking\": false}}', not a "
-            f"{type(value).__name__}"
+            f"must be a JSON object, not a {type(value).__name__}\n{fix}"
         )
     return value
 
@@ -64,11 +55,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="address to bind (default: 127.0.0.1, reachable from this machine only)",
     )
     parser.add_argument(
-        "--port", type=_port, default=8080, help="default: 8080; 0 picks a free port"
+        "--port",
+        type=flags.PORT,
+        default=8080,
+        metavar="PORT",
+        help="default: 8080; 0 picks a free port",
     )
     parser.add_argument(
         "--max-tokens-limit",
-        type=int,
+        type=flags.MAX_TOKENS_LIMIT,
+        metavar="N",
         default=DEFAULT_MAX_TOKENS_LIMIT,
         help=f"largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_LIMIT})",
     )
@@ -89,13 +85,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         """chat_template_kwargs, e.g. '{"enable_thinking": false}'""",
     )
     cache = parser.add_argument_group("KV cache")
-    cache.add_argument("--kv-bits", type=int, help="quantize every request's KV cache (4 or 8)")
-    cache.add_argument("--kv-group-size", type=int, default=64, help="default: 64")
+    cache.add_argument(
+        "--kv-bits",
+        type=flags.KV_BITS_FLAG,
+        metavar="{2,3,4,5,6,8}",
+        help="quantize every request's KV cache to this many bits (4 and 8 are the usual "
+        "choices; default: not quantized)",
+    )
+    cache.add_argument(
+        "--kv-group-size",
+        type=flags.KV_GROUP_SIZE,
+        metavar="{32,64,128}",
+        help="elements per quantization group; must divide the head dimension "
+        "(default: 64, or 32 when 64 does not divide it)",
+    )
     cache.add_argument(
         "--quantized-kv-start",
-        type=int,
+        type=flags.QUANTIZED_KV_START,
         default=0,
-        help="tokens kept unquantized before KV quantization starts (default: 0)",
+        metavar="N",
+        help="quantize once the cache holds this many tokens (default: 0)",
     )
     access = parser.add_argument_group("access")
     access.add_argument(
@@ -127,14 +136,14 @@ def run(args: argparse.Namespace) -> int:
         tokenizer,
         host=args.host,
         port=args.port,
-        model_id=args.model or BUNDLED_MODEL,
+        model_id=args.model or BUNDLED_MODEL_NAME,
         max_tokens_limit=args.max_tokens_limit,
         allowed_origins=args.allowed_origins,
         api_key=api_key,
         tool_call_parser=args.tool_call_parser,
         chat_template_args=args.chat_template_args,
         kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size,
+        kv_group_size=kv_group_size(args, model),
         quantized_kv_start=args.quantized_kv_start,
     )
     if not server.loopback_only and server.api_key is None:

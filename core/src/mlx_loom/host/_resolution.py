@@ -25,6 +25,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from ..advice import allow_plugin_fix, install_command
 from ..artifacts import (
     ArtifactConfig,
     artifact_fingerprint,
@@ -36,6 +37,7 @@ from ..artifacts import (
 )
 from ..errors import PluginUnavailable, UnknownModelType
 from ._discovery import PluginHost, PluginRecord
+from ._policy import PluginPolicy
 from ._profiles import resolve_profile
 from ._registry import Binding, ModelType, Registry
 
@@ -182,12 +184,12 @@ def _unclaimed(name: str, host: PluginHost, registry: Registry) -> Exception:
         plugin, dist = known
         record = host.record(plugin) or host.by_distribution(dist)
         if record is not None and record.status != "loaded":
-            return _unavailable(name, record)
+            return _unavailable(name, record, host.policy)
         if record is None:
             return UnknownModelType(
                 f"model_type {name!r} needs the {plugin!r} family plugin, which is not "
                 f"installed (model types claimed here: {claimed}).",
-                fix=f"pip install {dist}",
+                fix=install_command(plugin, dist),
             )
     suspects = [r for r in host.unavailable]
     if suspects:
@@ -204,12 +206,12 @@ def _unclaimed(name: str, host: PluginHost, registry: Registry) -> Exception:
     )
 
 
-def _unavailable(name: str, record: PluginRecord) -> PluginUnavailable:
+def _unavailable(name: str, record: PluginRecord, policy: PluginPolicy) -> PluginUnavailable:
     who = f"plugin {record.name!r} ({record.distribution} {record.version})"
     if record.status == "blocked":
         return PluginUnavailable(
             f"model_type {name!r} is claimed by {who}, which is {record.reason}.",
-            fix=f"Allow it: add {record.name!r} to MLX_LOOM_PLUGINS or to the host's policy.",
+            fix=allow_plugin_fix(record.name, policy),
         )
     return PluginUnavailable(
         f"model_type {name!r} is claimed by {who}, which is quarantined: {record.reason}.",
