@@ -119,6 +119,12 @@ def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
     apply_cpu_path(module, resolved.summary.cpu)
     if not lazy:
         _evaluate(module)
+        # Buffers (arrays a module keeps beside its parameters, such as RoPE
+        # frequency tables) too: MLX ties an unevaluated array to the stream of
+        # the thread that built it, so a model built on one thread and run on
+        # another (the server's generation thread) would fail with "There is
+        # no Stream(cpu, 0) in current thread".
+        mx.eval(_buffers(module))
     module.eval()
     return Model(
         module,
@@ -167,6 +173,18 @@ def _screen(a: mx.array) -> mx.array:
     """A float32 scalar that is finite when every element of ``a`` is (or overflowed)."""
     rows = a.reshape(-1, a.shape[-1]) if a.ndim >= 2 else a.reshape(1, -1)
     return mx.sum(mx.sum(rows, axis=0)).astype(mx.float32)
+
+
+def _buffers(module: nn.Module) -> list[mx.array]:
+    """Arrays the module tree holds under ``_``-prefixed keys (not parameters)."""
+    return [
+        leaf
+        for m in module.modules()
+        for key, value in m.items()
+        if key.startswith("_")
+        for _, leaf in tree_flatten(value)
+        if isinstance(leaf, mx.array)
+    ]
 
 
 def load(
