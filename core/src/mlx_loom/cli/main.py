@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("explain_cmd", "show how a model would be resolved, without loading weights"),
     "generate": ("generate_cmd", "generate text from a prompt"),
     "chat": ("chat_cmd", "chat interactively with a model"),
-    "serve": ("serve_cmd", "serve a model over an OpenAI-compatible HTTP API"),
+    "serve": ("serve_cmd", "serve a model over OpenAI- and Anthropic-compatible HTTP APIs"),
 }
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REFUSAL = 0, 1, 2, 3
