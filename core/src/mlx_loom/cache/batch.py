@@ -420,10 +420,9 @@ class BatchQuantizedKVCache(BatchKVCache):
     """:class:`BatchKVCache` over affine-quantized keys/values (``bits`` per ``group_size``).
 
     Row ``i`` holds, slot for slot, what the row's own
-    :class:`~mlx_loom.cache.QuantizedKVCache` holds, so
-    :func:`~mlx_loom.cache.scaled_dot_product_attention` (which follows
-    ``bits``) attends over it with ``mx.quantized_matmul`` exactly as for the
-    single row.
+    :class:`~mlx_loom.cache.QuantizedKVCache` holds, so its
+    :class:`~mlx_loom.cache.AffineView` attends over it with
+    ``mx.quantized_matmul`` exactly as for the single row.
     """
 
     kind: ClassVar[str] = "BatchQuantizedKVCache"

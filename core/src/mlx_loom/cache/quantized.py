@@ -1,8 +1,8 @@
 """Affine-quantized key/value caches: full and sliding-window.
 
 Keys and values are stored as ``mx.quantize`` triples ``(packed, scales,
-biases)`` and returned that way; :func:`mlx_loom.cache.attention.scaled_dot_product_attention`
-then attends with ``mx.quantized_matmul``. Quantization groups run along
+biases)``; ``append`` returns an :class:`~mlx_loom.cache.AffineView`, which
+attends with ``mx.quantized_matmul``. Quantization groups run along
 head_dim, one token at a time, so quantizing on the way in and then moving
 slots gives exactly the quantized form of what the plain cache would return:
 the quantized window cache is bit-equal to ``mx.quantize`` of the plain window
