@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_loom
+from mlx_loom import PromptCache
 from mlx_loom.cache import maybe_quantize_kv_cache
 from mlx_loom.errors import CapabilityRefused, RequestError
 from mlx_loom.host import PluginHost
@@ -67,6 +68,30 @@ def test_a_family_attends_through_the_plugin_codec_without_knowing_it(family, ho
         token = mx.argmax(logits, axis=-1).item()
         want.append(token)
     assert got == want
+
+
+def test_a_prompt_cache_of_the_plugin_codec_round_trips_its_file(host, tmp_path):
+    claim = host.registry.model_types["llama"]
+    ckpt = write_checkpoint(
+        tmp_path / "ckpt", claim.tiny_config, claim.checkpoint_tensors(claim.tiny_config)
+    )
+    model, tok = mlx_loom.load(ckpt, host=host)
+    cache = PromptCache(model)
+    first = tok.encode("the model reads a token")
+    list(
+        mlx_loom.stream_generate(
+            model, tok, first, prompt_cache=cache, max_tokens=3, kv_codec="test-half"
+        )
+    )
+    assert all(type(c) is HalfKVCache for c in cache.cache)
+    cache.save(tmp_path / "half.safetensors")
+    loaded = PromptCache.load(tmp_path / "half.safetensors", model)
+    assert [type(c) for c in loaded.cache] == [HalfKVCache] * len(cache.cache)
+    assert all(
+        mx.array_equal(a, b).item()
+        for x, y in zip(loaded.cache, cache.cache, strict=True)
+        for a, b in zip(x.state, y.state, strict=True)
+    )
 
 
 def test_a_codec_without_a_window_kind_is_refused_for_a_model_with_windows(host, tmp_path):
