@@ -82,6 +82,7 @@ class Job:
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 0
+    kv_codec: str | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
     _handle: Handle | None = None
@@ -135,6 +136,7 @@ class GenerationWorker:
             kv_bits=job.kv_bits,
             kv_group_size=job.kv_group_size,
             quantized_kv_start=job.quantized_kv_start,
+            kv_codec=job.kv_codec,
         )
         job._handle = self.service.submit(request, sink=job._sink)
         if job.cancelled:
