@@ -265,13 +265,13 @@ class TurboQuantView:
     def attend(
         self, queries: mx.array, *, scale: float, mask: Any, sinks: mx.array | None = None
     ) -> mx.array:
-        from mlx_loom.cache.views import _plain_mask
+        from mlx_loom.cache.views import single_mask
 
         dtype = queries.dtype
         k = self.codec.decode_keys(self.keys).astype(dtype)
         v = self.codec.decode_values_rotated(self.values, self.head_dim).astype(dtype)
         out = mx.fast.scaled_dot_product_attention(
-            queries, k, v, scale=scale, mask=_plain_mask(mask), sinks=sinks
+            queries, k, v, scale=scale, mask=single_mask(mask), sinks=sinks
         )
         return self.codec.unrotate(out).astype(dtype)
 

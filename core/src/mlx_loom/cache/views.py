@@ -69,7 +69,7 @@ class PlainView:
         self, queries: mx.array, *, scale: float, mask: Any, sinks: mx.array | None = None
     ) -> mx.array:
         return mx.fast.scaled_dot_product_attention(
-            queries, self.keys, self.values, scale=scale, mask=_plain_mask(mask), sinks=sinks
+            queries, self.keys, self.values, scale=scale, mask=single_mask(mask), sinks=sinks
         )
 
 
@@ -95,7 +95,7 @@ class AffineView:
             self.keys,
             self.values,
             scale=scale,
-            mask=_plain_mask(mask),
+            mask=single_mask(mask),
             group_size=self.group_size,
             bits=self.bits,
         )
@@ -181,7 +181,8 @@ class RowsView:
         return out[mx.array(inverse, dtype=mx.int32)]
 
 
-def _plain_mask(mask: Any) -> Any:
+def single_mask(mask: Any) -> Any:
+    """``mask`` for a single-codec view; a per-segment :class:`RowsMask` here is a bug."""
     if isinstance(mask, RowsMask):
         raise CacheError(
             "a per-segment mask reached a single-codec view",
@@ -212,8 +213,3 @@ def append_kv(cache: Any, keys: mx.array, values: mx.array) -> KVView:
             fix="return a view with attend(queries, *, scale, mask, sinks=None)",
         )
     return view
-
-
-def views_of(segments: Sequence[KVView], rows: Sequence[Sequence[int]]) -> RowsView:
-    """A :class:`RowsView` from per-segment views and their batch rows."""
-    return RowsView(tuple(segments), tuple(tuple(r) for r in rows))
