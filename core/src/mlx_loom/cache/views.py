@@ -28,7 +28,6 @@ with mlx-lm stays bit-equal.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
