@@ -54,6 +54,8 @@ class KVQuantization:
     def apply(self, cache: list[Any]) -> None:
         if self.bits is None:  # runs after every forward: the common case costs nothing
             return
+        if not any(_convertible(c) for c in cache):  # every cache converted already
+            return
         maybe_quantize_kv_cache(
             cache,
             kv_bits=self.bits,
@@ -62,6 +64,11 @@ class KVQuantization:
             kv_codec=self.codec,
             kinds=self.kinds,
         )
+
+
+def _convertible(cache: Any) -> bool:
+    """A plain KV cache a codec may still take (not recurrent state, not already coded)."""
+    return hasattr(cache, "to_quantized") and not isinstance(getattr(cache, "codec", None), str)
 
 
 @dataclass(frozen=True)
