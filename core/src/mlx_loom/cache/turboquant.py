@@ -147,12 +147,26 @@ class TurboQuantCodec:
     def __init__(self, bits: int, *, owner: str) -> None:
         self.bits = check_bits(bits, owner=owner)
         self.owner = owner
-        levels = LLOYD_MAX_LEVELS[self.bits]
-        self._levels = mx.array(levels, dtype=mx.float32)
-        self._bounds = mx.array(
-            [(levels[i] + levels[i + 1]) / 2 for i in range(len(levels) - 1)], dtype=mx.float32
-        )
+        # Arrays are made on first use, on the thread that encodes (a request
+        # checked on a caller's thread builds caches but never encodes).
+        self._tables: tuple[mx.array, mx.array] | None = None
         self._sign_cache: dict[int, mx.array] = {}
+
+    @property
+    def _levels(self) -> mx.array:
+        return self._level_tables()[0]
+
+    @property
+    def _bounds(self) -> mx.array:
+        return self._level_tables()[1]
+
+    def _level_tables(self) -> tuple[mx.array, mx.array]:
+        """The Lloyd–Max levels and the decision boundaries between them (midpoints)."""
+        if self._tables is None:
+            levels = LLOYD_MAX_LEVELS[self.bits]
+            bounds = [(levels[i] + levels[i + 1]) / 2 for i in range(len(levels) - 1)]
+            self._tables = (mx.array(levels, mx.float32), mx.array(bounds, mx.float32))
+        return self._tables
 
     # --- the rotation -----------------------------------------------------------
 
