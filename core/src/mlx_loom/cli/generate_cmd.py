@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from ..assets import BUNDLED_MODEL_ALIAS
+from ..cache import resolve_kv_codec
 from ..generate import stream_generate
 from ..host import load
 from ..model import Model
@@ -326,14 +327,15 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_from_args(args)
     options = sampling_kwargs(args, model)
     if args.verbose:
-        codec = args.kv_codec or "affine"
-        kv = f"  kv cache: {codec}, {args.kv_bits or 'default'}-bit"
-        if codec == "affine":
-            kv += f", group {options['kv_group_size']}"
+        codec, bits = resolve_kv_codec(args.kv_codec, args.kv_bits, kinds=model.binding.cache_kinds)
+        kv = ""
+        if codec is not None and codec.name == "affine":
+            kv = f"  kv cache: {bits}-bit, group {options['kv_group_size']}"
+        elif codec is not None:
+            kv = f"  kv cache: {codec.name}, {bits}-bit"
         print(
             f"model: {model.model_dir}\nprofile: {model.profile.id} ({model.profile_reason})\n"
-            f"implementation: {model.implementation.id}  backend: {model.backend}"
-            + (kv if args.kv_bits is not None or args.kv_codec is not None else ""),
+            f"implementation: {model.implementation.id}  backend: {model.backend}" + kv,
             file=sys.stderr,
         )
     if not args.no_chat_template and tokenizer.has_chat_template:
