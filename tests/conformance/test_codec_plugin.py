@@ -21,13 +21,13 @@ FAMILIES = ["llama", "qwen3_next"]
 def test_the_kit_passes_a_conforming_codec_plugin():
     report = run_conformance("halfkv", plugin=CodecPlugin(), collisions=False)
     assert report.passed, report.format()
-    result = report.result("kv-codecs")
+    result = report.result("kv-codec-kinds")
     assert result.status == "pass" and "test-half" in result.detail
 
 
 def test_the_kit_fails_a_codec_whose_view_does_not_attend():
     report = run_conformance("scrambled", plugin=CodecPlugin([ScrambledKVCache]), collisions=False)
-    result = report.result("kv-codecs")
+    result = report.result("kv-codec-kinds")
     assert result.status == "fail" and "off plain" in result.detail
 
 

@@ -99,7 +99,7 @@ def loom_cache_kinds() -> Sequence[type]:
     plugin API 1.2, kinds that also declare ``codec``, ``codec_bits``,
     ``codec_default_bits`` and ``from_plain`` form a KV codec that requests
     select with ``kv_codec=`` (``mlx_loom.cache.codecs``); the conformance
-    kit's ``kv-codecs`` check holds them to the view contract.
+    kit's ``kv-codec-kinds`` check holds them to the view contract.
     """
 
 

@@ -27,7 +27,7 @@ from mlx_loom.cache import CACHE_KINDS, KVCache, RotatingKVCache, append_kv
 
 from .conformance import CheckResult, failed, passed, skipped
 
-NAME = "kv-codecs"
+NAME = "kv-codec-kinds"
 _H, _D, _SCALE = 2, 64, 0.125
 
 

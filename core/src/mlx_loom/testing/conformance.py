@@ -370,7 +370,7 @@ def check_registrations(subject: _Subject) -> CheckResult:
     codec_only = not subject.implementations and not subject.profiles and _codec_kinds(subject)
     if codec_only:
         kinds = ", ".join(c.__name__ for c in _codec_kinds(subject))
-        return passed(name, f"KV codec plugin: cache kinds {kinds} (checked by kv-codecs)")
+        return passed(name, f"KV codec plugin: cache kinds {kinds} (checked by kv-codec-kinds)")
     if not subject.implementations:
         problems.append("registers no implementation")
     if not subject.profiles:
@@ -700,7 +700,7 @@ def run_conformance(
         )
         results += _guard("hooks", lambda: check_hooks(subject))
         results += _guard("registrations", lambda: check_registrations(subject))
-        results += _guard("kv-codecs", lambda: check_kv_codecs(dict(subject.own.cache_kinds)))
+        results += _guard("kv-codec-kinds", lambda: check_kv_codecs(dict(subject.own.cache_kinds)))
         if collisions:
             results += _guard("no-collisions", lambda: check_collisions(subject, root))
         targets: list[Target] = []
