@@ -85,3 +85,31 @@ def test_a_finished_turboquant_row_leaves_with_its_own_single_row_caches(loaded)
     drive(Engine(model), {0: [("mine", req), ("other", other)]})
     assert caches and all(type(c) is TurboQuantKVCache for c in caches)
     assert {c.offset for c in caches} == {7 + 6 - 1}
+
+
+def test_threads_asking_for_different_codecs_each_get_their_solo_result(loaded):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import mlx_loom
+
+    model, tok = loaded("llama")
+    no_eos = {t: -100.0 for t in tok.eos_token_ids}
+    asks = [
+        ("the model reads a token", {}),
+        ("hello world", {"kv_bits": 4, "kv_group_size": 32}),
+        ("a b c d", {"kv_codec": "turboquant", "kv_bits": 3}),
+        ("once upon a time", {"kv_codec": "turboquant"}),
+    ]
+    options = dict(max_tokens=24, logit_bias=no_eos)
+    expected = [mlx_loom.generate(model, tok, p, **options, **kv) for p, kv in asks]
+    gate = threading.Barrier(len(asks))
+
+    def run(ask):
+        gate.wait(10)
+        prompt, kv = ask
+        return mlx_loom.generate(model, tok, prompt, **options, **kv)
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        got = list(pool.map(run, asks))
+    assert got == expected
