@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from .artifacts import ArtifactConfig
     from .host import Binding, Implementation, Profile
+    from .parallel import Parallel
 
 
 @runtime_checkable
@@ -48,6 +49,7 @@ class Model:
         config: ArtifactConfig,
         model_dir: Path,
         profile_reason: str = "",
+        parallel: Parallel | None = None,
     ) -> None:
         if not isinstance(module, CausalLM):
             raise TypeError(
@@ -59,6 +61,8 @@ class Model:
         self.config = config
         self.model_dir = model_dir
         self.profile_reason = profile_reason
+        #: How this rank's part of a split model was cut (``None``: one process).
+        self.parallel = parallel
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
         return self.module(inputs, cache=cache)
@@ -108,7 +112,10 @@ class Model:
             )
 
     def __repr__(self) -> str:
+        split = ""
+        if self.parallel is not None:
+            split = f", parallel={self.parallel.mode!r} rank {self.parallel.rank}/{self.parallel.size}"
         return (
             f"Model(model_type={self.model_type!r}, profile={self.profile.id!r}, "
-            f"implementation={self.implementation.id!r}, backend={self.backend!r})"
+            f"implementation={self.implementation.id!r}, backend={self.backend!r}{split})"
         )

@@ -20,13 +20,17 @@ import functools
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..errors import ImplementationFailed, LoomError, WeightsError
+from ..artifacts.weights import recording_sources
+from ..errors import ImplementationFailed, LoomError, ParallelRefused, WeightsError
 from ..model import CausalLM, Model
+from ..parallel.build import Parallel, prepare, split_model
+from ..parallel.lockstep import Lockstep, share_seed
 from ..text import Tokenizer
 from ._discovery import PluginHost
 from ._kernels import Backend
@@ -72,13 +76,61 @@ def resolve_model(
     return resolve(model_ref, host=host, registry=registry)
 
 
-def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
+def build_model(
+    resolved: Resolved,
+    *,
+    lazy: bool = False,
+    parallel: str | None = None,
+    group: Any = None,
+) -> Model:
     """Run the selected implementation's factory and wrap the result.
 
     ``lazy=False`` (the default) evaluates every parameter now and refuses
     NaN/Inf weights; ``lazy=True`` leaves the arrays lazy (read on first
     use), so neither the load cost nor the finiteness check is paid here.
+    ``parallel`` (``"tensor"`` or ``"pipeline"``) keeps this rank's part of
+    the model across ``group`` (default: ``mx.distributed.init()``); the
+    slices of split tensors are read as the plan is applied, so ``lazy=True``
+    defers only the tensors every rank holds whole.
     """
+    binding = resolved.binding
+    impl = binding.implementation
+    if parallel is None:
+        module = _run_factory(resolved)
+        info = None
+        if not lazy:
+            _evaluate(module)
+    else:
+        group = prepare(parallel, group, implementation=impl)
+        lockstep = Lockstep(group)
+        try:
+            module, info = _build_split(resolved, parallel, group)
+            if not lazy:
+                _evaluate(module)
+        except Exception:
+            lockstep.agree(False)
+            raise
+        loaded = lockstep.agree(True)
+        if not all(loaded):
+            failed = [rank for rank, ok in enumerate(loaded) if not ok]
+            raise ParallelRefused(
+                f"Rank(s) {', '.join(map(str, failed))} of {group.size()} failed to load "
+                f"{str(resolved.model_dir)!r}, so this rank cannot run its part alone.",
+                fix="See the failing rank's own error (each rank reports why it failed).",
+            )
+        share_seed(lockstep)
+    module.eval()
+    return Model(
+        module,
+        binding=binding,
+        config=resolved.config,
+        model_dir=resolved.model_dir,
+        profile_reason=resolved.summary.profile_reason,
+        parallel=info,
+    )
+
+
+def _run_factory(resolved: Resolved) -> nn.Module:
     binding = resolved.binding
     impl = binding.implementation
     context = BuildContext(
@@ -89,34 +141,48 @@ def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
         backend=binding.backend,
         kernels={name: kernel.fn for name, kernel in binding.kernels.items()},
     )
-    who = f"Implementation {impl.id!r} ({impl.provider or 'registered by the host'})"
     try:
         module = impl.factory(context)
     except LoomError:
         raise  # already typed: a bad config or checkpoint the plugin reported
     except (Exception, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - not Ctrl-C
         raise ImplementationFailed(
-            f"{who} failed to build the model for {str(resolved.model_dir)!r}: "
+            f"{_who(impl)} failed to build the model for {str(resolved.model_dir)!r}: "
             f"{type(err).__name__}: {err}",
             fix="This is a fault in the plugin: report it to its authors (the chained "
             "traceback shows where), or disallow the plugin.",
         ) from err
     if not isinstance(module, nn.Module) or not isinstance(module, CausalLM):
         raise ImplementationFailed(
-            f"{who} built a {type(module).__name__}, not an mlx.nn.Module with "
+            f"{_who(impl)} built a {type(module).__name__}, not an mlx.nn.Module with "
             "__call__(inputs, cache) and make_cache().",
             fix="This is a fault in the plugin: its factory must return the model graph.",
         )
-    if not lazy:
-        _evaluate(module)
-    module.eval()
-    return Model(
-        module,
-        binding=binding,
-        config=resolved.config,
-        model_dir=resolved.model_dir,
-        profile_reason=resolved.summary.profile_reason,
-    )
+    return module
+
+
+def _who(impl: Any) -> str:
+    return f"Implementation {impl.id!r} ({impl.provider or 'registered by the host'})"
+
+
+def _build_split(resolved: Resolved, mode: str, group: Any) -> tuple[nn.Module, Parallel]:
+    """The factory's lazy model, with this rank's part kept by the family's plan."""
+    impl = resolved.binding.implementation
+    with recording_sources() as sources:
+        module = _run_factory(resolved)
+    try:
+        plan = impl.parallel(resolved.family_config)
+    except LoomError:
+        raise
+    except Exception as err:  # noqa: BLE001 - plugin code
+        raise ImplementationFailed(
+            f"{_who(impl)}'s parallel plan failed for {str(resolved.model_dir)!r}: "
+            f"{type(err).__name__}: {err}",
+            fix="This is a fault in the plugin: report it to its authors.",
+        ) from err
+    what = f"{resolved.model_dir.name!r} (implementation {impl.id!r})"
+    info = split_model(module, plan, mode, group, sources, what=what)  # type: ignore[arg-type]
+    return module, info
 
 
 def _evaluate(module: nn.Module) -> None:
@@ -166,17 +232,21 @@ def load(
     registry: Registry | None = None,
     kernel_backend: Backend | None = None,
     lazy: bool = False,
+    parallel: str | None = None,
+    group: Any = None,
 ) -> tuple[Model, Tokenizer]:
     """Load a model and its tokenizer, shaped like ``mlx_lm.load``.
 
     ``policy`` restricts which plugins may serve it; ``host``/``registry`` let
     an embedding application supply its own composition; ``kernel_backend``
     pins the backend kernels resolve on (a refusal, never a substitute, if it
-    cannot run here).
+    cannot run here). ``parallel="tensor"`` or ``"pipeline"`` splits the model
+    across ``group`` (default ``mx.distributed.init()``: the processes
+    ``mlx.launch`` started); every rank calls ``load`` alike.
     """
     resolved = resolve_model(
         model_ref, policy=policy, host=host, registry=registry, kernel_backend=kernel_backend
     )
-    model = build_model(resolved, lazy=lazy)
+    model = build_model(resolved, lazy=lazy, parallel=parallel, group=group)
     tokenizer = Tokenizer.from_dir(resolved.model_dir, config_eos=resolved.config.eos_token_id)
     return model, tokenizer

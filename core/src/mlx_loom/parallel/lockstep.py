@@ -1,0 +1,109 @@
+"""Rank 0 leads, the other ranks follow: small messages over the group's own collectives.
+
+Every rank of a split model must run the same forwards in the same order:
+each forward's collectives wait for every rank. Forwards follow from the
+tokens, and the tokens are the same on every rank (every rank holds the same
+logits, and :func:`share_seed` gives every rank the same random state), so
+what remains to share is what only rank 0 sees: the prompt a user typed, the
+request a client sent, and whether a client went away. :class:`Lockstep`
+carries those as JSON (never pickle: a message is data, not code) through
+``all_sum`` — rank 0 contributes the bytes, the others zeros, which is exact.
+No transport of our own.
+
+Ordering: a message runs on the calling thread's generation stream
+(:func:`mlx_loom.generate.loop.generation_stream`), behind any step the loop
+already queued there, so a message never races a forward's collectives; the
+thread's default stream is synchronized first for work queued outside the
+loop. A thread that generates must therefore also send its messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_loom.errors import ParallelRefused
+
+__all__ = ["MAX_MESSAGE_BYTES", "Lockstep", "share_seed"]
+
+#: The largest message rank 0 may share (a prompt of a million tokens is ~7 MB of JSON).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def _stream() -> mx.Stream:
+    from mlx_loom.generate.loop import generation_stream
+
+    return generation_stream()
+
+
+class Lockstep:
+    """Share rank 0's values with every rank of ``group``; every rank calls each method."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def share(self, value: Any = None) -> Any:
+        """Rank 0's ``value`` (JSON-serialisable), on every rank; others pass nothing."""
+        data = b""
+        if self.leader:
+            data = json.dumps(value, separators=(",", ":")).encode()
+            if len(data) > MAX_MESSAGE_BYTES:
+                self._sum_int(-1)
+                raise ParallelRefused(
+                    f"A message to the other ranks is {len(data)} bytes, over the "
+                    f"{MAX_MESSAGE_BYTES}-byte limit.",
+                    fix="Send a shorter prompt.",
+                )
+        n = self._sum_int(len(data))
+        if n < 0:
+            raise ParallelRefused(
+                "Rank 0 refused to share a message over the size limit with this rank.",
+                fix="See rank 0's output.",
+            )
+        with mx.stream(_stream()):
+            mine = (
+                mx.array(np.frombuffer(data, dtype=np.uint8))
+                if self.leader
+                else mx.zeros((n,), dtype=mx.uint8)
+            )
+            summed = np.array(mx.distributed.all_sum(mine, group=self.group))
+        return value if self.leader else json.loads(summed.tobytes())
+
+    def share_int(self, value: int = 0) -> int:
+        """Rank 0's integer, on every rank (one collective)."""
+        return self._sum_int(value if self.leader else 0)
+
+    def _sum_int(self, value: int) -> int:
+        mx.synchronize()
+        with mx.stream(_stream()):
+            total = mx.distributed.all_sum(mx.array([value], dtype=mx.int32), group=self.group)
+            return int(total.item())
+
+    def agree(self, ok: bool) -> list[bool]:
+        """Every rank's ``ok``, in rank order (all ranks learn who failed)."""
+        mx.synchronize()
+        with mx.stream(_stream()):
+            flags = mx.distributed.all_gather(mx.array([int(ok)], dtype=mx.int32), group=self.group)
+            return [bool(f) for f in flags.tolist()]
+
+
+def share_seed(lockstep: Lockstep) -> int:
+    """Seed every rank's global random state with one value drawn on rank 0.
+
+    Without this each process seeds itself from the clock (measured: two
+    ranks drew different numbers), so sampling at a temperature would choose
+    different tokens per rank and the ranks would leave lock-step.
+    """
+    seed = lockstep.share_int(int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
+    mx.random.seed(seed)
+    return seed
