@@ -114,7 +114,9 @@ class Model:
     def __repr__(self) -> str:
         split = ""
         if self.parallel is not None:
-            split = f", parallel={self.parallel.mode!r} rank {self.parallel.rank}/{self.parallel.size}"
+            split = (
+                f", parallel={self.parallel.mode!r} rank {self.parallel.rank}/{self.parallel.size}"
+            )
         return (
             f"Model(model_type={self.model_type!r}, profile={self.profile.id!r}, "
             f"implementation={self.implementation.id!r}, backend={self.backend!r}{split})"

@@ -7,6 +7,7 @@ import sys
 
 from ..errors import RequestError, TokenizerError
 from ..generate import PromptCache, stream_generate
+from ..parallel import doors
 from .generate_cmd import (
     add_model_options,
     add_sampling_options,
@@ -48,9 +49,8 @@ def run(args: argparse.Namespace) -> int:
     if interactive:
         print(f"[{model.model_dir.name}] {HELP}")
     while True:
-        try:
-            line = input(">> " if interactive else "")
-        except EOFError:
+        line = doors.read_line(model, ">> " if interactive else "")
+        if line is None:
             break
         text = line.strip()
         if not text:

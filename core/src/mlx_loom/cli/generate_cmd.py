@@ -9,6 +9,7 @@ from typing import Any
 from ..assets import default_model_path
 from ..generate import stream_generate
 from ..host import load
+from ..parallel import doors
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +20,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kernel-backend", choices=["metal", "cuda", "cpu"], help="pin the kernel backend"
     )
+    doors.add_parallel_option(parser)
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +64,9 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def load_from_args(args: argparse.Namespace):
     model_ref = args.model or default_model_path()
-    return load(model_ref, kernel_backend=args.kernel_backend)
+    model, tokenizer = load(model_ref, kernel_backend=args.kernel_backend, parallel=args.parallel)
+    doors.silence_followers(model)
+    return model, tokenizer
 
 
 def print_stats(last, out=None) -> None:
@@ -105,8 +109,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer = load_from_args(args)
+    prompt = doors.shared_input(
+        model, lambda: sys.stdin.read() if args.prompt == "-" else args.prompt
+    )
     if args.verbose:
         print(
             f"model: {model.model_dir}\nprofile: {model.profile.id} ({model.profile_reason})\n"
@@ -130,4 +136,7 @@ def run(args: argparse.Namespace) -> int:
         print(last.text, end="", flush=True)
     print()
     print_stats(last)
+    split = doors.finish(model)
+    if split:
+        print(split, file=sys.stderr)
     return 0

@@ -7,6 +7,8 @@ import logging
 import sys
 
 from ..assets import BUNDLED_MODEL
+from ..parallel import doors
+from ..parallel.serving import follow_jobs
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from .generate_cmd import add_model_options, load_from_args
 
@@ -42,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(name)s: %(message)s",
     )
     model, tokenizer = load_from_args(args)
+    if doors.is_follower(model):
+        follow_jobs(model, tokenizer)  # rank 0 serves; this rank runs every job with it
+        return 0
     server = make_server(
         model,
         tokenizer,

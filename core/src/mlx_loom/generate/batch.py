@@ -18,6 +18,7 @@ import mlx.core as mx
 from ..errors import RequestError
 from ..host import BATCH
 from ..model import Model
+from ..parallel.lockstep import share_request_seed
 from ..text import Tokenizer
 from .params import SamplingParams
 from .sampling import logprobs_from_logits, make_logits_processors, make_sampler
@@ -124,7 +125,7 @@ def batch_generate(
         raise RequestError("No prompts were given.", fix="Pass at least one prompt.")
     if "temp" in sampling:
         sampling["temperature"] = sampling.pop("temp")
-    params = SamplingParams.parse(**sampling)
+    params = share_request_seed(model, SamplingParams.parse(**sampling))
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     for row in ids:
         _check_request(

@@ -20,6 +20,7 @@ from ..cache import validate_kv_quantization
 from ..errors import RequestError
 from ..host import KV_QUANTIZATION
 from ..model import Model
+from ..parallel.lockstep import share_request_seed
 from ..text import StopStrings, Tokenizer
 from .loop import KVQuantization, StepLog, generate_tokens
 from .params import SamplingParams
@@ -152,7 +153,7 @@ def stream_generate(
     """
     if "temp" in sampling:
         sampling["temperature"] = sampling.pop("temp")
-    params = SamplingParams.parse(**sampling)
+    params = share_request_seed(model, SamplingParams.parse(**sampling))
     prompt_ids = encode_prompt(tokenizer, prompt)
     _check_request(
         model,

@@ -23,9 +23,9 @@ from .lockstep import Lockstep
 from .pipeline import SINGLE_STAGE, Stage, stage_ranges
 from .plan import (
     ParallelPlan,
+    Pipeline,
     PlanFault,
     PlanFunction,
-    Pipeline,
     Reduce,
     Resize,
     Rule,

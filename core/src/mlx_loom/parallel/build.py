@@ -78,7 +78,7 @@ def prepare(mode: str, group: Any, *, implementation: Any) -> Any:
         raise ParallelRefused(
             f"parallel={mode!r} needs a group of two or more processes, but this process is "
             "alone (no distributed backend was set up for it).",
-            fix=f"Start every process with MLX's launcher, e.g. {_LAUNCH}; see docs/distributed.md.",
+            fix=f"Start every process with MLX's launcher, e.g. {_LAUNCH} (docs/distributed.md).",
         )
     plan = getattr(implementation, "parallel", None)
     if plan is None:

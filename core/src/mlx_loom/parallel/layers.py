@@ -20,15 +20,19 @@ its parameters stay where the loader put them.
   process computes it (MLX's CPU matmul gives a column the same bits whatever
   columns sit beside it — measured for fp32, bf16, fp16 and affine-quantized
   weights), so the head is bit-identical too.
+
+Every collective here runs on :func:`~.lockstep.comm_stream`.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .lockstep import comm_stream
 
 __all__ = [
     "RowLinear",
@@ -50,7 +54,7 @@ class RowLinear(nn.Linear):
     group: Any
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = mx.distributed.all_sum(x @ self["weight"].T, group=self.group)
+        y = mx.distributed.all_sum(x @ self["weight"].T, group=self.group, stream=comm_stream())
         return y + self["bias"] if "bias" in self else y
 
 
@@ -70,7 +74,7 @@ class RowQuantizedLinear(nn.QuantizedLinear):
             bits=self.bits,
             mode=self.mode,
         )
-        y = mx.distributed.all_sum(y, group=self.group)
+        y = mx.distributed.all_sum(y, group=self.group, stream=comm_stream())
         return y + self["bias"] if "bias" in self else y
 
 
@@ -85,7 +89,7 @@ def make_row_parallel(module: nn.Module, group: Any) -> None:
     module.group = group
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reducing(cls: type) -> type:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> mx.array:
         out = cls.__call__(self, *args, **kwargs)
@@ -94,7 +98,7 @@ def _reducing(cls: type) -> type:
                 f"{cls.__name__} returns {type(out).__name__}; only a module returning one "
                 "array can have its output summed across the group"
             )
-        return mx.distributed.all_sum(out, group=self.group)
+        return mx.distributed.all_sum(out, group=self.group, stream=comm_stream())
 
     return type(f"Summed{cls.__name__}", (cls,), {"__call__": __call__, "__doc__": cls.__doc__})
 
@@ -115,7 +119,9 @@ def gather_vocab(local: mx.array, module: Any) -> mx.array:
     pad = block - local.shape[-1]
     if pad:
         local = mx.pad(local, [(0, 0)] * (local.ndim - 1) + [(0, pad)])
-    gathered = mx.distributed.all_gather(mx.moveaxis(local, -1, 0), group=module.group)
+    gathered = mx.distributed.all_gather(
+        mx.moveaxis(local, -1, 0), group=module.group, stream=comm_stream()
+    )
     return mx.moveaxis(gathered[:total], 0, -1)
 
 
@@ -132,7 +138,7 @@ class _VocabRows:
         inside = (local >= 0) & (local < self["weight"].shape[0])
         rows = super().__call__(mx.where(inside, local, 0))  # type: ignore[misc]
         rows = mx.where(inside[..., None], rows, 0)
-        return mx.distributed.all_sum(rows, group=self.group)
+        return mx.distributed.all_sum(rows, group=self.group, stream=comm_stream())
 
     def as_linear(self, x: mx.array) -> mx.array:
         return gather_vocab(super().as_linear(x), self)  # type: ignore[misc]

@@ -10,31 +10,41 @@ carries those as JSON (never pickle: a message is data, not code) through
 ``all_sum`` — rank 0 contributes the bytes, the others zeros, which is exact.
 No transport of our own.
 
-Ordering: a message runs on the calling thread's generation stream
-(:func:`mlx_loom.generate.loop.generation_stream`), behind any step the loop
-already queued there, so a message never races a forward's collectives; the
-thread's default stream is synchronized first for work queued outside the
-loop. A thread that generates must therefore also send its messages.
+Ordering: every distributed operation of a split model runs on one stream
+per thread, :func:`comm_stream` (the thread's generation stream,
+:func:`mlx_loom.generate.loop.generation_stream`), whatever stream the
+caller computes on. A stream runs what it is given in order, and the ring
+backend pairs a send with the next recv from that peer, so operations spread
+over two streams could pair wrongly (measured: a forward built on the
+default stream and evaluated after a generation on the generation stream
+received the generation's activations). Messages run there too, behind any
+step the loop already queued. A thread that generates must therefore also
+send its messages.
 """
 
 from __future__ import annotations
 
 import json
-import os
-from typing import Any
+import secrets
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 
 from mlx_loom.errors import ParallelRefused
 
-__all__ = ["MAX_MESSAGE_BYTES", "Lockstep", "share_seed"]
+if TYPE_CHECKING:
+    from mlx_loom.generate import SamplingParams
+    from mlx_loom.model import Model
+
+__all__ = ["MAX_MESSAGE_BYTES", "Lockstep", "comm_stream", "share_request_seed", "share_seed"]
 
 #: The largest message rank 0 may share (a prompt of a million tokens is ~7 MB of JSON).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-def _stream() -> mx.Stream:
+def comm_stream() -> mx.Stream:
+    """The stream this thread's distributed operations run on (see the module docstring)."""
     from mlx_loom.generate.loop import generation_stream
 
     return generation_stream()
@@ -70,7 +80,7 @@ class Lockstep:
                 "Rank 0 refused to share a message over the size limit with this rank.",
                 fix="See rank 0's output.",
             )
-        with mx.stream(_stream()):
+        with mx.stream(comm_stream()):
             mine = (
                 mx.array(np.frombuffer(data, dtype=np.uint8))
                 if self.leader
@@ -80,30 +90,45 @@ class Lockstep:
         return value if self.leader else json.loads(summed.tobytes())
 
     def share_int(self, value: int = 0) -> int:
-        """Rank 0's integer, on every rank (one collective)."""
+        """Rank 0's integer (64-bit), on every rank (one collective)."""
         return self._sum_int(value if self.leader else 0)
 
     def _sum_int(self, value: int) -> int:
         mx.synchronize()
-        with mx.stream(_stream()):
-            total = mx.distributed.all_sum(mx.array([value], dtype=mx.int32), group=self.group)
+        with mx.stream(comm_stream()):
+            total = mx.distributed.all_sum(mx.array([value], dtype=mx.int64), group=self.group)
             return int(total.item())
 
     def agree(self, ok: bool) -> list[bool]:
         """Every rank's ``ok``, in rank order (all ranks learn who failed)."""
         mx.synchronize()
-        with mx.stream(_stream()):
+        with mx.stream(comm_stream()):
             flags = mx.distributed.all_gather(mx.array([int(ok)], dtype=mx.int32), group=self.group)
             return [bool(f) for f in flags.tolist()]
 
 
 def share_seed(lockstep: Lockstep) -> int:
-    """Seed every rank's global random state with one value drawn on rank 0.
+    """Seed every rank's global MLX random state with one value drawn on rank 0.
 
-    Without this each process seeds itself from the clock (measured: two
-    ranks drew different numbers), so sampling at a temperature would choose
-    different tokens per rank and the ranks would leave lock-step.
+    Each process otherwise seeds itself from the clock (measured: two ranks
+    drew different numbers), so code that samples from MLX's global
+    generator (an mlx-lm-style ``sampler`` callable) would choose different
+    tokens per rank and the ranks would leave lock-step.
     """
-    seed = lockstep.share_int(int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
+    seed = lockstep.share_int(secrets.randbits(63))
     mx.random.seed(seed)
     return seed
+
+
+def share_request_seed(model: Model, params: SamplingParams) -> SamplingParams:
+    """A split model's unseeded, non-greedy request, seeded alike on every rank.
+
+    An unseeded :class:`~mlx_loom.generate.sampling.Sampler` draws a fresh
+    seed from the OS, which differs per process; every rank must draw the
+    same tokens, so rank 0 draws the seed and shares it (one collective per
+    request). One process, greedy or seeded requests: unchanged.
+    """
+    if model.parallel is None or params.greedy or params.seed is not None:
+        return params
+    seed = model.parallel.lockstep().share_int(secrets.randbits(63))
+    return params.model_copy(update={"seed": seed})

@@ -16,23 +16,26 @@ Every rank then runs the final norm and its block of the vocabulary-split
 head on the same activations, so every rank holds the same logits and samples
 the same token (the sampling stays in lock-step without another message).
 
-Deadlock freedom, and why each step is what it is:
+Collectives must pair up in the same order on every rank. The ranks' graphs
+differ (each runs other layers), so the order MLX would evaluate independent
+collectives in can differ too, and a lazily built forward might be evaluated
+late or never. So everything in which the ranks meet *before* the last
+stage is queued when the forward is built, in build order, on every rank:
 
-* ``enter`` evaluates what came before the layers — the vocabulary-split
-  embedding's ``all_sum``, in which every rank takes part — on every rank,
-  before a later stage posts its recv. Collectives must run in the same order
-  on every rank, and the ranks' graphs differ above this point, so the order
-  MLX would evaluate independent collectives in could differ too (measured:
-  Gemma 4's two embedding lookups deadlocked against a recv). The cost is
-  one host sync per forward, before the layers.
-* ``leave`` on a rank that sends *schedules* the send (``mx.async_eval``):
-  during prefill the loop evaluates only the caches, and the caches of an
-  earlier stage do not depend on what it sends, so without this the next
-  stage's recv would wait forever. Scheduling on the same stream keeps the
-  send ahead of whatever this rank evaluates next.
-* The last stage's output reaches every rank through ``all_gather`` of each
-  rank's last array (a sender contributes the array it sent, which also
-  orders the gather after the send); taking the last block is exact.
+* ``enter`` queues (``mx.async_eval``) what came before the layers — the
+  vocabulary-split embedding's ``all_sum``, and anything else the family
+  names, such as Gemma 4's per-layer inputs — and, on a later stage, the
+  recv of the previous stage's activations;
+* ``leave`` on a rank that sends queues the send.
+
+A stream runs what it was given in order, so the k-th send of a rank pairs
+with the k-th recv of the next, whatever is evaluated later (measured: with
+the recv left lazy, a forward built but evaluated after the next one paired
+the wrong activations). The last stage's output then reaches every rank
+through ``all_gather`` of each rank's last array (a sender contributes the
+array it sent); taking the last block is exact. That gather and the head's
+run when the logits are evaluated, which every rank does alike because
+every rank runs the same program.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .lockstep import comm_stream
 from .plan import PLAN_FAULT_FIX, GeometryCheck, Pipeline, PlanFault
 
 __all__ = ["SINGLE_STAGE", "Stage", "pipeline_check", "shard_pipeline", "stage_ranges"]
@@ -62,24 +66,28 @@ class Stage:
         """The activations this stage's first layer reads.
 
         ``prologue`` names anything else computed before the layers that may
-        involve a collective (Gemma's per-layer inputs): it is evaluated here,
-        with ``h``, on every rank.
+        involve a collective (Gemma 4's per-layer inputs); it is queued with
+        ``h`` on every rank.
         """
         if self.size == 1:
             return h
-        mx.eval(h, *(p for p in prologue if p is not None))
+        mx.async_eval(h, *(p for p in prologue if p is not None))
         if self.rank == 0:
             return h
-        return mx.distributed.recv_like(h, self.rank - 1, group=self.group)
+        received = mx.distributed.recv_like(
+            h, self.rank - 1, group=self.group, stream=comm_stream()
+        )
+        mx.async_eval(received)
+        return received
 
     def leave(self, h: mx.array) -> mx.array:
         """This stage's output handed on; returns the last stage's output, on every rank."""
         if self.size == 1:
             return h
         if self.rank < self.size - 1:
-            h = mx.distributed.send(h, self.rank + 1, group=self.group)
+            h = mx.distributed.send(h, self.rank + 1, group=self.group, stream=comm_stream())
             mx.async_eval(h)
-        gathered = mx.distributed.all_gather(h, group=self.group)
+        gathered = mx.distributed.all_gather(h, group=self.group, stream=comm_stream())
         return gathered[(self.size - 1) * h.shape[0] :]
 
 
@@ -89,9 +97,7 @@ SINGLE_STAGE = Stage()
 
 def _cuts_allowed(n_layers: int, keep_together: tuple[tuple[int, int], ...]) -> list[int]:
     """Layer indices ``b`` (``0 < b < n``) a stage may start at: none inside a kept range."""
-    return [
-        b for b in range(1, n_layers) if not any(lo < b < hi for lo, hi in keep_together)
-    ]
+    return [b for b in range(1, n_layers) if not any(lo < b < hi for lo, hi in keep_together)]
 
 
 def stage_ranges(

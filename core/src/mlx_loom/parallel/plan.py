@@ -140,7 +140,9 @@ class Split:
 
     @property
     def all_units(self) -> tuple[Units, ...]:
-        return (self.units,) if isinstance(self.units, Units) else tuple(s.units for s in self.units)
+        return (
+            (self.units,) if isinstance(self.units, Units) else tuple(s.units for s in self.units)
+        )
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from mlx_loom.errors import ParallelRefused
 
 from .layers import make_row_parallel, make_vocab_parallel, reduce_output
 from .plan import (
-    GeometryCheck,
     PLAN_FAULT_FIX,
+    GeometryCheck,
     PlanFault,
     Reduce,
     Resize,
@@ -97,7 +97,7 @@ def _linear_params(path: str, module: nn.Module, dim: str) -> tuple[tuple[_Param
 
 
 def _targets(model: nn.Module, rules: tuple[Rule, ...]) -> Iterator[tuple[Rule, str, Any]]:
-    """Every ``(rule, path, module-or-parent)`` a rule matches; a rule matching nothing is a fault."""
+    """Every ``(rule, path, module-or-parent)`` a rule matches (matching nothing is a fault)."""
     modules = [(p, m) for p, m in model.named_modules() if p]
     parameters = tree_flatten(model.parameters())
     for rule in rules:
@@ -175,10 +175,10 @@ def _feature_ranges(target: _Target, rank: int, size: int) -> list[tuple[int, in
 def _quantization_check(target: _Target) -> list[GeometryCheck]:
     """Input splits of quantized weights must give whole quantization groups per rank."""
     checks = []
+    units = target.rule.all_units
     for param in target.params:
         if param.ratio.denominator == 1 or param.group_size is None:
             continue
-        units = target.rule.all_units
 
         def check(size: int, target: _Target = target, param: _Param = param) -> str | None:
             if not all(u.fits(size) for u in units):

@@ -14,6 +14,11 @@ validate, tokenize and write; they never touch an ``mx.array``.
 The worker owns the server's single :class:`~mlx_loom.generate.PromptCache`,
 so it is only ever touched from this thread. Each request reuses the longest
 prefix of the previous one that the cache still holds.
+
+A model split across ranks (``loom serve --parallel``) runs every job on every
+rank: this worker, on rank 0, announces each job and each per-token decision
+through a :class:`~mlx_loom.parallel.serving.JobChannel`; the other ranks run
+:func:`~mlx_loom.parallel.serving.follow_jobs` instead of a server.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from ..errors import LoomError
 from ..generate import GenerationResponse, PromptCache, stream_generate
 from ..host import PROMPT_CACHE
 from ..model import Model
+from ..parallel.serving import JobChannel
 from ..text import Tokenizer
 
 log = logging.getLogger("mlx_loom.serve")
@@ -121,6 +127,7 @@ class GenerationWorker:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._active: Job | None = None
         self._prompt_cache: PromptCache | None = None
+        self._channel = JobChannel.for_model(model)
         self._thread = threading.Thread(target=self._run, name="loom-generation", daemon=True)
         self._thread.start()
 
@@ -168,6 +175,8 @@ class GenerationWorker:
                 if job is None:
                     break
                 self._serve(job)
+            if self._channel is not None:
+                self._channel.close()
         finally:
             # Destroy this thread's MLX streams before it exits (see the module
             # docstring): without this the process aborts at interpreter exit.
@@ -183,7 +192,10 @@ class GenerationWorker:
         stream: Iterator[GenerationResponse] | None = None
         generated = 0
         cut_short = False
+        channel = self._channel
         try:
+            if channel is not None:
+                channel.begin(job.prompt, job.max_tokens, job.stop, job.sampling)
             stream = stream_generate(
                 self.model,
                 self.tokenizer,
@@ -197,10 +209,11 @@ class GenerationWorker:
                 generated = response.generation_tokens
                 self.stats.last_cached_tokens = response.cached_tokens
                 job.events.put(Piece.of(response))
-                if response.finish_reason is not None:
-                    break
-                if job.cancelled:
-                    cut_short = True
+                done = response.finish_reason is not None
+                cut_short = not done and job.cancelled
+                if channel is not None:
+                    channel.token(last=done or cut_short)
+                if done or cut_short:
                     break
             if cut_short:
                 self.stats.cancelled += 1
@@ -208,6 +221,8 @@ class GenerationWorker:
                 self.stats.completed += 1
         except LoomError as err:
             self.stats.failed += 1
+            if channel is not None:
+                channel.failed(reset=False)
             job.events.put(err)
         except Exception as err:  # the server must outlive any one request
             log.exception("generation failed")
@@ -215,6 +230,8 @@ class GenerationWorker:
             # The caches may hold a half-written step: start the next request afresh.
             if self._prompt_cache is not None:
                 self._prompt_cache.reset()
+            if channel is not None:
+                channel.failed(reset=True)
             job.events.put(err)
         finally:
             if stream is not None:

@@ -86,7 +86,9 @@ def _mlps(cfg: HybridConfig) -> tuple[Rule, ...]:
         if cfg.mlp_kind(i) == "dense":
             rules += gated_mlp(mlp, Units("intermediate_size", cfg.intermediate_size))
             continue
-        rules += switch_glu(f"{mlp}.switch_mlp", Units("moe_intermediate_size", cfg.moe_intermediate_size))
+        rules += switch_glu(
+            f"{mlp}.switch_mlp", Units("moe_intermediate_size", cfg.moe_intermediate_size)
+        )
         shared = Units("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)
         rules += gated_mlp(f"{mlp}.shared_expert", shared, reduce=False)
         rules.append(Reduce(mlp))
