@@ -40,6 +40,8 @@ QUANTIZED = {
     "gemma4_text": {"intermediate_size": 128, "moe_intermediate_size": 64},
 }
 GROUP_SIZE, BITS = 32, 4
+#: A vocabulary two ranks do not divide: the last rank's block is one row short.
+ODD_VOCAB = 255
 
 
 def tiny_config(model_type: str, **overrides: Any) -> dict[str, Any]:
