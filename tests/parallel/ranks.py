@@ -10,8 +10,8 @@ and every door.
 Case kinds:
 
 * ``api`` — ``mlx_loom.load(..., parallel=mode)`` beside a single-process
-  load: greedy tokens, the logits' largest difference, sampling in
-  lock-step, what each rank holds;
+  load: greedy tokens (one stream, and a batch of two), the logits' largest
+  difference, sampling in lock-step, what each rank holds;
 * ``generate`` / ``chat`` — ``loom generate|chat --parallel`` through the CLI's
   ``main()``; only rank 0 is given stdin;
 * ``serve`` — ``loom serve --parallel``: rank 0 serves while a client thread
@@ -61,6 +61,9 @@ def run_api(case: dict[str, Any]) -> dict[str, Any]:
     logits = model(mx.array([prompt]))
     info = model.parallel
     steps = case["max_tokens"]
+    rows = [prompt, prompt[2:6]]  # rows of different lengths: left padding
+    batch = [r.tokens for r in mlx_loom.batch_generate(model, tokenizer, rows, max_tokens=3)]
+    ref_batch = [r.tokens for r in mlx_loom.batch_generate(ref, tokenizer, rows, max_tokens=3)]
     sampled = greedy(model, tokenizer, prompt, steps, temperature=0.9, seed=7)
     ref_sampled = greedy(ref, tokenizer, prompt, steps, temperature=0.9, seed=7)
     return {
@@ -68,9 +71,11 @@ def run_api(case: dict[str, Any]) -> dict[str, Any]:
         "ref_tokens": greedy(ref, tokenizer, prompt, case["max_tokens"]),
         "max_abs_diff": mx.abs(logits - ref_logits).max().item(),
         "logits_equal": bool(mx.array_equal(logits, ref_logits).item()),
+        "batch": batch,
+        "ref_batch": ref_batch,
         "sampled": sampled,
         "ref_sampled": ref_sampled,
-        "unseeded": greedy(model, tokenizer, prompt, steps, temperature=1.0),
+        "unseeded": greedy(model, tokenizer, prompt, 3, temperature=1.0),
         "caches": len(model.make_cache()),
         "ref_caches": len(ref.make_cache()),
         "weight_bytes": info.weight_bytes,
@@ -160,7 +165,7 @@ def run_serve(case: dict[str, Any]) -> dict[str, Any]:
                     _post(port, "/v1/completions", {**body, "prompt": p}) for p in case["prompts"]
                 ]
                 long = {"prompt": case["prompts"][0], "max_tokens": 400, "temperature": 0}
-                replies["dropped_after"] = _drop_stream(port, long, 3)
+                replies["dropped_after"] = _drop_stream(port, long, 2)
                 replies["after"] = [
                     _post(port, "/v1/completions", {**body, "prompt": p}) for p in case["prompts"]
                 ]

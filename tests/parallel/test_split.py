@@ -17,10 +17,11 @@ from mlx.utils import tree_flatten
 import mlx_loom
 from mlx_loom.artifacts.weights import recording_sources
 from mlx_loom.errors import ImplementationFailed, ParallelRefused
-from mlx_loom.host import build_model
-from mlx_loom.parallel import ParallelPlan, Split, Units, Vocab
+from mlx_loom.host import PluginHost, build_model
+from mlx_loom.parallel import ParallelPlan, Resize, Split, Units, Vocab
 from mlx_loom.parallel.build import prepare, split_model
 
+from ..core.toyfamily import ToyPlugin, write_toy_checkpoint
 from .support import write_quantized
 
 
@@ -203,14 +204,6 @@ def test_one_process_is_refused_with_how_to_launch_more():
 
 
 def test_an_implementation_without_a_plan_is_refused(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "core"))
-    from toyfamily import ToyPlugin, write_toy_checkpoint
-
-    from mlx_loom.host import PluginHost
-
     host = PluginHost(plugins=[("toy", ToyPlugin())], entry_points=False)
     resolved = mlx_loom.resolve_model(write_toy_checkpoint(tmp_path / "toy"), host=host)
     with pytest.raises(ParallelRefused, match="'toy.lm.v1' declares no parallel plan"):
@@ -230,3 +223,13 @@ def test_loom_generate_in_one_process_refuses_parallel_with_exit_code_3(checkpoi
     assert code == 3
     assert "loom: refused: parallel='tensor' needs a group of two or more processes" in err
     assert "fix: Start every process with MLX's launcher" in err
+
+
+def test_resizing_an_attribute_the_module_lacks_is_a_plugin_fault():
+    plan = ParallelPlan(
+        vocab=Vocab(embeddings=("embed",)), tensor=(Resize("proj", {"n_heads": Units("x", 2)}),)
+    )
+    with pytest.raises(
+        ImplementationFailed, match=r"resizes proj.n_heads, which is not an integer"
+    ):
+        split_model(Tiny(), plan, "tensor", StandIn(0, 2), {}, what="m")

@@ -36,17 +36,19 @@ QUANTIZED = ("llama-q4", "qwen3_next-q4", "gemma4_text-q4")
 DOOR_MODELS = ("llama", "qwen3_next", "qwen3_5", "gemma4_text")
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 64]  # token ids every tiny vocabulary holds
 TENSOR_LOGIT_TOLERANCE = 1e-4
-GENERATE = ["--no-chat-template", "-m", "6", "-p", "-"]
+GENERATE = ["--no-chat-template", "-m", "5", "-p", "-"]
 GENERATE_INPUT = "a prompt only rank 0 reads"
-CHAT = ["-m", "4"]
+CHAT = ["-m", "3"]
 CHAT_INPUT = "hello\n/reset\nonce more\n"
-SERVE_PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+SERVE_PROMPTS = [[5, 6, 7, 8]]
 
 
-#: The API runs every model type in both modes (the quantized checkpoints, which
-#: only differ in how weights are sliced, tensor parallel and one pipeline run).
+#: The API runs every model type in both modes (the gemma4 wrapper, whose graph is
+#: gemma4_text's, only tensor: its wrapper names reach the slice reader there); the
+#: quantized checkpoints, which differ in how weights are sliced, tensor parallel
+#: and one pipeline run.
 API = [
-    *[(n, m) for n in API_MODELS for m in MODES],
+    *[(n, m) for n in API_MODELS for m in MODES if (n, m) != ("gemma4", "pipeline")],
     *[(n, "tensor") for n in QUANTIZED],
     ("gemma4_text-q4", "pipeline"),
     ("llama-odd-vocab", "tensor"),
@@ -85,7 +87,7 @@ def _cases(checkpoints) -> list[dict[str, Any]]:
                 "model": str(checkpoints[name]),
                 "mode": mode,
                 "prompt": PROMPT,
-                "max_tokens": 6,
+                "max_tokens": 4,
             }
         )
     for name, mode in DOORS["generate"]:
@@ -124,7 +126,7 @@ def _cases(checkpoints) -> list[dict[str, Any]]:
                 "port": port,
                 "model": model,
                 "prompts": SERVE_PROMPTS,
-                "max_tokens": 6,
+                "max_tokens": 4,
             }
         )
     return cases
@@ -152,6 +154,12 @@ def test_greedy_tokens_equal_the_single_process_run(ranks, name, mode):
     for rank in (0, 1):
         r = result(ranks, f"api/{name}/{mode}", rank)
         assert r["tokens"] == r["ref_tokens"], f"rank {rank}"
+
+
+@pytest.mark.parametrize(("name", "mode"), API)
+def test_a_batch_of_rows_equals_the_single_process_batch(ranks, name, mode):
+    r = result(ranks, f"api/{name}/{mode}")
+    assert r["batch"] == r["ref_batch"]
 
 
 @pytest.mark.parametrize("name", PIPELINE)
@@ -251,7 +259,7 @@ def test_loom_serve_answers_like_one_process_and_survives_a_dropped_stream(ranks
     assert "client_error" not in zero, zero["client_error"]
     assert zero["code"] == one["code"] == 0, zero["stderr"]
     for replies in (zero["before"], zero["after"]):
-        assert [status for status, _ in replies] == [200, 200]
+        assert [status for status, _ in replies] == [200] * len(SERVE_PROMPTS)
         assert [body["choices"][0]["text"] for _, body in replies] == zero["expected"]
-    assert zero["dropped_after"] == 3
+    assert zero["dropped_after"] == 2
     assert "serving" in zero["stderr"] and one["stderr"] == ""

@@ -270,11 +270,22 @@ def shard_tensor(
                 reader.take(param.full_name, value, param.axis, ranges),
             )
         if target.rule.reduce:
-            make_row_parallel(_module(model, target.path), group)
+            try:
+                make_row_parallel(_module(model, target.path), group)
+            except TypeError as err:
+                raise PlanFault(
+                    f"the parallel plan sums at {target.path!r}: {err}", fix=PLAN_FAULT_FIX
+                ) from err
     for rule, path, module in resizes:
         for attr, units in rule.attrs.items():
             start, stop = units.local(rank, size)
-            old = getattr(module, attr)
+            old = getattr(module, attr, None)
+            if not isinstance(old, int):
+                raise PlanFault(
+                    f"the parallel plan resizes {path}.{attr}, which is not an integer "
+                    f"attribute of the built {type(module).__name__}",
+                    fix=PLAN_FAULT_FIX,
+                )
             new = Fraction(old * (stop - start), units.count)
             if new.denominator != 1:
                 raise PlanFault(
