@@ -15,9 +15,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_loom
-from mlx_loom.artifacts.weights import recording_sources
 from mlx_loom.errors import ImplementationFailed, ParallelRefused
-from mlx_loom.host import PluginHost, build_model
+from mlx_loom.host import PluginHost
+from mlx_loom.host._loading import _build_split, _run_factory
 from mlx_loom.parallel import ParallelPlan, Resize, Split, Units, Vocab
 from mlx_loom.parallel.build import prepare, split_model
 
@@ -40,15 +40,20 @@ class StandIn:
 
 
 def parts(path, mode: str, size: int, *, record: bool = True):
-    """Every rank's ``(module, Parallel)``, each split from its own lazy build."""
+    """Every rank's ``(module, Parallel)``, each split from its own lazy build.
+
+    ``record=False`` forgets where the weights live, so every slice is cut
+    from the lazily loaded tensor instead of read from the file.
+    """
     resolved = mlx_loom.resolve_model(path)
+    if record:
+        return [_build_split(resolved, mode, StandIn(rank, size)) for rank in range(size)]
     plan = resolved.binding.implementation.parallel(resolved.family_config)
     out = []
     for rank in range(size):
-        with recording_sources() as sources:
-            module = build_model(resolved, lazy=True).module
-        table = sources if record else {}
-        out.append((module, split_model(module, plan, mode, StandIn(rank, size), table, what="m")))
+        module = _run_factory(resolved)
+        info, _ = split_model(module, plan, mode, StandIn(rank, size), {}, what="m")
+        out.append((module, info))
     return out
 
 

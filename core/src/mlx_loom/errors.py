@@ -56,11 +56,19 @@ class TokenizerError(ArtifactError):
     """The tokenizer files are missing or unusable, or a chat template fails."""
 
 
+class TemplateBudgetExceeded(TokenizerError):
+    """A chat template ran past its time budget or tried to build too much text."""
+
+
 # --- bad input: requests ---------------------------------------------------
 
 
 class RequestError(LoomError, ValueError):
     """A generation request has an invalid parameter (empty prompt, bad top-p ...)."""
+
+
+class UsageError(RequestError):
+    """A command-line flag has a value the command cannot use (CLI exit code 2)."""
 
 
 # --- plugins ---------------------------------------------------------------
@@ -143,3 +151,8 @@ class ParallelRefused(Refusal):
     for the mode, or the checkpoint's geometry does not divide across the
     group's size (the message names the field and the sizes that would work).
     """
+
+
+class ToolParserUnavailable(Refusal):
+    """A tool-call parser was asked for by name and none is registered under it,
+    or tools were sent to a model for which no tool-call format is known."""

@@ -5,39 +5,61 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..artifacts.summary import summarize_artifact
 from ..host import PluginHost, resolve_model
+from .generate_cmd import add_cpu_path_options
+from .models_cmd import human_bytes, human_count
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "explain",
         help="show how a model would be resolved, without loading weights",
-        description="Print the model type, the chosen profile and why, the implementation, "
-        "and the kernel backend of each needed kernel on this device — or the refusal and its "
-        "fix.",
+        description="Print the model type, parameter count, dtype, quantization and context "
+        "length, the chosen profile and why, the implementation, and the kernel backend of each "
+        "needed kernel on this device — or the refusal and its fix. Only config.json and the "
+        "safetensors headers are read.",
     )
-    parser.add_argument("model", help="model directory or Hugging Face repo id")
+    parser.add_argument(
+        "model", help="model directory, Hugging Face repo id (org/name[@revision]) or short name"
+    )
     parser.add_argument(
         "--kernel-backend", choices=["metal", "cuda", "cpu"], help="pin the kernel backend"
     )
+    add_cpu_path_options(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(handler=run, _parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    resolved = resolve_model(args.model, host=PluginHost(), kernel_backend=args.kernel_backend)
+    resolved = resolve_model(
+        args.model,
+        host=PluginHost(),
+        kernel_backend=args.kernel_backend,
+        compute_dtype=args.compute_dtype,
+        cpu_kernels=args.cpu_kernels,
+    )
     summary = resolved.summary
+    weights = summarize_artifact(resolved.model_dir, resolved.config)
     if args.json:
-        print(json.dumps(summary.model_dump(mode="json"), indent=2))
+        payload = {**summary.model_dump(mode="json"), "weights": weights.model_dump(mode="json")}
+        print(json.dumps(payload, indent=2))
         return 0
     rows = [
         ("model", summary.model_dir),
         ("model type", summary.model_type),
+        ("parameters", f"{human_count(weights.parameters)} ({weights.parameters:,})"),
+        ("dtype", weights.dtype or "-"),
+        ("quantization", weights.quantization or "none"),
+        ("context length", str(weights.context_length or "not declared")),
+        ("weights on disk", human_bytes(weights.weights_bytes)),
         ("plugin", summary.plugin or "-"),
         ("profile", f"{summary.profile}  ({summary.profile_reason})"),
         ("implementation", summary.implementation),
         ("graph / loader / loop", f"{summary.graph} / {summary.loader} / {summary.loop}"),
         ("kernel backend", summary.backend),
+        ("compute dtype", f"{summary.cpu.compute_dtype}  ({summary.cpu.compute_dtype_reason})"),
+        ("cpu kernels", summary.cpu.describe_kernels()),
         ("capabilities", ", ".join(summary.capabilities) or "-"),
         ("config fingerprint", summary.config_fingerprint),
         ("artifact fingerprint", summary.artifact_fingerprint),

@@ -16,6 +16,7 @@ token.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -27,9 +28,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..artifacts.weights import recording_sources
+from ..cpu.path import apply_cpu_path
 from ..errors import ImplementationFailed, LoomError, ParallelRefused, WeightsError
 from ..model import CausalLM, Model
-from ..parallel.build import Parallel, prepare, split_model
+from ..parallel.build import Parallel, prepare, split_model, wrap
 from ..parallel.lockstep import Lockstep, share_seed
 from ..text import Tokenizer
 from ._discovery import PluginHost
@@ -67,13 +69,21 @@ def resolve_model(
     host: PluginHost | None = None,
     registry: Registry | None = None,
     kernel_backend: Backend | None = None,
+    compute_dtype: str | None = None,
+    cpu_kernels: str | None = None,
 ) -> Resolved:
     """Resolve without loading weights (what ``loom explain`` shows)."""
     host = host if host is not None else make_host(policy)
     registry = registry if registry is not None else host.registry
     if kernel_backend is not None:
         registry = registry.with_(kernel_backend=kernel_backend)
-    return resolve(model_ref, host=host, registry=registry)
+    return resolve(
+        model_ref,
+        host=host,
+        registry=registry,
+        compute_dtype=compute_dtype,
+        cpu_kernels=cpu_kernels,
+    )
 
 
 def build_model(
@@ -94,19 +104,19 @@ def build_model(
     defers only the tensors every rank holds whole.
     """
     binding = resolved.binding
-    impl = binding.implementation
+    info: Parallel | None = None
     if parallel is None:
         module = _run_factory(resolved)
-        info = None
+        apply_cpu_path(module, resolved.summary.cpu)
         if not lazy:
-            _evaluate(module)
+            _evaluate_all(module)
     else:
-        group = prepare(parallel, group, implementation=impl)
+        group = prepare(parallel, group, implementation=binding.implementation)
         lockstep = Lockstep(group)
         try:
             module, info = _build_split(resolved, parallel, group)
             if not lazy:
-                _evaluate(module)
+                _evaluate_all(module)
         except Exception:
             lockstep.agree(False)
             raise
@@ -126,6 +136,7 @@ def build_model(
         config=resolved.config,
         model_dir=resolved.model_dir,
         profile_reason=resolved.summary.profile_reason,
+        cpu_path=resolved.summary.cpu,
         parallel=info,
     )
 
@@ -166,7 +177,12 @@ def _who(impl: Any) -> str:
 
 
 def _build_split(resolved: Resolved, mode: str, group: Any) -> tuple[nn.Module, Parallel]:
-    """The factory's lazy model, with this rank's part kept by the family's plan."""
+    """The factory's lazy model, cut to this rank's part by the family's plan.
+
+    Order: split first (so slices come straight from the files, before any
+    dtype conversion makes new arrays of them), then the CPU path, then the
+    split's class changes (so they wrap the CPU path's kernels).
+    """
     impl = resolved.binding.implementation
     with recording_sources() as sources:
         module = _run_factory(resolved)
@@ -181,8 +197,22 @@ def _build_split(resolved: Resolved, mode: str, group: Any) -> tuple[nn.Module, 
             fix="This is a fault in the plugin: report it to its authors.",
         ) from err
     what = f"{resolved.model_dir.name!r} (implementation {impl.id!r})"
-    info = split_model(module, plan, mode, group, sources, what=what)  # type: ignore[arg-type]
-    return module, info
+    info, wraps = split_model(module, plan, mode, group, sources, what=what)  # type: ignore[arg-type]
+    del sources
+    apply_cpu_path(module, resolved.summary.cpu)
+    wrap(module, wraps)
+    weights = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+    return module, dataclasses.replace(info, weight_bytes=weights)
+
+
+def _evaluate_all(module: nn.Module) -> None:
+    _evaluate(module)
+    # Buffers (arrays a module keeps beside its parameters, such as RoPE
+    # frequency tables) too: MLX ties an unevaluated array to the stream of
+    # the thread that built it, so a model built on one thread and run on
+    # another (the server's generation thread) would fail with "There is
+    # no Stream(cpu, 0) in current thread".
+    mx.eval(_buffers(module))
 
 
 def _evaluate(module: nn.Module) -> None:
@@ -224,6 +254,18 @@ def _screen(a: mx.array) -> mx.array:
     return mx.sum(mx.sum(rows, axis=0)).astype(mx.float32)
 
 
+def _buffers(module: nn.Module) -> list[mx.array]:
+    """Arrays the module tree holds under ``_``-prefixed keys (not parameters)."""
+    return [
+        leaf
+        for m in module.modules()
+        for key, value in m.items()
+        if key.startswith("_")
+        for _, leaf in tree_flatten(value)
+        if isinstance(leaf, mx.array)
+    ]
+
+
 def load(
     model_ref: str | Path,
     *,
@@ -231,6 +273,8 @@ def load(
     host: PluginHost | None = None,
     registry: Registry | None = None,
     kernel_backend: Backend | None = None,
+    compute_dtype: str | None = None,
+    cpu_kernels: str | None = None,
     lazy: bool = False,
     parallel: str | None = None,
     group: Any = None,
@@ -240,12 +284,22 @@ def load(
     ``policy`` restricts which plugins may serve it; ``host``/``registry`` let
     an embedding application supply its own composition; ``kernel_backend``
     pins the backend kernels resolve on (a refusal, never a substitute, if it
-    cannot run here). ``parallel="tensor"`` or ``"pipeline"`` splits the model
-    across ``group`` (default ``mx.distributed.init()``: the processes
-    ``mlx.launch`` started); every rank calls ``load`` alike.
+    cannot run here). ``compute_dtype`` (``"checkpoint"``, ``"float32"``,
+    ``"bfloat16"``, ``"float16"``) and ``cpu_kernels`` (``"cpu-native"``,
+    ``"cpu-ops"``) choose the CPU compute path; the defaults and their
+    reasons are in :mod:`mlx_loom.cpu`. ``parallel="tensor"`` or
+    ``"pipeline"`` splits the model across ``group`` (default
+    ``mx.distributed.init()``: the processes ``mlx.launch`` started); every
+    rank calls ``load`` alike (:mod:`mlx_loom.parallel`).
     """
     resolved = resolve_model(
-        model_ref, policy=policy, host=host, registry=registry, kernel_backend=kernel_backend
+        model_ref,
+        policy=policy,
+        host=host,
+        registry=registry,
+        kernel_backend=kernel_backend,
+        compute_dtype=compute_dtype,
+        cpu_kernels=cpu_kernels,
     )
     model = build_model(resolved, lazy=lazy, parallel=parallel, group=group)
     tokenizer = Tokenizer.from_dir(resolved.model_dir, config_eos=resolved.config.eos_token_id)

@@ -24,12 +24,20 @@ from .lockstep import Lockstep
 from .pipeline import pipeline_check, shard_pipeline
 from .plan import ParallelPlan
 from .reading import SliceReader
-from .tensor import refuse_geometry, shard_tensor, shard_vocab, tensor_checks, vocab_checks
+from .tensor import (
+    Wrap,
+    refuse_geometry,
+    shard_tensor,
+    shard_vocab,
+    tensor_checks,
+    vocab_checks,
+    wrap,
+)
 
 if TYPE_CHECKING:
     from mlx_loom.artifacts import TensorInfo
 
-__all__ = ["MODES", "Mode", "Parallel", "prepare", "split_model"]
+__all__ = ["MODES", "Mode", "Parallel", "prepare", "split_model", "wrap"]
 
 Mode = Literal["tensor", "pipeline"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -98,8 +106,12 @@ def split_model(
     sources: dict[int, tuple[mx.array, TensorInfo]],
     *,
     what: str,
-) -> Parallel:
-    """Check the geometry for ``group``'s size, then keep this rank's part of ``module``."""
+) -> tuple[Parallel, list[Wrap]]:
+    """Check the geometry for ``group``'s size, then keep this rank's part of ``module``.
+
+    Returns how it was cut and the class changes still to make
+    (:func:`~.tensor.wrap`, once the CPU path has swapped in its kernels).
+    """
     size = group.size()
     rules = plan.tensor if mode == "tensor" else None
     pipeline = plan.pipeline if mode == "pipeline" else None
@@ -125,14 +137,14 @@ def split_model(
     refuse_geometry(what, mode, size, checks, other=other)
 
     reader = SliceReader(sources)
-    shard_vocab(module, plan.vocab, group, reader)
+    wraps = shard_vocab(module, plan.vocab, group, reader)
     layers = None
     if rules is not None:
-        shard_tensor(module, rules, group, reader)
+        wraps += shard_tensor(module, rules, group, reader)
     else:
         assert pipeline is not None
         layers = shard_pipeline(module, pipeline, group)
-    return Parallel(
+    info = Parallel(
         mode=mode,
         rank=group.rank(),
         size=size,
@@ -142,3 +154,4 @@ def split_model(
         sliced_whole=tuple(reader.sliced_whole),
         layers=layers,
     )
+    return info, wraps

@@ -3,7 +3,8 @@
 Under ``mlx.launch`` every rank runs the same ``loom`` command. Rank 0 is the
 one a person talks to: it reads stdin and its output is what they see. The
 other ranks print nothing (``mlx.launch`` merges every rank's output) and
-read nothing: whatever rank 0 reads reaches them through
+read nothing: whatever rank 0 reads — a prompt, each chat line, the decision
+to stop an answer at Ctrl-C — reaches them through
 :class:`~mlx_loom.parallel.Lockstep`, so they run each turn with it. An error
 every rank meets alike is printed by rank 0 (the others' copies go with
 their silenced output); a rank that fails alone exits with an error, and
@@ -14,11 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+
+from mlx_loom.errors import ParallelRefused
 
 from .build import MODES
 from .lockstep import comm_stream
@@ -30,9 +35,9 @@ __all__ = [
     "add_parallel_option",
     "finish",
     "is_follower",
-    "read_line",
     "shared_input",
     "silence_followers",
+    "stop_together",
 ]
 
 
@@ -51,30 +56,51 @@ def is_follower(model: Model) -> bool:
 
 
 def silence_followers(model: Model) -> None:
-    """On a rank other than 0, send this process's stdout and stderr nowhere."""
+    """On a rank other than 0: stdout and stderr go nowhere, and Ctrl-C is ignored.
+
+    Ctrl-C is rank 0's to act on (it stops an answer at a token every rank
+    agrees on, or ends rank 0, after which ``mlx.launch`` stops the others);
+    a follower acting on its own copy of the signal would leave step.
+    """
     if is_follower(model):
         quiet = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
         sys.stdout = sys.stderr = quiet
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def shared_input(model: Model, read: Callable[[], str | None]) -> str | None:
-    """``read()`` on rank 0 (one process: here), its result on every rank."""
+def shared_input(model: Model, read: Callable[[], Any]) -> Any:
+    """``read()`` on rank 0 (one process: here), its JSON-able result on every rank.
+
+    If ``read`` raises on rank 0, the other ranks raise too (a
+    :class:`~mlx_loom.errors.ParallelRefused`), instead of waiting for a value.
+    """
     if model.parallel is None:
         return read()
     lockstep = model.parallel.lockstep()
-    return lockstep.share(read() if lockstep.leader else None)
+    if not lockstep.leader:
+        message = lockstep.share()
+        if "failed" in message:
+            raise ParallelRefused(
+                f"Rank 0 could not read the input: {message['failed']}",
+                fix="See rank 0's error.",
+            )
+        return message["value"]
+    try:
+        value = read()
+    except Exception as err:
+        lockstep.share({"failed": f"{type(err).__name__}: {err}"})
+        raise
+    lockstep.share({"value": value})
+    return value
 
 
-def read_line(model: Model, prompt: str) -> str | None:
-    """One line of input as rank 0 reads it (``None`` at end of input), on every rank."""
-
-    def read() -> str | None:
-        try:
-            return input(prompt)
-        except EOFError:
-            return None
-
-    return shared_input(model, read)
+def stop_together(model: Model, requested: bool) -> bool:
+    """Whether to stop after this token: ``requested`` as rank 0 saw it, on every rank."""
+    if model.parallel is None:
+        return requested
+    lockstep = model.parallel.lockstep()
+    return bool(lockstep.share_int(int(requested) if lockstep.leader else 0))
 
 
 def finish(model: Model) -> str | None:

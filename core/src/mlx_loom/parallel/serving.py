@@ -44,10 +44,9 @@ class JobChannel:
         """A channel when ``model`` is split across ranks, else ``None``."""
         return None if model.parallel is None else cls(model.parallel.lockstep())
 
-    def begin(self, prompt: list[int], max_tokens: int, stop: list[str], sampling: dict) -> None:
-        self._lockstep.share(
-            {"prompt": prompt, "max_tokens": max_tokens, "stop": stop, "sampling": sampling}
-        )
+    def begin(self, prompt: list[int], options: dict[str, Any]) -> None:
+        """A job starts: its prompt and the ``stream_generate`` options it runs with."""
+        self._lockstep.share({"prompt": prompt, "options": options})
 
     def token(self, *, last: bool) -> None:
         self._lockstep.share_int(STOP if last else GO)
@@ -60,7 +59,7 @@ class JobChannel:
         self._lockstep.share(None)
 
 
-def _sampling(options: dict[str, Any]) -> dict[str, Any]:
+def _options(options: dict[str, Any]) -> dict[str, Any]:
     # JSON object keys are strings; logit_bias maps token ids.
     bias = options.get("logit_bias")
     if bias is not None:
@@ -85,10 +84,8 @@ def follow_jobs(model: Model, tokenizer: Tokenizer) -> int:
                 model,
                 tokenizer,
                 job["prompt"],
-                max_tokens=job["max_tokens"],
-                stop=job["stop"],
                 prompt_cache=prompt_cache,
-                **_sampling(job["sampling"]),
+                **_options(job["options"]),
             )
             for _ in stream:
                 status = lockstep.share_int()

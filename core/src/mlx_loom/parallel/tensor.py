@@ -13,9 +13,10 @@ the group sizes that would work.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -24,7 +25,7 @@ from mlx.utils import tree_flatten
 
 from mlx_loom.errors import ParallelRefused
 
-from .layers import make_row_parallel, make_vocab_parallel, reduce_output
+from .layers import reduce_output, row_parallel, vocab_head, vocab_rows
 from .plan import (
     PLAN_FAULT_FIX,
     GeometryCheck,
@@ -41,7 +42,12 @@ from .plan import (
 )
 from .reading import SliceReader
 
-__all__ = ["shard_tensor", "shard_vocab", "tensor_checks", "vocab_checks"]
+__all__ = ["Wrap", "shard_tensor", "shard_vocab", "tensor_checks", "vocab_checks", "wrap"]
+
+#: A class change to make once the model is otherwise final: ``(module path, change)``.
+#: Applied after the CPU path has swapped in its kernels, so the change wraps
+#: whichever class the module then has (:mod:`.layers`).
+Wrap = tuple[str, Callable[[nn.Module], None]]
 
 
 @dataclass(frozen=True)
@@ -255,10 +261,15 @@ def refuse_geometry(
 
 def shard_tensor(
     model: nn.Module, rules: tuple[Rule, ...], group: Any, reader: SliceReader
-) -> None:
-    """Replace every matched parameter by this rank's slice; put the sums in place."""
+) -> list[Wrap]:
+    """Replace every matched parameter by this rank's slice; return where the sums go.
+
+    A linear that sums its partial products keeps its bias on rank 0 alone
+    (zeros elsewhere), so the sum adds it once.
+    """
     rank, size = group.rank(), group.size()
     splits, reduces, resizes = _resolve(model, rules)
+    wraps: list[Wrap] = []
     for target in splits:
         features = _feature_ranges(target, rank, size)
         for param in target.params:
@@ -270,12 +281,10 @@ def shard_tensor(
                 reader.take(param.full_name, value, param.axis, ranges),
             )
         if target.rule.reduce:
-            try:
-                make_row_parallel(_module(model, target.path), group)
-            except TypeError as err:
-                raise PlanFault(
-                    f"the parallel plan sums at {target.path!r}: {err}", fix=PLAN_FAULT_FIX
-                ) from err
+            module = _module(model, target.path)
+            if "bias" in module and rank:
+                module.bias = mx.zeros_like(module["bias"])
+            wraps.append((target.path, partial(row_parallel, group=group)))
     for rule, path, module in resizes:
         for attr, units in rule.attrs.items():
             start, stop = units.local(rank, size)
@@ -294,8 +303,14 @@ def shard_tensor(
                     fix=PLAN_FAULT_FIX,
                 )
             setattr(module, attr, int(new))
-    for _, module in reduces:
-        reduce_output(module, group)
+    wraps += [(path, partial(reduce_output, group=group)) for path, _ in reduces]
+    return wraps
+
+
+def wrap(model: nn.Module, wraps: list[Wrap]) -> None:
+    """Make the class changes :func:`shard_tensor` and :func:`shard_vocab` returned."""
+    for path, change in wraps:
+        change(_module(model, path))
 
 
 def _vocab_paths(vocab: Vocab) -> tuple[str, ...]:
@@ -312,11 +327,18 @@ def _module(model: nn.Module, path: str) -> nn.Module:
     return found
 
 
-def shard_vocab(model: nn.Module, vocab: Vocab, group: Any, reader: SliceReader) -> None:
+def shard_vocab(model: nn.Module, vocab: Vocab, group: Any, reader: SliceReader) -> list[Wrap]:
     """Give every vocabulary table and the head this rank's block of rows."""
     rank, size = group.rank(), group.size()
+    wraps: list[Wrap] = []
     for path in _vocab_paths(vocab):
         module = _module(model, path)
+        if not isinstance(module.get("weight"), mx.array):
+            raise PlanFault(
+                f"the parallel plan splits {path!r} by vocabulary, but the built "
+                f"{type(module).__name__} has no weight table",
+                fix=PLAN_FAULT_FIX,
+            )
         rows = module["weight"].shape[0]
         block = -(-rows // size)
         start, stop = rank * block, min(rows, (rank + 1) * block)
@@ -325,10 +347,6 @@ def shard_vocab(model: nn.Module, vocab: Vocab, group: Any, reader: SliceReader)
         for name, value in list(module.items()):
             if isinstance(value, mx.array):
                 setattr(module, name, reader.take(f"{path}.{name}", value, 0, [(start, stop)]))
-        try:
-            make_vocab_parallel(module, group, start=start, block=block, total=rows)
-        except TypeError as err:
-            raise PlanFault(
-                f"the parallel plan splits {path!r} by vocabulary: {err}",
-                fix=PLAN_FAULT_FIX,
-            ) from err
+        change = vocab_head if path == vocab.head else vocab_rows
+        wraps.append((path, partial(change, group=group, start=start, block=block, total=rows)))
+    return wraps

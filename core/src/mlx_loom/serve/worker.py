@@ -54,6 +54,8 @@ class Piece:
     generation_tokens: int
     cached_tokens: int
     finish_reason: str | None
+    #: The stop string that ended the generation, if one did.
+    stop: str | None = None
 
     @classmethod
     def of(cls, r: GenerationResponse) -> Piece:
@@ -66,6 +68,7 @@ class Piece:
             generation_tokens=r.generation_tokens,
             cached_tokens=r.cached_tokens,
             finish_reason=r.finish_reason,
+            stop=r.stop,
         )
 
 
@@ -89,6 +92,10 @@ class Job:
     max_tokens: int
     stop: list[str] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)
+    #: KV-cache quantization (the server's ``--kv-bits`` ...), as ``stream_generate`` takes it.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -193,17 +200,19 @@ class GenerationWorker:
         generated = 0
         cut_short = False
         channel = self._channel
+        options = dict(
+            max_tokens=job.max_tokens,
+            stop=job.stop,
+            kv_bits=job.kv_bits,
+            kv_group_size=job.kv_group_size,
+            quantized_kv_start=job.quantized_kv_start,
+            **job.sampling,
+        )
         try:
             if channel is not None:
-                channel.begin(job.prompt, job.max_tokens, job.stop, job.sampling)
+                channel.begin(job.prompt, options)
             stream = stream_generate(
-                self.model,
-                self.tokenizer,
-                job.prompt,
-                max_tokens=job.max_tokens,
-                stop=job.stop,
-                prompt_cache=self._prompt_cache,
-                **job.sampling,
+                self.model, self.tokenizer, job.prompt, prompt_cache=self._prompt_cache, **options
             )
             for response in stream:
                 generated = response.generation_tokens
