@@ -145,6 +145,7 @@ def worker(model_dir: str, mode: str, out: str, repeats: int, prompt_len: int, t
 
     import mlx_loom
 
+    mlx_loom.default_host()  # plugin discovery reads files too: not the checkpoint's
     before = _rchar()
     model, tokenizer = mlx_loom.load(model_dir, parallel=None if mode == "single" else mode)
     read = _rchar() - before

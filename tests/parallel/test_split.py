@@ -7,8 +7,6 @@ and size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -19,24 +17,10 @@ from mlx_loom.errors import ImplementationFailed, ParallelRefused
 from mlx_loom.host import PluginHost
 from mlx_loom.host._loading import _build_split, _run_factory
 from mlx_loom.parallel import ParallelPlan, Resize, Split, Units, Vocab
-from mlx_loom.parallel.build import prepare, split_model
+from mlx_loom.parallel.build import RankView, prepare, split_model
 
 from ..core.toyfamily import ToyPlugin, write_toy_checkpoint
 from .support import write_quantized
-
-
-@dataclass(frozen=True)
-class StandIn:
-    """A group of ``size`` as rank ``r`` sees it: all a split needs."""
-
-    r: int
-    n: int
-
-    def rank(self) -> int:
-        return self.r
-
-    def size(self) -> int:
-        return self.n
 
 
 def parts(path, mode: str, size: int, *, record: bool = True):
@@ -47,12 +31,12 @@ def parts(path, mode: str, size: int, *, record: bool = True):
     """
     resolved = mlx_loom.resolve_model(path)
     if record:
-        return [_build_split(resolved, mode, StandIn(rank, size)) for rank in range(size)]
+        return [_build_split(resolved, mode, RankView(rank, size)) for rank in range(size)]
     plan = resolved.binding.implementation.parallel(resolved.family_config)
     out = []
     for rank in range(size):
         module = _run_factory(resolved)
-        info, _ = split_model(module, plan, mode, StandIn(rank, size), {}, what="m")
+        info, _ = split_model(module, plan, mode, RankView(rank, size), {}, what="m")
         out.append((module, info))
     return out
 
@@ -179,7 +163,7 @@ class Tiny(nn.Module):
 def test_a_plan_naming_a_module_the_model_lacks_is_a_plugin_fault():
     plan = ParallelPlan(vocab=Vocab(embeddings=("embed",)), tensor=(Split("nope", Units("x", 2)),))
     with pytest.raises(ImplementationFailed, match="'nope', which the built model does not have"):
-        split_model(Tiny(), plan, "tensor", StandIn(0, 2), {}, what="m")
+        split_model(Tiny(), plan, "tensor", RankView(0, 2), {}, what="m")
 
 
 def test_a_partial_sum_with_a_bias_is_a_plugin_fault():
@@ -187,23 +171,23 @@ def test_a_partial_sum_with_a_bias_is_a_plugin_fault():
         vocab=Vocab(embeddings=("embed",)), tensor=(Split("proj", Units("x", 2), dim="in"),)
     )
     with pytest.raises(ImplementationFailed, match="has a bias that every rank would add"):
-        split_model(Tiny(), plan, "tensor", StandIn(0, 2), {}, what="m")
+        split_model(Tiny(), plan, "tensor", RankView(0, 2), {}, what="m")
 
 
 def test_a_mode_the_plan_lacks_is_refused():
     plan = ParallelPlan(vocab=Vocab(embeddings=("embed",)), tensor=())
     with pytest.raises(ParallelRefused, match="declares no pipeline-parallel plan"):
-        split_model(Tiny(), plan, "pipeline", StandIn(0, 2), {}, what="m")
+        split_model(Tiny(), plan, "pipeline", RankView(0, 2), {}, what="m")
 
 
 def test_an_unknown_mode_is_refused_naming_the_modes():
     with pytest.raises(ParallelRefused, match="modes: tensor, pipeline"):
-        prepare("sideways", StandIn(0, 2), implementation=None)
+        prepare("sideways", RankView(0, 2), implementation=None)
 
 
 def test_one_process_is_refused_with_how_to_launch_more():
     with pytest.raises(ParallelRefused) as err:
-        prepare("tensor", StandIn(0, 1), implementation=None)
+        prepare("tensor", RankView(0, 1), implementation=None)
     assert "needs a group of two or more processes" in err.value.message
     assert "mlx.launch --backend ring -n 2" in err.value.fix
 
@@ -212,7 +196,7 @@ def test_an_implementation_without_a_plan_is_refused(tmp_path):
     host = PluginHost(plugins=[("toy", ToyPlugin())], entry_points=False)
     resolved = mlx_loom.resolve_model(write_toy_checkpoint(tmp_path / "toy"), host=host)
     with pytest.raises(ParallelRefused, match="'toy.lm.v1' declares no parallel plan"):
-        prepare("tensor", StandIn(0, 2), implementation=resolved.binding.implementation)
+        prepare("tensor", RankView(0, 2), implementation=resolved.binding.implementation)
 
 
 def test_load_in_one_process_refuses_parallel(checkpoints):
@@ -237,4 +221,4 @@ def test_resizing_an_attribute_the_module_lacks_is_a_plugin_fault():
     with pytest.raises(
         ImplementationFailed, match=r"resizes proj.n_heads, which is not an integer"
     ):
-        split_model(Tiny(), plan, "tensor", StandIn(0, 2), {}, what="m")
+        split_model(Tiny(), plan, "tensor", RankView(0, 2), {}, what="m")

@@ -37,7 +37,7 @@ from .tensor import (
 if TYPE_CHECKING:
     from mlx_loom.artifacts import TensorInfo
 
-__all__ = ["MODES", "Mode", "Parallel", "prepare", "split_model", "wrap"]
+__all__ = ["MODES", "Mode", "Parallel", "RankView", "prepare", "split_model", "wrap"]
 
 Mode = Literal["tensor", "pipeline"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -71,6 +71,25 @@ class Parallel:
 
     def lockstep(self) -> Lockstep:
         return Lockstep(self.group)
+
+
+@dataclass(frozen=True)
+class RankView:
+    """A group of ``n`` as rank ``r`` sees it, with no communication behind it.
+
+    Splitting a model runs no collective (only its forward does), so every
+    rank's part can be made in one process — the conformance kit and the
+    tests check plans this way. Running the part needs a real group.
+    """
+
+    r: int
+    n: int
+
+    def rank(self) -> int:
+        return self.r
+
+    def size(self) -> int:
+        return self.n
 
 
 def prepare(mode: str, group: Any, *, implementation: Any) -> Any:
