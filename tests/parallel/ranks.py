@@ -15,8 +15,9 @@ Case kinds:
 * ``generate`` / ``chat`` — ``loom generate|chat --parallel`` through the CLI's
   ``main()``; only rank 0 is given stdin;
 * ``serve`` — ``loom serve --parallel``: rank 0 serves while a client thread
-  sends the case's requests (one streamed and dropped after a few chunks),
-  then interrupts it; the other ranks follow the jobs.
+  sends the case's requests (one streamed and dropped after a few chunks,
+  then a burst of concurrent ones), then interrupts it; the other ranks
+  follow the requests.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,8 @@ def run_api(case: dict[str, Any]) -> dict[str, Any]:
     prompt = case["prompt"]
     ref_logits = ref(mx.array([prompt]))
     logits = model(mx.array([prompt]))
+    # A direct forward's collectives run when it is evaluated: before the engine's.
+    mx.eval(logits, ref_logits)
     info = model.parallel
     steps = case["max_tokens"]
     rows = [prompt, prompt[2:6]]  # rows of different lengths: left padding
@@ -156,6 +160,9 @@ def run_serve(case: dict[str, Any]) -> dict[str, Any]:
             mlx_loom.generate(ref, tokenizer, p, max_tokens=case["max_tokens"])
             for p in case["prompts"]
         ]
+        replies["expected_burst"] = [
+            mlx_loom.generate(ref, tokenizer, p, max_tokens=m) for p, m in case["burst"]
+        ]
 
         def client() -> None:
             try:
@@ -169,13 +176,38 @@ def run_serve(case: dict[str, Any]) -> dict[str, Any]:
                 replies["after"] = [
                     _post(port, "/v1/completions", {**body, "prompt": p}) for p in case["prompts"]
                 ]
+                # Concurrent requests of different lengths: they share the engine's
+                # batches, joining and leaving at different steps.
+                with ThreadPoolExecutor(len(case["burst"])) as pool:
+                    replies["burst"] = list(
+                        pool.map(
+                            lambda pm: _post(
+                                port,
+                                "/v1/completions",
+                                {"prompt": pm[0], "max_tokens": pm[1], "temperature": 0},
+                            ),
+                            case["burst"],
+                        )
+                    )
             except Exception:  # reported in the results; the server still gets stopped
                 replies["client_error"] = traceback.format_exc()
             finally:
                 os.kill(os.getpid(), signal.SIGINT)
 
         threading.Thread(target=client, daemon=True).start()
-    result = run_cli(case)
+    from mlx_loom.serve.worker import GenerationWorker
+
+    close = GenerationWorker.close
+
+    def record_then_close(worker, *args, **kwargs):
+        replies["peak_decoding"] = worker.stats().engine.peak_decoding
+        close(worker, *args, **kwargs)
+
+    GenerationWorker.close = record_then_close
+    try:
+        result = run_cli(case)
+    finally:
+        GenerationWorker.close = close
     return {**result, **replies}
 
 

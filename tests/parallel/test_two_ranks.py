@@ -43,6 +43,8 @@ CHAT = ["-m", "3", "--no-history"]
 #: note), so it must not change the turns; the single-process run saves to /dev/null.
 CHAT_INPUT = "hello\n/save /dev/null\n/reset\nonce more\n"
 SERVE_PROMPTS = [[5, 6, 7, 8]]
+#: Sent at once: each request joins and leaves the engine's batch at its own step.
+SERVE_BURST = [([5, 6, 7, 8], 4), ([9, 10, 11], 6), ([5, 6, 7, 8, 12, 13], 2)]
 
 
 #: The API runs every model type in both modes (the gemma4 wrapper, whose graph is
@@ -128,6 +130,7 @@ def _cases(checkpoints) -> list[dict[str, Any]]:
                 "port": port,
                 "model": model,
                 "prompts": SERVE_PROMPTS,
+                "burst": SERVE_BURST,
                 "max_tokens": 4,
             }
         )
@@ -266,3 +269,13 @@ def test_loom_serve_answers_like_one_process_and_survives_a_dropped_stream(ranks
         assert [body["choices"][0]["text"] for _, body in replies] == zero["expected"]
     assert zero["dropped_after"] == 2
     assert "serving" in zero["stderr"] and one["stderr"] == ""
+
+
+@pytest.mark.parametrize(("name", "mode"), DOORS["serve"])
+def test_loom_serve_batches_concurrent_requests_in_step_across_ranks(ranks, name, mode):
+    zero = result(ranks, f"serve/{name}/{mode}", 0)
+    assert "client_error" not in zero, zero["client_error"]
+    assert [status for status, _ in zero["burst"]] == [200] * len(SERVE_BURST)
+    texts = [body["choices"][0]["text"] for _, body in zero["burst"]]
+    assert texts == zero["expected_burst"]
+    assert zero["peak_decoding"] >= 2  # they did share a decode batch

@@ -157,8 +157,7 @@ class ChatSession:
                     reply.append(last.text)  # first: a second Ctrl-C may land in the write
                     self.out.write(last.text)
                     self.out.flush()
-                    # Split across ranks, every rank stops at rank 0's token.
-                    if doors.stop_together(self.model, interrupt.requested):
+                    if interrupt.requested:
                         break
             except KeyboardInterrupt:
                 if self.model.parallel is not None:
@@ -169,6 +168,8 @@ class ChatSession:
                 failure = err
             finally:
                 stream.close()  # records what was fed in the prompt cache
+        # Split across ranks, every rank keeps as much of the answer as rank 0 did.
+        reply = reply[: doors.kept_together(self.model, len(reply))]
         if torn:
             self.cache.reset()  # after close(), which would record into a fresh cache
         if failure is not None and not reply:

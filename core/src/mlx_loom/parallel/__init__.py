@@ -15,7 +15,9 @@ bracket their layer loop with ``self.stage.enter``/``leave``
 checkpoint's geometry against the group size (a refusal names the field and
 the sizes that would work), reads only this rank's slices
 (:mod:`.reading`), puts ``all_sum`` where partial products meet
-(:mod:`.layers`), and keeps the ranks in lock-step (:mod:`.lockstep`).
+(:mod:`.layers`), and keeps the ranks in lock-step: rank 0's engine decides
+each step for every rank (:mod:`.service`, over the messages of
+:mod:`.lockstep`).
 """
 
 from .build import MODES, Mode, Parallel

@@ -3,9 +3,9 @@
 Under ``mlx.launch`` every rank runs the same ``loom`` command. Rank 0 is the
 one a person talks to: it reads stdin and its output is what they see. The
 other ranks print nothing (``mlx.launch`` merges every rank's output) and
-read nothing: whatever rank 0 reads — a prompt, each chat line, the decision
-to stop an answer at Ctrl-C — reaches them through
-:class:`~mlx_loom.parallel.Lockstep`, so they run each turn with it. An error
+read nothing: whatever rank 0 reads — a prompt, each chat line, how much of
+an answer Ctrl-C kept — reaches them through the model's engine
+(:mod:`mlx_loom.parallel.service`), so they run each turn with it. An error
 every rank meets alike is printed by rank 0 (the others' copies go with
 their silenced output); a rank that fails alone exits with an error, and
 ``mlx.launch`` stops the group and says which rank it was.
@@ -26,7 +26,6 @@ import mlx.core as mx
 from mlx_loom.errors import ParallelRefused
 
 from .build import MODES
-from .lockstep import comm_stream
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
@@ -35,9 +34,9 @@ __all__ = [
     "add_parallel_option",
     "finish",
     "is_follower",
+    "kept_together",
     "shared_input",
     "silence_followers",
-    "stop_together",
 ]
 
 
@@ -77,9 +76,9 @@ def shared_input(model: Model, read: Callable[[], Any]) -> Any:
     """
     if model.parallel is None:
         return read()
-    lockstep = model.parallel.lockstep()
-    if not lockstep.leader:
-        message = lockstep.share()
+    engine = model.engine
+    if not model.parallel.leader:
+        message = engine.share()
         if "failed" in message:
             raise ParallelRefused(
                 f"Rank 0 could not read the input: {message['failed']}",
@@ -89,34 +88,37 @@ def shared_input(model: Model, read: Callable[[], Any]) -> Any:
     try:
         value = read()
     except Exception as err:
-        lockstep.share({"failed": f"{type(err).__name__}: {err}"})
+        engine.share({"failed": f"{type(err).__name__}: {err}"})
         raise
-    lockstep.share({"value": value})
+    engine.share({"value": value})
     return value
 
 
-def stop_together(model: Model, requested: bool) -> bool:
-    """Whether to stop after this token: ``requested`` as rank 0 saw it, on every rank."""
+def kept_together(model: Model, kept: int) -> int:
+    """How much of an answer every rank keeps: rank 0's ``kept``.
+
+    Rank 0 may stop reading an answer early (Ctrl-C in ``loom chat``); its
+    engine then cancels the request at a step every rank's engine follows,
+    which can be a few tokens past where rank 0's reader stopped. The other
+    ranks read to that step, so they cut their copy to rank 0's length, and
+    every rank's conversation stays the same.
+    """
     if model.parallel is None:
-        return requested
-    lockstep = model.parallel.lockstep()
-    return bool(lockstep.share_int(int(requested) if lockstep.leader else 0))
+        return kept
+    return int(shared_input(model, lambda: kept))
 
 
 def finish(model: Model) -> str | None:
     """End a command on every rank together; on rank 0, a line of per-rank figures.
 
-    Every rank waits here for the work its last step queued (which takes part
-    in collectives), so no rank exits while another still needs it. The line
-    gives each rank's peak memory and weight bytes (``None`` in one process).
+    Every rank's engine runs the exchange after the work its last step
+    queued, so no rank exits while another still needs it. The line gives
+    each rank's peak memory and weight bytes (``None`` in one process).
     """
     info = model.parallel
     if info is None:
         return None
-    mx.synchronize()
-    with mx.stream(comm_stream()):
-        mine = mx.array([mx.get_peak_memory(), info.weight_bytes], dtype=mx.float32)
-        figures = mx.distributed.all_gather(mine[None], group=info.group).tolist()
+    figures = model.engine.gather([float(mx.get_peak_memory()), float(info.weight_bytes)])
     peaks = ", ".join(f"{peak / 1e9:.3f}" for peak, _ in figures)
     weights = ", ".join(f"{w / 1e9:.3f}" for _, w in figures)
     return (

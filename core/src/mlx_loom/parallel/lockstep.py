@@ -10,34 +10,30 @@ carries those as JSON (never pickle: a message is data, not code) through
 ``all_sum`` — rank 0 contributes the bytes, the others zeros, which is exact.
 No transport of our own.
 
-Ordering: every distributed operation of a split model runs on one stream
-per thread, :func:`comm_stream` (the thread's generation stream,
-:func:`mlx_loom.generate.loop.generation_stream`), whatever stream the
-caller computes on. A stream runs what it is given in order, and the ring
-backend pairs a send with the next recv from that peer, so operations spread
-over two streams could pair wrongly (measured: a forward built on the
-default stream and evaluated after a generation on the generation stream
-received the generation's activations). Messages run there too, behind any
-step the loop already queued. A thread that generates must therefore also
-send its messages.
+Ordering: every distributed operation of a split model runs on one thread,
+its engine's (:mod:`mlx_loom.parallel.service`), on that thread's
+generation stream (:func:`comm_stream`). A stream runs what it is given in
+order, and the ring backend pairs a send with the next recv from that peer,
+so operations spread over two streams or two threads could pair wrongly
+(measured: a forward built on the default stream and evaluated after a
+generation on the generation stream received the generation's
+activations). Callers on other threads therefore never call these methods
+while the engine runs: they ask the engine to (``model.engine.share``).
+The load's own messages run before the engine starts.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from mlx_loom.errors import ParallelRefused
 
-if TYPE_CHECKING:
-    from mlx_loom.generate import SamplingParams
-    from mlx_loom.model import Model
-
-__all__ = ["MAX_MESSAGE_BYTES", "Lockstep", "comm_stream", "share_request_seed", "share_seed"]
+__all__ = ["MAX_MESSAGE_BYTES", "Lockstep", "comm_stream", "share_seed"]
 
 #: The largest message rank 0 may share (a prompt of a million tokens is ~7 MB of JSON).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -45,7 +41,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 def comm_stream() -> mx.Stream:
     """The stream this thread's distributed operations run on (see the module docstring)."""
-    from mlx_loom.generate.loop import generation_stream
+    from mlx_loom.engine.core import generation_stream
 
     return generation_stream()
 
@@ -64,30 +60,49 @@ class Lockstep:
 
     def share(self, value: Any = None) -> Any:
         """Rank 0's ``value`` (JSON-serialisable), on every rank; others pass nothing."""
-        data = b""
-        if self.leader:
-            data = json.dumps(value, separators=(",", ":")).encode()
-            if len(data) > MAX_MESSAGE_BYTES:
-                self._sum_int(-1)
-                raise ParallelRefused(
-                    f"A message to the other ranks is {len(data)} bytes, over the "
-                    f"{MAX_MESSAGE_BYTES}-byte limit.",
-                    fix="Send a shorter prompt.",
-                )
-        n = self._sum_int(len(data))
+        if not self.leader:
+            return self._receive(self._sum_int(0))
+        data = json.dumps(value, separators=(",", ":")).encode()
+        if len(data) > MAX_MESSAGE_BYTES:
+            self._sum_int(-1)
+            raise ParallelRefused(
+                f"A message to the other ranks is {len(data)} bytes, over the "
+                f"{MAX_MESSAGE_BYTES}-byte limit.",
+                fix="Send a shorter prompt.",
+            )
+        self._sum_int(len(data))
+        self._sum_bytes(mx.array(np.frombuffer(data, dtype=np.uint8)))
+        return value
+
+    def _receive(self, n: int) -> Any:
+        """A follower's side of :meth:`share`, once the length ``n`` is known."""
         if n < 0:
             raise ParallelRefused(
                 "Rank 0 refused to share a message over the size limit with this rank.",
                 fix="See rank 0's output.",
             )
+        return json.loads(self._sum_bytes(mx.zeros((n,), dtype=mx.uint8)))
+
+    def _sum_bytes(self, mine: mx.array) -> bytes:
         with mx.stream(comm_stream()):
-            mine = (
-                mx.array(np.frombuffer(data, dtype=np.uint8))
-                if self.leader
-                else mx.zeros((n,), dtype=mx.uint8)
-            )
-            summed = np.array(mx.distributed.all_sum(mine, group=self.group))
-        return value if self.leader else json.loads(summed.tobytes())
+            return np.array(mx.distributed.all_sum(mine, group=self.group)).tobytes()
+
+    def share_list(self, items: list[Any] | None = None) -> list[Any]:
+        """Rank 0's list, on every rank; an empty list costs one small collective."""
+        if self.leader and not items:
+            self._sum_int(0)
+            return []
+        if not self.leader:
+            n = self._sum_int(0)
+            return [] if n == 0 else self._receive(n)
+        return self.share(items)
+
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` (the same length on each), in rank order."""
+        mx.synchronize()
+        with mx.stream(comm_stream()):
+            mine = mx.array([values], dtype=mx.float32)
+            return mx.distributed.all_gather(mine, group=self.group).tolist()
 
     def share_int(self, value: int = 0) -> int:
         """Rank 0's integer (64-bit), on every rank (one collective)."""
@@ -118,17 +133,3 @@ def share_seed(lockstep: Lockstep) -> int:
     seed = lockstep.share_int(secrets.randbits(63))
     mx.random.seed(seed)
     return seed
-
-
-def share_request_seed(model: Model, params: SamplingParams) -> SamplingParams:
-    """A split model's unseeded, non-greedy request, seeded alike on every rank.
-
-    An unseeded :class:`~mlx_loom.generate.sampling.Sampler` draws a fresh
-    seed from the OS, which differs per process; every rank must draw the
-    same tokens, so rank 0 draws the seed and shares it (one collective per
-    request). One process, greedy or seeded requests: unchanged.
-    """
-    if model.parallel is None or params.greedy or params.seed is not None:
-        return params
-    seed = model.parallel.lockstep().share_int(secrets.randbits(63))
-    return params.model_copy(update={"seed": seed})

@@ -1,16 +1,17 @@
-"""``loom serve`` across ranks: rank 0 serves HTTP, the others run every job with it.
+"""``loom serve`` across ranks: rank 0 serves HTTP, the others run every request with it.
 
-Rank 0's generation worker tells the other ranks each job it starts
-(:meth:`JobChannel.begin`) and, after every token, whether the job goes on
-(:meth:`JobChannel.token`) — the one thing they cannot work out themselves,
-because a client can go away at any token. Everything else follows from the
-shared job: the same prompt-cache reuse, the same tokens, the same stop.
+Rank 0's server submits each request to its engine with :func:`describe`'s
+plain description of it; its engine announces the submission with that
+description (:mod:`mlx_loom.parallel.service`), and the other ranks, which
+run :func:`follow_jobs` instead of a server, build the same request from it
+(:func:`build`) and run it in the same engine step. Cancellations (a client
+going away) are rank 0's engine's, announced the same way, so the other
+ranks' requests leave their batches at the same step. Their output is
+discarded: rank 0 answers the clients.
 
-:func:`follow_jobs` is what the other ranks run instead of a server. A job
-that fails fails alike on every rank (request validation, for instance),
-and both sides then exchange one status, so they stay in step; a rank that
-fails where rank 0 did not cannot rejoin and raises, which stops the group
-(``mlx.launch`` ends the other ranks when one exits with an error).
+A request that fails fails alike on every rank (the same engine, the same
+tokens); a rank that fails where rank 0 did not cannot rejoin, so its
+process exits with the error and ``mlx.launch`` stops the group.
 """
 
 from __future__ import annotations
@@ -19,91 +20,68 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_loom.errors import ParallelRefused
 
-from .lockstep import Lockstep
-
 if TYPE_CHECKING:
+    from mlx_loom.engine import Request
     from mlx_loom.model import Model
+    from mlx_loom.serve.worker import Job
     from mlx_loom.text import Tokenizer
 
-__all__ = ["JobChannel", "follow_jobs"]
-
-#: After each token: go on, or stop (finished, or the client went away).
-GO, STOP = 0, 1
-#: The job failed on rank 0 (``FAILED_RESET``: and its prompt cache was reset).
-FAILED, FAILED_RESET = 2, 3
+__all__ = ["build", "describe", "follow_jobs"]
 
 
-class JobChannel:
-    """Rank 0's side: announce jobs and per-token decisions to the other ranks."""
-
-    def __init__(self, lockstep: Lockstep) -> None:
-        self._lockstep = lockstep
-
-    @classmethod
-    def for_model(cls, model: Model) -> JobChannel | None:
-        """A channel when ``model`` is split across ranks, else ``None``."""
-        return None if model.parallel is None else cls(model.parallel.lockstep())
-
-    def begin(self, prompt: list[int], options: dict[str, Any]) -> None:
-        """A job starts: its prompt and the ``stream_generate`` options it runs with."""
-        self._lockstep.share({"prompt": prompt, "options": options})
-
-    def token(self, *, last: bool) -> None:
-        self._lockstep.share_int(STOP if last else GO)
-
-    def failed(self, *, reset: bool) -> None:
-        self._lockstep.share_int(FAILED_RESET if reset else FAILED)
-
-    def close(self) -> None:
-        """No more jobs: the other ranks return from :func:`follow_jobs`."""
-        self._lockstep.share(None)
+def describe(job: Job) -> dict[str, Any]:
+    """What the other ranks need to build ``job``'s request: plain JSON."""
+    return {
+        "prompt": list(job.prompt),
+        "max_tokens": job.max_tokens,
+        "stop": list(job.stop),
+        "sampling": job.sampling,
+        "kv_bits": job.kv_bits,
+        "kv_group_size": job.kv_group_size,
+        "quantized_kv_start": job.quantized_kv_start,
+    }
 
 
-def _options(options: dict[str, Any]) -> dict[str, Any]:
-    # JSON object keys are strings; logit_bias maps token ids.
-    bias = options.get("logit_bias")
-    if bias is not None:
-        options = {**options, "logit_bias": {int(k): v for k, v in bias.items()}}
-    return options
+def build(model: Model, tokenizer: Tokenizer, spec: dict[str, Any]) -> Request:
+    """The request :func:`describe` described, as rank 0's server built it."""
+    from mlx_loom.engine import make_request
+    from mlx_loom.generate import SamplingParams
+
+    sampling = dict(spec["sampling"])
+    bias = sampling.get("logit_bias")
+    if bias is not None:  # JSON object keys are strings; logit_bias maps token ids
+        sampling["logit_bias"] = {int(k): v for k, v in bias.items()}
+    return make_request(
+        model,
+        tokenizer,
+        spec["prompt"],
+        max_tokens=spec["max_tokens"],
+        params=SamplingParams(**sampling),
+        stop=spec["stop"],
+        kv_bits=spec["kv_bits"],
+        kv_group_size=spec["kv_group_size"],
+        quantized_kv_start=spec["quantized_kv_start"],
+    )
 
 
 def follow_jobs(model: Model, tokenizer: Tokenizer) -> int:
-    """Run every job rank 0 announces, in step with it, until it closes; returns the count."""
-    from mlx_loom.generate import PromptCache, stream_generate
-    from mlx_loom.host import PROMPT_CACHE
-
+    """Run every request rank 0's server runs, in step with it, until it stops; the count."""
     assert model.parallel is not None and not model.parallel.leader
-    lockstep = model.parallel.lockstep()
-    prompt_cache = PromptCache(model) if PROMPT_CACHE in model.capabilities else None
-    jobs = 0
-    while (job := lockstep.share()) is not None:
-        jobs += 1
-        stream = None
+    built = 0
+
+    def builder(spec: dict[str, Any]) -> Request:
+        nonlocal built
         try:
-            stream = stream_generate(
-                model,
-                tokenizer,
-                job["prompt"],
-                prompt_cache=prompt_cache,
-                **_options(job["options"]),
-            )
-            for _ in stream:
-                status = lockstep.share_int()
-                if status != GO:
-                    break
-            else:
-                continue
+            request = build(model, tokenizer, spec)
         except Exception as err:
-            status = lockstep.share_int()
-            if status not in (FAILED, FAILED_RESET):
-                raise ParallelRefused(
-                    f"Rank {model.parallel.rank} failed a job that rank 0 ran on "
-                    f"({type(err).__name__}: {err}); the ranks can no longer run in step.",
-                    fix="Restart the server; if it happens again, report it.",
-                ) from err
-        finally:
-            if stream is not None:
-                stream.close()
-        if status == FAILED_RESET and prompt_cache is not None:
-            prompt_cache.reset()
-    return jobs
+            raise ParallelRefused(
+                f"Rank {model.parallel.rank} could not build a request rank 0 runs "
+                f"({type(err).__name__}: {err}); the ranks can no longer run in step.",
+                fix="Run the same mlx-loom version and model on every rank; if they are, "
+                "report it.",
+            ) from err
+        built += 1
+        return request
+
+    model.engine.follow(builder)
+    return built
