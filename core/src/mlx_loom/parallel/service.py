@@ -19,14 +19,19 @@ never act on their own timing: a request their callers submit waits for rank
 calls in the same order), and a cancellation of theirs is ignored — the
 request ends when rank 0's does.
 
-Every collective a split model runs happens on this one thread per rank
+Every collective of a split model's generations runs on this one thread per rank
 (forwards, messages, the prefix store's agreement), in this order, so no two
 can interleave. Callers share values through :meth:`LockstepService.share`
 and :meth:`LockstepService.gather`, never through the group directly.
 
-The thread never exits for idleness (a rank whose thread left would stop
-answering its peers): an idle rank 0 waits for work; the other ranks wait in
-the next announcement's collective.
+When the engine runs dry, rank 0 says whether the threads park (leave, to
+start again on the next call) — every rank's thread does the same. That
+keeps a caller's own collectives (a forward it evaluates, another split
+model's load) from meeting a thread that waits in one; the decision comes
+before the turn's last events are handed out, so no caller is released
+while its thread still exchanges. A server (``idle_seconds=None``) never
+parks, and neither do the ranks following it: they wait for rank 0's next
+announcement.
 """
 
 from __future__ import annotations
