@@ -9,6 +9,7 @@ failure carries the request field at fault in ``param``.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,6 +36,20 @@ DEFAULT_MAX_TOKENS_LIMIT = 4096
 
 #: The most choices (``n``) one request may ask for: each is a full generation.
 MAX_CHOICES = 16
+
+#: The longest prompt text (a raw prompt, or a rendered chat) the server
+#: tokenizes unless told otherwise: the chat template's default output budget,
+#: so both endpoints bound text alike. About 500k tokens of ordinary text,
+#: beyond most models' context; tokenizing it costs up to ~0.5 GB and several
+#: seconds here, which the preparation pool keeps off the connection threads.
+DEFAULT_MAX_PROMPT_CHARS = 2 * 1024 * 1024
+
+#: The token bound for a model whose config states no context length.
+DEFAULT_MAX_PROMPT_TOKENS = 131072
+
+#: A ``logit_bias`` key: a token id in decimal, as OpenAI sends them. (``int()``
+#: alone would also take ``" 1 "``, ``"1_0"`` and non-ASCII digits.)
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,20}")
 
 #: ``chat_template_kwargs`` keys the server sets itself.
 _RESERVED_TEMPLATE_KEYS = frozenset(
@@ -113,7 +128,10 @@ class ServeApp:
     default format);
     ``chat_template_args`` are template variables under each request's
     ``chat_template_kwargs``; ``kv_bits``/``kv_group_size``/
-    ``quantized_kv_start`` quantize every request's KV cache.
+    ``quantized_kv_start`` quantize every request's KV cache;
+    ``max_prompt_chars`` bounds the text that reaches the tokenizer and
+    ``max_prompt_tokens`` (default: the model's context) the tokens that
+    reach the engine.
     """
 
     def __init__(
@@ -130,20 +148,23 @@ class ServeApp:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         quantized_kv_start: int = 0,
+        max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+        max_prompt_tokens: int | None = None,
     ) -> None:
-        if (
-            isinstance(max_tokens_limit, bool)
-            or not isinstance(max_tokens_limit, int)
-            or (max_tokens_limit < 1)
-        ):
-            raise RequestError(
-                f"max_tokens_limit={max_tokens_limit!r} is invalid; it must be an int >= 1.",
-                fix="pass a positive --max-tokens-limit, such as 4096",
-            )
+        _check_count("max_tokens_limit", max_tokens_limit, "--max-tokens-limit", 4096)
+        _check_count("max_prompt_chars", max_prompt_chars, "--max-prompt-chars", 2097152)
+        if max_prompt_tokens is not None:
+            _check_count("max_prompt_tokens", max_prompt_tokens, "--max-prompt-tokens", 8192)
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id or model.model_dir.name
         self.max_tokens_limit = max_tokens_limit
+        #: Characters of prompt text (raw, or the rendered chat) tokenized at most.
+        self.max_prompt_chars = max_prompt_chars
+        #: Prompt tokens accepted at most: by default the model's context.
+        self.max_prompt_tokens = (
+            max_prompt_tokens or model.context_length or (DEFAULT_MAX_PROMPT_TOKENS)
+        )
         self.template_budget = template_budget or TemplateBudget.from_env()
         self.default_max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
         self.created = int(time.time())
@@ -238,17 +259,15 @@ class ServeApp:
             return None
         out: dict[int, Any] = {}
         for key, bias in raw.items():
-            try:
-                token = int(key)
-            except ValueError:
+            if not _TOKEN_ID_KEY.fullmatch(key):
                 raise HttpError(
                     400,
-                    f"Invalid parameter logit_bias: key {key!r} is not a token id.",
-                    fix='use token ids as keys, e.g. {"50": -100}',
+                    f"Invalid parameter logit_bias: key {key[:40]!r} is not a token id.",
+                    fix='use token ids in decimal as keys, e.g. {"50": -100}',
                     param="logit_bias",
                     code="invalid_parameter",
-                ) from None
-            out[token] = bias
+                )
+            out[int(key)] = bias
         return out
 
     def _sampling(self, options: dict[str, Any], *, renamed: dict[str, str]) -> SamplingParams:
@@ -292,15 +311,50 @@ class ServeApp:
                     code="invalid_token",
                 )
         limit = self.model.context_length
-        if limit is not None and len(ids) > limit:
+        if limit is not None and len(ids) >= limit:
+            # Generation stops at the context (see _room); a prompt that fills
+            # it leaves no room for a single token.
             raise HttpError(
                 400,
                 f"The {param} is {len(ids)} tokens long; this model's context "
-                f"(max_position_embeddings) is {limit} tokens.",
-                fix="shorten the prompt",
+                f"(max_position_embeddings) is {limit} tokens, which leaves no room to generate.",
+                fix=f"shorten the prompt to fewer than {limit} tokens",
                 param=param,
                 code="context_length_exceeded",
             )
+        if len(ids) > self.max_prompt_tokens:
+            raise HttpError(
+                400,
+                f"The {param} is {len(ids)} tokens long; this server accepts prompts of at "
+                f"most {self.max_prompt_tokens} tokens (--max-prompt-tokens).",
+                fix="shorten the prompt, or start the server with a higher --max-prompt-tokens",
+                param=param,
+                code="prompt_too_long",
+            )
+
+    def _check_prompt_chars(self, text: str, param: str) -> None:
+        """Refuse prompt text past ``max_prompt_chars`` before the tokenizer sees it."""
+        if len(text) > self.max_prompt_chars:
+            what = "rendered conversation" if param == "messages" else "prompt"
+            raise HttpError(
+                400,
+                f"The {what} is {len(text)} characters long; this server tokenizes at most "
+                f"{self.max_prompt_chars} characters (--max-prompt-chars).",
+                fix="shorten the prompt, or start the server with a higher --max-prompt-chars",
+                param=param,
+                code="prompt_too_long",
+            )
+
+    def _room(self, prompt_tokens: int, max_tokens: int) -> int:
+        """``max_tokens``, cut to the room the context leaves after the prompt.
+
+        The context bounds prompt and completion together, as in the OpenAI
+        API; a generation that reaches it ends with ``finish_reason:
+        "length"``, as one that reaches ``max_tokens`` does. ``loom chat``
+        cuts its replies at the context the same way.
+        """
+        limit = self.model.context_length
+        return max_tokens if limit is None else min(max_tokens, limit - prompt_tokens)
 
     def _text_prompt(self, request: schemas.CompletionRequest) -> list[int]:
         prompt = request.prompt
@@ -313,7 +367,11 @@ class ServeApp:
                     param="prompt",
                     code="empty_prompt",
                 )
-            ids = self.tokenizer.encode_prompt(prompt)
+            self._check_prompt_chars(prompt, "prompt")
+            try:
+                ids = self.tokenizer.encode_prompt(prompt)
+            except LoomError as err:
+                raise from_loom_error(err, param="prompt") from None
         else:
             ids = list(prompt)
         self._check_prompt(ids, "prompt")
@@ -358,7 +416,11 @@ class ServeApp:
         reasoning = self.chat_format.reasoning
         in_reasoning = reasoning is not None and reasoning.opens_inside(text)
         text += prompt_suffix(plan, self.chat_format, in_reasoning=in_reasoning)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self._check_prompt_chars(text, "messages")
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        except LoomError as err:
+            raise from_loom_error(err, param="messages") from None
         self._check_prompt(ids, "messages")
         return ids, in_reasoning
 
@@ -432,6 +494,7 @@ class ServeApp:
         else:
             ids, in_reasoning = self._text_prompt(request), False
         sampling = params.model_dump()
+        max_tokens = self._room(len(ids), max_tokens)
         choices = []
         for index in range(request.n):
             seeded = dict(sampling)
@@ -659,6 +722,15 @@ class ServeApp:
         if not prep.include_usage:
             return []
         return [self._chunk(prep, [], usage=self._usage(prep))]
+
+
+def _check_count(name: str, value: Any, flag: str, example: int) -> None:
+    """A server-wide bound must be an int >= 1 (a bad one fails start-up)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestError(
+            f"{name}={value!r} is invalid; it must be an int >= 1.",
+            fix=f"pass a positive {flag}, such as {example}",
+        )
 
 
 def _tool_call_out(call: ToolCall) -> schemas.ToolCallOut:
