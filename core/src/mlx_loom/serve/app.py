@@ -38,11 +38,12 @@ DEFAULT_MAX_TOKENS_LIMIT = 4096
 MAX_CHOICES = 16
 
 #: The longest prompt text (a raw prompt, or a rendered chat) the server
-#: tokenizes unless told otherwise: the chat template's default output budget,
-#: so both endpoints bound text alike. About 500k tokens of ordinary text,
-#: beyond most models' context; tokenizing it costs up to ~0.5 GB and several
-#: seconds here, which the preparation pool keeps off the connection threads.
-DEFAULT_MAX_PROMPT_CHARS = 2 * 1024 * 1024
+#: tokenizes unless told otherwise: about 260k tokens of English, the longest
+#: context of the supported families. What it costs (tokenizers 0.23, this
+#: machine): ordinary text ~0.3 GB and ~1.5 s; the worst case, text outside
+#: the vocabulary (4 byte-tokens per character: 4 M tokens), ~0.9 GB and ~7 s.
+#: Twice this was 1.7 GB and 14 s in that worst case.
+DEFAULT_MAX_PROMPT_CHARS = 1024 * 1024
 
 #: The token bound for a model whose config states no context length.
 DEFAULT_MAX_PROMPT_TOKENS = 131072
@@ -152,7 +153,9 @@ class ServeApp:
         max_prompt_tokens: int | None = None,
     ) -> None:
         _check_count("max_tokens_limit", max_tokens_limit, "--max-tokens-limit", 4096)
-        _check_count("max_prompt_chars", max_prompt_chars, "--max-prompt-chars", 2097152)
+        _check_count(
+            "max_prompt_chars", max_prompt_chars, "--max-prompt-chars", DEFAULT_MAX_PROMPT_CHARS
+        )
         if max_prompt_tokens is not None:
             _check_count("max_prompt_tokens", max_prompt_tokens, "--max-prompt-tokens", 8192)
         self.model = model
@@ -311,6 +314,17 @@ class ServeApp:
                     code="invalid_token",
                 )
         limit = self.model.context_length
+        bound = self.max_prompt_tokens
+        # The tighter of the two bounds speaks: the server's, or the context.
+        if len(ids) > bound and (limit is None or bound < limit):
+            raise HttpError(
+                400,
+                f"The {param} is {len(ids)} tokens long; this server accepts prompts of at "
+                f"most {bound} tokens (--max-prompt-tokens).",
+                fix="shorten the prompt, or start the server with a higher --max-prompt-tokens",
+                param=param,
+                code="prompt_too_long",
+            )
         if limit is not None and len(ids) >= limit:
             # Generation stops at the context (see _room); a prompt that fills
             # it leaves no room for a single token.
@@ -321,15 +335,6 @@ class ServeApp:
                 fix=f"shorten the prompt to fewer than {limit} tokens",
                 param=param,
                 code="context_length_exceeded",
-            )
-        if len(ids) > self.max_prompt_tokens:
-            raise HttpError(
-                400,
-                f"The {param} is {len(ids)} tokens long; this server accepts prompts of at "
-                f"most {self.max_prompt_tokens} tokens (--max-prompt-tokens).",
-                fix="shorten the prompt, or start the server with a higher --max-prompt-tokens",
-                param=param,
-                code="prompt_too_long",
             )
 
     def _check_prompt_chars(self, text: str, param: str) -> None:

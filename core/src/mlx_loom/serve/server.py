@@ -26,6 +26,7 @@ import queue
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -92,6 +93,13 @@ PUBLIC_PATHS = frozenset({"/", "/health"})
 PREFLIGHT_MAX_AGE = "600"
 
 
+#: The socket send buffer of each connection: hundreds of streamed tokens, and
+#: small enough that 128 stalled clients hold a few tens of MB of kernel memory.
+SEND_BUFFER_BYTES = 128 * 1024
+
+#: Refused connections are logged at most this often (with how many there were).
+REFUSAL_LOG_SECONDS = 10.0
+
 #: The longest request line, as ``http.server`` bounds it.
 MAX_REQUEST_LINE = 65536
 
@@ -122,6 +130,10 @@ class Handler(BaseHTTPRequestHandler):
         try:
             # Streams write one small event per token: send each at once.
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Bound what the kernel buffers for a client that stops reading
+            # (Linux starts loopback sockets near 4 MB): the write deadline
+            # then notices it after SEND_BUFFER_BYTES of events, not megabytes.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         except OSError:
             pass
         self._reader = DeadlineReader(self.connection)
@@ -731,6 +743,9 @@ class LoomServer(ThreadingHTTPServer):
     """
 
     daemon_threads = True
+    #: The listen backlog. socketserver's default (5) overflows when a burst of
+    #: clients connects at once, and the kernel then drops or resets some.
+    request_queue_size = 128
 
     def __init__(
         self,
@@ -765,6 +780,8 @@ class LoomServer(ThreadingHTTPServer):
         self._open = 0
         self._open_lock = threading.Lock()
         self._turn_away = _too_many_connections(self.limits.max_connections)
+        self._refused = 0
+        self._refusals_logged_at = -REFUSAL_LOG_SECONDS
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._thread: threading.Thread | None = None
         try:
@@ -795,18 +812,27 @@ class LoomServer(ThreadingHTTPServer):
             if not full:
                 self._open += 1
         if full:
-            log.warning(
-                "refused a connection from %s: %d connections are open (--max-connections)",
-                client_address[0],
-                self.limits.max_connections,
-            )
             refuse_connection(request, self._turn_away)
+            self._log_refusal()
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
             self._closed_one()  # its thread never started
             raise
+
+    def _log_refusal(self) -> None:
+        """One warning per burst of refused connections, not one per connection (a flood)."""
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refusals_logged_at >= REFUSAL_LOG_SECONDS:
+            log.warning(
+                "refused %d connection(s): %d are open, the limit (--max-connections)",
+                self._refused,
+                self.limits.max_connections,
+            )
+            self._refused = 0
+            self._refusals_logged_at = now
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
