@@ -111,6 +111,36 @@ def test_an_http_09_request_line_is_answered_505_and_closed(bounded, line):
     assert elapsed < DEADLINE, elapsed
 
 
+@pytest.mark.parametrize(
+    ("head", "status", "code"),
+    [
+        (b"GET\r\n\r\n", 400, "bad_request"),
+        (b"GET / HTTP/1.1 extra\r\n\r\n", 400, "bad_request"),
+        (b"GET / HTTP/9.9\r\n\r\n", 505, "http_version_not_supported"),
+        (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414, "request_line_too_long"),
+        (b"GET / HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n", 431, "headers_too_large"),
+        (
+            b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(101)) + b"\r\n",
+            431,
+            "headers_too_large",
+        ),
+        (b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n", 501, "method_not_implemented"),
+    ],
+    ids=["no-path", "four-words", "http-9.9", "long-line", "long-header", "101-headers", "brew"],
+)
+def test_a_request_http_server_cannot_read_gets_a_json_error_and_a_close(
+    bounded, head, status, code
+):
+    sock = connect(bounded)
+    started = time.monotonic()
+    sock.sendall(head)
+    raw = read_to_close(sock)
+    got, body = json_answer(raw)
+    assert (got, body["error"]["code"]) == (status, code), raw[:300]
+    assert body["error"]["message"] and b"Connection: close" in raw
+    assert time.monotonic() - started < DEADLINE  # at once, not at a deadline
+
+
 def test_a_connection_that_sends_nothing_is_closed_at_the_idle_timeout(bounded):
     sock = connect(bounded)
     started = time.monotonic()
