@@ -169,3 +169,33 @@ def test_no_body_gets_a_5xx_and_every_error_is_json(fuzzed, endpoint):
 
     fuzz()
     assert fuzzed.get("/health").status == 200
+
+
+#: The issue's reproducers: (where it goes, its raw JSON text, words of the error).
+REPRODUCERS = {
+    "deep-json": ("prompt", "[" * 100_000 + "]" * 100_000, "deeper than the limit"),
+    "huge-integer": ("prompt", "1" * 5000, "5000 digits"),
+    "lone-surrogate": ("prompt", '"a \\ud800 b"', "surrogate"),
+    "nan-temperature": ("temperature", "NaN", "temperature"),
+}
+
+
+def _raw_body(endpoint: str, where: str, raw_value: str) -> bytes:
+    prompt = raw_value if where == "prompt" else '"hello"'
+    extra = f', "temperature": {raw_value}' if where == "temperature" else ""
+    if endpoint == "/v1/completions":
+        return ('{"max_tokens": 2, "prompt": ' + prompt + extra + "}").encode()
+    return (
+        '{"max_tokens": 2, "messages": [{"role": "user", "content": ' + prompt + "}]" + extra + "}"
+    ).encode()
+
+
+@pytest.mark.parametrize("case", sorted(REPRODUCERS))
+@pytest.mark.parametrize("endpoint", sorted(REQUEST_FIELDS))
+def test_each_reproducer_is_a_400_with_a_json_error_on_every_endpoint(fuzzed, endpoint, case):
+    where, raw_value, needle = REPRODUCERS[case]
+    reply = fuzzed.request("POST", endpoint, raw=_raw_body(endpoint, where, raw_value))
+    assert reply.status == 400, reply.text[:500]
+    error = reply.json["error"]
+    assert needle in error["message"], error
+    assert fuzzed.get("/health").status == 200
