@@ -125,12 +125,15 @@ def test_an_http_09_request_line_is_answered_505_and_closed(bounded, line):
             "headers_too_large",
         ),
         (b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n", 501, "method_not_implemented"),
+        (b"GET http://[::1/health HTTP/1.1\r\nConnection: close\r\n\r\n", 400, "invalid_path"),
+        (b"OPTIONS http://[ HTTP/1.1\r\nConnection: close\r\n\r\n", 400, "invalid_path"),
     ],
-    ids=["no-path", "four-words", "http-9.9", "long-line", "long-header", "101-headers", "brew"],
+    ids=[
+        *("no-path", "four-words", "http-9.9", "long-line", "long-header", "101-headers"),
+        *("brew", "broken-host", "broken-host-preflight"),
+    ],
 )
-def test_a_request_http_server_cannot_read_gets_a_json_error_and_a_close(
-    bounded, head, status, code
-):
+def test_a_request_that_cannot_be_read_gets_a_json_error_and_a_close(bounded, head, status, code):
     sock = connect(bounded)
     started = time.monotonic()
     sock.sendall(head)

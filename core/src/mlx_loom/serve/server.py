@@ -277,8 +277,7 @@ class Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         self._body_read = method != "POST"
         try:
-            path = urlsplit(self.path).path
-            path = path.rstrip("/") or "/"
+            path = _request_path(self.path)
             path = ALIASES.get(path, path)
             self._anthropic = path == "/v1/messages"
             if method == "OPTIONS":
@@ -699,6 +698,24 @@ def parse_body(raw: bytes) -> Any:
         )
     except RequestError as exc:
         raise HttpError(400, exc.message, fix=fix, code="invalid_json") from None
+
+
+def _request_path(target: str) -> str:
+    """The path of a request target (origin or absolute form), without trailing slashes.
+
+    ``urlsplit`` raises ``ValueError`` for an absolute target with a broken
+    host (``http://[::1``): that is the client's error, a 400.
+    """
+    try:
+        path = urlsplit(target).path
+    except ValueError as exc:
+        raise HttpError(
+            400,
+            f"The request target {target[:100]!r} is not a valid URL: {exc}.",
+            fix="send a path such as /v1/chat/completions",
+            code="invalid_path",
+        ) from None
+    return path.rstrip("/") or "/"
 
 
 def _chain(first: Piece, rest: Iterator[Piece]) -> Iterator[Piece]:
