@@ -144,6 +144,26 @@ def test_a_request_that_cannot_be_read_gets_a_json_error_and_a_close(bounded, he
     assert time.monotonic() - started < DEADLINE  # at once, not at a deadline
 
 
+@pytest.mark.parametrize(
+    ("lengths", "status", "code"),
+    [
+        ([b"+2"], 400, "invalid_body"),
+        ([b"1_0"], 400, "invalid_body"),
+        ([b"-1"], 400, "invalid_body"),
+        ([b"2", b"3"], 400, "invalid_body"),
+        ([b"9" * 5000], 413, "body_too_large"),
+    ],
+    ids=["plus-sign", "underscore", "negative", "two-that-disagree", "5000-digits"],
+)
+def test_a_content_length_that_is_not_one_byte_count_is_refused(bounded, lengths, status, code):
+    sock = connect(bounded)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    head += b"".join(b"Content-Length: " + value + b"\r\n" for value in lengths)
+    sock.sendall(head + b"\r\n{}")
+    got, body = json_answer(read_to_close(sock))
+    assert (got, body["error"]["code"]) == (status, code), body
+
+
 def test_a_connection_that_sends_nothing_is_closed_at_the_idle_timeout(bounded):
     sock = connect(bounded)
     started = time.monotonic()

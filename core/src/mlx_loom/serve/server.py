@@ -23,6 +23,7 @@ import ipaddress
 import json
 import logging
 import queue
+import re
 import select
 import socket
 import threading
@@ -99,6 +100,9 @@ SEND_BUFFER_BYTES = 128 * 1024
 
 #: Refused connections are logged at most this often (with how many there were).
 REFUSAL_LOG_SECONDS = 10.0
+
+#: A ``Content-Length`` value: decimal digits only.
+_DIGITS = re.compile(r"[0-9]+")
 
 #: The longest request line, as ``http.server`` bounds it.
 MAX_REQUEST_LINE = 65536
@@ -492,7 +496,15 @@ class Handler(BaseHTTPRequestHandler):
                 fix="send the body with a Content-Length header",
                 code="length_required",
             )
-        raw_length = self.headers.get("Content-Length")
+        lengths = set(self.headers.get_all("Content-Length") or ())
+        raw_length = lengths.pop().strip() if len(lengths) == 1 else None
+        if lengths:
+            raise HttpError(
+                400,
+                "The request has Content-Length headers that disagree.",
+                fix="send one Content-Length header",
+                code="invalid_body",
+            )
         if raw_length is None:
             raise HttpError(
                 411,
@@ -500,21 +512,20 @@ class Handler(BaseHTTPRequestHandler):
                 fix="send the JSON body with a Content-Length header",
                 code="length_required",
             )
-        try:
-            length = int(raw_length)
-            if length < 0:
-                raise ValueError
-        except ValueError:
+        if not _DIGITS.fullmatch(raw_length):  # int() would also take "+5", "1_0", " 5 "
             raise HttpError(
                 400,
                 f"Content-Length {raw_length[:40]!r} is not a byte count.",
                 fix="send a valid Content-Length header",
                 code="invalid_body",
-            ) from None
-        if length > MAX_BODY_BYTES:
+            )
+        # More digits than the limit has is past it (and int() refuses 4,300).
+        length = int(raw_length) if len(raw_length) <= len(str(MAX_BODY_BYTES)) else None
+        if length is None or length > MAX_BODY_BYTES:
             raise HttpError(
                 413,
-                f"The request body is {length} bytes; the limit is {MAX_BODY_BYTES} bytes.",
+                f"The request body is {raw_length[:40]} bytes; the limit is "
+                f"{MAX_BODY_BYTES} bytes.",
                 fix="send a shorter request",
                 code="body_too_large",
             )
