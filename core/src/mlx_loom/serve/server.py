@@ -60,6 +60,7 @@ from .errors import (
     HttpError,
     ServerStartError,
     from_loom_error,
+    overloaded,
 )
 from .prepare import DEFAULT_THREADS as DEFAULT_TOKENIZER_THREADS
 from .prepare import LARGE_BODY_BYTES, ClientGone, PoolClosed, PreparePool
@@ -745,19 +746,21 @@ def _is_loopback(host: str) -> bool:
 
 def _too_many_connections(limit: int) -> bytes:
     """The whole answer (status line, headers, JSON body) for a connection over the limit."""
-    error = HttpError(
-        503,
+    error = overloaded(
         f"The server is serving its limit of {limit} connections.",
         fix="retry shortly; the operator can raise loom serve --max-connections",
-        type=SERVER_ERROR,
         code="too_many_connections",
     )
     body = json.dumps(error.body()).encode()
-    head = (
-        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
-    )
-    return head.encode() + body
+    headers = {
+        "Content-Type": "application/json",
+        "Content-Length": str(len(body)),
+        **error.headers,
+        "Connection": "close",
+    }
+    head = "HTTP/1.1 503 Service Unavailable\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    return (head + "\r\n").encode() + body
 
 
 class LoomServer(ThreadingHTTPServer):
