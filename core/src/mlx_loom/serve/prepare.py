@@ -15,11 +15,13 @@ preparation is bounded by the pool's size times the prompt-size limits.
 With one thread there is nothing to keep back, and requests take turns.
 
 Why threads, not processes: the tokenizer (``tokenizers``, in Rust) releases
-the GIL while it encodes — measured here, a 2 Mi-character prompt encoded for
-5 s on another thread held up the main thread for at most 0.25 s (building
-the Python list of ids) — and the template renderer yields the GIL like any
-Python code. A process pool would copy each body to another process and the
-tokenizer into each worker, for no gain in responsiveness.
+the GIL while it encodes (through ``encode_batch``; its ``encode`` keeps it,
+see :meth:`mlx_loom.text.Tokenizer.encode`) — measured here, while a
+1 Mi-character prompt was prepared for 2-9 s, ``/health`` answered every
+poll within 0.05 s; what still holds the GIL is building the Python list of
+ids, ~0.1 s — and the template renderer yields the GIL like any Python code.
+A process pool would copy each body to another process and the tokenizer
+into each worker, for no gain in responsiveness.
 """
 
 from __future__ import annotations
