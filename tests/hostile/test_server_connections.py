@@ -222,6 +222,35 @@ def test_a_body_slower_than_the_body_timeout_gets_a_408(bounded):
     assert DEADLINE * 0.8 <= elapsed < DEADLINE + SLACK, elapsed
 
 
+def test_a_body_trickled_slower_than_the_body_timeout_gets_a_408(bounded):
+    sock = connect(bounded)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n"
+    )
+    stop = threading.Event()
+
+    def trickle() -> None:  # a byte every 50 ms: no single read waits long
+        for _ in range(1000):
+            if stop.is_set():
+                return
+            try:
+                sock.send(b" ")
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    started = time.monotonic()
+    sender.start()
+    raw = read_to_close(sock)
+    elapsed = time.monotonic() - started
+    stop.set()
+    status, body = json_answer(raw)
+    assert status == 408 and body["error"]["code"] == "request_timeout"
+    assert DEADLINE * 0.8 <= elapsed < DEADLINE + SLACK, elapsed
+
+
 def test_a_client_that_never_reads_its_stream_is_dropped_and_its_generation_stops(bounded):
     bounded.wait_idle()
     suppress_eos = {str(t): -100 for t in bounded.server.app.tokenizer.eos_token_ids}
