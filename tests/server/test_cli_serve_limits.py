@@ -75,3 +75,19 @@ def test_the_limit_flags_reach_the_running_server(checkpoint, monkeypatch):
         idle_timeout=4, header_timeout=3, body_timeout=6, write_timeout=7, max_connections=9
     )
     assert (seen["threads"], seen["chars"], seen["tokens"]) == (3, 5000, 100)
+
+
+def test_a_connection_limit_below_rows_plus_queue_is_warned_about(checkpoint, caplog):
+    import mlx_loom
+    from mlx_loom.serve import make_server
+
+    model, tokenizer = mlx_loom.load(checkpoint)
+    with caplog.at_level("WARNING", logger="mlx_loom.serve"):
+        server = make_server(model, tokenizer, port=0, max_connections=40)
+        server.stop()
+    assert "connections are refused before the queue fills" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mlx_loom.serve"):
+        server = make_server(model, tokenizer, port=0)
+        server.stop()
+    assert "queue fills" not in caplog.text

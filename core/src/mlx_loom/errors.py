@@ -71,6 +71,14 @@ class UsageError(RequestError):
     """A command-line flag has a value the command cannot use (CLI exit code 2)."""
 
 
+class EngineBusy(LoomError):
+    """The engine's queue of waiting requests is full; try again shortly."""
+
+
+class EngineStopped(LoomError):
+    """The engine was shut down (or stopped) before the request could finish."""
+
+
 # --- plugins ---------------------------------------------------------------
 
 

@@ -10,9 +10,16 @@ from typing import Any
 
 from ..assets import BUNDLED_MODEL_NAME
 from ..bounded_json import REQUEST_JSON, parse_json
+from ..engine import EngineSettings
+from ..engine.settings import (
+    DEFAULT_DECODE_CONCURRENCY,
+    DEFAULT_PREFILL_STEP,
+    DEFAULT_PROMPT_CACHE_SIZE,
+    DEFAULT_PROMPT_CONCURRENCY,
+)
 from ..errors import RequestError
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
-from ..serve.app import DEFAULT_MAX_PROMPT_CHARS
+from ..serve.app import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_QUEUED, server_engine_settings
 from ..serve.connection import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -62,8 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs",
         description="Load a model once and serve /v1/chat/completions, /v1/completions, "
-        "/v1/messages, /v1/models, /health and a chat page at /. Requests are generated "
-        "one at a time, in arrival order; one prompt cache is kept across requests.",
+        "/v1/messages, /v1/models, /health and a chat page at /. Concurrent requests are "
+        "batched together (continuous batching); prompt caches are kept across requests in "
+        "a shared prefix store.",
     )
     add_model_options(parser)
     parser.add_argument(
@@ -138,6 +146,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"require 'Authorization: Bearer KEY' (or x-api-key) on the API "
         f"(default: ${API_KEY_ENV}, else no key)",
     )
+    add_engine_options(parser)
     add_limit_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
 
@@ -151,12 +160,94 @@ def _seconds(flag: str, example: float):
     )
 
 
-def _count(flag: str, what: str, example: int):
+def _count(flag: str, low: int, what: str, example: int):
     return flags.integer(
         flag,
-        low=1,
-        valid=f"an integer >= 1 ({what})",
+        low=low,
+        valid=f"an integer >= {low} ({what})",
         fix=f"pass a count such as {{flag}} {example}",
+    )
+
+
+_SIZES = {"": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """A byte count: ``1000000``, ``500MB``, ``2G`` (decimal units, as mlx-lm reads them)."""
+    digits = text.strip()
+    unit = digits.lstrip("0123456789.")
+    number = digits[: len(digits) - len(unit)]
+    factor = _SIZES.get(unit.strip().upper())
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if factor is None or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: it must be a byte count, or a number with K, M or G\n"
+            "fix: pass a size such as --prompt-cache-bytes 2GB, or omit it for no bound"
+        )
+    return int(value * factor)
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The batching flags, with mlx-lm's server names, meanings and defaults."""
+    group = parser.add_argument_group("batching (continuous batching engine)")
+    group.add_argument(
+        "--decode-concurrency",
+        type=_count("--decode-concurrency", 1, "requests decoded together", 32),
+        default=DEFAULT_DECODE_CONCURRENCY,
+        metavar="N",
+        help=f"most requests decoded together (default: {DEFAULT_DECODE_CONCURRENCY})",
+    )
+    group.add_argument(
+        "--prompt-concurrency",
+        type=_count("--prompt-concurrency", 1, "prompts prefilled at once", 8),
+        default=DEFAULT_PROMPT_CONCURRENCY,
+        metavar="N",
+        help=f"most prompts prefilled at once (default: {DEFAULT_PROMPT_CONCURRENCY})",
+    )
+    group.add_argument(
+        "--prefill-step-size",
+        type=_count("--prefill-step-size", 1, "prompt tokens per prefill chunk", 2048),
+        default=DEFAULT_PREFILL_STEP,
+        metavar="N",
+        help="prompt tokens per prefill chunk; smaller chunks stall running streams less "
+        f"(default: {DEFAULT_PREFILL_STEP})",
+    )
+    group.add_argument(
+        "--prompt-cache-size",
+        type=_count("--prompt-cache-size", 0, "prompt caches kept; 0 keeps none", 10),
+        default=DEFAULT_PROMPT_CACHE_SIZE,
+        metavar="N",
+        help="most prompt caches kept for reuse; 0 keeps none "
+        f"(default: {DEFAULT_PROMPT_CACHE_SIZE})",
+    )
+    group.add_argument(
+        "--prompt-cache-bytes",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="most bytes of prompt caches kept, e.g. 2GB (default: no byte bound)",
+    )
+    group.add_argument(
+        "--queue-size",
+        type=_count("--queue-size", 0, "requests that may wait for a row", 64),
+        default=DEFAULT_MAX_QUEUED,
+        metavar="N",
+        help="requests that may wait for a free row; more are answered 503 with Retry-After "
+        f"(default: {DEFAULT_MAX_QUEUED})",
+    )
+
+
+def engine_settings(args: argparse.Namespace) -> EngineSettings:
+    return server_engine_settings(
+        decode_concurrency=args.decode_concurrency,
+        prompt_concurrency=args.prompt_concurrency,
+        prefill_step_size=args.prefill_step_size,
+        prompt_cache_size=args.prompt_cache_size,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        max_queued=args.queue_size,
     )
 
 
@@ -165,7 +256,7 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
     prompts = parser.add_argument_group("prompt limits")
     prompts.add_argument(
         "--max-prompt-chars",
-        type=_count("--max-prompt-chars", "characters", DEFAULT_MAX_PROMPT_CHARS),
+        type=_count("--max-prompt-chars", 1, "characters", DEFAULT_MAX_PROMPT_CHARS),
         default=DEFAULT_MAX_PROMPT_CHARS,
         metavar="N",
         help="longest prompt text (raw, or the rendered chat) the server tokenizes "
@@ -173,13 +264,13 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
     )
     prompts.add_argument(
         "--max-prompt-tokens",
-        type=_count("--max-prompt-tokens", "tokens", 8192),
+        type=_count("--max-prompt-tokens", 1, "tokens", 8192),
         metavar="N",
         help="longest prompt in tokens (default: the model's context)",
     )
     prompts.add_argument(
         "--tokenizer-threads",
-        type=_count("--tokenizer-threads", "threads", DEFAULT_THREADS),
+        type=_count("--tokenizer-threads", 1, "threads", DEFAULT_THREADS),
         default=DEFAULT_THREADS,
         metavar="N",
         help="threads that parse, render and tokenize requests, off the connection "
@@ -188,7 +279,7 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
     conns = parser.add_argument_group("connections")
     conns.add_argument(
         "--max-connections",
-        type=_count("--max-connections", "connections served at once", DEFAULT_MAX_CONNECTIONS),
+        type=_count("--max-connections", 1, "connections served at once", DEFAULT_MAX_CONNECTIONS),
         default=DEFAULT_MAX_CONNECTIONS,
         metavar="N",
         help="connections served at once; more are answered 503 and closed "
@@ -228,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         model_id=args.model or BUNDLED_MODEL_NAME,
         max_tokens_limit=args.max_tokens_limit,
+        engine=engine_settings(args),
         template_budget=template_budget,
         allowed_origins=args.allowed_origins,
         api_key=api_key,

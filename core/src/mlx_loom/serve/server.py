@@ -4,10 +4,11 @@ Each connection gets a handler thread, and no handler thread does heavy
 work: it reads the request under the deadlines of
 :mod:`~mlx_loom.serve.connection`, hands the body to the preparation pool
 (:mod:`~mlx_loom.serve.prepare`: JSON, validation, chat template,
-tokenizer), hands the prepared job to the generation worker (see
-``worker.py``), and writes what comes back. So ``/health`` and
-``/v1/models`` answer at once while prompts are tokenized and generations
-run, and at most ``max_connections`` connections (threads) exist at once.
+tokenizer), hands the prepared jobs to the model's engine thread (see
+``worker.py``), which batches concurrent requests, and writes what comes
+back. So ``/health`` and ``/v1/models`` answer at once while prompts are
+tokenized and generations run, a request waiting for a row costs no MLX
+work, and at most ``max_connections`` connections (threads) exist at once.
 
 Every answer the server gives to a bad request is JSON in the OpenAI error
 shape — including the ones ``http.server`` itself would have answered in
@@ -37,7 +38,8 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from ..bounded_json import REQUEST_JSON, parse_json
-from ..errors import LoomError, RequestError
+from ..engine import EngineSettings
+from ..errors import EngineBusy, LoomError, RequestError
 from . import anthropic, page
 from .app import Prepared, ServeApp
 from .connection import (
@@ -586,7 +588,7 @@ class Handler(BaseHTTPRequestHandler):
                 if not self.app.worker.alive:
                     raise HttpError(
                         503,
-                        "The generation thread has stopped.",
+                        "The generation engine has stopped.",
                         type=SERVER_ERROR,
                         fix="restart the server",
                     ) from None
@@ -607,10 +609,24 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"{head}data: {data}\n\n".encode())
         self.wfile.flush()
 
+    def _submit(self, jobs: list[Job]) -> None:
+        """Queue every job of a request, or none: a full queue is ``503`` with ``Retry-After``.
+
+        A request with ``n`` choices is several jobs; when the queue fills
+        part-way, the ones already queued are cancelled so no row generates
+        for an answer that is never sent.
+        """
+        try:
+            for job in jobs:
+                self.app.worker.submit(job)
+        except EngineBusy as err:
+            for job in jobs:
+                job.cancel()
+            raise overloaded(err.message, fix=err.fix, code="queue_full") from None
+
     def _complete(self, *, chat: bool) -> None:
         prep = self._prepare(lambda body: self.app.prepare(body, chat=chat))
-        for job in prep.jobs:
-            self.app.worker.submit(job)
+        self._submit(prep.jobs)
         try:
             if not prep.stream:
                 for choice in prep.choices:
@@ -654,7 +670,7 @@ class Handler(BaseHTTPRequestHandler):
         prep = self._prepare(self._prepare_message)
         shaper = anthropic.MessageShaper(prep.model)
         choice = prep.choices[0]
-        self.app.worker.submit(choice.job)
+        self._submit([choice.job])
         try:
             events = self._events(choice.job)
             if not prep.stream:
@@ -775,7 +791,8 @@ class LoomServer(ThreadingHTTPServer):
 
     daemon_threads = True
     #: The listen backlog. socketserver's default (5) overflows when a burst of
-    #: clients connects at once, and the kernel then drops or resets some.
+    #: clients connects at once, as they do to a batching server, and the
+    #: kernel then resets some of those connections.
     request_queue_size = 128
 
     def __init__(
@@ -824,6 +841,28 @@ class LoomServer(ThreadingHTTPServer):
                 "process using this one",
             ) from exc
         self.prepare_pool = PreparePool(tokenizer_threads)
+        self._check_bounds_compose()
+
+    def _check_bounds_compose(self) -> None:
+        """Warn when the connection limit makes the engine's queue bound unreachable.
+
+        Every row and every waiting request holds a connection, so with fewer
+        connections than rows plus queue the connection limit answers first.
+        Both answer ``503`` with ``Retry-After``, so this is not an error; but
+        the operator set a queue size that never applies.
+        """
+        settings = self.app.worker.service.settings
+        if settings.max_queued is None:
+            return
+        held = settings.decode_concurrency + settings.max_queued
+        if self.limits.max_connections <= held:
+            log.warning(
+                "--max-connections %d is not above --decode-concurrency %d + --queue-size %d: "
+                "connections are refused before the queue fills (both answer 503)",
+                self.limits.max_connections,
+                settings.decode_concurrency,
+                settings.max_queued,
+            )
 
     # --- the connection limit ---------------------------------------------------
 
@@ -917,6 +956,7 @@ def make_server(
     port: int = 8080,
     model_id: str | None = None,
     max_tokens_limit: int | None = None,
+    engine: EngineSettings | None = None,
     allowed_origins: Iterable[str] = (),
     api_key: str | None = None,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
@@ -929,8 +969,10 @@ def make_server(
 ) -> LoomServer:
     """A server for a loaded ``(model, tokenizer)``, bound but not yet serving.
 
-    The timeouts (seconds) and ``max_connections`` bound each connection
-    (see :class:`~mlx_loom.serve.connection.ConnectionLimits`);
+    ``engine`` sets how requests are batched (default:
+    :func:`~mlx_loom.serve.app.server_engine_settings`). The timeouts
+    (seconds) and ``max_connections`` bound each connection (see
+    :class:`~mlx_loom.serve.connection.ConnectionLimits`);
     ``tokenizer_threads`` sizes the pool that parses, renders and tokenizes
     requests. ``app_options`` are :class:`ServeApp`'s (``template_budget``,
     ``max_prompt_chars``, ``max_prompt_tokens``, ``tool_call_parser``,
@@ -954,7 +996,7 @@ def make_server(
         ) from None
     if max_tokens_limit is not None:
         app_options["max_tokens_limit"] = max_tokens_limit
-    app = ServeApp(model, tokenizer, model_id=model_id, **app_options)
+    app = ServeApp(model, tokenizer, model_id=model_id, engine=engine, **app_options)
     try:
         return LoomServer(
             app,
