@@ -86,17 +86,23 @@ def load(
     registry: Registry | None = None,
     kernel_backend: Backend | None = None,
     lazy: bool = False,
+    adapter_path: str | os.PathLike[str] | None = None,
 ) -> tuple[Model, Tokenizer]:
     """Load a model and its tokenizer, shaped like ``mlx_lm.load``.
 
     ``policy`` restricts which plugins may serve it; ``host``/``registry`` let
     an embedding application supply its own composition; ``kernel_backend``
     pins the backend kernels resolve on (a refusal, never a substitute, if it
-    cannot run here).
+    cannot run here). ``adapter_path`` applies an mlx-lm LoRA/DoRA adapter
+    directory on top of the built graph (:mod:`mlx_loom.adapters`).
     """
     resolved = resolve_model(
         model_ref, policy=policy, host=host, registry=registry, kernel_backend=kernel_backend
     )
     model = build_model(resolved, lazy=lazy)
+    if adapter_path is not None:
+        from .adapters import load_adapter
+
+        load_adapter(model, adapter_path)
     tokenizer = Tokenizer.from_dir(resolved.model_dir, config_eos=resolved.config.eos_token_id)
     return model, tokenizer

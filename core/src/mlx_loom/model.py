@@ -60,6 +60,9 @@ class Model:
         self.config = config
         self.model_dir = model_dir
         self.profile_reason = profile_reason
+        #: The adapter applied on top of the family's graph, if any
+        #: (:class:`mlx_loom.adapters.AppliedAdapter`).
+        self.adapter: Any = None
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
         return self.module(inputs, cache=cache)

@@ -17,6 +17,7 @@ from .errors import (
 from .hookspecs import PLUGIN_API_VERSION, hookimpl
 from .kernels import Backend, Kernel
 from .profiles import (
+    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
@@ -28,6 +29,7 @@ from .profiles import (
 from .registry import BuildContext, Implementation, ModelType
 
 __all__ = [
+    "ADAPTERS",
     "BATCH",
     "GENERATE",
     "KV_QUANTIZATION",

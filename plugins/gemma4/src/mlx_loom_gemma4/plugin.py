@@ -7,6 +7,7 @@ import mlx.nn as nn
 from mlx_loom.hookspecs import PLUGIN_API_VERSION, hookimpl
 from mlx_loom.kernels import Kernel
 from mlx_loom.profiles import (
+    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
@@ -37,7 +38,7 @@ PROFILE_ID = "gemma4/text"
 # full window raises CacheNotTrimmable (mlx-lm silently trims nothing there and
 # verifies against a wrong window). Refusing is correct behaviour; the loop
 # surfaces it. Within the window, and on full-attention layers, trim is exact.
-CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE})
+CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS})
 
 
 def build_model(ctx: BuildContext) -> nn.Module:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from mlx_loom.hookspecs import PLUGIN_API_VERSION, hookimpl
 from mlx_loom.profiles import (
+    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
@@ -28,7 +29,7 @@ LOADER = "minicpm5.hf-safetensors"
 
 # Full caches trim exactly, so prompt caching and speculation are sound; a
 # sliding-window cache that has wrapped refuses to trim (never trims wrongly).
-CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE})
+CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS})
 
 IMPLEMENTATION = Implementation(
     id="minicpm5.llama.mlx",

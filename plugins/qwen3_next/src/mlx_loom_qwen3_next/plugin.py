@@ -9,6 +9,7 @@ import mlx.nn as nn
 from mlx_loom.hookspecs import PLUGIN_API_VERSION, hookimpl
 from mlx_loom.kernels import Kernel
 from mlx_loom.profiles import (
+    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
@@ -35,7 +36,7 @@ QWEN3_5_TYPES = frozenset({"qwen3_5", "qwen3_5_text"})
 
 # Speculative decoding goes through RecurrentCache rounds (begin_round/commit);
 # prompt-cache reuse never trims (the loop reuses exact prefixes only).
-CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE})
+CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS})
 
 _FINGERPRINT = (
     "hidden_size",

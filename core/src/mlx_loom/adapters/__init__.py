@@ -1,0 +1,96 @@
+"""LoRA and DoRA adapters in mlx-lm's format, applied by the core to any family's graph.
+
+An adapter directory is what mlx-lm's trainer writes: ``adapter_config.json``
+(rank, scale, which layers and modules) and ``adapters.safetensors`` (the
+factors). Applying one is a module transform that runs after the family's
+factory has built the graph::
+
+    model, tokenizer = mlx_loom.load("base-model", adapter_path="adapters")
+
+or, on a model already loaded, :func:`load_adapter`. The mechanism is the
+core's; a family takes part by declaring the ``"adapters"`` capability
+(:data:`mlx_loom.plugin.ADAPTERS`) on its implementation and profile. A
+family that does not declare it refuses adapters with a
+:class:`~mlx_loom.errors.CapabilityRefused` instead of running a graph the
+transform might not understand. How modules are chosen is in
+:mod:`.targets`, how names are matched in :mod:`.names`, the arithmetic in
+:mod:`.layers`, the strict checks in :mod:`.apply`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mlx_loom.profiles import ADAPTERS
+
+from .apply import Adapter, apply_adapter, expected_factors, read_adapter
+from .config import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    AdapterConfig,
+    LoraParameters,
+    read_adapter_config,
+)
+from .layers import AdaptedLayer, adapted_layers
+from .targets import Target, decoder_layers, select_targets
+
+if TYPE_CHECKING:
+    from mlx_loom.model import Model
+
+__all__ = [
+    "ADAPTERS",
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "AdaptedLayer",
+    "Adapter",
+    "AdapterConfig",
+    "AppliedAdapter",
+    "LoraParameters",
+    "Target",
+    "adapted_layers",
+    "apply_adapter",
+    "decoder_layers",
+    "expected_factors",
+    "load_adapter",
+    "read_adapter",
+    "read_adapter_config",
+    "select_targets",
+]
+
+
+@dataclass(frozen=True)
+class AppliedAdapter:
+    """What a :class:`~mlx_loom.model.Model` records about the adapter it runs with."""
+
+    path: Path
+    kind: str
+    modules: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def load_adapter(model: Model, adapter_path: str | os.PathLike[str]) -> AppliedAdapter:
+    """Apply the adapter at ``adapter_path`` to ``model`` (in place) and record it.
+
+    Refused if the model's family does not declare :data:`ADAPTERS`, or if
+    the model already runs an adapter (fuse it first, or load the base again).
+    """
+    model.require(ADAPTERS, asked="an adapter (adapter_path)")
+    if model.adapter is not None:
+        from mlx_loom.errors import AdapterError
+
+        raise AdapterError(
+            f"this model already runs the adapter at {model.adapter.path}",
+            fix="load the base model again for another adapter, or fuse the first one "
+            "(`loom fuse`) and apply the second to the fused model",
+        )
+    adapter = read_adapter(adapter_path)
+    modules = apply_adapter(model.module, adapter)
+    applied = AppliedAdapter(path=adapter.path, kind=adapter.kind, modules=tuple(modules))
+    model.adapter = applied
+    return applied
