@@ -68,6 +68,12 @@ def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
     module = binding.implementation.factory(context)
     if not lazy:
         mx.eval(module.parameters())
+    # Arrays a graph keeps outside its parameters (a RoPE's precomputed
+    # frequencies) are evaluated here too, on this thread: left lazy, they
+    # would be evaluated on whichever thread first generates, and MLX refuses
+    # a graph built on another thread's stream ("There is no Stream(cpu, 0) in
+    # current thread") — which is how every Gemma 4 request failed in a server.
+    mx.eval(_private_arrays(module))
     module.eval()
     return Model(
         module,
@@ -76,6 +82,15 @@ def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
         model_dir=resolved.model_dir,
         profile_reason=resolved.summary.profile_reason,
     )
+
+
+def _private_arrays(module) -> list[mx.array]:
+    return [
+        value
+        for _, sub in module.named_modules()
+        for key, value in sub.items()
+        if key.startswith("_") and isinstance(value, mx.array)
+    ]
 
 
 def load(
