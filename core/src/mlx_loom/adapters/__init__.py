@@ -80,7 +80,7 @@ def load_adapter(model: Model, adapter_path: str | os.PathLike[str]) -> AppliedA
     Refused if the model's family does not declare :data:`ADAPTERS`, or if
     the model already runs an adapter (fuse it first, or load the base again).
     """
-    model.require(ADAPTERS, asked="an adapter (adapter_path)")
+    model.require(ADAPTERS, asked="adapter_path")
     if model.adapter is not None:
         from mlx_loom.errors import AdapterError
 

@@ -19,6 +19,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kernel-backend", choices=["metal", "cuda", "cpu"], help="pin the kernel backend"
     )
+    parser.add_argument(
+        "--adapter-path",
+        help="a LoRA/DoRA adapter directory (mlx-lm's adapter_config.json + adapters.safetensors)",
+    )
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +66,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def load_from_args(args: argparse.Namespace):
     model_ref = args.model or default_model_path()
-    return load(model_ref, kernel_backend=args.kernel_backend)
+    return load(model_ref, kernel_backend=args.kernel_backend, adapter_path=args.adapter_path)
 
 
 def print_stats(last, out=None) -> None:
