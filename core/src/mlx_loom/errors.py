@@ -67,6 +67,10 @@ class RequestError(LoomError, ValueError):
     """A generation request has an invalid parameter (empty prompt, bad top-p ...)."""
 
 
+class ConvertError(LoomError):
+    """``loom convert`` / ``loom fuse`` was asked something it cannot do as asked."""
+
+
 # --- plugins ---------------------------------------------------------------
 
 
@@ -134,3 +138,7 @@ class KernelUnavailable(Refusal):
 
 class CapabilityRefused(Refusal):
     """A request method (KV quantization, batching, speculation ...) is not supported."""
+
+
+class HubRefused(Refusal):
+    """The Hugging Face Hub is needed (an upload) but the host forbids or cannot reach it."""

@@ -269,9 +269,11 @@ def apply_adapter(model: nn.Module, adapter: Adapter) -> list[str]:
         (t.path, _adapted(modules[t.path], t, factors[t.path], scale)) for t in targets
     ]
     model.update_modules(tree_unflatten(layers))
-    mx.eval([layer.parameters() for _, layer in layers], [_ratios(layer) for _, layer in layers])
+    mx.eval([_own_arrays(layer) for _, layer in layers])
     return [t.path for t in targets]
 
 
-def _ratios(layer: AdaptedLayer) -> list[mx.array]:
-    return [v for k, v in layer.items() if k.startswith("_") and isinstance(v, mx.array)]
+def _own_arrays(layer: AdaptedLayer) -> list[mx.array]:
+    """The factors and precomputed ratios, not the base layer (which stays as loaded:
+    evaluating it here would read a lazily built base into memory all at once)."""
+    return [v for k, v in layer.items() if k != "base" and isinstance(v, mx.array)]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from .. import __version__
 from ..errors import LoomError, PolicyError, Refusal, RequestError
-from . import chat_cmd, explain_cmd, generate_cmd, plugins_cmd, serve_cmd
+from . import chat_cmd, convert_cmd, explain_cmd, fuse_cmd, generate_cmd, plugins_cmd, serve_cmd
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REFUSAL = 0, 1, 2, 3
 
@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cmd.register(sub)
     chat_cmd.register(sub)
     serve_cmd.register(sub)
+    convert_cmd.register(sub)
+    fuse_cmd.register(sub)
     return parser
 
 

@@ -426,6 +426,13 @@ class TextModel(nn.Module):
         return self.norm(h)
 
 
+def _router_at_8_bits(path: str, _: nn.Module) -> bool | dict[str, int]:
+    """``loom convert``: the expert router stays at 8 bits (mlx-lm's choice for Gemma 4)."""
+    if path.endswith("router.proj"):
+        return {"group_size": 64, "bits": 8}
+    return True
+
+
 class Gemma4TextLM(nn.Module):
     """``gemma4_text``: the text model plus the (tied or separate) head and logit soft-cap."""
 
@@ -445,6 +452,10 @@ class Gemma4TextLM(nn.Module):
         if self.cfg.final_logit_softcapping is not None:
             out = logit_softcap(self.cfg.final_logit_softcapping, out)
         return out
+
+    @property
+    def quant_predicate(self) -> Callable[[str, nn.Module], bool | dict[str, int]]:
+        return _router_at_8_bits
 
     def make_cache(self, *, kv_bits: int | None = None, kv_group_size: int = 64) -> list[Any]:
         """One cache per layer that owns keys/values (KV-shared layers own none).
@@ -479,3 +490,7 @@ class Gemma4LM(nn.Module):
 
     def make_cache(self, **kwargs: Any) -> list[Any]:
         return self.language_model.make_cache(**kwargs)
+
+    @property
+    def quant_predicate(self) -> Callable[[str, nn.Module], bool | dict[str, int]]:
+        return _router_at_8_bits

@@ -153,6 +153,19 @@ def _check_float(weights: Mapping[str, mx.array], expected: Mapping[str, tuple],
         )
 
 
+def _renamed(quantization: QuantizationConfig | None) -> QuantizationConfig | None:
+    """Per-module overrides name modules as the checkpoint does (mlx-lm's Qwen3.5
+    writes ``language_model.model.layers.N...``); map them like the tensors."""
+    if quantization is None:
+        return None
+    overrides = {}
+    for name, spec in quantization.overrides.items():
+        new = _rename(name + ".")  # a module path: renamed as its tensors' common prefix
+        if new is not None:
+            overrides[new[:-1]] = spec
+    return quantization.model_copy(update={"overrides": overrides})
+
+
 def load_model(
     model_dir: str | os.PathLike[str],
     cfg: HybridConfig,
@@ -165,7 +178,7 @@ def load_model(
     model_dir = Path(model_dir)
     weights = sanitize(load_weights(model_dir), cfg)
     model = build_model(cfg, kernels, fused=fused)
-    apply_quantization(model, quantization, weights)
+    apply_quantization(model, _renamed(quantization), weights)
     expected = expected_tensors(model)
     check_weights(weights, expected, source=model_dir)
     _check_float(weights, expected, model_dir)
