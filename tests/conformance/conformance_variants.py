@@ -20,9 +20,7 @@ from mlx.utils import tree_flatten
 from mlx_loom.artifacts import load_weights
 from mlx_loom.cache import KVCache
 from mlx_loom.cli.plugins_new import write_plugin_package
-from mlx_loom.hookspecs import hookimpl
-from mlx_loom.kernels import Kernel
-from mlx_loom.registry import BuildContext
+from mlx_loom.plugin import BuildContext, Kernel, hookimpl
 
 NAME = "kitlm"
 

@@ -10,8 +10,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_loom.artifacts import read_manifest
-from mlx_loom.hookspecs import PLUGIN_API_VERSION, hookimpl
-from mlx_loom.profiles import BATCH, GENERATE, PROMPT_CACHE
+from mlx_loom.plugin import BATCH, GENERATE, PLUGIN_API_VERSION, PROMPT_CACHE, hookimpl
 from mlx_loom.testing import run_conformance, write_checkpoint, write_tokenizer
 from mlx_loom.text import Tokenizer
 

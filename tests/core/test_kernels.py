@@ -4,7 +4,13 @@ import mlx.core as mx
 import pytest
 
 from mlx_loom.errors import KernelUnavailable, RegistrationError
-from mlx_loom.kernels import Kernel, KernelRegistry, Provider, active_backend, runnable_backends
+from mlx_loom.host._kernels import (
+    Kernel,
+    KernelRegistry,
+    Provider,
+    active_backend,
+    runnable_backends,
+)
 
 
 def k(name="step", backend="cpu", plugin="fam"):

@@ -5,8 +5,7 @@ import types
 import pytest
 
 from mlx_loom.errors import PluginError, PolicyError, RegistrationError
-from mlx_loom.hookspecs import hookimpl
-from mlx_loom.plugins import PluginHost, PluginPolicy
+from mlx_loom.host import PluginHost, PluginPolicy, hookimpl
 
 from .toyfamily import ToyPlugin, family_profile
 

@@ -3,7 +3,7 @@
 import pytest
 
 from mlx_loom.errors import ProfileError, UnknownModelType
-from mlx_loom.profiles import (
+from mlx_loom.host._profiles import (
     Execution,
     Profile,
     resolve_profile,

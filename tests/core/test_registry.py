@@ -8,9 +8,7 @@ from mlx_loom.errors import (
     KernelUnavailable,
     RegistrationError,
 )
-from mlx_loom.kernels import Kernel, Provider
-from mlx_loom.profiles import Execution, Profile
-from mlx_loom.registry import Implementation, Registry
+from mlx_loom.host import Execution, Implementation, Kernel, Profile, Provider, Registry
 
 from .toyfamily import GRAPH, LOADER, build_toy, family_profile
 

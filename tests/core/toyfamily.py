@@ -19,10 +19,16 @@ import mlx.nn as nn
 from pydantic import BaseModel
 
 from mlx_loom.artifacts import load_weights
-from mlx_loom.hookspecs import PLUGIN_API_VERSION, hookimpl
-from mlx_loom.kernels import Kernel
-from mlx_loom.profiles import Execution, Profile
-from mlx_loom.registry import BuildContext, Implementation, ModelType
+from mlx_loom.plugin import (
+    PLUGIN_API_VERSION,
+    BuildContext,
+    Execution,
+    Implementation,
+    Kernel,
+    ModelType,
+    Profile,
+    hookimpl,
+)
 
 GRAPH, LOADER = "toy-graph", "toy-loader"
 

@@ -64,12 +64,12 @@ def test_batch_generate_returns_text_per_prompt(llama_f32):
 
 
 def test_batching_is_refused_without_the_capability(tmp_path):
-    from mlx_loom.plugins import PluginHost
+    from mlx_loom.host import PluginHost
 
     from ..core.toyfamily import ToyPlugin, write_toy_checkpoint
 
     ckpt = write_toy_checkpoint(tmp_path / "toy")
     host = PluginHost(plugins=[("toy", ToyPlugin())], entry_points=False)
-    model, _ = mlx_loom.loading.build_model(mlx_loom.resolve_model(ckpt, host=host)), None
+    model, _ = mlx_loom.host.build_model(mlx_loom.resolve_model(ckpt, host=host)), None
     with pytest.raises(CapabilityRefused, match="batch"):
         batch_generate_tokens(model, [[1, 2], [3]], max_tokens=2)

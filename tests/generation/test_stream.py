@@ -146,7 +146,7 @@ def test_prompt_cache_never_trims_a_wrapped_window(llama_sliding):
 
 
 def test_kv_quantization_is_refused_for_a_model_without_the_capability(tmp_path):
-    from mlx_loom.plugins import PluginHost
+    from mlx_loom.host import PluginHost
     from mlx_loom.testing.tokenizer import write_tokenizer
 
     from ..core.toyfamily import ToyPlugin, write_toy_checkpoint

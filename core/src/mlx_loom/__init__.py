@@ -1,14 +1,15 @@
 """mlx-loom: LLM inference on MLX with model families as separately installed plugins.
 
-The public API::
+The user API::
 
     import mlx_loom
     model, tokenizer = mlx_loom.load("path/or/org-repo")
     print(mlx_loom.generate(model, tokenizer, "Hello", max_tokens=64))
 
-Plugin authors import from :mod:`mlx_loom.hookspecs` (``hookimpl``),
-:mod:`mlx_loom.registry`, :mod:`mlx_loom.profiles`, :mod:`mlx_loom.kernels`
-and :mod:`mlx_loom.cache`.
+An application that embeds the engine and chooses its composition uses
+:class:`PluginHost`, :class:`PluginPolicy` and :class:`Registry` (more in
+:mod:`mlx_loom.host`). Family authors import from :mod:`mlx_loom.plugin`.
+Every error is in :mod:`mlx_loom.errors`.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -18,6 +19,7 @@ try:
 except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0+unknown"
 
+from . import errors  # noqa: E402
 from .errors import LoomError, Refusal  # noqa: E402
 from .generate import (  # noqa: E402
     BatchResult,
@@ -28,32 +30,33 @@ from .generate import (  # noqa: E402
     generate,
     stream_generate,
 )
-from .kernels import Kernel  # noqa: E402
-from .loading import default_host, load, resolve_model  # noqa: E402
+from .host import (  # noqa: E402
+    PluginHost,
+    PluginPolicy,
+    Registry,
+    default_host,
+    load,
+    resolve_model,
+)
 from .model import Model  # noqa: E402
-from .plugins import PluginHost, PluginPolicy  # noqa: E402
-from .profiles import Execution, Profile  # noqa: E402
-from .registry import Implementation, ModelType, Registry  # noqa: E402
+from .text import Tokenizer  # noqa: E402
 
 __all__ = [
     "BatchResult",
-    "Execution",
     "GenerationResponse",
-    "Implementation",
-    "Kernel",
     "LoomError",
     "Model",
-    "ModelType",
     "PluginHost",
     "PluginPolicy",
-    "Profile",
     "PromptCache",
     "Refusal",
     "Registry",
     "SamplingParams",
+    "Tokenizer",
     "__version__",
     "batch_generate",
     "default_host",
+    "errors",
     "generate",
     "load",
     "resolve_model",

@@ -1,73 +1,34 @@
-"""The hooks a family plugin implements.
+"""Moved: this module is now :mod:`mlx_loom.host` (private module ``mlx_loom.host._hookspecs``).
 
-A plugin is a module (or object) exposed through the entry-point group
-``mlx_loom``; its functions are marked with :data:`hookimpl`. The host calls
-each hook once per plugin, at discovery, and records the results against that
-plugin, so every registration carries its provider's name and version.
-
-Call order at discovery: :func:`loom_plugin_api_version` first (an
-incompatible answer quarantines the plugin before anything else is called),
-then :func:`loom_model_types`, :func:`loom_kernels`,
-:func:`loom_implementations`, :func:`loom_profiles`. A plugin implements only
-the hooks it needs; a hook implementation whose name matches no spec below
-(a misspelling) makes the plugin fail validation.
+Kept so code written against plugin API 1.0 imports unchanged. Family
+authors import from :mod:`mlx_loom.plugin`; embedding hosts from
+:mod:`mlx_loom.host`.
 """
 
-from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-import pluggy
-
-if TYPE_CHECKING:
-    from .kernels import Kernel
-    from .profiles import Profile
-    from .registry import Implementation, ModelType
-
-PROJECT = "mlx_loom"
-ENTRY_POINT_GROUP = "mlx_loom"
-
-#: The plugin-API version this core speaks. A plugin returns the version it was
-#: written for from :func:`loom_plugin_api_version`; the major part must match.
-PLUGIN_API_VERSION = "1.0"
-
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
-
-
-@hookspec
-def loom_plugin_api_version() -> str:
-    """The plugin-API version (``"MAJOR.MINOR"``) this plugin was written for.
-
-    Required. A plugin whose major version differs from the core's is refused
-    and quarantined with both versions named.
-    """
-
-
-@hookspec
-def loom_model_types() -> Sequence[ModelType]:
-    """The config ``model_type`` values this plugin claims, with their schemas."""
-
-
-@hookspec
-def loom_kernels() -> Sequence[Kernel]:
-    """Kernels this plugin provides, one :class:`~mlx_loom.kernels.Kernel` per backend."""
-
-
-@hookspec
-def loom_implementations() -> Sequence[Implementation]:
-    """Implementations (graph + loader + loop + kernels + factory) this plugin provides."""
-
-
-@hookspec
-def loom_profiles() -> Sequence[Profile]:
-    """Family profiles and exact-artifact profiles this plugin registers."""
-
-
-REGISTRATION_HOOKS: tuple[str, ...] = (
-    "loom_model_types",
-    "loom_kernels",
-    "loom_implementations",
-    "loom_profiles",
+from .host._hookspecs import (  # noqa: F401 - re-exported for plugin API 1.x
+    ENTRY_POINT_GROUP,
+    PLUGIN_API_VERSION,
+    PROJECT,
+    REGISTRATION_HOOKS,
+    hookimpl,
+    hookspec,
+    loom_implementations,
+    loom_kernels,
+    loom_model_types,
+    loom_plugin_api_version,
+    loom_profiles,
 )
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PLUGIN_API_VERSION",
+    "PROJECT",
+    "REGISTRATION_HOOKS",
+    "hookimpl",
+    "hookspec",
+    "loom_implementations",
+    "loom_kernels",
+    "loom_model_types",
+    "loom_plugin_api_version",
+    "loom_profiles",
+]

@@ -19,8 +19,7 @@ if TYPE_CHECKING:
     import mlx.nn as nn
 
     from .artifacts import ArtifactConfig
-    from .profiles import Profile
-    from .registry import Binding, Implementation
+    from .host import Binding, Implementation, Profile
 
 
 @runtime_checkable

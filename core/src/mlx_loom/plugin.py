@@ -14,19 +14,23 @@ from .errors import (
     RequestError,
     WeightsError,
 )
-from .hookspecs import PLUGIN_API_VERSION, hookimpl
-from .kernels import Backend, Kernel
-from .profiles import (
+from .host import (
     ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
+    PLUGIN_API_VERSION,
     PROMPT_CACHE,
     SPECULATIVE,
+    Backend,
+    BuildContext,
     Execution,
+    Implementation,
+    Kernel,
+    ModelType,
     Profile,
+    hookimpl,
 )
-from .registry import BuildContext, Implementation, ModelType
 
 __all__ = [
     "ADAPTERS",

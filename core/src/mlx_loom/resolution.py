@@ -1,190 +1,22 @@
-"""How a model reference becomes a binding — without loading any weights.
+"""Moved: this module is now :mod:`mlx_loom.host` (private module ``mlx_loom.host._resolution``).
 
-``resolve`` is what ``loom explain`` prints and what :func:`mlx_loom.load`
-builds from. Steps, each of which either succeeds or raises a refusal naming
-its cause:
-
-1. the reference becomes a directory (local path or Hugging Face cache);
-2. ``config.json`` gives the model type; a plugin must claim it (if the
-   plugin that would is quarantined, blocked or not installed, the refusal
-   says which and how to fix it);
-3. the family's schema validates the config;
-4. fingerprints are computed (config: the family's fields; artifact: the
-   tensor manifest from the safetensors headers — no tensor data is read);
-5. the profile is chosen (exact artifact beats family) and re-validated
-   against the config;
-6. the registry selects exactly one implementation and resolves each kernel
-   it needs for this device (or the host's pinned backend).
+Kept so code written against plugin API 1.0 imports unchanged. Family
+authors import from :mod:`mlx_loom.plugin`; embedding hosts from
+:mod:`mlx_loom.host`.
 """
 
-from __future__ import annotations
-
-from dataclasses import dataclass
-from pathlib import Path
-
-from pydantic import BaseModel, ConfigDict
-
-from .artifacts import (
-    ArtifactConfig,
-    artifact_fingerprint,
-    config_fingerprint,
-    read_config,
-    read_manifest,
-    resolve_model_ref,
-    validate_family_config,
+from .host._resolution import (  # noqa: F401 - re-exported for plugin API 1.x
+    KNOWN_FAMILIES,
+    KernelChoice,
+    Resolution,
+    Resolved,
+    resolve,
 )
-from .errors import PluginUnavailable, UnknownModelType
-from .plugins import PluginHost, PluginRecord
-from .profiles import resolve_profile, validate_against_config
-from .registry import Binding, ModelType, Registry
 
-# Where the project's own families live, so a refusal can name the package to
-# install. This is a hint table only: it never loads anything, and third-party
-# plugins claim model types without appearing here.
-KNOWN_FAMILIES: dict[str, tuple[str, str]] = {
-    "llama": ("minicpm5", "mlx-loom-minicpm5"),
-    "qwen3_next": ("qwen3_next", "mlx-loom-qwen3-next"),
-    "qwen3_5": ("qwen3_next", "mlx-loom-qwen3-next"),
-    "qwen3_5_text": ("qwen3_next", "mlx-loom-qwen3-next"),
-    "gemma4": ("gemma4", "mlx-loom-gemma4"),
-    "gemma4_text": ("gemma4", "mlx-loom-gemma4"),
-}
-
-
-class KernelChoice(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    backend: str
-    registered_backends: tuple[str, ...]
-
-
-class Resolution(BaseModel):
-    """The full answer to "what would run for this model, and why"."""
-
-    model_config = ConfigDict(frozen=True)
-
-    model_ref: str
-    model_dir: str
-    model_type: str
-    plugin: str | None
-    profile: str
-    profile_reason: str
-    implementation: str
-    graph: str
-    loader: str
-    loop: str
-    backend: str
-    kernels: tuple[KernelChoice, ...]
-    capabilities: tuple[str, ...]
-    config_fingerprint: str
-    artifact_fingerprint: str
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """A resolution plus what loading needs next."""
-
-    summary: Resolution
-    binding: Binding
-    config: ArtifactConfig
-    family_config: BaseModel
-    model_type: ModelType
-    model_dir: Path
-
-
-def resolve(
-    model_ref: str | Path, *, host: PluginHost, registry: Registry | None = None
-) -> Resolved:
-    """Resolve ``model_ref`` against the host's (or the given composed) registry."""
-    registry = registry if registry is not None else host.registry
-    model_dir = resolve_model_ref(model_ref)
-    config = read_config(model_dir)
-    name = config.model_type
-    if name not in registry.model_types:
-        raise _unclaimed(name, host, registry)
-    claim = registry.model_type(name)
-    text = config.text_config()
-    family_config = validate_family_config(
-        claim.schema,
-        text,
-        source=model_dir / "config.json",
-        prefix="text_config" if config.is_nested else None,
-    )
-    config_fp = config_fingerprint({f: text.get(f) for f in claim.fingerprint_fields})
-    manifest = read_manifest(model_dir)
-    artifact_fp = artifact_fingerprint(manifest)
-    choice = resolve_profile(
-        registry.profiles,
-        model_type=name,
-        artifact_fingerprint=artifact_fp,
-        config_fingerprint=config_fp,
-    )
-    validate_against_config(choice.profile, name, registry.graph_model_types())
-    binding = registry.select(name, choice.profile)
-    impl = binding.implementation
-    summary = Resolution(
-        model_ref=str(model_ref),
-        model_dir=str(model_dir),
-        model_type=name,
-        plugin=claim.provider.plugin if claim.provider else None,
-        profile=choice.profile.id,
-        profile_reason=choice.reason,
-        implementation=impl.id,
-        graph=impl.graph,
-        loader=impl.loader,
-        loop=impl.loop,
-        backend=binding.backend,
-        kernels=tuple(
-            KernelChoice(
-                name=k, backend=kern.backend, registered_backends=registry.kernels.backends_for(k)
-            )
-            for k, kern in binding.kernels.items()
-        ),
-        capabilities=tuple(sorted(impl.capabilities & choice.profile.capabilities)),
-        config_fingerprint=config_fp,
-        artifact_fingerprint=artifact_fp,
-    )
-    return Resolved(summary, binding, config, family_config, claim, model_dir)
-
-
-def _unclaimed(name: str, host: PluginHost, registry: Registry) -> Exception:
-    claimed = ", ".join(sorted(registry.model_types)) or "none"
-    known = KNOWN_FAMILIES.get(name)
-    if known is not None:
-        plugin, dist = known
-        record = host.record(plugin) or host.by_distribution(dist)
-        if record is not None and record.status != "loaded":
-            return _unavailable(name, record)
-        if record is None:
-            return UnknownModelType(
-                f"model_type {name!r} needs the {plugin!r} family plugin, which is not "
-                f"installed (model types claimed here: {claimed}).",
-                fix=f"pip install {dist}",
-            )
-    suspects = [r for r in host.unavailable]
-    if suspects:
-        listed = "; ".join(f"{r.name} ({r.distribution} {r.version}): {r.reason}" for r in suspects)
-        return UnknownModelType(
-            f"No loaded plugin claims model_type {name!r} (claimed: {claimed}). Plugins not "
-            f"loaded, any of which might: {listed}.",
-            fix="Fix or allow those plugins (see `loom plugins`), or install a plugin for "
-            "this model type.",
-        )
-    return UnknownModelType(
-        f"No installed plugin claims model_type {name!r} (claimed: {claimed}).",
-        fix="Install a plugin for this model type; `loom plugins` lists what is installed.",
-    )
-
-
-def _unavailable(name: str, record: PluginRecord) -> PluginUnavailable:
-    who = f"plugin {record.name!r} ({record.distribution} {record.version})"
-    if record.status == "blocked":
-        return PluginUnavailable(
-            f"model_type {name!r} is claimed by {who}, which is {record.reason}.",
-            fix=f"Allow it: add {record.name!r} to MLX_LOOM_PLUGINS or to the host's policy.",
-        )
-    return PluginUnavailable(
-        f"model_type {name!r} is claimed by {who}, which is quarantined: {record.reason}.",
-        fix=f"Fix or reinstall {record.distribution} (`loom plugins --json` shows the traceback).",
-    )
+__all__ = [
+    "KNOWN_FAMILIES",
+    "KernelChoice",
+    "Resolution",
+    "Resolved",
+    "resolve",
+]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_loom.profiles import validate_profile
+from mlx_loom.host._profiles import validate_profile
 from mlx_loom_gemma4 import plugin
 
 
@@ -27,7 +27,7 @@ def test_expert_kernel_is_registered_for_cpu_and_metal():
 
 
 def _core_forward(path, prompt):
-    from mlx_loom.loading import build_model, resolve_model
+    from mlx_loom.host import build_model, resolve_model
 
     resolved = resolve_model(path)
     assert resolved.summary.implementation == plugin.IMPLEMENTATION_ID

@@ -7,9 +7,8 @@ import math
 import struct
 
 from mlx_loom.artifacts import TensorInfo, artifact_fingerprint, config_fingerprint
-from mlx_loom.loading import resolve_model
-from mlx_loom.plugins import PluginHost
-from mlx_loom.profiles import validate_profile
+from mlx_loom.host import PluginHost, resolve_model
+from mlx_loom.host._profiles import validate_profile
 from mlx_loom_minicpm5 import plugin
 from mlx_loom_minicpm5.config import FINGERPRINT_FIELDS, MiniCPM5Config
 from mlx_loom_minicpm5.loader import expected_tensors

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from mlx_loom.artifacts import read_config
-from mlx_loom.kernels import KernelRegistry
+from mlx_loom.host._kernels import KernelRegistry
 from mlx_loom_qwen3_next import plugin
 from mlx_loom_qwen3_next.config import Qwen3_5Config, Qwen3NextConfig
 from mlx_loom_qwen3_next.graph import HybridLM, Kernels

@@ -9,17 +9,18 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_loom.cache import maybe_quantize_kv_cache
 from mlx_loom.errors import KernelUnavailable
-from mlx_loom.kernels import KernelRegistry
-from mlx_loom.loading import build_model, resolve_model
-from mlx_loom.profiles import (
+from mlx_loom.host import (
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
     PROMPT_CACHE,
     SPECULATIVE,
-    validate_profile,
+    Registry,
+    build_model,
+    resolve_model,
 )
-from mlx_loom.registry import Registry
+from mlx_loom.host._kernels import KernelRegistry
+from mlx_loom.host._profiles import validate_profile
 from mlx_loom_qwen3_next import kernels as qk
 from mlx_loom_qwen3_next import plugin
 

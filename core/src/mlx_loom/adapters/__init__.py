@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mlx_loom.profiles import ADAPTERS
+from mlx_loom.host import ADAPTERS
 
 from .apply import Adapter, apply_adapter, expected_factors, read_adapter
 from .config import (

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..loading import resolve_model
-from ..plugins import PluginHost
+from ..host import PluginHost, resolve_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..assets import default_model_path
 from ..generate import stream_generate
-from ..loading import load
+from ..host import load
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from ..plugins import PluginHost
+from ..host import PluginHost
 
 EXIT_OK, EXIT_FAILED, EXIT_UNAVAILABLE = 0, 1, 3
 

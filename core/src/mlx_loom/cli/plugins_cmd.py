@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..plugins import PluginHost, PluginRecord
+from ..host import PluginHost, PluginRecord
 
 
 def register(sub: argparse._SubParsersAction) -> None:

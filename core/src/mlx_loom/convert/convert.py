@@ -35,7 +35,7 @@ MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 
 def load_lazily(source: str | os.PathLike[str], **host_options: Any):
     """The family's graph for ``source`` with its weights unread, and the resolution."""
-    from mlx_loom.loading import build_model, resolve_model
+    from mlx_loom.host import build_model, resolve_model
 
     resolved = resolve_model(source, **host_options)
     return build_model(resolved, lazy=True), resolved

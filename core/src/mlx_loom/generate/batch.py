@@ -16,8 +16,8 @@ from typing import Any
 import mlx.core as mx
 
 from ..errors import RequestError
+from ..host import BATCH
 from ..model import Model
-from ..profiles import BATCH
 from ..text import Tokenizer
 from .params import SamplingParams
 from .sampling import logprobs_from_logits, make_logits_processors, make_sampler

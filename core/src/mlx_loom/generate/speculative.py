@@ -25,8 +25,8 @@ import mlx.core as mx
 
 from ..cache.protocol import SpeculativeRounds
 from ..errors import RequestError
+from ..host import SPECULATIVE
 from ..model import Model
-from ..profiles import SPECULATIVE
 from .sampling import logprobs_from_logits
 
 Sampler = Callable[[mx.array], mx.array]

@@ -18,8 +18,8 @@ import mlx.core as mx
 
 from ..cache import validate_kv_quantization
 from ..errors import RequestError
+from ..host import KV_QUANTIZATION
 from ..model import Model
-from ..profiles import KV_QUANTIZATION
 from ..text import StopStrings, Tokenizer
 from .loop import KVQuantization, StepLog, generate_tokens
 from .params import SamplingParams

@@ -17,8 +17,8 @@ from typing import Any
 from ..errors import LoomError, RequestError
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
+from ..host import GENERATE
 from ..model import Model
-from ..profiles import GENERATE
 from ..text import StopStrings, Tokenizer
 from . import schemas
 from .errors import NOT_FOUND, HttpError, from_loom_error

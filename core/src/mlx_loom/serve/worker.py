@@ -29,8 +29,8 @@ import mlx.core as mx
 
 from ..errors import LoomError
 from ..generate import GenerationResponse, PromptCache, stream_generate
+from ..host import PROMPT_CACHE
 from ..model import Model
-from ..profiles import PROMPT_CACHE
 from ..text import Tokenizer
 
 log = logging.getLogger("mlx_loom.serve")

@@ -39,11 +39,18 @@ from ..generate import (
     generate_tokens,
     stream_generate,
 )
-from ..kernels import BACKENDS, active_backend, runnable_backends
-from ..loading import build_model
+from ..host import (
+    BACKENDS,
+    BATCH,
+    KV_QUANTIZATION,
+    PROMPT_CACHE,
+    SPECULATIVE,
+    Registry,
+    active_backend,
+    build_model,
+    runnable_backends,
+)
 from ..model import Model
-from ..profiles import BATCH, KV_QUANTIZATION, PROMPT_CACHE, SPECULATIVE
-from ..registry import Registry
 from .checkpoints import write_checkpoint
 from .conformance import (
     CheckResult,

@@ -50,14 +50,24 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from ..errors import LoomError
-from ..hookspecs import PLUGIN_API_VERSION, PROJECT, REGISTRATION_HOOKS
-from ..kernels import Kernel
-from ..loading import build_model
+from ..host import (
+    LOOP_CAPABILITIES,
+    PLUGIN_API_VERSION,
+    Execution,
+    Implementation,
+    Kernel,
+    ModelType,
+    PluginHost,
+    PluginPolicy,
+    PluginRecord,
+    Profile,
+    Registry,
+    Resolved,
+    build_model,
+)
+from ..host._hookspecs import PROJECT, REGISTRATION_HOOKS
+from ..host._resolution import resolve
 from ..model import Model
-from ..plugins import PluginHost, PluginPolicy, PluginRecord
-from ..profiles import LOOP_CAPABILITIES, Execution, Profile
-from ..registry import Implementation, ModelType, Registry
-from ..resolution import Resolved, resolve
 from ..text import Tokenizer
 from .checkpoints import write_checkpoint
 

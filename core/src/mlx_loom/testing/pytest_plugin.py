@@ -4,7 +4,7 @@ Installed with mlx-loom, so any plugin package's tests can use them without a
 conftest:
 
 ``loom_host(*plugins, entry_points=False, policy=None)``
-    an isolated :class:`~mlx_loom.plugins.PluginHost` (and so registry) for
+    an isolated :class:`~mlx_loom.host.PluginHost` (and so registry) for
     this test: only the ``(name, module_or_object)`` plugins handed in, unless
     ``entry_points=True``. The environment's plugin policy does not leak in.
 ``loom_checkpoint(config, tensors, *, name="model", seed=0, tokenizer=True)``
@@ -34,7 +34,7 @@ import pytest
 @pytest.fixture
 def loom_host(monkeypatch):
     """Factory for an isolated plugin host; the env's plugin policy is cleared for the test."""
-    from mlx_loom.plugins import POLICY_ENV, STRICT_ENV, PluginHost, PluginPolicy
+    from mlx_loom.host import POLICY_ENV, STRICT_ENV, PluginHost, PluginPolicy
 
     monkeypatch.delenv(POLICY_ENV, raising=False)
     monkeypatch.delenv(STRICT_ENV, raising=False)
@@ -90,7 +90,7 @@ def loom_tiny_checkpoint(tmp_path):
 @pytest.fixture
 def loom_conformance(tmp_path, monkeypatch):
     """Factory running the conformance suite against one plugin."""
-    from mlx_loom.plugins import POLICY_ENV, STRICT_ENV
+    from mlx_loom.host import POLICY_ENV, STRICT_ENV
     from mlx_loom.testing.conformance import run_conformance
 
     monkeypatch.delenv(POLICY_ENV, raising=False)

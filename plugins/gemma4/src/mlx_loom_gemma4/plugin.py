@@ -6,8 +6,8 @@ import mlx.nn as nn
 
 from mlx_loom.hookspecs import PLUGIN_API_VERSION, hookimpl
 from mlx_loom.kernels import Kernel
+from mlx_loom.plugin import ADAPTERS
 from mlx_loom.profiles import (
-    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,

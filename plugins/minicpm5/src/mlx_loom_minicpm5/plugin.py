@@ -8,8 +8,8 @@ fused ops, which run on every backend, so ``loom_kernels`` is not implemented.
 from __future__ import annotations
 
 from mlx_loom.hookspecs import PLUGIN_API_VERSION, hookimpl
+from mlx_loom.plugin import ADAPTERS
 from mlx_loom.profiles import (
-    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,

@@ -1,0 +1,73 @@
+"""The plugin host: one subsystem from installed plugins to a built model.
+
+Everything that turns installed family plugins into a selection lives here,
+behind this small public face; the modules inside are private, each about
+one idea:
+
+* ``_hookspecs`` — the hooks a plugin implements and the plugin-API version;
+* ``_policy`` — which plugins a host lets load;
+* ``_discovery`` — entry points, import, hook calls, quarantine;
+* ``_registry`` — the immutable snapshot of registrations and ``select()``;
+* ``_profiles`` — profiles, their rules, and profile resolution;
+* ``_kernels`` — kernels per (name, backend) and which backend runs here;
+* ``_resolution`` — a model reference to a binding, without loading weights;
+* ``_loading`` — ``load()``: binding to built model.
+
+Users import :mod:`mlx_loom`; family authors import :mod:`mlx_loom.plugin`;
+an embedding host composes with the names below.
+"""
+
+from ._discovery import STRICT_ENV, PluginHost, PluginRecord
+from ._hookspecs import PLUGIN_API_VERSION, hookimpl
+from ._kernels import BACKENDS, Backend, Kernel, Provider, active_backend, runnable_backends
+from ._loading import build_model, default_host, load, resolve_model
+from ._policy import POLICY_ENV, PluginPolicy
+from ._profiles import (
+    ADAPTERS,
+    BATCH,
+    GENERATE,
+    KV_QUANTIZATION,
+    LOOP_CAPABILITIES,
+    PROMPT_CACHE,
+    SPECULATIVE,
+    Execution,
+    Profile,
+)
+from ._registry import Binding, BuildContext, Implementation, ModelType, Registry
+from ._resolution import Resolution, Resolved
+
+__all__ = [
+    "ADAPTERS",
+    "BACKENDS",
+    "BATCH",
+    "GENERATE",
+    "KV_QUANTIZATION",
+    "LOOP_CAPABILITIES",
+    "PLUGIN_API_VERSION",
+    "POLICY_ENV",
+    "PROMPT_CACHE",
+    "SPECULATIVE",
+    "STRICT_ENV",
+    "Backend",
+    "Binding",
+    "BuildContext",
+    "Execution",
+    "Implementation",
+    "Kernel",
+    "ModelType",
+    "PluginHost",
+    "PluginPolicy",
+    "PluginRecord",
+    "Profile",
+    "Provider",
+    "Registry",
+    "Resolution",
+    "Resolved",
+    "active_backend",
+    "build_model",
+    "default_host",
+    "hookimpl",
+    "load",
+    "resolve_model",
+    "runnable_backends",
+]
