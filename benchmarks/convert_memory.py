@@ -8,8 +8,8 @@ Run by hand (not a test)::
 A random-weight bf16 Llama checkpoint in Hugging Face layout is written once
 (by the core's streaming writer, so writing it costs little memory either),
 then each converter runs in a fresh process and its peak resident set size
-(``ru_maxrss`` of the child) is reported, next to a process that only imports
-MLX and the converter (the floor neither can go below). Conversions: a plain
+(the child's own ``ru_maxrss``) is reported, next to a process that only
+imports that converter (the floor it cannot go below). Conversions: a plain
 copy, 4-bit quantization, and 4-bit with ``--dtype float16``.
 """
 
@@ -81,16 +81,19 @@ def write_source(path: Path, *, layers: int, hidden: int, inter: int, vocab: int
     return path
 
 
-_FLOOR = "import mlx.core, mlx_loom.convert, mlx_lm.convert"
+_IMPORTS = {
+    "loom convert": "from mlx_loom.convert import convert",
+    "mlx_lm.convert": "from mlx_lm.convert import convert",
+}
 
 
 def peak_rss(code: str) -> tuple[float, float]:
     """(peak RSS in GB, seconds) of ``python -c code`` in a fresh process (its own ru_maxrss)."""
     report = "\nimport resource, sys\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
     start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-c", code + report], check=True, capture_output=True, text=True
-    )
+    done = subprocess.run([sys.executable, "-c", code + report], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{code!r} failed:\n{done.stderr[-3000:]}")
     seconds = time.perf_counter() - start
     return int(done.stdout.split()[-1]) / 1e6, seconds  # ru_maxrss is in KiB on Linux
 
@@ -111,7 +114,7 @@ def main() -> int:
         vocab=args.vocab,
     )
     size = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
-    rows = [("floor (imports only)", _FLOOR, None)]
+    rows = [(f"{tool}: imports only", code, None) for tool, code in _IMPORTS.items()]
     conversions = {
         "copy": ("", "{}"),
         "4-bit": ("quantize_=True", "dict(quantize=True)"),
@@ -123,13 +126,13 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="convert-memory-"))
     try:
         for tool, call in (
-            ("loom convert", "mlx_loom.convert.convert({src!r}, {out!r}, progress=False, {kw})"),
-            ("mlx_lm.convert", "mlx_lm.convert.convert({src!r}, {out!r}, **{lm})"),
+            ("loom convert", "convert({src!r}, {out!r}, progress=False, {kw})"),
+            ("mlx_lm.convert", "convert({src!r}, {out!r}, **{lm})"),
         ):
             for label, (ours, theirs) in conversions.items():
                 out = str(work / f"out-{len(rows)}")
                 code = call.format(src=str(src), out=out, kw=ours, lm=theirs)
-                rows.append((f"{tool}, {label}", f"{_FLOOR}\n{code}", out))
+                rows.append((f"{tool}, {label}", f"{_IMPORTS[tool]}\n{code}", out))
         print(f"source: {name}, {size:.2f} GB of bf16 safetensors\n")
         print("| conversion | peak RSS (GB) | seconds |\n|---|---|---|")
         for label, code, out in rows:

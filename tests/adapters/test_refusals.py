@@ -175,7 +175,7 @@ def test_a_truncated_weights_file_is_refused_by_the_header_check(adapter):
 
 def test_a_second_adapter_on_the_same_model_is_refused(llama, adapter):
     model, _ = mlx_loom.load(llama, adapter_path=adapter)
-    with pytest.raises(AdapterError, match="already runs the adapter"):
+    with pytest.raises(AdapterError, match="already runs an adapter"):
         load_adapter(model, adapter)
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mlx_loom.errors import AdapterError
 from mlx_loom.host import ADAPTERS
 
 from .apply import Adapter, apply_adapter, expected_factors, read_adapter
@@ -34,7 +35,8 @@ from .config import (
     LoraParameters,
     read_adapter_config,
 )
-from .layers import AdaptedLayer, adapted_layers
+from .layers import AdaptedLayer, RowSelection, adapted_layers
+from .multi import AdapterSet, RegisteredAdapter
 from .targets import Target, decoder_layers, select_targets
 
 if TYPE_CHECKING:
@@ -47,8 +49,11 @@ __all__ = [
     "AdaptedLayer",
     "Adapter",
     "AdapterConfig",
+    "AdapterSet",
     "AppliedAdapter",
     "LoraParameters",
+    "RegisteredAdapter",
+    "RowSelection",
     "Target",
     "adapted_layers",
     "apply_adapter",
@@ -81,11 +86,10 @@ def load_adapter(model: Model, adapter_path: str | os.PathLike[str]) -> AppliedA
     the model already runs an adapter (fuse it first, or load the base again).
     """
     model.require(ADAPTERS, asked="adapter_path")
-    if model.adapter is not None:
-        from mlx_loom.errors import AdapterError
-
+    if model.adapter is not None or model.adapter_set is not None:
+        running = model.adapter.path if model.adapter is not None else "set"
         raise AdapterError(
-            f"this model already runs the adapter at {model.adapter.path}",
+            f"this model already runs an adapter ({running})",
             fix="load the base model again for another adapter, or fuse the first one "
             "(`loom fuse`) and apply the second to the fused model",
         )

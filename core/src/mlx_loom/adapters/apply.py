@@ -31,17 +31,24 @@ from mlx_loom.errors import AdapterError
 
 from .config import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, AdapterConfig, read_adapter_config
 from .layers import (
+    AdaptedEmbedding,
+    AdaptedExpertLinear,
     AdaptedLayer,
-    DoRAEmbedding,
-    DoRALinear,
-    LoRAEmbedding,
-    LoRAExpertLinear,
-    LoRALinear,
+    AdaptedLinear,
+    Factors,
+    RowSelection,
 )
 from .names import NameMap, infer_name_map
 from .targets import Target, decoder_layers, select_targets
 
-__all__ = ["Adapter", "apply_adapter", "expected_factors", "read_adapter"]
+__all__ = [
+    "Adapter",
+    "apply_adapter",
+    "expected_factors",
+    "install",
+    "plan_adapter",
+    "read_adapter",
+]
 
 _SHOW = 12  # tensors listed per category in one error
 
@@ -203,17 +210,39 @@ def _check_factors(
     return found
 
 
-def _adapted(module: nn.Module, target: Target, factors: dict[str, mx.array], scale: float):
-    a, b, m = factors["lora_a"], factors["lora_b"], factors.get("m")
-    if target.kind == "linear":
-        return (
-            DoRALinear(module, a, b, m, scale) if m is not None else LoRALinear(module, a, b, scale)
-        )
-    if target.kind == "embedding":
-        if m is not None:
-            return DoRAEmbedding(module, a, b, m, scale)
-        return LoRAEmbedding(module, a, b, scale)
-    return LoRAExpertLinear(module, a, b, scale)
+_KINDS: dict[str, type[AdaptedLayer]] = {
+    "linear": AdaptedLinear,
+    "expert": AdaptedExpertLinear,
+    "embedding": AdaptedEmbedding,
+}
+
+
+def install(
+    model: nn.Module,
+    layers: Mapping[str, tuple[Target, list[Factors | None]]],
+    selection: RowSelection | None,
+) -> list[str]:
+    """Swap each planned module for its adapted layer (one factor set per slot)."""
+    modules = dict(model.named_modules())
+    built = [
+        (path, _KINDS[target.kind](modules[path], factors, selection))
+        for path, (target, factors) in layers.items()
+    ]
+    model.update_modules(tree_unflatten(built))
+    mx.eval([_own_arrays(layer) for _, layer in built])
+    return list(layers)
+
+
+def _own_arrays(layer: AdaptedLayer) -> list[mx.array]:
+    """The factors and precomputed ratios, not the base layer (which stays as loaded:
+    evaluating it here would read a lazily built base into memory all at once)."""
+    return [
+        v
+        for f in layer.adapters
+        if isinstance(f, Factors)
+        for v in f.values()
+        if isinstance(v, mx.array)
+    ]
 
 
 def _apply_full(model: nn.Module, adapter: Adapter) -> list[str]:
@@ -247,33 +276,39 @@ def _apply_full(model: nn.Module, adapter: Adapter) -> list[str]:
     return [n for n, _ in updates]
 
 
-def apply_adapter(model: nn.Module, adapter: Adapter) -> list[str]:
-    """Wrap the modules ``adapter`` selects in ``model``; returns their paths.
+def plan_adapter(model: nn.Module, adapter: Adapter) -> list[tuple[Target, Factors]]:
+    """Every module ``adapter`` adapts in ``model`` with its factors, all checked.
 
-    ``model`` is the family's graph (``Model.module``). Raises
-    :class:`AdapterError` before changing anything if the adapter does not fit.
+    Nothing is changed; raises :class:`AdapterError` (naming each misfit) if
+    the adapter does not fit. A full fine-tune has no factors to plan.
     """
     config = adapter.config
-    if not config.low_rank:
-        return _apply_full(model, adapter)
+    assert config.low_rank and config.lora_parameters is not None
     modules = dict(model.named_modules())
     names = infer_name_map(
         (n.rpartition(".")[0] for n in adapter.tensors), set(modules), decoder_layers(model)[0]
     )
     targets = select_targets(model, config, full_path=names.to_trainer)
     _refuse_unsupported(targets, config)
-    factors = _check_factors(adapter, targets, names)
-    assert config.lora_parameters is not None
+    found = _check_factors(adapter, targets, names)
     scale = config.lora_parameters.scale
-    layers: list[tuple[str, AdaptedLayer]] = [
-        (t.path, _adapted(modules[t.path], t, factors[t.path], scale)) for t in targets
+    return [
+        (
+            t,
+            Factors(
+                found[t.path]["lora_a"], found[t.path]["lora_b"], scale, found[t.path].get("m")
+            ),
+        )
+        for t in targets
     ]
-    model.update_modules(tree_unflatten(layers))
-    mx.eval([_own_arrays(layer) for _, layer in layers])
-    return [t.path for t in targets]
 
 
-def _own_arrays(layer: AdaptedLayer) -> list[mx.array]:
-    """The factors and precomputed ratios, not the base layer (which stays as loaded:
-    evaluating it here would read a lazily built base into memory all at once)."""
-    return [v for k, v in layer.items() if k != "base" and isinstance(v, mx.array)]
+def apply_adapter(model: nn.Module, adapter: Adapter) -> list[str]:
+    """Apply ``adapter`` to every row of ``model`` (the family's graph); returns the paths.
+
+    Raises :class:`AdapterError` before changing anything if the adapter does not fit.
+    """
+    if not adapter.config.low_rank:
+        return _apply_full(model, adapter)
+    plan = plan_adapter(model, adapter)
+    return install(model, {t.path: (t, [f]) for t, f in plan}, selection=None)

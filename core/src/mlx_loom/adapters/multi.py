@@ -1,0 +1,142 @@
+"""Several adapters on one base model, chosen per batch row (``loom serve --adapter``).
+
+:class:`AdapterSet` checks every adapter against the model exactly as a single
+``adapter_path`` is checked, then wraps the union of the layers they adapt
+once, each wrapped layer holding one factor set per adapter (or none, where an
+adapter leaves the layer alone). A forward names each row's adapter::
+
+    adapters = AdapterSet(model, {"sql": "./sql-adapter", "chat": "./chat-adapter"})
+    logits = model(tokens, cache=caches, adapters=["sql", None, "chat"])
+
+Row ``i`` then computes exactly what the base model with only that adapter
+applied computes for it, and a row with ``None`` exactly what the base model
+computes (see :mod:`.layers` for why that holds bit for bit, and for the one
+exception: rows with different adapters that adapt routed-expert projections
+must not share a batch — :meth:`AdapterSet.batch_key` says which rows may).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mlx_loom.errors import AdapterError
+from mlx_loom.host import ADAPTERS
+
+from .apply import Adapter, install, plan_adapter, read_adapter
+from .layers import Factors, RowSelection
+from .targets import Target
+
+if TYPE_CHECKING:
+    from mlx_loom.model import Model
+
+__all__ = ["AdapterSet", "RegisteredAdapter", "check_adapter_name"]
+
+
+@dataclass(frozen=True)
+class RegisteredAdapter:
+    """One adapter of a set: its name, where it came from, what it adapts."""
+
+    name: str
+    path: Path
+    kind: str
+    modules: tuple[str, ...]
+    adapts_experts: bool
+
+
+def check_adapter_name(name: str) -> str:
+    """Names are what clients send (``model: "base:name"``): short, printable, no ``:``."""
+    if not name or len(name) > 64 or ":" in name or name != name.strip() or not name.isprintable():
+        raise AdapterError(
+            f"adapter name {name!r} is not usable: names are 1-64 printable characters, "
+            "without ':' or surrounding spaces",
+            fix="name it like a short identifier, e.g. --adapter sql=./adapters/sql",
+        )
+    return name
+
+
+class AdapterSet:
+    """Adapters registered on ``model``, applied per batch row.
+
+    Construction checks every adapter first and changes nothing unless all of
+    them fit; afterwards ``model.adapter_set`` is this set.
+    """
+
+    def __init__(self, model: Model, adapters: Mapping[str, str | os.PathLike[str]]) -> None:
+        model.require(ADAPTERS, asked="adapters")
+        if model.adapter is not None or getattr(model, "adapter_set", None) is not None:
+            raise AdapterError(
+                "this model already runs an adapter, so a set of per-request adapters "
+                "cannot be added to it",
+                fix="load the base model without adapter_path and register every adapter "
+                "in the set",
+            )
+        if not adapters:
+            raise AdapterError("an adapter set needs at least one adapter", fix="name one")
+        read: list[tuple[str, Adapter]] = []
+        for name, path in adapters.items():
+            adapter = read_adapter(path)
+            if not adapter.config.low_rank:
+                raise AdapterError(
+                    f"adapter {name!r} ({adapter.path}) is a full fine-tune: it replaces "
+                    "weights, which cannot differ from one batch row to the next",
+                    fix="serve it as its own model (fuse it with `loom fuse`), or register "
+                    "LoRA/DoRA adapters only",
+                )
+            read.append((check_adapter_name(name), adapter))
+        plans = [(name, adapter, plan_adapter(model.module, adapter)) for name, adapter in read]
+        layers: dict[str, tuple[Target, list[Factors | None]]] = {}
+        for slot, (_, _, plan) in enumerate(plans):
+            for target, factors in plan:
+                entry = layers.setdefault(target.path, (target, [None] * len(plans)))
+                entry[1][slot] = factors
+        self.selection = RowSelection()
+        install(model.module, layers, self.selection)
+        self.adapters = tuple(
+            RegisteredAdapter(
+                name=name,
+                path=adapter.path,
+                kind=adapter.kind,
+                modules=tuple(t.path for t, _ in plan),
+                adapts_experts=any(t.kind == "expert" for t, _ in plan),
+            )
+            for name, adapter, plan in plans
+        )
+        self._slots = {a.name: i for i, a in enumerate(self.adapters)}
+        model.adapter_set = self
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._slots)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._slots
+
+    def slot(self, name: str | None) -> int | None:
+        """The slot of ``name`` (``None`` stays ``None``: the base model)."""
+        if name is None:
+            return None
+        slot = self._slots.get(name)
+        if slot is None:
+            raise AdapterError(
+                f"no adapter named {name!r} is registered (registered: {', '.join(self._slots)})",
+                fix="use one of the registered names, or none for the base model",
+            )
+        return slot
+
+    def rows(self, names: Sequence[str | None]) -> AbstractContextManager[None]:
+        """Context manager: while it is active, forwards use adapter ``names[i]`` for row ``i``."""
+        return self.selection.rows([self.slot(n) for n in names])
+
+    def batch_key(self, name: str | None) -> str | None:
+        """Rows with equal keys may share a batch: every adapter mixes with every other,
+        except those that adapt routed-expert projections, which batch only with
+        themselves (their key is their name)."""
+        slot = self.slot(name)
+        if slot is not None and self.adapters[slot].adapts_experts:
+            return name
+        return None
