@@ -123,6 +123,17 @@ def test_an_existing_save_path_is_refused(base, tmp_path):
         fuse(base("llama"), tmp_path / "a", tmp_path / "o", progress=False)
 
 
+def test_upload_is_refused_offline_before_fusing(base, tmp_path, monkeypatch):
+    from mlx_loom.errors import HubRefused
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = base("llama")
+    adapter = _adapter(path, tmp_path / "a", "lora")
+    with pytest.raises(HubRefused, match="HF_HUB_OFFLINE"):
+        fuse(path, adapter, tmp_path / "o", upload_repo="me/fused", progress=False)
+    assert not (tmp_path / "o").exists()
+
+
 def test_loom_fuse_has_mlx_lm_fuses_flags_and_defaults():
     args = build_parser().parse_args(["fuse"])
     assert (args.model, args.save_path, args.adapter_path) == (

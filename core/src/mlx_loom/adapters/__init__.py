@@ -12,9 +12,11 @@ core's; a family takes part by declaring the ``"adapters"`` capability
 (:data:`mlx_loom.plugin.ADAPTERS`) on its implementation and profile. A
 family that does not declare it refuses adapters with a
 :class:`~mlx_loom.errors.CapabilityRefused` instead of running a graph the
-transform might not understand. How modules are chosen is in
-:mod:`.targets`, how names are matched in :mod:`.names`, the arithmetic in
-:mod:`.layers`, the strict checks in :mod:`.apply`.
+transform might not understand. Several adapters can also be registered on
+one model and chosen per batch row (:class:`AdapterSet`, what ``loom serve
+--adapter`` uses). How modules are chosen is in :mod:`.targets`, how names are
+matched in :mod:`.names`, the arithmetic in :mod:`.layers`, the strict checks
+in :mod:`.apply`, the per-row sets in :mod:`.multi`.
 """
 
 from __future__ import annotations
@@ -27,17 +29,10 @@ from typing import TYPE_CHECKING
 from mlx_loom.errors import AdapterError
 from mlx_loom.host import ADAPTERS
 
-from .apply import Adapter, apply_adapter, expected_factors, read_adapter
-from .config import (
-    ADAPTER_CONFIG_FILE,
-    ADAPTER_WEIGHTS_FILE,
-    AdapterConfig,
-    LoraParameters,
-    read_adapter_config,
-)
-from .layers import AdaptedLayer, RowSelection, adapted_layers
+from .apply import Adapter, apply_adapter, read_adapter
+from .config import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, AdapterConfig
+from .layers import AdaptedLayer, adapted_layers
 from .multi import AdapterSet, RegisteredAdapter
-from .targets import Target, decoder_layers, select_targets
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
@@ -51,18 +46,11 @@ __all__ = [
     "AdapterConfig",
     "AdapterSet",
     "AppliedAdapter",
-    "LoraParameters",
     "RegisteredAdapter",
-    "RowSelection",
-    "Target",
     "adapted_layers",
     "apply_adapter",
-    "decoder_layers",
-    "expected_factors",
     "load_adapter",
     "read_adapter",
-    "read_adapter_config",
-    "select_targets",
 ]
 
 
