@@ -7,6 +7,16 @@ else in the core is a contract for plugins.
 
 from __future__ import annotations
 
+from .artifacts.fields import (
+    Count,
+    FieldError,
+    FiniteFloat,
+    Flag,
+    LayerCount,
+    PositiveFloat,
+    Size,
+    UnitFloat,
+)
 from .errors import (
     CacheError,
     CapabilityRefused,
@@ -45,12 +55,20 @@ __all__ = [
     "CacheError",
     "CapabilityRefused",
     "ConfigError",
+    "Count",
     "Execution",
+    "FieldError",
+    "FiniteFloat",
+    "Flag",
     "Implementation",
     "Kernel",
+    "LayerCount",
     "ModelType",
+    "PositiveFloat",
     "Profile",
     "RequestError",
+    "Size",
+    "UnitFloat",
     "WeightsError",
     "hookimpl",
 ]

@@ -19,10 +19,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_loom.artifacts import read_config, validate_family_config
-from mlx_loom_gemma4.config import Gemma4Config, Gemma4TextConfig, text_config_of
-from mlx_loom_gemma4.kernels import cpu_switch_glu
-from mlx_loom_gemma4.loader import build
+from mlx_loom.host import build_model, resolve_model
 from mlx_loom_gemma4.manifest import TINY_TEXT_CONFIG
 
 S, F = "sliding_attention", "full_attention"
@@ -124,17 +121,8 @@ def write_quantized(src: Path, dst: Path, *, group_size: int = 32, bits: int = 4
 
 
 def load_ours(path: Path):
-    """Our plugin's load path (config schema -> build), as the core's loader drives it."""
-    config = read_config(path)
-    schema = Gemma4Config if config.model_type == "gemma4" else Gemma4TextConfig
-    family = validate_family_config(schema, config.raw, source=config.path)
-    return build(
-        path,
-        text_config_of(family),
-        wrapper=config.model_type == "gemma4",
-        quantization=config.quantization,
-        kernel=cpu_switch_glu,
-    )
+    """Our plugin's graph as ``mlx_loom.load`` builds it (core resolution, kernels, loader)."""
+    return build_model(resolve_model(path)).module
 
 
 def load_theirs(path: Path):

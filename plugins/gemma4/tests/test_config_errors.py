@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mlx_loom.errors import ConfigError, WeightsError
-from mlx_loom_gemma4.config import Gemma4Config, Gemma4TextConfig
+from mlx_loom_gemma4.config import Gemma4TextConfig
 
 
 def _load_error(kit, tmp_path, error=ConfigError, drop=(), **overrides):
@@ -84,11 +84,3 @@ def test_num_kv_shared_layers_defaults_to_zero_unlike_mlx_lm():
 
     assert Gemma4TextConfig(num_hidden_layers=4).num_kv_shared_layers == 0
     assert ModelArgs().num_kv_shared_layers == 20
-
-
-def test_wrapper_schema_reads_both_nested_and_flat_text_views(kit):
-    text = kit.tiny_config()
-    nested = Gemma4Config.model_validate({"model_type": "gemma4", "text_config": text})
-    flat = Gemma4Config.model_validate(text)
-    assert nested.text_config == flat.text_config
-    assert nested.text_config.layer_types == text["layer_types"]

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import switch_layers
 
-from mlx_loom_gemma4.kernels import cpu_switch_glu, grouped_switch_glu
+from mlx_loom.nn import geglu, grouped_switch_glu, switch_glu
 
 
 def _fp32_upcast_switch_linear(self, x, indices, sorted_indices=False):
@@ -54,8 +54,8 @@ def test_cpu_kernel_routes_bf16_experts_to_grouped_matmuls(kit, checkpoint):
     glu = experts.switch_glu
     x = mx.random.normal((2, 5, 64), key=mx.random.key(0)).astype(mx.bfloat16)
     idx = mx.random.randint(0, 4, (2, 5, 2), key=mx.random.key(1)).astype(mx.int32)
-    via_kernel = cpu_switch_glu(x, idx, glu.gate_proj, glu.up_proj, glu.down_proj)
-    grouped = grouped_switch_glu(x, idx, glu.gate_proj, glu.up_proj, glu.down_proj)
+    via_kernel = switch_glu(x, idx, glu.gate_proj, glu.up_proj, glu.down_proj, geglu)
+    grouped = grouped_switch_glu(x, idx, glu.gate_proj, glu.up_proj, glu.down_proj, geglu)
     assert via_kernel.shape == (2, 5, 2, 64) and via_kernel.dtype == mx.bfloat16
     assert mx.array_equal(via_kernel, grouped)
 
@@ -70,7 +70,7 @@ def test_grouped_kernel_agrees_with_fp32_gathered_experts_within_bf16_rounding(k
     glu = kit.load_ours(checkpoint(dtype=mx.bfloat16, **kit.MOE)).model.layers[0].experts.switch_glu
     x = mx.random.normal((1, 20, 64), key=mx.random.key(2)).astype(mx.bfloat16)
     idx = mx.random.randint(0, 4, (1, 20, 2), key=mx.random.key(3)).astype(mx.int32)
-    got = grouped_switch_glu(x, idx, glu.gate_proj, glu.up_proj, glu.down_proj)
+    got = grouped_switch_glu(x, idx, glu.gate_proj, glu.up_proj, glu.down_proj, geglu)
     xf = x.astype(mx.float32)
     ref = []
     for t in range(20):

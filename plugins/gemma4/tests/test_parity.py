@@ -83,7 +83,7 @@ def test_gemma4_wrapper_layout_matches_mlx_lm_and_drops_towers_with_a_notice(kit
     }
     cfg = kit.tiny_config(**kit.PER_LAYER, **kit.SHARED, **kit.MOE)
     path = kit.write_checkpoint(tmp_path / "wrap", cfg, wrapper=True, extra_tensors=towers)
-    with caplog.at_level(logging.WARNING, logger="mlx_loom_gemma4"):
+    with caplog.at_level(logging.WARNING, logger="mlx_loom.artifacts"):
         ours = kit.load_ours(path)
     notices = [r.getMessage() for r in caplog.records if "non-text" in r.getMessage()]
     assert len(notices) == 1 and "dropped 3 non-text tensor(s)" in notices[0]

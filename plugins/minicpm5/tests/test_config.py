@@ -10,12 +10,8 @@ from minicpm5_testkit import TINY
 
 from mlx_loom.artifacts import validate_family_config
 from mlx_loom.errors import ConfigError
-from mlx_loom_minicpm5.config import (
-    Llama3Scaling,
-    LongRopeScaling,
-    MiniCPM5Config,
-    YarnScaling,
-)
+from mlx_loom.nn import Llama3Scaling, LongRopeScaling, YarnScaling
+from mlx_loom_minicpm5.config import MiniCPM5Config
 
 SOURCE = Path("model/config.json")
 

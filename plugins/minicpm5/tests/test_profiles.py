@@ -11,7 +11,7 @@ from mlx_loom.host import PluginHost, resolve_model
 from mlx_loom.host._profiles import validate_profile
 from mlx_loom_minicpm5 import plugin
 from mlx_loom_minicpm5.config import FINGERPRINT_FIELDS, MiniCPM5Config
-from mlx_loom_minicpm5.loader import expected_tensors
+from mlx_loom_minicpm5.manifest import checkpoint_tensors
 
 # The published openbmb/MiniCPM5-1B geometry (see plugin.py for where each number comes from).
 MINICPM5_1B = {
@@ -38,7 +38,7 @@ def headers_only_checkpoint(directory, config, dtype="BF16"):
     """
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))
-    manifest = expected_tensors(MiniCPM5Config.model_validate(config), dtype)
+    manifest = checkpoint_tensors(config, dtype)
     header, offset = {}, 0
     for name, (shape, code) in sorted(manifest.items()):
         size = math.prod(shape) * _ITEMSIZE[code]
@@ -73,7 +73,7 @@ def test_exact_profile_fingerprints_derive_from_the_published_geometry():
     cfg = MiniCPM5Config.model_validate(MINICPM5_1B)
     manifest = {
         name: TensorInfo(dtype=code, shape=tuple(shape))
-        for name, (shape, code) in expected_tensors(cfg, "BF16").items()
+        for name, (shape, code) in checkpoint_tensors(cfg, "BF16").items()
     }
     # The published parameter count, to the unit.
     assert sum(info.numel for info in manifest.values()) == 1_080_632_832

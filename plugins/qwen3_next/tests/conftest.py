@@ -18,13 +18,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_loom.artifacts import read_config
-from mlx_loom.host._kernels import KernelRegistry
-from mlx_loom_qwen3_next import plugin
-from mlx_loom_qwen3_next.config import Qwen3_5Config, Qwen3NextConfig
-from mlx_loom_qwen3_next.graph import HybridLM, Kernels
-from mlx_loom_qwen3_next.kernels import KERNEL_NAMES
-from mlx_loom_qwen3_next.loader import load_model
+from mlx_loom.host import build_model, resolve_model
+from mlx_loom_qwen3_next.graph import Model
 from mlx_loom_qwen3_next.manifest import TINY_QWEN3_NEXT
 
 # The plugin's own tiny config, with head_dim 16 (more heads per byte) and an EOS id.
@@ -174,22 +169,9 @@ def write_checkpoint(
     return path
 
 
-def cpu_kernels() -> Kernels:
-    reg = KernelRegistry(plugin.loom_kernels())
-    return Kernels.from_mapping({n: reg.resolve(n).fn for n in KERNEL_NAMES})
-
-
-def load_ours(path: Path) -> HybridLM:
-    art = read_config(path)
-    schema = Qwen3NextConfig if art.model_type == "qwen3_next" else Qwen3_5Config
-    cfg = schema.model_validate(art.raw)
-    return load_model(
-        path,
-        cfg,
-        cpu_kernels(),
-        fused=art.model_type == "qwen3_next",
-        quantization=art.quantization,
-    )
+def load_ours(path: Path) -> Model:
+    """The plugin's graph as ``mlx_loom.load`` builds it (core resolution, kernels, loader)."""
+    return build_model(resolve_model(path)).module
 
 
 def load_reference(path: Path):
@@ -243,9 +225,9 @@ def ckpt_dir(tmp_path_factory) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
-def loaders(ckpt_dir) -> Callable[[str], tuple[HybridLM, Any]]:
+def loaders(ckpt_dir) -> Callable[[str], tuple[Model, Any]]:
     """``loaders(kind)`` -> (our model, mlx-lm's model) for the same checkpoint, cached."""
-    cache: dict[str, tuple[HybridLM, Any]] = {}
+    cache: dict[str, tuple[Model, Any]] = {}
 
     def get(kind: str):
         if kind not in cache:
@@ -267,5 +249,4 @@ def qn():
         write_checkpoint=write_checkpoint,
         load_ours=load_ours,
         load_reference=load_reference,
-        cpu_kernels=cpu_kernels,
     )

@@ -28,3 +28,61 @@ def test_tiny_configs_load_and_run(tmp_path, cfg):
     path = write_checkpoint(tmp_path / "ckpt", cfg, checkpoint_tensors(cfg))
     model, tok = mlx_loom.load(path)
     assert len(tok.encode(mlx_loom.generate(model, tok, "hello", max_tokens=4))) > 0
+
+
+_MOE_5 = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+}
+VARIANTS = {
+    "qwen3_next": TINY_QWEN3_NEXT,
+    "qwen3_next-tied": {**TINY_QWEN3_NEXT, "tie_word_embeddings": True, "attention_bias": True},
+    "qwen3_5": TINY_QWEN3_5,
+    "qwen3_5-moe": {**TINY_QWEN3_5, "text_config": {**TINY_QWEN3_5["text_config"], **_MOE_5}},
+    "qwen3_5_text-moe": {**TINY_QWEN3_5["text_config"], **_MOE_5},
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_the_graph_holds_exactly_the_manifests_tensors(name):
+    """One rule: what the loader expects (and the kit writes) is what the graph loads."""
+    from mlx.utils import tree_flatten
+
+    from mlx_loom.host._kernels import KernelRegistry
+    from mlx_loom.nn import dense_tensors
+    from mlx_loom_qwen3_next import kernels as qk
+    from mlx_loom_qwen3_next.config import Qwen3_5Config, Qwen3NextConfig
+    from mlx_loom_qwen3_next.graph import Kernels, Model
+    from mlx_loom_qwen3_next.manifest import tensors
+
+    config = VARIANTS[name]
+    fused = config["model_type"] == "qwen3_next"
+    schema = Qwen3NextConfig if fused else Qwen3_5Config
+    cfg = schema.model_validate(config.get("text_config", config))
+    registry = KernelRegistry(qk.kernels())
+    kernels = Kernels.from_mapping({n: registry.resolve(n).fn for n in qk.KERNEL_NAMES})
+    graph = {
+        k: tuple(v.shape) for k, v in tree_flatten(Model(cfg, kernels, fused=fused).parameters())
+    }
+    assert graph == {k: shape for k, (shape, _) in dense_tensors(tensors(cfg)).items()}
+
+
+def test_a_qwen3_5_config_with_experts_lists_expert_tensors_not_dense_ones():
+    names = checkpoint_tensors(VARIANTS["qwen3_5-moe"])
+    layer = "model.language_model.layers.0.mlp."
+    assert f"{layer}experts.3.up_proj.weight" in names
+    assert f"{layer}gate.weight" in names and f"{layer}shared_expert_gate.weight" in names
+    assert f"{layer}up_proj.weight" not in names
+
+
+def test_a_kit_checkpoint_of_qwen3_5_with_experts_loads_and_generates(tmp_path):
+    import mlx_loom
+    from mlx_loom.testing.checkpoints import write_checkpoint
+
+    cfg = VARIANTS["qwen3_5-moe"]
+    path = write_checkpoint(tmp_path / "ckpt", cfg, checkpoint_tensors(cfg))
+    model, tok = mlx_loom.load(path)
+    assert type(model.module.layers[0].mlp).__name__ == "SparseMoe"
+    assert mlx_loom.generate(model, tok, "hello", max_tokens=3)

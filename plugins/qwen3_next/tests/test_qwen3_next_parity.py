@@ -100,3 +100,59 @@ def test_right_padded_prefill_leaves_each_row_as_if_alone(loaders):
         cache = ours.make_cache()
         ours(mx.array([row]), cache=cache)
         assert mx.array_equal(batch[r], ours(mx.array([[3]]), cache=cache)[0])
+
+
+def _greedy_parity(ours, ref, steps=16):
+    ca, cb = ours.make_cache(), make_prompt_cache(ref)
+    la, lb = ours(mx.array([PROMPT]), cache=ca), ref(mx.array([PROMPT]), cache=cb)
+    assert mx.array_equal(la, lb)
+    for _ in range(steps):
+        t = mx.argmax(la[:, -1], -1)[:, None]
+        assert mx.array_equal(t, mx.argmax(lb[:, -1], -1)[:, None])
+        la, lb = ours(t, cache=ca), ref(t, cache=cb)
+        assert mx.array_equal(la, lb)
+
+
+def test_qwen3_5_with_experts_matches_mlx_lm(tmp_path, qn):
+    """MoE on every layer (mlx-lm's qwen3_5). mlx-lm reads only the stacked MLX layout,
+    so both engines load the stacked checkpoint our loader makes from the kit's HF one."""
+    from mlx_loom.artifacts import load_weights
+    from mlx_loom.testing.checkpoints import write_checkpoint
+    from mlx_loom_qwen3_next.config import Qwen3_5Config
+    from mlx_loom_qwen3_next.loader import sanitize
+    from mlx_loom_qwen3_next.manifest import TINY_QWEN3_5, checkpoint_tensors
+
+    text = {
+        **TINY_QWEN3_5["text_config"],
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    }
+    cfg = {**TINY_QWEN3_5, "text_config": text}
+    hf = write_checkpoint(tmp_path / "hf", cfg, checkpoint_tensors(cfg))
+    weights = {k.replace("model.language_model.", "model."): v for k, v in load_weights(hf).items()}
+    stacked = sanitize(weights, Qwen3_5Config.model_validate(text))
+    mlx = tmp_path / "mlx"
+    mlx.mkdir()
+    mx.save_safetensors(
+        str(mlx / "model.safetensors"),
+        {k.replace("model.", "model.language_model.", 1): v for k, v in stacked.items()},
+    )
+    (mlx / "config.json").write_text((hf / "config.json").read_text())
+    ours = qn.load_ours(mlx)
+    assert type(ours.layers[0].mlp).__name__ == "SparseMoe"
+    _greedy_parity(ours, qn.load_reference(mlx))
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    ],
+    ids=["linear", "yarn"],
+)
+def test_scaled_rope_matches_mlx_lm(tmp_path, qn, scaling):
+    path = qn.write_checkpoint(tmp_path / "m", {**qn.QWEN3_NEXT_CONFIG, "rope_scaling": scaling})
+    _greedy_parity(qn.load_ours(path), qn.load_reference(path))

@@ -9,14 +9,21 @@ The path a model takes::
     weights = load_weights(model_dir)                # lazy mx.arrays, headers validated first
     apply_quantization(model, config.quantization, weights)
     model.load_weights(list(weights.items()))
+
+Families do the last four steps through :func:`mlx_loom.nn.load_checkpoint`
+(the strict loader), with ``config.view()`` mapping wrapper layouts.
 """
 
 from mlx_loom.artifacts.config import (
     CONFIG_FILE,
+    TEXT_LAYOUT,
     ArtifactConfig,
+    ConfigView,
+    TextLayout,
     read_config,
     validate_family_config,
 )
+from mlx_loom.artifacts.fields import FieldError
 from mlx_loom.artifacts.fingerprint import artifact_fingerprint, config_fingerprint
 from mlx_loom.artifacts.quantization import (
     SUPPORTED_BITS,
@@ -58,12 +65,16 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "SUPPORTED_BITS",
     "SUPPORTED_GROUP_SIZES",
+    "TEXT_LAYOUT",
     "ArtifactConfig",
+    "ConfigView",
     "ExpectedTensor",
+    "FieldError",
     "QuantSpec",
     "QuantizationConfig",
     "SafetensorsHeader",
     "TensorInfo",
+    "TextLayout",
     "apply_quantization",
     "artifact_fingerprint",
     "check_weights",

@@ -24,21 +24,28 @@ from mlx_loom.artifacts.safetensors_header import (
 from mlx_loom.errors import WeightsError
 
 __all__ = [
+    "FLOAT_CODES",
     "INDEX_FILE",
     "ExpectedTensor",
     "check_weights",
     "list_weight_files",
     "load_weights",
+    "mismatch_error",
     "read_manifest",
     "tensor_signature",
+    "weight_mismatches",
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
 _SHOW = 10  # names listed per category in one error; the rest are counted
 
 #: What a graph expects of one tensor: its shape and dtype. The dtype may be a
-#: safetensors code (``"BF16"``), an ``mx.Dtype``, or ``None`` for "any".
-ExpectedTensor = tuple[Sequence[int], "str | mx.Dtype | None"]
+#: safetensors code (``"BF16"``), a set of codes (any of them, e.g.
+#: :data:`FLOAT_CODES`), an ``mx.Dtype``, or ``None`` for "any".
+ExpectedTensor = tuple[Sequence[int], "str | frozenset[str] | mx.Dtype | None"]
+
+#: The floating dtypes a checkpoint may store its float tensors in.
+FLOAT_CODES: frozenset[str] = frozenset({"BF16", "F16", "F32"})
 
 _MLX_TO_CODE: dict[mx.Dtype, str] = {}
 for _code, _dt in SAFETENSORS_DTYPES.items():
@@ -182,12 +189,16 @@ def _dtype_matches(actual: TensorInfo | mx.array, want: Any) -> bool:
         return True
     if isinstance(want, str):
         return tensor_signature(actual)[1] == want
+    if isinstance(want, frozenset):
+        return tensor_signature(actual)[1] in want
     # An mx.Dtype: compare what MLX will hold (FP8 codes load as uint8).
     have = actual.mlx_dtype if isinstance(actual, TensorInfo) else actual.dtype
     return have == want
 
 
 def _dtype_name(dtype: Any) -> str:
+    if isinstance(dtype, frozenset):
+        return " or ".join(sorted(dtype))
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("mlx.core.")
 
 
@@ -206,6 +217,19 @@ def check_weights(
     that. Raises one :class:`WeightsError` listing missing, unexpected,
     mis-shaped and mis-typed tensors.
     """
+    sections = weight_mismatches(actual, expected, strict=strict)
+    if not sections:
+        return
+    raise mismatch_error(sections, source=source)
+
+
+def weight_mismatches(
+    actual: Mapping[str, TensorInfo | mx.array],
+    expected: Mapping[str, ExpectedTensor],
+    *,
+    strict: bool = True,
+) -> list[tuple[str, list[str]]]:
+    """The differences :func:`check_weights` reports, as ``(label, items)`` sections."""
     missing = sorted(set(expected) - set(actual))
     unexpected = sorted(set(actual) - set(expected)) if strict else []
     misshaped: list[str] = []
@@ -223,13 +247,17 @@ def check_weights(
         ("wrong shape", misshaped),
         ("wrong dtype", mistyped),
     ]
-    sections = [(label, items) for label, items in sections if items]
-    if not sections:
-        return
+    return [(label, items) for label, items in sections if items]
+
+
+def mismatch_error(
+    sections: Sequence[tuple[str, list[str]]], *, source: str | os.PathLike[str] | None = None
+) -> WeightsError:
+    """One :class:`WeightsError` listing every section (at most ten names each)."""
     where = f"{source}: " if source is not None else ""
     summary = ", ".join(f"{len(items)} {label}" for label, items in sections)
     body = "\n  ".join(f"{label} ({len(items)}): {_capped(items)}" for label, items in sections)
-    raise WeightsError(
+    return WeightsError(
         f"{where}the checkpoint's tensors do not match the model ({summary}):\n  {body}",
         fix="use a checkpoint converted for this model type and config; if config.json was "
         "edited, restore it (the tensor shapes follow from it)",

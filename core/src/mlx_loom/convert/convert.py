@@ -23,7 +23,14 @@ from mlx.utils import tree_flatten
 
 from mlx_loom.errors import ConvertError, Refusal
 
-from .output import check_destination, check_upload, hub_repo, upload, write_model
+from .output import (
+    check_destination,
+    check_upload,
+    hub_repo,
+    in_checkpoint_layout,
+    upload,
+    write_model,
+)
 from .quantize import DEFAULT_BITS, DEFAULT_GROUP_SIZE, DTYPES, cast, dequantized_tensors, quantize
 from .recipes import RECIPES, mixed_predicate
 
@@ -133,6 +140,7 @@ def convert(
         tensors = dequantized_tensors(module, tensors)
         config.pop("quantization", None)
         config.pop("quantization_config", None)
+    tensors, config = in_checkpoint_layout(tensors, config)
     source_dir = resolved.model_dir
     del model, module, resolved  # the writer must hold the only references to the tensors
     options = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}

@@ -23,7 +23,14 @@ from mlx.utils import tree_flatten
 from mlx_loom.adapters import adapted_layers, load_adapter
 
 from .convert import load_lazily
-from .output import check_destination, check_upload, hub_repo, upload, write_model
+from .output import (
+    check_destination,
+    check_upload,
+    hub_repo,
+    in_checkpoint_layout,
+    upload,
+    write_model,
+)
 from .quantize import dequantized_tensors
 
 __all__ = ["fuse", "fused_tensors"]
@@ -69,6 +76,7 @@ def fuse(
         tensors = dequantized_tensors(module, tensors)
         config.pop("quantization", None)
         config.pop("quantization_config", None)
+    tensors, config = in_checkpoint_layout(tensors, config)
     source_dir = resolved.model_dir
     del built, module, resolved
     options = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}

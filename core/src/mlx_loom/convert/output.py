@@ -36,6 +36,7 @@ from mlx_loom.errors import ConvertError, HubRefused
 
 __all__ = [
     "check_destination",
+    "in_checkpoint_layout",
     "check_upload",
     "copy_tokenizer_files",
     "hub_repo",
@@ -61,6 +62,43 @@ _COPIED = (
 )
 _COPIED_SUFFIXES = (".tiktoken", ".jinja")
 _DROPPED_CONFIG_KEYS = ("_name_or_path", "vision_config")
+
+
+#: Where mlx-lm's converter keeps a wrapper checkpoint's language model (the
+#: prefixes the core's config view reads back, ``TEXT_LAYOUT``).
+_WRAPPER_PREFIXES = (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
+
+
+def in_checkpoint_layout(
+    tensors: dict[str, mx.array], config: dict[str, Any]
+) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """Tensor names (and quantization overrides) as the written config's layout wants them.
+
+    A family's graph holds the text model under its own names (``model.*``,
+    ``lm_head``). A wrapper config (``text_config``, e.g. ``gemma4``,
+    ``qwen3_5``) is written the way mlx-lm writes it, under
+    ``language_model.``: mlx-lm's wrapper loaders need that, and the core's
+    config view maps it back.
+    """
+    if not isinstance(config.get("text_config"), dict):
+        return tensors, config
+
+    def wrapped(name: str) -> str:
+        for old, new in _WRAPPER_PREFIXES:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    renamed = {wrapped(name): value for name, value in tensors.items()}
+    config = dict(config)
+    for key in ("quantization", "quantization_config"):
+        spec = config.get(key)
+        if isinstance(spec, dict):
+            config[key] = {
+                (k if k in ("group_size", "bits", "mode") else wrapped(k + ".")[:-1]): v
+                for k, v in spec.items()
+            }
+    return renamed, config
 
 
 def check_destination(path: Path) -> None:

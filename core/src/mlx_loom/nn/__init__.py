@@ -2,4 +2,79 @@
 
 Nothing here is required: a family may write its own modules. What lives here
 is solved once, one way, so three families do not carry three versions.
+
+* :mod:`.activations` — ``swiglu``/``geglu``, compiled as mlx-lm compiles them;
+* :mod:`.mlp` — :class:`GatedMLP` (Hugging Face module names);
+* :mod:`.experts` — stacked expert projections, :class:`SwitchGLU`, and the
+  per-backend expert kernels (one bf16-on-CPU strategy, measured);
+* :mod:`.rope` — every RoPE kind the families read, validated and built;
+* :mod:`.loading` — the strict loader: config manifest vs. safetensors
+  headers before any graph exists, lazy weights, no evaluation.
+
+Linear layers stay standard ``mlx.nn`` modules, so quantization (and any
+later per-backend linear kernel) applies to them unchanged.
 """
+
+from .activations import Activation, geglu, swiglu
+from .experts import (
+    QuantizedSwitchLinear,
+    SwitchGLU,
+    SwitchLinear,
+    expert_kernels,
+    gather_switch_glu,
+    grouped_switch_glu,
+    switch_glu,
+)
+from .loading import (
+    Entry,
+    Manifest,
+    Matrix,
+    Tensor,
+    dense_tensors,
+    expected_tensors,
+    load_checkpoint,
+)
+from .mlp import GatedMLP
+from .rope import (
+    ROPE_KINDS,
+    DynamicScaling,
+    LinearScaling,
+    Llama3Scaling,
+    LongRopeScaling,
+    ProportionalScaling,
+    RopeScaling,
+    YarnScaling,
+    make_rope,
+    parse_rope_scaling,
+)
+
+__all__ = [
+    "ROPE_KINDS",
+    "Activation",
+    "DynamicScaling",
+    "Entry",
+    "GatedMLP",
+    "LinearScaling",
+    "Llama3Scaling",
+    "LongRopeScaling",
+    "Manifest",
+    "Matrix",
+    "ProportionalScaling",
+    "QuantizedSwitchLinear",
+    "RopeScaling",
+    "SwitchGLU",
+    "SwitchLinear",
+    "Tensor",
+    "YarnScaling",
+    "dense_tensors",
+    "expected_tensors",
+    "expert_kernels",
+    "gather_switch_glu",
+    "geglu",
+    "grouped_switch_glu",
+    "load_checkpoint",
+    "make_rope",
+    "parse_rope_scaling",
+    "swiglu",
+    "switch_glu",
+]

@@ -1,9 +1,15 @@
 """The Gemma 4 checkpoint config: omitted-field defaults, and the checks that must fail at load.
 
-Two layouts reach us. ``gemma4_text`` checkpoints are flat; ``gemma4``
+Two layouts reach us: ``gemma4_text`` checkpoints are flat, ``gemma4``
 (multimodal) checkpoints nest the language model's fields under
-``text_config``. :class:`Gemma4TextConfig` validates the text fields;
-:class:`Gemma4Config` validates the wrapper and accepts either layout.
+``text_config``. The core's config view hands this schema the flat text
+fields of either, so :class:`Gemma4TextConfig` is the one schema. (mlx-lm's
+``gemma4`` wrapper forces ``text_config.vocab_size`` to the top-level
+``vocab_size``, 262144 when absent; we read the text config's own value, and
+the weights' headers settle any disagreement before a graph is built.)
+
+Every size is bounded (int32, finite floats, at most ``MAX_LAYERS`` layers)
+and each bad field is one ``ConfigError`` naming it.
 
 Defaults follow mlx-lm's ``gemma4_text.ModelArgs`` (so the oracle and we read
 the same directory the same way) with one deliberate exception:
@@ -29,6 +35,17 @@ from pydantic import (
     model_validator,
 )
 
+from mlx_loom.nn import ProportionalScaling, RopeScaling
+from mlx_loom.plugin import (
+    Count,
+    FieldError,
+    FiniteFloat,
+    Flag,
+    LayerCount,
+    PositiveFloat,
+    Size,
+)
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 AttentionKind = Literal["sliding_attention", "full_attention"]
@@ -49,15 +66,24 @@ class RopeParameters(BaseModel):
     rope_type: Literal["default", "proportional"] = Field(
         "default", validation_alias=AliasChoices("type", "rope_type")
     )
-    rope_theta: float = 10000.0
-    partial_rotary_factor: float = 1.0
-    factor: float = 1.0
+    rope_theta: PositiveFloat = 10000.0
+    partial_rotary_factor: PositiveFloat = 1.0
+    factor: PositiveFloat = 1.0
 
     def rotated_dims(self, head_dim: int) -> int:
         """How many leading dims of a head rotate (mlx-lm: ``int(head_dim * factor)``)."""
         if self.rope_type == "default":
             return head_dim
         return int(head_dim * self.partial_rotary_factor)
+
+    @property
+    def scaling(self) -> RopeScaling | None:
+        """The core RoPE kind this is (``None``: plain RoPE over the whole head)."""
+        if self.rope_type == "default":
+            return None
+        return ProportionalScaling(
+            partial_rotary_factor=self.partial_rotary_factor, factor=self.factor
+        )
 
 
 class Gemma4TextConfig(BaseModel):
@@ -66,31 +92,31 @@ class Gemma4TextConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     model_type: str = "gemma4_text"
-    hidden_size: int = Field(1536, gt=0)
-    num_hidden_layers: int = Field(35, gt=0)
-    intermediate_size: int = Field(6144, gt=0)
-    num_attention_heads: int = Field(8, gt=0)
-    head_dim: int = Field(256, gt=0)
-    global_head_dim: int | None = Field(512, ge=0)
-    num_key_value_heads: int = Field(1, gt=0)
-    num_global_key_value_heads: int | None = Field(None, gt=0)
-    rms_norm_eps: float = Field(1e-6, gt=0)
-    vocab_size: int = Field(262144, gt=0)
-    vocab_size_per_layer_input: int = Field(262144, gt=0)
-    hidden_size_per_layer_input: int | None = Field(256, ge=0)
-    rope_traditional: bool = False
-    sliding_window: int = Field(512, gt=0)
-    sliding_window_pattern: int = Field(5, gt=0)
-    max_position_embeddings: int = 131072
-    attention_k_eq_v: bool = False
-    final_logit_softcapping: float | None = 30.0
-    use_double_wide_mlp: bool = True
-    enable_moe_block: bool = False
-    num_experts: int | None = Field(None, gt=0)
-    top_k_experts: int | None = Field(None, gt=0)
-    moe_intermediate_size: int | None = Field(None, gt=0)
-    tie_word_embeddings: bool = True
-    num_kv_shared_layers: int = Field(0, ge=0)
+    hidden_size: Size = 1536
+    num_hidden_layers: LayerCount = 35
+    intermediate_size: Size = 6144
+    num_attention_heads: Size = 8
+    head_dim: Size = 256
+    global_head_dim: Count | None = 512
+    num_key_value_heads: Size = 1
+    num_global_key_value_heads: Size | None = None
+    rms_norm_eps: PositiveFloat = 1e-6
+    vocab_size: Size = 262144
+    vocab_size_per_layer_input: Size = 262144
+    hidden_size_per_layer_input: Count | None = 256
+    rope_traditional: Flag = False
+    sliding_window: Size = 512
+    sliding_window_pattern: Size = 5
+    max_position_embeddings: Size = 131072
+    attention_k_eq_v: Flag = False
+    final_logit_softcapping: FiniteFloat | None = 30.0
+    use_double_wide_mlp: Flag = True
+    enable_moe_block: Flag = False
+    num_experts: Size | None = None
+    top_k_experts: Size | None = None
+    moe_intermediate_size: Size | None = None
+    tie_word_embeddings: Flag = True
+    num_kv_shared_layers: Count = 0
     layer_types: list[str] | None = Field(None, validate_default=True)
     rope_parameters: dict[str, RopeParameters] | None = Field(None, validate_default=True)
 
@@ -114,9 +140,9 @@ class Gemma4TextConfig(BaseModel):
         if n is None:  # num_hidden_layers itself failed; that error is reported
             return v or []
         if v is None:
+            # Every pattern-th layer is global; O(layers), whatever the pattern.
             pattern = info.data.get("sliding_window_pattern") or 5
-            cycle = [SLIDING] * (pattern - 1) + [FULL]
-            v = (cycle * (n // len(cycle) + 1))[:n]
+            v = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n)]
         unknown = sorted({k for k in v if k not in ATTENTION_KINDS})
         if unknown:
             raise ValueError(
@@ -172,9 +198,11 @@ class Gemma4TextConfig(BaseModel):
         for kind in sorted(set(self.layer_types or [])):
             kv = self.kv_heads_for(kind)
             if self.num_attention_heads % kv:
-                raise ValueError(
-                    f"num_attention_heads={self.num_attention_heads} is not a multiple of the "
-                    f"{kv} key/value heads of {kind} layers"
+                raise FieldError(
+                    "num_attention_heads",
+                    f"{self.num_attention_heads} is not a multiple of the {kv} key/value heads "
+                    f"of {kind} layers",
+                    fix="grouped-query attention needs the key/value heads to divide the heads",
                 )
         if self.enable_moe_block:
             missing = [
@@ -183,10 +211,16 @@ class Gemma4TextConfig(BaseModel):
                 if getattr(self, f) is None
             ]
             if missing:
-                raise ValueError(f"enable_moe_block is true but {missing} are not set")
+                raise FieldError(
+                    "enable_moe_block",
+                    f"is true but {missing} are not set",
+                    fix="set the expert fields, or enable_moe_block to false",
+                )
             if self.top_k_experts > self.num_experts:  # type: ignore[operator]
-                raise ValueError(
-                    f"top_k_experts={self.top_k_experts} exceeds num_experts={self.num_experts}"
+                raise FieldError(
+                    "top_k_experts",
+                    f"{self.top_k_experts} exceeds num_experts={self.num_experts}",
+                    fix="route each token to at most num_experts experts",
                 )
         return self
 
@@ -236,48 +270,8 @@ class Gemma4TextConfig(BaseModel):
         return self.hidden_size_per_layer_input or 0
 
 
-class Gemma4Config(BaseModel):
-    """A ``gemma4`` (multimodal wrapper) config: the text tower's fields under ``text_config``.
-
-    A top-level ``vocab_size`` overrides ``text_config.vocab_size`` as in mlx-lm.
-    Where the top level omits it we keep ``text_config.vocab_size`` (mlx-lm
-    would force 262144). A flat dict (no ``text_config``) is read as the text
-    config itself, so the schema accepts whichever view the core passes.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-    model_type: str = "gemma4"
-    vocab_size: int | None = Field(None, gt=0)
-    text_config: Gemma4TextConfig
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nest_flat_layout(cls, data: Any) -> Any:
-        if isinstance(data, dict) and not isinstance(data.get("text_config"), dict):
-            return {"model_type": "gemma4", "text_config": data}
-        if isinstance(data, dict) and data.get("vocab_size") is not None:
-            text = dict(data["text_config"])
-            text["vocab_size"] = data["vocab_size"]
-            return {**data, "text_config": text}
-        return data
-
-    @property
-    def text(self) -> Gemma4TextConfig:
-        return self.text_config
-
-
-def text_config_of(config: BaseModel) -> Gemma4TextConfig:
-    """The text config inside either schema instance."""
-    if isinstance(config, Gemma4Config):
-        return config.text_config
-    if isinstance(config, Gemma4TextConfig):
-        return config
-    raise TypeError(f"expected a Gemma 4 config, got {type(config).__name__}")
-
-
 #: Config fields that decide the graph (the config fingerprint covers exactly these).
-TEXT_FINGERPRINT_FIELDS: tuple[str, ...] = (
+FINGERPRINT_FIELDS: tuple[str, ...] = (
     "hidden_size",
     "num_hidden_layers",
     "intermediate_size",
@@ -305,6 +299,3 @@ TEXT_FINGERPRINT_FIELDS: tuple[str, ...] = (
     "tie_word_embeddings",
     "num_kv_shared_layers",
 )
-# The core fingerprints the flat text view of either layout, so the wrapper
-# type uses the same fields.
-WRAPPER_FINGERPRINT_FIELDS: tuple[str, ...] = TEXT_FINGERPRINT_FIELDS

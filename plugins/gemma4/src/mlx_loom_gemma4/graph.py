@@ -3,9 +3,11 @@
 Module names mirror mlx-lm's converted layout (``model.layers.N.self_attn.q_proj``,
 ``model.layers.N.experts.switch_glu.gate_proj`` ...) so MLX-quantized
 checkpoints and their per-module quantization overrides address our modules
-directly. Op order follows mlx-lm's ``gemma4_text`` step for step (same
-compiled activations, same scalar multiplies), which is what makes fp32 and
-quantized logits bit-equal to it.
+directly (a ``gemma4`` wrapper's ``language_model.`` prefix is the core's
+config view's business). Op order follows mlx-lm's ``gemma4_text`` step for
+step (same compiled activations, same scalar multiplies), which is what makes
+fp32 and quantized logits bit-equal to it. The GeGLU MLP, the routed experts
+and RoPE (default and proportional) are the core's shared layers.
 """
 
 from __future__ import annotations
@@ -26,12 +28,9 @@ from mlx_loom.cache import (
     create_attention_mask,
     quantized_scaled_dot_product_attention,
 )
-from mlx_loom_gemma4.config import FULL, SLIDING, Gemma4TextConfig, RopeParameters
-from mlx_loom_gemma4.kernels import ExpertProjection, geglu
-
-SwitchGLUKernel = Callable[
-    [mx.array, mx.array, ExpertProjection, ExpertProjection, ExpertProjection], mx.array
-]
+from mlx_loom.nn import GatedMLP, SwitchGLU, geglu, make_rope
+from mlx_loom.nn.experts import ExpertKernel
+from mlx_loom_gemma4.config import FULL, SLIDING, Gemma4TextConfig
 
 
 @partial(mx.compile, shapeless=True)
@@ -51,47 +50,6 @@ class WeightlessRMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, None, self.eps)
-
-
-class ProportionalRoPE(nn.Module):
-    """RoPE over the leading ``rotated`` dims of a ``dims``-wide head.
-
-    Frequencies are ``factor * base ** (2i / dims)`` — the exponent divides by
-    the *whole* head width, not the rotated part (hence "proportional") — and
-    the remaining pairs get an infinite wavelength, i.e. they pass unrotated.
-    """
-
-    def __init__(self, dims: int, rotated: int, *, base: float, factor: float, traditional: bool):
-        super().__init__()
-        self.dims = dims
-        self.traditional = traditional
-        exponents = mx.arange(0, rotated, 2, dtype=mx.float32) / dims
-        self._freqs = mx.concatenate(
-            [factor * (base**exponents), mx.full(((dims - rotated) // 2,), mx.inf)]
-        )
-
-    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
-        return mx.fast.rope(
-            x,
-            self.dims,
-            traditional=self.traditional,
-            base=None,
-            scale=1.0,
-            offset=offset,
-            freqs=self._freqs,
-        )
-
-
-def make_rope(rope: RopeParameters, head_dim: int, traditional: bool) -> nn.Module:
-    if rope.rope_type == "proportional":
-        return ProportionalRoPE(
-            head_dim,
-            rope.rotated_dims(head_dim),
-            base=rope.rope_theta,
-            factor=rope.factor,
-            traditional=traditional,
-        )
-    return nn.RoPE(head_dim, traditional=traditional, base=rope.rope_theta, scale=1.0)
 
 
 @dataclass(frozen=True)
@@ -154,7 +112,13 @@ class Attention(nn.Module):
         if self.owns_kv:
             self.k_norm = nn.RMSNorm(self.head_dim, eps=eps)
             self.v_norm = WeightlessRMSNorm(eps)
-        self.rope = make_rope(cfg.rope_for(kind), self.head_dim, cfg.rope_traditional)
+        rope = cfg.rope_for(kind)
+        self.rope = make_rope(
+            self.head_dim,
+            base=rope.rope_theta,
+            traditional=cfg.rope_traditional,
+            scaling=rope.scaling,
+        )
 
     def _own_kv(self, x: mx.array, cache: Any) -> KVShare:
         B, L, _ = x.shape
@@ -189,19 +153,6 @@ class Attention(nn.Module):
 # --- feed-forward -------------------------------------------------------------
 
 
-class MLP(nn.Module):
-    """GeGLU MLP: ``down(gelu_tanh(gate(x)) * up(x))``."""
-
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
-
-
 class Router(nn.Module):
     """Expert choice: scaled RMS norm -> scores -> top-k -> softmax -> per-expert scale."""
 
@@ -223,88 +174,17 @@ class Router(nn.Module):
         return indices, weights * self.per_expert_scale[indices]
 
 
-class ExpertLinear(nn.Module):
-    """One projection of every expert, ``weight [experts, out, in]``."""
-
-    is_quantized = False
-
-    def __init__(self, in_dims: int, out_dims: int, experts: int) -> None:
-        super().__init__()
-        self.weight = mx.zeros((experts, out_dims, in_dims))
-
-    def gather(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
-        return mx.gather_mm(
-            x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
-        )
-
-    def expert_matmul(self, x: mx.array, expert: int) -> mx.array:
-        return x @ self["weight"][expert].T
-
-    def to_quantized(
-        self, group_size: int = 64, bits: int = 4, mode: str = "affine"
-    ) -> QuantizedExpertLinear:
-        q = QuantizedExpertLinear(group_size=group_size, bits=bits, mode=mode)
-        q.weight, q.scales, q.biases = mx.quantize(self.weight, group_size, bits, mode=mode)
-        return q
-
-
-class QuantizedExpertLinear(nn.Module):
-    """Affine-quantized :class:`ExpertLinear` (``weight`` uint32 + ``scales`` + ``biases``)."""
-
-    is_quantized = True
-
-    def __init__(self, *, group_size: int, bits: int, mode: str = "affine") -> None:
-        super().__init__()
-        self.group_size, self.bits, self.mode = group_size, bits, mode
-
-    def gather(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
-        return mx.gather_qmm(
-            x,
-            self["weight"],
-            self["scales"],
-            self["biases"],
-            rhs_indices=indices,
-            transpose=True,
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-            sorted_indices=sorted_indices,
-        )
-
-    def expert_matmul(self, x: mx.array, expert: int) -> mx.array:
-        return mx.quantized_matmul(
-            x,
-            self["weight"][expert],
-            self["scales"][expert],
-            self["biases"][expert],
-            transpose=True,
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-        )
-
-
-class SwitchGLU(nn.Module):
-    """Every expert's GeGLU; which kernel computes it is chosen per backend at build time."""
-
-    def __init__(self, hidden: int, inter: int, experts: int, kernel: SwitchGLUKernel) -> None:
-        super().__init__()
-        self.gate_proj = ExpertLinear(hidden, inter, experts)
-        self.up_proj = ExpertLinear(hidden, inter, experts)
-        self.down_proj = ExpertLinear(inter, hidden, experts)
-        self._kernel = kernel
-
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        return self._kernel(x, indices, self.gate_proj, self.up_proj, self.down_proj)
-
-
 class Experts(nn.Module):
     """The sparse expert block: router-weighted sum of the chosen experts' outputs."""
 
-    def __init__(self, cfg: Gemma4TextConfig, kernel: SwitchGLUKernel) -> None:
+    def __init__(self, cfg: Gemma4TextConfig, kernel: ExpertKernel) -> None:
         super().__init__()
         self.switch_glu = SwitchGLU(
-            cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, kernel
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,  # type: ignore[arg-type]
+            cfg.num_experts,  # type: ignore[arg-type]
+            kernel=kernel,
+            activation=geglu,
         )
 
     def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
@@ -317,12 +197,12 @@ class Experts(nn.Module):
 class DecoderLayer(nn.Module):
     """Attention, dense MLP (plus the expert block beside it), per-layer input, layer scalar."""
 
-    def __init__(self, cfg: Gemma4TextConfig, layer: int, kernel: SwitchGLUKernel | None) -> None:
+    def __init__(self, cfg: Gemma4TextConfig, layer: int, kernel: ExpertKernel | None) -> None:
         super().__init__()
         dim, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.kind = cfg.kinds[layer]
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(dim, cfg.mlp_width(layer))
+        self.mlp = GatedMLP(dim, cfg.mlp_width(layer), activation=geglu)
         self.input_layernorm = nn.RMSNorm(dim, eps=eps)
         self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps)
         self.pre_feedforward_layernorm = nn.RMSNorm(dim, eps=eps)
@@ -375,7 +255,7 @@ class DecoderLayer(nn.Module):
 class TextModel(nn.Module):
     """Embeddings (scaled by sqrt(hidden)), per-layer inputs, the layer stack, final norm."""
 
-    def __init__(self, cfg: Gemma4TextConfig, kernel: SwitchGLUKernel | None) -> None:
+    def __init__(self, cfg: Gemma4TextConfig, kernel: ExpertKernel | None) -> None:
         super().__init__()
         self.cfg = cfg
         dim, n = cfg.hidden_size, cfg.num_hidden_layers
@@ -433,10 +313,11 @@ def _router_at_8_bits(path: str, _: nn.Module) -> bool | dict[str, int]:
     return True
 
 
-class Gemma4TextLM(nn.Module):
-    """``gemma4_text``: the text model plus the (tied or separate) head and logit soft-cap."""
+class Model(nn.Module):
+    """The text model plus the (tied or separate) head and logit soft-cap (``gemma4_text``,
+    and the text tower of ``gemma4``)."""
 
-    def __init__(self, cfg: Gemma4TextConfig, kernel: SwitchGLUKernel | None = None) -> None:
+    def __init__(self, cfg: Gemma4TextConfig, kernel: ExpertKernel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.model = TextModel(cfg, kernel)
@@ -476,21 +357,3 @@ class Gemma4TextLM(nn.Module):
                     QuantizedRotatingKVCache(window, 0, group_size=kv_group_size, bits=kv_bits)
                 )
         return caches
-
-
-class Gemma4LM(nn.Module):
-    """``gemma4``: the multimodal wrapper's text tower under ``language_model``."""
-
-    def __init__(self, cfg: Gemma4TextConfig, kernel: SwitchGLUKernel | None = None) -> None:
-        super().__init__()
-        self.language_model = Gemma4TextLM(cfg, kernel)
-
-    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
-        return self.language_model(inputs, cache)
-
-    def make_cache(self, **kwargs: Any) -> list[Any]:
-        return self.language_model.make_cache(**kwargs)
-
-    @property
-    def quant_predicate(self) -> Callable[[str, nn.Module], bool | dict[str, int]]:
-        return _router_at_8_bits

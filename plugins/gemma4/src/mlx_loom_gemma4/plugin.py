@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import mlx.nn as nn
-
 from mlx_loom.hookspecs import PLUGIN_API_VERSION, hookimpl
 from mlx_loom.kernels import Kernel
 from mlx_loom.plugin import ADAPTERS
@@ -16,15 +14,9 @@ from mlx_loom.profiles import (
     Execution,
     Profile,
 )
-from mlx_loom.registry import BuildContext, Implementation, ModelType
+from mlx_loom.registry import Implementation, ModelType
 from mlx_loom_gemma4 import kernels as _kernels
-from mlx_loom_gemma4.config import (
-    TEXT_FINGERPRINT_FIELDS,
-    WRAPPER_FINGERPRINT_FIELDS,
-    Gemma4Config,
-    Gemma4TextConfig,
-    text_config_of,
-)
+from mlx_loom_gemma4.config import FINGERPRINT_FIELDS, Gemma4TextConfig
 from mlx_loom_gemma4.loader import build
 from mlx_loom_gemma4.manifest import TINY_TEXT_CONFIG, TINY_WRAPPER_CONFIG, checkpoint_tensors
 
@@ -41,23 +33,6 @@ PROFILE_ID = "gemma4/text"
 CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS})
 
 
-def build_model(ctx: BuildContext) -> nn.Module:
-    """Factory: the graph for the config's layout, with the checkpoint loaded strictly."""
-    cfg = text_config_of(ctx.family_config)
-    wrapper = isinstance(ctx.family_config, Gemma4Config) or ctx.config.model_type == "gemma4"
-    kernel = None
-    if cfg.enable_moe_block:
-        resolved = ctx.kernels[_kernels.SWITCH_GLU]
-        kernel = getattr(resolved, "fn", resolved)
-    return build(
-        ctx.model_dir,
-        cfg,
-        wrapper=wrapper,
-        quantization=ctx.config.quantization,
-        kernel=kernel,
-    )
-
-
 @hookimpl
 def loom_plugin_api_version() -> str:
     return PLUGIN_API_VERSION
@@ -69,15 +44,15 @@ def loom_model_types() -> list[ModelType]:
         ModelType(
             name="gemma4_text",
             schema=Gemma4TextConfig,
-            fingerprint_fields=TEXT_FINGERPRINT_FIELDS,
+            fingerprint_fields=FINGERPRINT_FIELDS,
             description="Gemma 4 text model (flat config)",
             tiny_config=TINY_TEXT_CONFIG,
             checkpoint_tensors=checkpoint_tensors,
         ),
         ModelType(
             name="gemma4",
-            schema=Gemma4Config,
-            fingerprint_fields=WRAPPER_FINGERPRINT_FIELDS,
+            schema=Gemma4TextConfig,
+            fingerprint_fields=FINGERPRINT_FIELDS,
             description="Gemma 4 multimodal checkpoint; text tower only (vision/audio dropped)",
             tiny_config=TINY_WRAPPER_CONFIG,
             checkpoint_tensors=checkpoint_tensors,
@@ -98,7 +73,7 @@ def loom_implementations() -> list[Implementation]:
             graph=GRAPH,
             loader=LOADER,
             model_types=MODEL_TYPES,
-            factory=build_model,
+            factory=build,
             kernels=(_kernels.SWITCH_GLU,),
             capabilities=CAPABILITIES,
             description="Gemma 4 text: sliding/global attention, KV sharing, per-layer inputs, MoE",

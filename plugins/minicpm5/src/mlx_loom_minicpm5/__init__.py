@@ -5,13 +5,15 @@ needs importing by hand. The names below are for tests and tooling.
 """
 
 from .config import FINGERPRINT_FIELDS, MiniCPM5Config
-from .graph import MiniCPM5ForCausalLM
-from .loader import expected_tensors, load_model
+from .graph import Model
+from .loader import build
+from .manifest import checkpoint_tensors, tensors
 
 __all__ = [
     "FINGERPRINT_FIELDS",
     "MiniCPM5Config",
-    "MiniCPM5ForCausalLM",
-    "expected_tensors",
-    "load_model",
+    "Model",
+    "build",
+    "checkpoint_tensors",
+    "tensors",
 ]

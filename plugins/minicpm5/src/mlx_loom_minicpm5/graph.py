@@ -1,14 +1,14 @@
 """The Llama graph MiniCPM5 runs: pre-norm blocks of GQA attention and a SwiGLU MLP.
 
 Module and attribute names are the Hugging Face ones (``model.layers.0.self_attn.q_proj``),
-so checkpoint tensors load by name with no renaming. The op graph is the same
-as mlx-lm's ``llama`` (same fused attention, RoPE and norm calls, same mask
-shortcuts), which is what makes bit-equal parity tests possible.
+so checkpoint tensors load by name with no renaming. The op graph is mlx-lm's
+``llama`` op for op — the same fused attention, RoPE and RMSNorm calls, the
+same compiled SwiGLU (``mlx_loom.nn.swiglu``), the same mask shortcuts — which
+is what makes the bit-equal parity tests possible.
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -20,30 +20,33 @@ from mlx_loom.cache import (
     create_attention_mask,
     scaled_dot_product_attention,
 )
+from mlx_loom.nn import GatedMLP, make_rope
 
 from .config import MiniCPM5Config
-from .rope import make_rope
-
-
-@partial(mx.compile, shapeless=True)
-def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    # Compiled as mlx-lm compiles it: the fused kernel rounds like mlx-lm's, so
-    # bf16 MLP outputs are bit-equal to the oracle.
-    return nn.silu(gate) * up
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: MiniCPM5Config) -> None:
         super().__init__()
-        D, bias = cfg.hidden_size, cfg.attention_bias
-        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(D, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, D, bias=bias)
-        self.rope = make_rope(cfg)
+        D, H, KV, hd = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        bias = cfg.attention_bias
+        self.n_heads, self.n_kv_heads, self.scale = H, KV, hd**-0.5
+        self.q_proj = nn.Linear(D, H * hd, bias=bias)
+        self.k_proj = nn.Linear(D, KV * hd, bias=bias)
+        self.v_proj = nn.Linear(D, KV * hd, bias=bias)
+        self.o_proj = nn.Linear(H * hd, D, bias=bias)
+        self.rope = make_rope(
+            hd,
+            base=cfg.rope_theta,
+            traditional=cfg.rope_traditional,
+            scaling=cfg.rope_scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
 
     def __call__(self, x: mx.array, mask: Any, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
@@ -58,24 +61,12 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: MiniCPM5Config) -> None:
-        super().__init__()
-        D, H, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(D, H, bias=bias)
-        self.up_proj = nn.Linear(D, H, bias=bias)
-        self.down_proj = nn.Linear(H, D, bias=bias)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: MiniCPM5Config, sliding: bool) -> None:
         super().__init__()
         self.sliding = sliding
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
@@ -109,7 +100,7 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
 
-class MiniCPM5ForCausalLM(nn.Module):
+class Model(nn.Module):
     """The :class:`mlx_loom.model.CausalLM` this plugin builds."""
 
     def __init__(self, cfg: MiniCPM5Config) -> None:

@@ -21,7 +21,8 @@ from mlx_loom.profiles import (
 from mlx_loom.registry import Implementation, ModelType
 
 from .config import FINGERPRINT_FIELDS, MiniCPM5Config
-from .loader import build, expected_tensors
+from .loader import build
+from .manifest import checkpoint_tensors
 
 MODEL_TYPE = "llama"
 GRAPH = "minicpm5.llama"
@@ -54,7 +55,7 @@ FAMILY_PROFILE = Profile(
 # untied head follow from the published counts (1,080,632,832 parameters,
 # 679,552,512 non-embedding). Both fingerprints are derived, not downloaded:
 # config = config_fingerprint over FINGERPRINT_FIELDS of that config;
-# artifact = artifact_fingerprint of loader.expected_tensors(config, "BF16").
+# artifact = artifact_fingerprint of manifest.checkpoint_tensors(config, "BF16").
 # tests/test_profiles.py recomputes them.
 MINICPM5_1B_PROFILE = Profile(
     id="minicpm5/minicpm5-1b",
@@ -83,11 +84,6 @@ TINY_CONFIG = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
-
-
-def checkpoint_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The Hugging Face-layout tensors of an fp32 checkpoint for ``config``."""
-    return dict(expected_tensors(MiniCPM5Config.model_validate(config), "F32"))
 
 
 @hookimpl

@@ -2,37 +2,61 @@
 
 Both describe the same hybrid: every ``full_attention_interval``-th layer is a
 gated full-attention layer, the others are gated delta nets. Defaults a
-checkpoint may omit are filled here, and every check that would otherwise fail
-deep inside a forward (head counts that do not divide, a convolution width the
-kernels do not implement, an interval that leaves no attention layer) fails
-here, at load, naming the field.
+checkpoint may omit are filled here, every size is bounded (int32, finite
+floats, at most ``MAX_LAYERS`` layers), and every check that would otherwise
+fail deep inside a forward (head counts that do not divide, a convolution
+width the kernels do not implement, an interval that leaves no attention
+layer) fails here, at load, as a ``ConfigError`` naming the field.
 
 ``qwen3_next`` follows mlx-lm's ``qwen3_next.ModelArgs`` (which requires the
-geometry fields); ``qwen3_5`` follows ``qwen3_5.TextModelArgs`` (every field has
-a default, RoPE comes from ``rope_parameters``, and wrapper checkpoints nest the
-language model under ``text_config``).
+geometry fields); ``qwen3_5`` follows ``qwen3_5.TextModelArgs`` (every field
+has a default and RoPE comes from ``rope_parameters``). A wrapper checkpoint's
+``text_config`` nesting is the core's business: the schema sees the flat
+text fields.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from mlx_loom.errors import ConfigError
+from mlx_loom.nn import RopeScaling, parse_rope_scaling
+from mlx_loom.plugin import (
+    Count,
+    FieldError,
+    Flag,
+    LayerCount,
+    PositiveFloat,
+    Size,
+    UnitFloat,
+)
 from mlx_loom_qwen3_next.kernels import SUPPORTED_CONV_WIDTHS
 
-__all__ = ["Qwen3NextConfig", "Qwen3_5Config", "HybridConfig"]
+__all__ = ["HybridConfig", "Qwen3NextConfig", "Qwen3_5Config"]
 
 LayerKind = Literal["linear", "attention"]
 MlpKind = Literal["moe", "dense"]
 
+#: RoPE kinds mlx-lm's ``initialize_rope`` builds for these graphs (``mrope``
+#: is plain RoPE for text-only input: its three position streams are equal).
+ROPE_KINDS = ("default", "mrope", "linear", "dynamic", "llama3", "yarn", "longrope")
 
-def _flatten_text_config(data: Any) -> Any:
-    """Wrapper layouts keep the language model's fields under ``text_config``."""
-    if isinstance(data, dict) and isinstance(data.get("text_config"), dict):
-        return dict(data["text_config"])
-    return data
+
+class _RopeParameters(BaseModel):
+    """The two numbers a ``rope_parameters`` object gives the graph (mlx-lm's defaults)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    rope_theta: PositiveFloat = 100000.0
+    partial_rotary_factor: UnitFloat = 0.25
 
 
 class HybridConfig(BaseModel):
@@ -41,33 +65,45 @@ class HybridConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     model_type: str
-    hidden_size: PositiveInt
-    num_hidden_layers: PositiveInt
-    intermediate_size: PositiveInt
-    num_attention_heads: PositiveInt
-    num_key_value_heads: PositiveInt
-    head_dim: PositiveInt
-    linear_num_value_heads: PositiveInt
-    linear_num_key_heads: PositiveInt
-    linear_key_head_dim: PositiveInt
-    linear_value_head_dim: PositiveInt
-    linear_conv_kernel_dim: PositiveInt
-    rms_norm_eps: float = Field(gt=0)
-    vocab_size: PositiveInt
-    max_position_embeddings: PositiveInt = 131072
-    rope_theta: float = Field(gt=0)
-    partial_rotary_factor: float = Field(gt=0, le=1)
-    rope_scaling: dict[str, Any] | None = None
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    full_attention_interval: int = 4
-    num_experts: NonNegativeInt = 0
-    num_experts_per_tok: NonNegativeInt = 0
-    decoder_sparse_step: PositiveInt = 1
-    moe_intermediate_size: NonNegativeInt = 0
-    shared_expert_intermediate_size: NonNegativeInt = 0
-    norm_topk_prob: bool = False
-    mlp_only_layers: tuple[NonNegativeInt, ...] = ()
+    hidden_size: Size
+    num_hidden_layers: LayerCount
+    intermediate_size: Size
+    num_attention_heads: Size
+    num_key_value_heads: Size
+    head_dim: Size
+    linear_num_value_heads: Size
+    linear_num_key_heads: Size
+    linear_key_head_dim: Size
+    linear_value_head_dim: Size
+    linear_conv_kernel_dim: Size
+    rms_norm_eps: PositiveFloat
+    vocab_size: Size
+    max_position_embeddings: Size = 131072
+    rope_theta: PositiveFloat
+    partial_rotary_factor: UnitFloat
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: Flag = False
+    attention_bias: Flag = False
+    full_attention_interval: Count = 4
+    num_experts: Count = 0
+    num_experts_per_tok: Count = 0
+    decoder_sparse_step: Size = 1
+    moe_intermediate_size: Count = 0
+    shared_expert_intermediate_size: Count = 0
+    norm_topk_prob: Flag = False
+    mlp_only_layers: tuple[Count, ...] = ()
+
+    @field_validator("rope_scaling", mode="before")
+    @classmethod
+    def _rope_scaling(cls, v: Any, info: ValidationInfo) -> Any:
+        head_dim, factor = info.data.get("head_dim"), info.data.get("partial_rotary_factor")
+        dims = int(head_dim * factor) if head_dim and factor else None
+        return parse_rope_scaling(
+            v,
+            dims=dims,
+            max_position_embeddings=info.data.get("max_position_embeddings"),
+            kinds=ROPE_KINDS,
+        )
 
     # --- derived geometry ----------------------------------------------------
 
@@ -107,79 +143,65 @@ class HybridConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_geometry(self) -> HybridConfig:
-        def bad(field: str, found: str, fix: str) -> ConfigError:
-            return ConfigError(f"config.json: {field} {found}", fix=fix)
-
         if self.num_attention_heads % self.num_key_value_heads:
-            raise bad(
+            raise FieldError(
                 "num_attention_heads",
-                f"= {self.num_attention_heads} is not a multiple of num_key_value_heads = "
+                f"{self.num_attention_heads} is not a multiple of num_key_value_heads = "
                 f"{self.num_key_value_heads}",
-                "grouped-query attention needs num_key_value_heads to divide "
-                "num_attention_heads; correct the config",
+                fix="grouped-query attention needs num_key_value_heads to divide "
+                "num_attention_heads",
             )
         if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise bad(
+            raise FieldError(
                 "linear_num_value_heads",
-                f"= {self.linear_num_value_heads} is not a multiple of linear_num_key_heads = "
+                f"{self.linear_num_value_heads} is not a multiple of linear_num_key_heads = "
                 f"{self.linear_num_key_heads}",
-                "each key head of the gated delta net serves a whole group of value heads; "
-                "correct the config",
+                fix="each key head of the gated delta net serves a whole group of value heads",
             )
         if self.linear_conv_kernel_dim not in SUPPORTED_CONV_WIDTHS:
-            raise bad(
+            raise FieldError(
                 "linear_conv_kernel_dim",
-                f"= {self.linear_conv_kernel_dim} is a convolution width the causal-conv "
-                "kernels do not implement (supported: "
-                f"{', '.join(map(str, SUPPORTED_CONV_WIDTHS))})",
-                "use a checkpoint whose linear_conv_kernel_dim is supported",
+                f"{self.linear_conv_kernel_dim} is a convolution width the causal-conv kernels "
+                f"do not implement (supported: {', '.join(map(str, SUPPORTED_CONV_WIDTHS))})",
+                fix="use a checkpoint whose linear_conv_kernel_dim is supported",
             )
         if not 1 <= self.full_attention_interval <= self.num_hidden_layers:
-            raise bad(
+            raise FieldError(
                 "full_attention_interval",
-                f"= {self.full_attention_interval} leaves no full-attention layer among "
+                f"{self.full_attention_interval} leaves no full-attention layer among "
                 f"num_hidden_layers = {self.num_hidden_layers} (layer i attends when "
                 "(i + 1) % full_attention_interval == 0)",
-                "set full_attention_interval between 1 and num_hidden_layers",
+                fix="set full_attention_interval between 1 and num_hidden_layers",
             )
         if self.rope_dims < 2 or self.rope_dims % 2:
-            raise bad(
+            raise FieldError(
                 "partial_rotary_factor",
-                f"= {self.partial_rotary_factor} gives {self.rope_dims} rotary dims of "
+                f"{self.partial_rotary_factor} gives {self.rope_dims} rotary dims of "
                 f"head_dim = {self.head_dim}; RoPE needs an even count of at least 2",
-                "correct partial_rotary_factor or head_dim",
-            )
-        rope_type = None
-        if self.rope_scaling is not None:
-            rope_type = self.rope_scaling.get("type") or self.rope_scaling.get("rope_type")
-        if rope_type not in (None, "default"):
-            raise bad(
-                "rope_scaling",
-                f"has type {rope_type!r}; this plugin implements only the default RoPE",
-                "use a checkpoint with default RoPE, or extend the plugin for this scaling",
+                fix="correct partial_rotary_factor or head_dim",
             )
         out_of_range = [i for i in self.mlp_only_layers if i >= self.num_hidden_layers]
         if out_of_range:
-            raise bad(
+            raise FieldError(
                 "mlp_only_layers",
                 f"names layer(s) {out_of_range}, beyond num_hidden_layers = "
                 f"{self.num_hidden_layers}",
-                "list only existing layer indices",
+                fix="list only existing layer indices",
             )
         if self.num_experts > 0:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
-                raise bad(
+                raise FieldError(
                     "num_experts_per_tok",
-                    f"= {self.num_experts_per_tok} is not between 1 and num_experts = "
+                    f"{self.num_experts_per_tok} is not between 1 and num_experts = "
                     f"{self.num_experts}",
-                    "correct num_experts_per_tok",
+                    fix="correct num_experts_per_tok",
                 )
             for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
                 if getattr(self, name) == 0:
-                    raise bad(
+                    raise FieldError(
                         name,
                         f"is 0 but num_experts = {self.num_experts} (MoE layers need it)",
-                        f"set {name} to the experts' hidden size",
+                        fix=f"set {name} to the experts' hidden size",
                     )
         return self
 
@@ -188,8 +210,7 @@ class Qwen3NextConfig(HybridConfig):
     """``model_type: qwen3_next`` — geometry required, MoE per ``decoder_sparse_step``."""
 
     model_type: Literal["qwen3_next"] = "qwen3_next"
-    head_dim: PositiveInt
-    max_position_embeddings: PositiveInt
+    max_position_embeddings: Size
 
 
 class Qwen3_5Config(HybridConfig):
@@ -197,35 +218,34 @@ class Qwen3_5Config(HybridConfig):
     ``rope_parameters``.
 
     A ``qwen3_5`` checkpoint's graph puts an MoE block on every layer when
-    ``num_experts > 0`` and a dense MLP otherwise.
+    ``num_experts > 0`` and a dense MLP otherwise (mlx-lm's ``qwen3_5``).
     """
 
     model_type: Literal["qwen3_5", "qwen3_5_text"] = "qwen3_5"
-    hidden_size: PositiveInt = 4096
-    num_hidden_layers: PositiveInt = 32
-    intermediate_size: PositiveInt = 14336
-    num_attention_heads: PositiveInt = 32
-    num_key_value_heads: PositiveInt = 8
-    head_dim: PositiveInt = 0  # type: ignore[assignment]  # filled from hidden/heads below
-    linear_num_value_heads: PositiveInt = 64
-    linear_num_key_heads: PositiveInt = 16
-    linear_key_head_dim: PositiveInt = 192
-    linear_value_head_dim: PositiveInt = 128
-    linear_conv_kernel_dim: PositiveInt = 4
-    rms_norm_eps: float = Field(default=1e-6, gt=0)
-    vocab_size: PositiveInt = 151936
-    rope_theta: float = Field(default=100000.0, gt=0)
-    partial_rotary_factor: float = Field(default=0.25, gt=0, le=1)
-    norm_topk_prob: bool = True
+    hidden_size: Size = 4096
+    num_hidden_layers: LayerCount = 32
+    intermediate_size: Size = 14336
+    num_attention_heads: Size = 32
+    num_key_value_heads: Size = 8
+    head_dim: Size  # filled from hidden_size / num_attention_heads when absent
+    linear_num_value_heads: Size = 64
+    linear_num_key_heads: Size = 16
+    linear_key_head_dim: Size = 192
+    linear_value_head_dim: Size = 128
+    linear_conv_kernel_dim: Size = 4
+    rms_norm_eps: PositiveFloat = 1e-6
+    vocab_size: Size = 151936
+    rope_theta: PositiveFloat = 100000.0
+    partial_rotary_factor: UnitFloat = 0.25
+    norm_topk_prob: Flag = True
 
     def mlp_kind(self, i: int) -> MlpKind:
-        # mlx-lm's qwen3_5 puts MoE on every layer when num_experts > 0.
         return "moe" if self.num_experts > 0 else "dense"
 
     @model_validator(mode="before")
     @classmethod
-    def _from_checkpoint(cls, data: Any) -> Any:
-        data = _flatten_text_config(data)
+    def _rope_parameters(cls, data: Any) -> Any:
+        """mlx-lm's ``TextModelArgs.__post_init__``: head_dim and RoPE from other fields."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
@@ -234,19 +254,19 @@ class Qwen3_5Config(HybridConfig):
         if data.get("head_dim") is None:
             heads = data.get("num_attention_heads", 32)
             hidden = data.get("hidden_size", 4096)
-            if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+            if type(heads) is int and type(hidden) is int and heads > 0:
                 data["head_dim"] = hidden // heads
-        # mlx-lm reads RoPE from rope_parameters (default: theta 1e5, factor 0.25).
         params = data.get("rope_parameters")
         if params is None and "rope_parameters" not in data:
             params = {"type": "default", "rope_theta": 100000, "partial_rotary_factor": 0.25}
         if isinstance(params, dict):
-            params = dict(params)
-            if "type" not in params and "rope_type" in params:
-                params["type"] = params.pop("rope_type")
-            data["partial_rotary_factor"] = params.get("partial_rotary_factor", 0.25)
-            data["rope_theta"] = params.get("rope_theta", 100000.0)
-            # mrope_section is ignored for text-only input: all three position
-            # streams are equal, which makes multimodal RoPE the plain RoPE.
-            data["rope_scaling"] = {"type": params.get("type", "default")}
+            try:
+                rope = _RopeParameters.model_validate(params)
+            except ValidationError as err:
+                first = err.errors()[0]
+                field = ".".join(["rope_parameters", *map(str, first["loc"])])
+                raise FieldError(field, first["msg"]) from None
+            data["partial_rotary_factor"] = rope.partial_rotary_factor
+            data["rope_theta"] = rope.rope_theta
+            data["rope_scaling"] = params
         return data

@@ -2,8 +2,9 @@
 
 Numerics follow mlx-lm's ``qwen3_next`` / ``qwen3_5`` op for op (same fused
 functions, same dtypes, same reduction order) so fp32 and quantized
-checkpoints produce bit-identical logits; the recurrence, the causal
-convolution and the routed-expert matmul go through the per-backend kernels in
+checkpoints produce bit-identical logits. The MLPs, the routed experts and
+RoPE are the core's shared layers (:mod:`mlx_loom.nn`); the recurrence, the
+causal convolution and the expert GLU go through the per-backend kernels in
 :mod:`mlx_loom_qwen3_next.kernels`, resolved by the core for this device.
 """
 
@@ -19,16 +20,17 @@ import mlx.nn as nn
 
 from mlx_loom.cache import KVCache, create_attention_mask, scaled_dot_product_attention
 from mlx_loom.cache.recurrent import RecurrentCache
+from mlx_loom.nn import GatedMLP, SwitchGLU, make_rope
 from mlx_loom_qwen3_next.config import HybridConfig, Qwen3_5Config
 from mlx_loom_qwen3_next.kernels import (
     CAUSAL_CONV,
-    EXPERT_MATMUL,
     GATED_DELTA,
     GATED_DELTA_MASKED,
     GATED_DELTA_REPLAY,
+    SWITCH_GLU,
 )
 
-__all__ = ["HybridLM", "Kernels", "build_model"]
+__all__ = ["Kernels", "Model"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Kernels:
     gated_delta_masked: Callable[..., Any]
     gated_delta_replay: Callable[..., Any]
     causal_conv: Callable[..., Any]
-    expert_matmul: Callable[..., Any]
+    switch_glu: Callable[..., Any]
 
     @classmethod
     def from_mapping(cls, kernels: Mapping[str, Callable[..., Any]]) -> Kernels:
@@ -48,16 +50,11 @@ class Kernels:
             gated_delta_masked=kernels[GATED_DELTA_MASKED],
             gated_delta_replay=kernels[GATED_DELTA_REPLAY],
             causal_conv=kernels[CAUSAL_CONV],
-            expert_matmul=kernels[EXPERT_MATMUL],
+            switch_glu=kernels[SWITCH_GLU],
         )
 
 
 # --- fused elementwise pieces (compiled like mlx-lm's, so they round alike) ---
-
-
-@partial(mx.compile, shapeless=True)
-def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    return nn.silu(gate) * x
 
 
 @partial(mx.compile, shapeless=True)
@@ -95,17 +92,6 @@ class GatedRMSNorm(nn.Module):
         return _gate_normed(x, gate, mx.fast.rms_norm(x, self.weight, self.eps))
 
 
-class MLP(nn.Module):
-    def __init__(self, dims: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden, bias=False)
-        self.up_proj = nn.Linear(dims, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dims, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
 # --- attention ----------------------------------------------------------------
 
 
@@ -128,7 +114,12 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=bias)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
-        self.rope = nn.RoPE(cfg.rope_dims, traditional=False, base=cfg.rope_theta)
+        self.rope = make_rope(
+            cfg.rope_dims,
+            base=cfg.rope_theta,
+            scaling=cfg.rope_scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
 
     def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
         B, L, _ = x.shape
@@ -266,88 +257,6 @@ class SplitGatedDeltaNet(GatedDeltaNet):
 # --- mixture of experts -----------------------------------------------------------
 
 
-class SwitchLinear(nn.Module):
-    """A stack of expert matrices ``[E, out, in]``, applied per routed expert."""
-
-    def __init__(self, in_dims: int, out_dims: int, n_experts: int, matmul: Callable) -> None:
-        super().__init__()
-        self.weight = mx.zeros((n_experts, out_dims, in_dims))
-        self._matmul = matmul
-
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return self._matmul(x, self.weight, indices, sorted_indices)
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
-        E, out_dims, in_dims = self.weight.shape
-        q = QuantizedSwitchLinear(in_dims, out_dims, E, group_size=group_size, bits=bits, mode=mode)
-        q.weight, q.scales, q.biases = mx.quantize(self.weight, group_size, bits, mode=mode)
-        return q
-
-
-class QuantizedSwitchLinear(nn.Module):
-    """Affine-quantized expert stack; ``mx.gather_qmm`` runs on every backend and dtype."""
-
-    def __init__(
-        self,
-        in_dims: int,
-        out_dims: int,
-        n_experts: int,
-        *,
-        group_size: int,
-        bits: int,
-        mode: str = "affine",
-    ) -> None:
-        super().__init__()
-        self.group_size, self.bits, self.mode = group_size, bits, mode
-        packed = in_dims * bits // 32
-        self.weight = mx.zeros((n_experts, out_dims, packed), dtype=mx.uint32)
-        self.scales = mx.zeros((n_experts, out_dims, in_dims // group_size))
-        self.biases = mx.zeros((n_experts, out_dims, in_dims // group_size))
-        self.freeze()
-
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(
-            x,
-            self["weight"],
-            self["scales"],
-            self["biases"],
-            rhs_indices=indices,
-            transpose=True,
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-            sorted_indices=sorted_indices,
-        )
-
-
-class SwitchGLU(nn.Module):
-    """SwiGLU experts; with >= 64 (token, expert) pairs the pairs are sorted by expert
-    first (as mlx-lm does), so each expert's rows are contiguous for the gather matmul."""
-
-    def __init__(self, dims: int, hidden: int, n_experts: int, matmul: Callable) -> None:
-        super().__init__()
-        self.gate_proj = SwitchLinear(dims, hidden, n_experts, matmul)
-        self.up_proj = SwitchLinear(dims, hidden, n_experts, matmul)
-        self.down_proj = SwitchLinear(hidden, dims, n_experts, matmul)
-
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        x = mx.expand_dims(x, (-2, -3))
-        top_k = indices.shape[-1]
-        do_sort = indices.size >= 64
-        idx, inv = indices, None
-        if do_sort:
-            flat = indices.flatten()
-            order = mx.argsort(flat)
-            inv = mx.argsort(order)
-            x, idx = x.flatten(0, -3)[order // top_k], flat[order]
-        up = self.up_proj(x, idx, do_sort)
-        gate = self.gate_proj(x, idx, do_sort)
-        x = self.down_proj(_swiglu(gate, up), idx, do_sort)
-        if do_sort:
-            x = mx.unflatten(x[inv], 0, indices.shape)
-        return x.squeeze(-2)
-
-
 class SparseMoe(nn.Module):
     """Top-k routed experts plus a shared expert scaled by sigmoid(shared_expert_gate)."""
 
@@ -357,9 +266,9 @@ class SparseMoe(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(d, cfg.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(
-            d, cfg.moe_intermediate_size, cfg.num_experts, kernels.expert_matmul
+            d, cfg.moe_intermediate_size, cfg.num_experts, kernel=kernels.switch_glu
         )
-        self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size)
+        self.shared_expert = GatedMLP(d, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(d, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -390,7 +299,7 @@ class DecoderLayer(nn.Module):
         if cfg.mlp_kind(i) == "moe":
             self.mlp = SparseMoe(cfg, kernels)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
         mixer = self.linear_attn if self.is_linear else self.self_attn
@@ -421,7 +330,7 @@ class HybridModel(nn.Module):
         return self.norm(h)
 
 
-class HybridLM(nn.Module):
+class Model(nn.Module):
     """The whole causal LM; satisfies :class:`mlx_loom.model.CausalLM`."""
 
     def __init__(self, cfg: HybridConfig, kernels: Kernels, *, fused: bool) -> None:
@@ -445,7 +354,7 @@ class HybridLM(nn.Module):
         """A :class:`RecurrentCache` per delta-net layer, a :class:`KVCache` per attention layer."""
         return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.layers]
 
-    # --- conversion (``loom convert``), mlx-lm's choices for these families ---
+    # --- conversion (``loom convert``): mlx-lm's choices for these families ---
 
     @property
     def quant_predicate(self) -> Callable[[str, nn.Module], bool | dict[str, int]] | None:
@@ -466,8 +375,3 @@ class HybridLM(nn.Module):
         """Qwen3.5 keeps ``A_log`` in its stored precision when the rest is cast."""
         keep = isinstance(self.config, Qwen3_5Config)
         return lambda path: not (keep and path.endswith("A_log"))
-
-
-def build_model(cfg: HybridConfig, kernels: Kernels, *, fused: bool) -> HybridLM:
-    """The graph with placeholder parameters (the loader installs the checkpoint's)."""
-    return HybridLM(cfg, kernels, fused=fused)

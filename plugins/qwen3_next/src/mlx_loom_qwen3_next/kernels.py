@@ -1,4 +1,4 @@
-"""Per-backend kernels of the gated delta net and the routed experts.
+"""Per-backend kernels of the gated delta net, and the routed-expert kernel.
 
 Each kernel is registered once per backend; the core's kernel registry picks
 the device's backend (or refuses). Signatures (all arrays ``mx.array``):
@@ -10,31 +10,42 @@ the device's backend (or refuses). Signatures (all arrays ``mx.array``):
     ``S = g*S; S += k (beta (v - S k))^T; y = S q``.
 ``qwen3_next.gated_delta_masked(q, k, v, g, beta, state, mask) -> (y, state)``
     The same with ``mask: [B, T]`` bool; masked steps leave the state unchanged
-    (padded prefill). ``y`` at masked steps is unspecified (the cpu kernel
-    writes 0); callers discard it.
+    (padded prefill). ``y`` at masked steps is unspecified; callers discard it.
 ``qwen3_next.gated_delta_replay(q, k, v, g, beta, state, mask=None) -> state``
-    State-only replay of a kept prefix (speculative commit). Bit-identical to
-    the state the two kernels above produce over the same inputs.
+    State-only replay of a kept prefix (speculative commit). On every backend
+    it runs the forward kernel above and drops ``y``, so its state is the
+    forward's, bit for bit.
 ``qwen3_next.causal_conv_silu(x, tail, weight, ends=None) -> (y, new_tail)``
     Depthwise causal convolution of width ``K`` over ``tail ++ x`` followed by
     SiLU. ``x: [B, S, C]``, ``tail: [B, K-1, C]``, ``weight: [C, K, 1]``;
     ``new_tail`` is the ``K-1`` inputs ending at ``ends[b]`` (right padding) or
     at the end of ``x``.
-``qwen3_next.expert_matmul(x, weight, indices, sorted_indices=False) -> y``
-    ``y[..., e, :, :] = x @ weight[indices[..., e]].T`` for a dense stacked
-    expert weight ``[E, out, in]`` (mlx-lm's ``SwitchLinear`` contract).
+``qwen3_next.switch_glu(x, indices, gate, up, down, activation) -> y``
+    The routed-expert GLU (:mod:`mlx_loom.nn.experts`, one bf16-on-CPU
+    strategy shared with Gemma 4).
 
-CPU evidence (mlx 0.32.4): ``mx.fast.gated_delta_update`` is bit-identical to
-mlx-lm's ops recurrence for fp32 inputs, masked or not, in the state and in
-``y`` at unmasked steps; it also gives the prefix state bit-identically when
-the rest of the window is masked, which is what makes a per-row speculative
-commit exact. For bf16 inputs it differs from mlx-lm's ops path by bf16
-rounding (both keep the state in fp32).
+Backends, honestly:
 
-``mx.gather_mm`` is fp32-only on the CPU, so the cpu ``expert_matmul`` keeps
-``gather_mm`` for fp32 (bit-equal to mlx-lm) and, for bf16/fp16, computes the
-same products from exactly upcast operands in fp32 and rounds the result once
-to the input dtype (see :func:`expert_matmul_cpu`).
+* ``cpu`` and ``cuda`` — MLX ops, which run on every MLX backend:
+  ``mx.fast.gated_delta_update`` (an MLX op with an ops fallback wherever no
+  native kernel exists; on the CPU it is bit-identical to mlx-lm's ops
+  recurrence for fp32 inputs, masked or not, and gives the prefix state
+  bit-identically when the rest of the window is masked, which is what makes
+  a per-row speculative commit exact; for bf16 it differs from mlx-lm's ops
+  path by bf16 rounding, both keeping the state in fp32), ``mx.conv1d`` +
+  ``nn.silu``, and the shared expert GLU.
+* ``metal`` — the gated delta rule is mlx-lm's Metal computation
+  (``mlx_lm/models/gated_delta.py``) with its dispatch: the same kernels
+  (one SIMD-group per value row reducing with ``simd_sum``; the packed
+  Dk = 128 specialisation), the same grid, threadgroup, inputs and template
+  parameters, and its ops recurrence where it uses ops (Dk not a multiple of
+  32), so Metal logits can be bit-equal to mlx-lm's there. The causal conv is
+  one fused kernel that rounds exactly where ``mx.conv1d`` + ``nn.silu`` round
+  (fp32 tap accumulation rounded to the input dtype, then MLX's sigmoid and
+  product in the input dtype); :func:`causal_conv_silu_emulated` reproduces
+  those rounding steps with ops and is tested against the ops path bit for
+  bit. These sources are constructed here and checked structurally against
+  their references; they only run on a Metal device.
 """
 
 from __future__ import annotations
@@ -44,192 +55,369 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_loom.kernels import Kernel
+from mlx_loom.nn import expert_kernels
+from mlx_loom.plugin import Kernel
 
 __all__ = [
     "CAUSAL_CONV",
-    "EXPERT_MATMUL",
     "GATED_DELTA",
     "GATED_DELTA_MASKED",
     "GATED_DELTA_REPLAY",
     "KERNEL_NAMES",
     "SUPPORTED_CONV_WIDTHS",
-    "cpu_kernels",
+    "SWITCH_GLU",
+    "causal_conv_silu_emulated",
+    "causal_conv_silu_ops",
+    "gated_delta_steps",
+    "kernels",
     "metal_kernels",
+    "ops_kernels",
 ]
 
 GATED_DELTA = "qwen3_next.gated_delta"
 GATED_DELTA_MASKED = "qwen3_next.gated_delta_masked"
 GATED_DELTA_REPLAY = "qwen3_next.gated_delta_replay"
 CAUSAL_CONV = "qwen3_next.causal_conv_silu"
-EXPERT_MATMUL = "qwen3_next.expert_matmul"
+SWITCH_GLU = "qwen3_next.switch_glu"
 KERNEL_NAMES: tuple[str, ...] = (
     GATED_DELTA,
     GATED_DELTA_MASKED,
     GATED_DELTA_REPLAY,
     CAUSAL_CONV,
-    EXPERT_MATMUL,
+    SWITCH_GLU,
 )
 
-#: Convolution widths both registrations implement (the Metal source unrolls
+#: Convolution widths every registration implements (the Metal source unrolls
 #: the taps with a compile-time K; Qwen3-Next and Qwen3.5 use 4).
 SUPPORTED_CONV_WIDTHS: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)
 
-# --- cpu: plain MLX ops --------------------------------------------------------
+# --- MLX ops (cpu and cuda) ------------------------------------------------------
 
 
-def gated_delta_cpu(q, k, v, g, beta, state):
+def gated_delta_ops(q, k, v, g, beta, state):
     y, state = mx.fast.gated_delta_update(q, k, v, g, beta, state)
     return y, state
 
 
-def gated_delta_masked_cpu(q, k, v, g, beta, state, mask):
+def gated_delta_masked_ops(q, k, v, g, beta, state, mask):
     y, state = mx.fast.gated_delta_update(q, k, v, g, beta, state, mask)
     return y, state
 
 
-def gated_delta_replay_cpu(q, k, v, g, beta, state, mask=None):
+def gated_delta_replay_ops(q, k, v, g, beta, state, mask=None):
     # The same fused recurrence as the forward; y is produced and dropped (it
     # costs one extra reduction per step, far less than a second code path
     # that might round differently).
     return mx.fast.gated_delta_update(q, k, v, g, beta, state, mask)[1]
 
 
-def causal_conv_silu_cpu(x, tail, weight, ends=None):
-    channels, width = weight.shape[0], tail.shape[1]
+def _conv_input(x: mx.array, tail: mx.array, ends: mx.array | None):
+    width = tail.shape[1]
     conv_input = mx.concatenate([tail, x], axis=1)
     if ends is None:
         new_tail = mx.contiguous(conv_input[:, conv_input.shape[1] - width :])
     else:
         pos = (ends[:, None] + mx.arange(width))[..., None]
         new_tail = mx.take_along_axis(conv_input, pos, axis=1)
-    # Same op as mlx-lm's nn.Conv1d(groups=C, padding=0, bias=False) + nn.silu.
-    y = nn.silu(mx.conv1d(conv_input, weight, 1, 0, 1, channels))
+    return conv_input, new_tail
+
+
+def causal_conv_silu_ops(x, tail, weight, ends=None):
+    conv_input, new_tail = _conv_input(x, tail, ends)
+    # Same ops as mlx-lm's nn.Conv1d(groups=C, padding=0, bias=False) + nn.silu.
+    y = nn.silu(mx.conv1d(conv_input, weight, 1, 0, 1, weight.shape[0]))
     return y, new_tail
 
 
-def expert_matmul_cpu(x, weight, indices, sorted_indices=False):
-    """Routed-expert matmul on the CPU.
+def causal_conv_silu_emulated(x, tail, weight, ends=None):
+    """The Metal conv kernel's arithmetic, step for step, in ops (a test oracle).
 
-    fp32: ``mx.gather_mm`` exactly as mlx-lm's ``SwitchLinear`` (bit-equal).
-    bf16/fp16 (``gather_mm`` is fp32-only here): operands are upcast to fp32
-    (exact), multiplied with fp32 accumulation and the product is rounded once
-    to the input dtype — the precision a bf16 ``gather_mm`` on a GPU delivers.
-    Only the weights needed are upcast: when fewer (token, expert) pairs than
-    experts are routed (decode), the routed experts' matrices are gathered
-    first; otherwise every expert is upcast once and ``gather_mm`` runs in fp32.
+    Per output: taps accumulated in fp32 from 0 in tap order (MLX's depthwise
+    ``conv1d`` does the same on the CPU and on Metal), rounded once to the
+    input dtype; then ``sigmoid`` of that rounded value and the product, each
+    in the input dtype — the rounding points of ``nn.silu`` on a ``conv1d``
+    output. Bit-equal to :func:`causal_conv_silu_ops` for bf16, fp16 and
+    fp32 (tested); an fp32 SiLU of the unrounded sum is not.
     """
-    if x.dtype == mx.float32 and weight.dtype == mx.float32:
-        return mx.gather_mm(
-            x, weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
-        )
-    out_dtype = x.dtype
-    x32 = x.astype(mx.float32)
-    if indices.size < weight.shape[0]:
-        w = weight[indices].astype(mx.float32)
-        y = mx.matmul(x32, w.swapaxes(-1, -2))
-    else:
-        y = mx.gather_mm(
-            x32,
-            weight.astype(mx.float32).swapaxes(-1, -2),
-            rhs_indices=indices,
-            sorted_indices=sorted_indices,
-        )
-    return y.astype(out_dtype)
+    conv_input, new_tail = _conv_input(x, tail, ends)
+    S, K = x.shape[1], weight.shape[1]
+    acc = mx.zeros(x.shape, dtype=mx.float32)
+    for j in range(K):
+        acc = acc + conv_input[:, j : j + S].astype(mx.float32) * weight[:, j, 0].astype(mx.float32)
+    conv = acc.astype(x.dtype)
+    return conv * mx.sigmoid(conv), new_tail
 
 
-def cpu_kernels() -> list[Kernel]:
-    return [
-        Kernel(
+def ops_kernels() -> list[Kernel]:
+    """The MLX-ops registrations: every one for ``cpu`` and for ``cuda``."""
+    every = " (MLX ops: runs on every backend; registered for cpu and cuda)"
+    table = [
+        (
             GATED_DELTA,
-            "cpu",
-            gated_delta_cpu,
-            description="mx.fast.gated_delta_update (bit-equal to mlx-lm's ops path, fp32)",
+            gated_delta_ops,
+            "mx.fast.gated_delta_update (bit-equal to mlx-lm's ops path on the CPU, fp32)",
         ),
-        Kernel(
-            GATED_DELTA_MASKED,
-            "cpu",
-            gated_delta_masked_cpu,
-            description="mx.fast.gated_delta_update with a [B, T] step mask",
-        ),
-        Kernel(
-            GATED_DELTA_REPLAY,
-            "cpu",
-            gated_delta_replay_cpu,
-            description="state-only prefix replay via mx.fast.gated_delta_update",
-        ),
-        Kernel(
-            CAUSAL_CONV,
-            "cpu",
-            causal_conv_silu_cpu,
-            description="mx.conv1d (depthwise) + SiLU + tail slice",
-        ),
-        Kernel(
-            EXPERT_MATMUL,
-            "cpu",
-            expert_matmul_cpu,
-            description="gather_mm in fp32; bf16/fp16 upcast to fp32, one rounding",
-        ),
+        (GATED_DELTA_MASKED, gated_delta_masked_ops, "mx.fast.gated_delta_update, [B, T] mask"),
+        (GATED_DELTA_REPLAY, gated_delta_replay_ops, "state-only replay of the forward op"),
+        (CAUSAL_CONV, causal_conv_silu_ops, "mx.conv1d (depthwise) + SiLU + tail slice"),
     ]
+    out = [
+        Kernel(name, backend, fn, description=what + every)
+        for name, fn, what in table
+        for backend in ("cpu", "cuda")
+    ]
+    return out + [k for k in expert_kernels(SWITCH_GLU) if k.backend in ("cpu", "cuda")]
 
 
-# --- metal: mx.fast.metal_kernel sources (constructed here, run only on Metal) ---
+# --- the ops recurrence mlx-lm runs where it has no kernel ------------------------
 
-# One thread owns one (batch, value head, value row) of the state and walks the
-# T steps, keeping its Dk state entries in registers. MASKED adds the padding
-# mask; STATE_ONLY skips y (prefix replay).
+
+@mx.compile
+def _delta_step(q, k, v, g, beta, state):
+    state = state * g[..., None, None]
+    kv_mem = (state * k[..., None, :]).sum(axis=-1)
+    delta = (v - kv_mem) * beta[..., None]
+    state = state + k[..., None, :] * delta[..., None]
+    y = (state * q[..., None, :]).sum(axis=-1)
+    return y.astype(q.dtype), state
+
+
+@mx.compile
+def _delta_step_masked(q, k, v, g, beta, state, live):
+    before = state
+    state = state * g[..., None, None]
+    kv_mem = (state * k[..., None, :]).sum(axis=-1)
+    delta = (v - kv_mem) * beta[..., None]
+    state = state + k[..., None, :] * delta[..., None]
+    y = (state * q[..., None, :]).sum(axis=-1)
+    state = mx.where(mx.expand_dims(live, axis=(1, 2, 3)), state, before)
+    return y.astype(q.dtype), state
+
+
+def gated_delta_steps(q, k, v, g, beta, state, mask=None):
+    """The recurrence one step at a time in compiled ops: mlx-lm's ``gated_delta_ops``.
+
+    The same op order per step (decay, key read-out, delta, rank-one update,
+    query read-out; masked steps keep the old state), so it gives mlx-lm's
+    bits on any device; the Metal registration uses it where mlx-lm does
+    (key dims that are not a multiple of 32).
+    """
+    groups = v.shape[2] // k.shape[2]
+    if groups > 1:
+        q, k = mx.repeat(q, groups, -2), mx.repeat(k, groups, -2)
+    ys = []
+    for t in range(q.shape[1]):
+        if mask is None:
+            y, state = _delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        else:
+            y, state = _delta_step_masked(
+                q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, mask[:, t]
+            )
+        ys.append(y)
+    return mx.stack(ys, axis=1), state
+
+
+# --- metal: mx.fast.metal_kernel sources (constructed here, run only on Metal) ----
+
+# One SIMD-group of 32 lanes per (row, value head, value row); each lane keeps
+# Dk / 32 interleaved state entries in registers and the two dot products are
+# reduced with simd_sum. Statement for statement the computation of mlx-lm's
+# scalar-gate kernel; MASK_EXPR selects the padded-step variant.
 _GATED_DELTA_SOURCE = """
-    uint dv_idx = thread_position_in_grid.x;
-    uint n = thread_position_in_grid.y;          // b * Hv + hv
-    if (dv_idx >= Dv) return;
-    uint b_idx = n / Hv;
-    uint hv_idx = n % Hv;
-    uint hk_idx = hv_idx / (Hv / Hk);
+    auto row = thread_position_in_grid.z;
+    auto batch = row / Hv;
+    auto vhead = row % Hv;
+    auto khead = vhead / (Hv / Hk);
+    constexpr int per_lane = Dk / 32;
 
-    float s[Dk];
-    const device StT* s_in = state_in + (n * Dv + dv_idx) * Dk;
-    for (int i = 0; i < Dk; ++i) s[i] = static_cast<float>(s_in[i]);
+    // q, k: [B, T, Hk, Dk] for this batch row and key head
+    auto qp = q + batch * T * Hk * Dk + khead * Dk;
+    auto kp = k + batch * T * Hk * Dk + khead * Dk;
 
-    for (int t = 0; t < T; ++t) {
-      uint qk_off = ((b_idx * T + t) * Hk + hk_idx) * Dk;
-      uint v_off = ((b_idx * T + t) * Hv + hv_idx) * Dv + dv_idx;
-      uint gb_off = (b_idx * T + t) * Hv + hv_idx;
-      bool live = MASK_EXPR;
-      float out = 0.0f;
-      if (live) {
-        float gt = static_cast<float>(g[gb_off]);
-        float kv = 0.0f;
-        for (int i = 0; i < Dk; ++i) {
-          s[i] *= gt;
-          kv += s[i] * static_cast<float>(k[qk_off + i]);
-        }
-        float delta = (static_cast<float>(v[v_off]) - kv) * static_cast<float>(beta[gb_off]);
-        for (int i = 0; i < Dk; ++i) {
-          s[i] += static_cast<float>(k[qk_off + i]) * delta;
-          out += s[i] * static_cast<float>(q[qk_off + i]);
-        }
-      }
-      WRITE_Y
+    // v, y: [B, T, Hv, Dv] for this batch row and value head
+    auto vp = v + batch * T * Hv * Dv + vhead * Dv;
+    y += batch * T * Hv * Dv + vhead * Dv;
+
+    auto lane = thread_position_in_threadgroup.x;
+    auto vrow = thread_position_in_grid.y;
+
+    // state: [B, Hv, Dv, Dk]; this SIMD-group owns one Dv row
+    auto src = state_in + (row * Dv + vrow) * Dk;
+    auto dst = state_out + (row * Dv + vrow) * Dk;
+
+    float acc[per_lane];
+    for (int j = 0; j < per_lane; ++j) {
+      auto idx = per_lane * lane + j;
+      acc[j] = static_cast<float>(src[idx]);
     }
-    device StT* s_out = state_out + (n * Dv + dv_idx) * Dk;
-    for (int i = 0; i < Dk; ++i) s_out[i] = static_cast<StT>(s[i]);
+
+    // g, beta: [B, T, Hv]
+    auto gp = g + batch * T * Hv;
+    auto bp = beta + batch * T * Hv;
+
+    for (int step = 0; step < T; ++step) {
+      if (MASK_EXPR) {
+        float kv = 0.0f;
+        for (int j = 0; j < per_lane; ++j) {
+          auto idx = per_lane * lane + j;
+          acc[j] = acc[j] * gp[vhead];
+          kv += acc[j] * kp[idx];
+        }
+        kv = simd_sum(kv);
+
+        auto d = (vp[vrow] - kv) * bp[vhead];
+
+        float o = 0.0f;
+        for (int j = 0; j < per_lane; ++j) {
+          auto idx = per_lane * lane + j;
+          acc[j] = acc[j] + kp[idx] * d;
+          o += acc[j] * qp[idx];
+        }
+        o = simd_sum(o);
+        if (thread_index_in_simdgroup == 0) {
+          y[vrow] = static_cast<InT>(o);
+        }
+      } else {
+        y[vrow] = static_cast<InT>(0);
+      }
+      // advance every pointer to the next step
+      qp += Hk * Dk;
+      kp += Hk * Dk;
+      vp += Hv * Dv;
+      y += Hv * Dv;
+      gp += Hv;
+      bp += Hv;
+    }
+    for (int j = 0; j < per_lane; ++j) {
+      auto idx = per_lane * lane + j;
+      dst[idx] = static_cast<StT>(acc[j]);
+    }
 """
 
-# One thread per (batch, channel): K taps over tail ++ x, SiLU, then the tail.
-_CAUSAL_CONV_SOURCE = """
+# Dk = 128, scalar gate, no mask: eight value rows per SIMD-group, four lanes
+# per row, each lane holding 32 contiguous state entries. The sums are the
+# explicit butterfly mlx-lm's packed kernel writes (in-lane pairwise tree over
+# eight 4-element chains, then xor-1 and xor-2 shuffles within the row group).
+_GATED_DELTA_PACKED_SOURCE = """
+    constexpr int lanes_per_row = 4;
+    constexpr int rows_per_group = 32 / lanes_per_row;
+    constexpr int per_lane = Dk / lanes_per_row;
+    constexpr int chains = per_lane / 4;
+
+    auto row = thread_position_in_grid.z;
+    auto batch = row / Hv;
+    auto vhead = row % Hv;
+    auto khead = vhead / (Hv / Hk);
+
+    auto simd_lane = thread_index_in_simdgroup;
+    auto row_in_group = simd_lane / lanes_per_row;
+    auto part = simd_lane & (lanes_per_row - 1);
+    auto group = thread_position_in_grid.y;
+    auto vrow = group * rows_per_group + row_in_group;
+
+    // q, k: [B, T, Hk, Dk]; this lane's contiguous quarter of the key dims
+    auto qp = q + (batch * T * Hk + khead) * Dk + part * per_lane;
+    auto kp = k + (batch * T * Hk + khead) * Dk + part * per_lane;
+
+    // v, y: [B, T, Hv, Dv]
+    auto vp = v + (batch * T * Hv + vhead) * Dv;
+    y += (batch * T * Hv + vhead) * Dv;
+
+    // state: [B, Hv, Dv, Dk]
+    auto src = state_in + (row * Dv + vrow) * Dk + part * per_lane;
+    auto dst = state_out + (row * Dv + vrow) * Dk + part * per_lane;
+
+    float acc[per_lane];
+    for (int j = 0; j < per_lane; ++j) {
+      acc[j] = static_cast<float>(src[j]);
+    }
+
+    // g, beta: [B, T, Hv]
+    auto gp = g + batch * T * Hv;
+    auto bp = beta + batch * T * Hv;
+
+    for (int step = 0; step < T; ++step) {
+      float decay = static_cast<float>(gp[vhead]);
+
+      float sums[chains];
+      for (int c = 0; c < chains; ++c) {
+        float s = 0.0f;
+        for (int j = 0; j < 4; ++j) {
+          int e = c * 4 + j;
+          acc[e] = acc[e] * decay;
+          s += acc[e] * static_cast<float>(kp[e]);
+        }
+        sums[c] = s;
+      }
+      float kv =
+          ((sums[0] + sums[1]) + (sums[2] + sums[3])) +
+          ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+      kv += simd_shuffle_xor(kv, 1);
+      kv += simd_shuffle_xor(kv, 2);
+
+      auto d =
+          (static_cast<float>(vp[vrow]) - kv) *
+          static_cast<float>(bp[vhead]);
+
+      for (int c = 0; c < chains; ++c) {
+        float s = 0.0f;
+        for (int j = 0; j < 4; ++j) {
+          int e = c * 4 + j;
+          acc[e] = acc[e] + static_cast<float>(kp[e]) * d;
+          s += acc[e] * static_cast<float>(qp[e]);
+        }
+        sums[c] = s;
+      }
+      float o =
+          ((sums[0] + sums[1]) + (sums[2] + sums[3])) +
+          ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+      o += simd_shuffle_xor(o, 1);
+      o += simd_shuffle_xor(o, 2);
+      if (part == 0) {
+        y[vrow] = static_cast<InT>(o);
+      }
+
+      qp += Hk * Dk;
+      kp += Hk * Dk;
+      vp += Hv * Dv;
+      y += Hv * Dv;
+      gp += Hv;
+      bp += Hv;
+    }
+
+    for (int j = 0; j < per_lane; ++j) {
+      dst[j] = static_cast<StT>(acc[j]);
+    }
+"""
+
+#: MLX's Metal ``Sigmoid`` functor applied to the rounded conv output ``conv``
+#: (``auto y = 1 / (1 + metal::precise::exp(metal::abs(x))); return (x < 0) ? y
+#: : 1 - y;`` with ``T = InT``): the same expression types, so the same roundings.
+_SIGMOID_OF_CONV = """
+      auto e = 1 / (1 + metal::precise::exp(metal::abs(conv)));
+      InT sig = (conv < 0) ? e : 1 - e;
+"""
+
+# One thread per (row, channel): the K taps over tail ++ x accumulated in fp32
+# as MLX's depthwise_conv_1d does, rounded to InT like conv1d's output, SiLU
+# with MLX's sigmoid and product in InT (nn.silu's rounding), then the tail.
+_CAUSAL_CONV_SOURCE = (
+    """
     uint c = thread_position_in_grid.x;
     uint b = thread_position_in_grid.y;
     if (c >= C) return;
     constexpr int W = K - 1;
     int total = W + S;
     // input row r of tail ++ x
-    #define IN(r) ((r) < W ? static_cast<float>(tail[(b * W + (r)) * C + c]) \\
-                           : static_cast<float>(x[(b * S + (r) - W) * C + c]))
+    #define IN(r) ((r) < W ? tail[(b * W + (r)) * C + c] : x[(b * S + (r) - W) * C + c])
     for (int t = 0; t < S; ++t) {
       float acc = 0.0f;
-      for (int j = 0; j < K; ++j) acc += static_cast<float>(weight[c * K + j]) * IN(t + j);
-      float act = acc / (1.0f + metal::exp(-acc));
-      y[(b * S + t) * C + c] = static_cast<InT>(act);
+      for (int j = 0; j < K; ++j) acc += static_cast<float>(IN(t + j)) * weight[c * K + j];
+      InT conv = static_cast<InT>(acc);
+"""
+    + _SIGMOID_OF_CONV
+    + """
+      y[(b * S + t) * C + c] = static_cast<InT>(conv * sig);
     }
     int end = END_EXPR;
     for (int j = 0; j < W; ++j) {
@@ -238,56 +426,78 @@ _CAUSAL_CONV_SOURCE = """
     }
     #undef IN
 """
+)
+
+_DELTA_INPUTS = ["q", "k", "v", "g", "beta", "state_in", "T"]
 
 
-def _gated_delta_metal_source(*, masked: bool, state_only: bool) -> str:
-    src = _GATED_DELTA_SOURCE.replace("MASK_EXPR", "mask[b_idx * T + t]" if masked else "true")
-    write = "" if state_only else "y[v_off] = static_cast<InT>(out);"
-    return src.replace("WRITE_Y", write)
+def _delta_kernel(name: str, source: str, *, masked: bool):
+    return mx.fast.metal_kernel(
+        name=name,
+        input_names=_DELTA_INPUTS + (["mask"] if masked else []),
+        output_names=["y", "state_out"],
+        source=source,
+    )
 
 
-def _metal_gated_delta(*, masked: bool, state_only: bool) -> tuple[Callable[..., object], str]:
-    """A wrapper over the Metal kernel(s); the replay builds a masked and an unmasked variant."""
-    variants = (False, True) if state_only else (masked,)
-    kernels = {
-        m: mx.fast.metal_kernel(
-            name=f"qwen3_next_gated_delta{'_masked' if m else ''}{'_replay' if state_only else ''}",
-            input_names=["q", "k", "v", "g", "beta", "state_in"] + (["mask"] if m else []),
-            output_names=["state_out"] if state_only else ["y", "state_out"],
-            source=_gated_delta_metal_source(masked=m, state_only=state_only),
-        )
-        for m in variants
+def gated_delta_metal_sources() -> dict[str, str]:
+    """The Metal sources of the recurrence: ``plain``, ``masked`` and ``packed``."""
+    return {
+        "plain": _GATED_DELTA_SOURCE.replace("MASK_EXPR", "true"),
+        "masked": _GATED_DELTA_SOURCE.replace("MASK_EXPR", "mask[batch * T + step]"),
+        "packed": _GATED_DELTA_PACKED_SOURCE,
     }
 
-    def run(q, k, v, g, beta, state, mask=None):
+
+class _MetalGatedDelta:
+    """mlx-lm's dispatch of its gated-delta Metal kernels, for one registration."""
+
+    def __init__(self) -> None:
+        sources = gated_delta_metal_sources()
+        self.plain = _delta_kernel("qwen3_next_gated_delta", sources["plain"], masked=False)
+        self.masked = _delta_kernel("qwen3_next_gated_delta_mask", sources["masked"], masked=True)
+        self.packed = _delta_kernel(
+            "qwen3_next_gated_delta_packed", sources["packed"], masked=False
+        )
+
+    def __call__(self, q, k, v, g, beta, state, mask=None):
         B, T, Hk, Dk = k.shape
         Hv, Dv = v.shape[2:]
-        use_mask = masked or mask is not None
-        inputs = [q, k, v, g, beta, state] + ([mask] if use_mask else [])
-        shapes = [state.shape] if state_only else [(B, T, Hv, Dv), state.shape]
-        dtypes = [state.dtype] if state_only else [q.dtype, state.dtype]
-        out = kernels[use_mask](
+        if Dk < 32 or Dk % 32:
+            return gated_delta_steps(q, k, v, g, beta, state, mask)
+        inputs = [q, k, v, g, beta, state, T]
+        if (
+            mask is None
+            and Dk == 128
+            and Dv % 8 == 0
+            and g.dtype == mx.float32
+            and state.dtype == mx.float32
+        ):
+            kernel, grid, threadgroup = self.packed, (32, Dv // 8, B * Hv), (32, 2, 1)
+        else:
+            kernel, grid, threadgroup = self.plain, (32, Dv, B * Hv), (32, 4, 1)
+            if mask is not None:
+                kernel = self.masked
+                inputs.append(mask)
+        y, state = kernel(
             inputs=inputs,
             template=[
                 ("InT", q.dtype),
                 ("StT", state.dtype),
-                ("T", T),
                 ("Dk", Dk),
                 ("Dv", Dv),
                 ("Hk", Hk),
                 ("Hv", Hv),
             ],
-            grid=(Dv, B * Hv, 1),
-            threadgroup=(min(Dv, 32), 1, 1),
-            output_shapes=shapes,
-            output_dtypes=dtypes,
+            grid=grid,
+            threadgroup=threadgroup,
+            output_shapes=[(B, T, Hv, Dv), state.shape],
+            output_dtypes=[q.dtype, state.dtype],
         )
-        return out[0] if state_only else (out[0], out[1])
-
-    return run, _gated_delta_metal_source(masked=masked, state_only=state_only)
+        return y, state
 
 
-def _metal_causal_conv() -> tuple[Callable[..., object], str]:
+def _metal_causal_conv() -> Callable[..., object]:
     kernels = {
         has_ends: mx.fast.metal_kernel(
             name=f"qwen3_next_causal_conv_silu{'_ends' if has_ends else ''}",
@@ -312,50 +522,52 @@ def _metal_causal_conv() -> tuple[Callable[..., object], str]:
         )
         return y, new_tail
 
-    return run, _CAUSAL_CONV_SOURCE
+    return run
 
 
-def _expert_matmul_metal(x, weight, indices, sorted_indices=False):
-    # gather_mm runs natively on Metal in every float dtype.
-    return mx.gather_mm(
-        x, weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
-    )
+def _state_only(delta: _MetalGatedDelta) -> Callable[..., mx.array]:
+    def replay(q, k, v, g, beta, state, mask=None):
+        return delta(q, k, v, g, beta, state, mask)[1]
+
+    return replay
 
 
 def metal_kernels() -> list[Kernel]:
     """Metal registrations. Constructing them needs no GPU; calling them does."""
-    out = []
-    for name, masked, state_only in (
-        (GATED_DELTA, False, False),
-        (GATED_DELTA_MASKED, True, False),
-        (GATED_DELTA_REPLAY, False, True),
-    ):
-        fn, source = _metal_gated_delta(masked=masked, state_only=state_only)
-        out.append(
-            Kernel(
-                name,
-                "metal",
-                fn,
-                source=source,
-                description="one thread per state row, Dk entries in registers",
-            )
-        )
-    fn, source = _metal_causal_conv()
-    out.append(
+    delta = _MetalGatedDelta()
+    sources = gated_delta_metal_sources()
+    recurrence = (
+        "mlx-lm's gated-delta Metal kernels and dispatch (simd_sum per value row; packed "
+        "Dk=128 specialisation; ops recurrence for Dk not a multiple of 32)"
+    )
+    metal = [
+        Kernel(GATED_DELTA, "metal", delta, source=sources["plain"], description=recurrence),
+        Kernel(
+            GATED_DELTA_MASKED,
+            "metal",
+            delta,
+            source=sources["masked"],
+            description=recurrence + ", [B, T] mask",
+        ),
+        Kernel(
+            GATED_DELTA_REPLAY,
+            "metal",
+            _state_only(delta),
+            source=sources["plain"],
+            description="the forward Metal kernel, state only",
+        ),
         Kernel(
             CAUSAL_CONV,
             "metal",
-            fn,
-            source=source,
-            description="one thread per (row, channel): taps, SiLU, tail",
-        )
-    )
-    out.append(
-        Kernel(
-            EXPERT_MATMUL,
-            "metal",
-            _expert_matmul_metal,
-            description="mx.gather_mm (native on Metal in every float dtype)",
-        )
-    )
-    return out
+            _metal_causal_conv(),
+            source=_CAUSAL_CONV_SOURCE,
+            description="one thread per (row, channel): fp32 taps rounded like conv1d, "
+            "SiLU rounded like nn.silu, tail",
+        ),
+    ]
+    return metal + [k for k in expert_kernels(SWITCH_GLU) if k.backend == "metal"]
+
+
+def kernels() -> list[Kernel]:
+    """Every registration of this plugin (what ``loom_kernels`` returns)."""
+    return [*ops_kernels(), *metal_kernels()]

@@ -1,4 +1,4 @@
-"""From a checkpoint directory to a graph with its weights: names, layouts, strictness.
+"""From a checkpoint directory to a graph with its (lazy) weights: names, layouts, strictness.
 
 Checkpoints come in two layouts, told apart by the convolution weight:
 
@@ -8,38 +8,31 @@ Checkpoints come in two layouts, told apart by the convolution weight:
   (``mtp.*``) ride along. :func:`sanitize` stacks the experts, moves the conv
   axes to MLX's ``(C, K, 1)``, adds 1.0 to the zero-centred gains and drops
   ``mtp.*`` — the same mapping mlx-lm's ``sanitize`` applies.
-* **MLX** (already converted, possibly affine-quantized): names are mapped,
-  nothing else changes.
+* **MLX** (already converted, possibly affine-quantized): nothing changes.
 
-Qwen3.5 checkpoints may nest the language model (``model.language_model.*``,
-or mlx-lm's ``language_model.model.*``) and carry a vision tower; both are
-normalised to this plugin's names (``model.*``, ``lm_head.*``) and the vision
-tensors dropped. Loading is strict: the sanitized tensors must be exactly the
-graph's parameters (after quantized layers are swapped in where the checkpoint
-has scales), or one :class:`WeightsError` lists every difference.
+Wrapper checkpoints (Qwen3.5's ``model.language_model.*``, mlx-lm's
+``language_model.model.*``, a vision tower beside them) reach :func:`sanitize`
+already under the text model's names: the core's config view maps them. The
+core's strict loader then compares the result with :func:`~.manifest.tensors`
+before the graph is built, and attaches the weights lazily (nothing is
+evaluated here).
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
-from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+import mlx.nn as nn
 
-from mlx_loom.artifacts import (
-    QuantizationConfig,
-    apply_quantization,
-    check_weights,
-    load_weights,
-)
-from mlx_loom.errors import WeightsError
-from mlx_loom_qwen3_next.config import HybridConfig
-from mlx_loom_qwen3_next.graph import HybridLM, Kernels, build_model
+from mlx_loom.nn import load_checkpoint
+from mlx_loom.plugin import BuildContext, WeightsError
+from mlx_loom_qwen3_next.config import HybridConfig, Qwen3NextConfig
+from mlx_loom_qwen3_next.graph import Kernels, Model
+from mlx_loom_qwen3_next.manifest import tensors
 
-__all__ = ["expected_tensors", "is_hf_layout", "load_model", "sanitize"]
+__all__ = ["build", "is_hf_layout", "sanitize"]
 
 # Gains stored zero-centred by Hugging Face (the gated linear_attn.norm is not).
 _ZERO_CENTRED = (
@@ -49,29 +42,44 @@ _ZERO_CENTRED = (
     ".k_norm.weight",
 )
 _FINAL_NORM = "model.norm.weight"
-_DROPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
 _EXPERT = re.compile(
     r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
 )
-
-
-def _rename(name: str) -> str | None:
-    """This plugin's name for a checkpoint tensor, or ``None`` to drop it."""
-    if "mtp." in name or name.startswith(_DROPPED_PREFIXES):
-        return None
-    for old, new in (
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-    ):
-        if name.startswith(old):
-            return new + name[len(old) :]
-    return name
+_SHOW = 10
 
 
 def is_hf_layout(weights: Mapping[str, mx.array]) -> bool:
     """True when a conv weight is still in torch's ``(C, 1, K)`` layout."""
     return any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
+
+
+def _expert_problem(prefix: str, proj: str, experts: dict[int, mx.array], n: int) -> str | None:
+    """Why one projection's per-expert tensors cannot be stacked into ``n`` experts.
+
+    Bounded by what the checkpoint stores, not by ``n`` (which a config may
+    set to anything up to int32).
+    """
+    present = set(experts)
+    extra = sorted(e for e in present if e >= n)
+    have = len(present) - len(extra)
+    missing: list[int] = []
+    e = 0
+    while e < n and len(missing) < min(_SHOW, n - have):
+        if e not in present:
+            missing.append(e)
+        e += 1
+    shapes = {tuple(v.shape) for v in experts.values()}
+    if not missing and not extra and len(shapes) == 1:
+        return None
+    parts = []
+    if missing:
+        more = " ..." if n - have > len(missing) else ""
+        parts.append(f"missing experts {missing}{more} ({have} of num_experts = {n} stored)")
+    if extra:
+        parts.append(f"unexpected experts {extra[:_SHOW]}")
+    if len(shapes) > 1:
+        parts.append(f"experts of different shapes {sorted(shapes)[:3]}")
+    return f"{prefix}.experts.*.{proj}.weight: " + ", ".join(parts)
 
 
 def _stack_experts(weights: dict[str, mx.array], cfg: HybridConfig) -> dict[str, mx.array]:
@@ -85,14 +93,9 @@ def _stack_experts(weights: dict[str, mx.array], cfg: HybridConfig) -> dict[str,
             groups.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = value
     problems = []
     for (prefix, proj), experts in sorted(groups.items()):
-        want = set(range(cfg.num_experts))
-        if set(experts) != want:
-            missing = sorted(want - set(experts))
-            extra = sorted(set(experts) - want)
-            problems.append(
-                f"{prefix}.experts.*.{proj}.weight: missing experts {missing}"
-                + (f", unexpected experts {extra}" if extra else "")
-            )
+        problem = _expert_problem(prefix, proj, experts, cfg.num_experts)
+        if problem is not None:
+            problems.append(problem)
             continue
         rest[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack(
             [experts[e] for e in range(cfg.num_experts)]
@@ -100,24 +103,20 @@ def _stack_experts(weights: dict[str, mx.array], cfg: HybridConfig) -> dict[str,
     if problems:
         raise WeightsError(
             f"per-expert tensors do not cover num_experts = {cfg.num_experts}: "
-            + "; ".join(problems[:10]),
+            + "; ".join(problems[:_SHOW]),
             fix="use a complete checkpoint whose expert count matches config.json",
         )
     return rest
 
 
 def sanitize(weights: Mapping[str, mx.array], cfg: HybridConfig) -> dict[str, mx.array]:
-    """Map checkpoint tensors (either layout, either prefix) to this plugin's names."""
-    renamed: dict[str, mx.array] = {}
-    for name, value in weights.items():
-        new = _rename(name)
-        if new is not None:
-            renamed[new] = value
+    """Map checkpoint tensors (either layout) to this plugin's names and layouts (lazily)."""
+    out = {k: v for k, v in weights.items() if "mtp." not in k}
     if cfg.tie_word_embeddings:
-        renamed.pop("lm_head.weight", None)
-    if not is_hf_layout(renamed):
-        return renamed
-    out = _stack_experts(renamed, cfg)
+        out.pop("lm_head.weight", None)
+    if not is_hf_layout(out):
+        return out
+    out = _stack_experts(out, cfg)
     for name, value in out.items():
         if name.endswith("conv1d.weight") and value.shape[-1] != 1:
             out[name] = value.moveaxis(2, 1)
@@ -126,63 +125,19 @@ def sanitize(weights: Mapping[str, mx.array], cfg: HybridConfig) -> dict[str, mx
     return out
 
 
-def expected_tensors(model: HybridLM) -> dict[str, tuple[tuple[int, ...], mx.Dtype | None]]:
-    """Name -> (shape, dtype) of every tensor the graph needs.
+def build(ctx: BuildContext) -> nn.Module:
+    """The implementations' factory: the graph for the config, the checkpoint attached strictly.
 
-    Quantized layers need ``uint32`` packed weights; floating tensors may be
-    stored in any float dtype (they are used as stored), so their dtype is
-    checked for being floating separately.
+    ``qwen3_next`` configs get the fused-projection graph, ``qwen3_5`` ones
+    the split-projection graph (each implementation accepts only its types).
     """
-    out = {}
-    for name, value in tree_flatten(model.parameters()):
-        dtype = mx.uint32 if value.dtype == mx.uint32 else None
-        out[name] = (tuple(value.shape), dtype)
-    return out
-
-
-def _check_float(weights: Mapping[str, mx.array], expected: Mapping[str, tuple], source: Path):
-    bad = [
-        f"{n} {weights[n].dtype}"
-        for n, (_, dtype) in expected.items()
-        if dtype is None and not mx.issubdtype(weights[n].dtype, mx.floating)
-    ]
-    if bad:
-        raise WeightsError(
-            f"{source}: tensors that must be floating point are not: {', '.join(bad[:10])}",
-            fix="use a checkpoint converted for this model type",
-        )
-
-
-def _renamed(quantization: QuantizationConfig | None) -> QuantizationConfig | None:
-    """Per-module overrides name modules as the checkpoint does (mlx-lm's Qwen3.5
-    writes ``language_model.model.layers.N...``); map them like the tensors."""
-    if quantization is None:
-        return None
-    overrides = {}
-    for name, spec in quantization.overrides.items():
-        new = _rename(name + ".")  # a module path: renamed as its tensors' common prefix
-        if new is not None:
-            overrides[new[:-1]] = spec
-    return quantization.model_copy(update={"overrides": overrides})
-
-
-def load_model(
-    model_dir: str | os.PathLike[str],
-    cfg: HybridConfig,
-    kernels: Kernels,
-    *,
-    fused: bool,
-    quantization: QuantizationConfig | None,
-) -> HybridLM:
-    """Build the graph for ``cfg`` and install the checkpoint's weights, strictly."""
-    model_dir = Path(model_dir)
-    weights = sanitize(load_weights(model_dir), cfg)
-    model = build_model(cfg, kernels, fused=fused)
-    apply_quantization(model, _renamed(quantization), weights)
-    expected = expected_tensors(model)
-    check_weights(weights, expected, source=model_dir)
-    _check_float(weights, expected, model_dir)
-    model.load_weights(list(weights.items()), strict=True)
-    model.eval()
-    mx.eval(model.parameters())
-    return model
+    cfg = ctx.family_config
+    assert isinstance(cfg, HybridConfig)
+    kernels = Kernels.from_mapping(ctx.kernels)
+    return load_checkpoint(
+        ctx.model_dir,
+        ctx.config,
+        manifest=tensors(cfg),
+        build=lambda: Model(cfg, kernels, fused=isinstance(cfg, Qwen3NextConfig)),
+        sanitize=lambda weights: sanitize(weights, cfg),
+    )

@@ -1,17 +1,24 @@
-"""The tensors a Hugging Face-layout checkpoint holds for a config, and tiny configs.
+"""Every tensor of a checkpoint, from the config alone: the family's one tensor rule.
 
-Names and shapes as the published checkpoints store them (fused
-``in_proj_qkvz``/``in_proj_ba`` for ``qwen3_next``, split projections for
-``qwen3_5``; per-expert MLP tensors; torch's ``(C, 1, K)`` conv layout). The
-conformance kit and the benchmarks write random checkpoints from it; the
-loader maps them to this plugin's names.
+:func:`tensors` lists the graph's tensors (MLX layout: stacked
+``switch_mlp`` experts, ``(C, K, 1)`` convolution weights); the strict loader
+compares every checkpoint with it after :func:`~.loader.sanitize`.
+:func:`checkpoint_tensors` is the same rule written the way a Hugging Face
+checkpoint stores it — per-expert MLP tensors, torch's ``(C, 1, K)`` conv
+layout, ``model.language_model.*`` inside a ``text_config`` wrapper — which is
+what the conformance kit and the benchmarks write. Both derive from one
+function, so a checkpoint the kit writes is one the loader accepts.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+from mlx_loom.nn import Entry, Matrix, Tensor, dense_tensors
+from mlx_loom_qwen3_next.config import HybridConfig, Qwen3_5Config, Qwen3NextConfig
 
 Shape = tuple[int, ...]
 
@@ -77,83 +84,97 @@ TINY_QWEN3_5: dict[str, Any] = {
 }
 
 
+def tensors(cfg: HybridConfig) -> Iterator[tuple[str, Entry]]:
+    """The graph's tensors, layer by layer (a generator: the loader may stop early)."""
+    D, V, H, KV, hd = (
+        cfg.hidden_size,
+        cfg.vocab_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    )
+    nk, nv, dk, dv = (
+        cfg.linear_num_key_heads,
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+    )
+    fused = isinstance(cfg, Qwen3NextConfig)
+    yield "model.embed_tokens", Matrix((V, D))
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", Tensor((D,))
+        yield p + "post_attention_layernorm.weight", Tensor((D,))
+        if cfg.layer_kind(i) == "linear":
+            la = p + "linear_attn."
+            if fused:
+                yield la + "in_proj_qkvz", Matrix((2 * nk * dk + 2 * nv * dv, D))
+                yield la + "in_proj_ba", Matrix((2 * nv, D))
+            else:
+                yield la + "in_proj_qkv", Matrix((cfg.conv_dim, D))
+                yield la + "in_proj_z", Matrix((nv * dv, D))
+                yield la + "in_proj_b", Matrix((nv, D))
+                yield la + "in_proj_a", Matrix((nv, D))
+            yield la + "conv1d.weight", Tensor((cfg.conv_dim, cfg.linear_conv_kernel_dim, 1))
+            yield la + "dt_bias", Tensor((nv,))
+            yield la + "A_log", Tensor((nv,))
+            yield la + "norm.weight", Tensor((dv,))
+            yield la + "out_proj", Matrix((D, nv * dv))
+        else:
+            sa, bias = p + "self_attn.", cfg.attention_bias
+            yield sa + "q_proj", Matrix((2 * H * hd, D), bias)
+            yield sa + "k_proj", Matrix((KV * hd, D), bias)
+            yield sa + "v_proj", Matrix((KV * hd, D), bias)
+            yield sa + "o_proj", Matrix((D, H * hd), bias)
+            yield sa + "q_norm.weight", Tensor((hd,))
+            yield sa + "k_norm.weight", Tensor((hd,))
+        m = p + "mlp."
+        if cfg.mlp_kind(i) == "moe":
+            E, inter, shared = (
+                cfg.num_experts,
+                cfg.moe_intermediate_size,
+                cfg.shared_expert_intermediate_size,
+            )
+            yield m + "gate", Matrix((E, D))
+            yield m + "switch_mlp.gate_proj", Matrix((E, inter, D))
+            yield m + "switch_mlp.up_proj", Matrix((E, inter, D))
+            yield m + "switch_mlp.down_proj", Matrix((E, D, inter))
+            yield m + "shared_expert.gate_proj", Matrix((shared, D))
+            yield m + "shared_expert.up_proj", Matrix((shared, D))
+            yield m + "shared_expert.down_proj", Matrix((D, shared))
+            yield m + "shared_expert_gate", Matrix((1, D))
+        else:
+            inter = cfg.intermediate_size
+            yield m + "gate_proj", Matrix((inter, D))
+            yield m + "up_proj", Matrix((inter, D))
+            yield m + "down_proj", Matrix((D, inter))
+    yield "model.norm.weight", Tensor((D,))
+    if not cfg.tie_word_embeddings:
+        yield "lm_head", Matrix((V, D))
+
+
+_STACKED = re.compile(r"^(.*\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
 def checkpoint_tensors(config: Mapping[str, Any]) -> dict[str, tuple[Shape, str]]:
     """``{hf_name: (shape, "F32")}`` for a qwen3_next, qwen3_5 or qwen3_5_text config."""
-    t = config.get("text_config", config)
-    D, V = t["hidden_size"], t["vocab_size"]
-    H, KV = t["num_attention_heads"], t["num_key_value_heads"]
-    hd = t.get("head_dim") or D // H
-    nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
-    dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
-    K = t["linear_conv_kernel_dim"]
-    conv = 2 * nk * dk + nv * dv
-    split = config["model_type"] != "qwen3_next"
-    prefix = "model.language_model." if "text_config" in config else "model."
-    out: dict[str, Shape] = {f"{prefix}embed_tokens.weight": (V, D), f"{prefix}norm.weight": (D,)}
-    if not t.get("tie_word_embeddings", False):
-        out["lm_head.weight"] = (V, D)
-    n_exp = 0 if split else t.get("num_experts", 0)
-    for i in range(t["num_hidden_layers"]):
-        p = f"{prefix}layers.{i}."
-        out[p + "input_layernorm.weight"] = (D,)
-        out[p + "post_attention_layernorm.weight"] = (D,)
-        if (i + 1) % t["full_attention_interval"]:
-            la = p + "linear_attn."
-            if split:
-                out |= {
-                    la + "in_proj_qkv.weight": (conv, D),
-                    la + "in_proj_z.weight": (nv * dv, D),
-                    la + "in_proj_b.weight": (nv, D),
-                    la + "in_proj_a.weight": (nv, D),
-                }
-            else:
-                out |= {
-                    la + "in_proj_qkvz.weight": (2 * nk * dk + 2 * nv * dv, D),
-                    la + "in_proj_ba.weight": (2 * nv, D),
-                }
-            out |= {
-                la + "conv1d.weight": (conv, 1, K),
-                la + "dt_bias": (nv,),
-                la + "A_log": (nv,),
-                la + "norm.weight": (dv,),
-                la + "out_proj.weight": (D, nv * dv),
-            }
+    nested = isinstance(config.get("text_config"), Mapping)
+    text = dict(config["text_config"] if nested else config)
+    schema = Qwen3NextConfig if config.get("model_type") == "qwen3_next" else Qwen3_5Config
+    hf: dict[str, tuple[Shape, str]] = {}
+    for name, (shape, dtype) in dense_tensors(tensors(schema.model_validate(text))).items():
+        stacked = _STACKED.match(name)
+        if stacked:
+            base, proj = stacked.groups()
+            for e in range(shape[0]):
+                hf[f"{base}.experts.{e}.{proj}.weight"] = (shape[1:], dtype)
+        elif name.endswith("conv1d.weight"):
+            hf[name] = ((shape[0], 1, shape[1]), dtype)  # torch's (C, 1, K)
         else:
-            sa = p + "self_attn."
-            out |= {
-                sa + "q_proj.weight": (2 * H * hd, D),
-                sa + "k_proj.weight": (KV * hd, D),
-                sa + "v_proj.weight": (KV * hd, D),
-                sa + "o_proj.weight": (D, H * hd),
-                sa + "q_norm.weight": (hd,),
-                sa + "k_norm.weight": (hd,),
-            }
-        m = p + "mlp."
-        sparse = (
-            n_exp > 0
-            and i not in t.get("mlp_only_layers", [])
-            and (i + 1) % t.get("decoder_sparse_step", 1) == 0
-        )
-        if sparse:
-            inter, shared = t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
-            out[m + "gate.weight"] = (n_exp, D)
-            for e in range(n_exp):
-                out |= {
-                    m + f"experts.{e}.gate_proj.weight": (inter, D),
-                    m + f"experts.{e}.up_proj.weight": (inter, D),
-                    m + f"experts.{e}.down_proj.weight": (D, inter),
-                }
-            out |= {
-                m + "shared_expert.gate_proj.weight": (shared, D),
-                m + "shared_expert.up_proj.weight": (shared, D),
-                m + "shared_expert.down_proj.weight": (D, shared),
-                m + "shared_expert_gate.weight": (1, D),
-            }
-        else:
-            inter = t["intermediate_size"]
-            out |= {
-                m + "gate_proj.weight": (inter, D),
-                m + "up_proj.weight": (inter, D),
-                m + "down_proj.weight": (D, inter),
-            }
-    return {name: (shape, "F32") for name, shape in out.items()}
+            hf[name] = (shape, dtype)
+    if not nested:
+        return hf
+    return {
+        ("model.language_model." + n.removeprefix("model.")) if n.startswith("model.") else n: v
+        for n, v in hf.items()
+    }

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import mlx.nn as nn
-
 from mlx_loom.hookspecs import PLUGIN_API_VERSION, hookimpl
 from mlx_loom.kernels import Kernel
 from mlx_loom.plugin import ADAPTERS
@@ -18,10 +14,10 @@ from mlx_loom.profiles import (
     Execution,
     Profile,
 )
-from mlx_loom.registry import BuildContext, Implementation, ModelType
-from mlx_loom_qwen3_next.config import HybridConfig, Qwen3_5Config, Qwen3NextConfig
-from mlx_loom_qwen3_next.graph import Kernels
-from mlx_loom_qwen3_next.kernels import KERNEL_NAMES, cpu_kernels, metal_kernels
+from mlx_loom.registry import Implementation, ModelType
+from mlx_loom_qwen3_next.config import Qwen3_5Config, Qwen3NextConfig
+from mlx_loom_qwen3_next.kernels import KERNEL_NAMES, kernels
+from mlx_loom_qwen3_next.loader import build
 from mlx_loom_qwen3_next.manifest import (
     TINY_QWEN3_5,
     TINY_QWEN3_5_TEXT,
@@ -63,23 +59,6 @@ _FINGERPRINT = (
 )
 
 
-def _factory(*, fused: bool) -> Callable[[BuildContext], nn.Module]:
-    def build(ctx: BuildContext) -> nn.Module:
-        from mlx_loom_qwen3_next.loader import load_model
-
-        cfg = ctx.family_config
-        assert isinstance(cfg, HybridConfig)
-        return load_model(
-            ctx.model_dir,
-            cfg,
-            Kernels.from_mapping(ctx.kernels),
-            fused=fused,
-            quantization=ctx.config.quantization,
-        )
-
-    return build
-
-
 @hookimpl
 def loom_plugin_api_version() -> str:
     return PLUGIN_API_VERSION
@@ -117,7 +96,7 @@ def loom_model_types() -> list[ModelType]:
 
 @hookimpl
 def loom_kernels() -> list[Kernel]:
-    return [*cpu_kernels(), *metal_kernels()]
+    return kernels()
 
 
 @hookimpl
@@ -128,7 +107,7 @@ def loom_implementations() -> list[Implementation]:
             graph=QWEN3_NEXT_GRAPH,
             loader=LOADER,
             model_types=frozenset({"qwen3_next"}),
-            factory=_factory(fused=True),
+            factory=build,
             kernels=KERNEL_NAMES,
             capabilities=CAPABILITIES,
             description="fused in_proj_qkvz/in_proj_ba delta nets, MoE beside dense layers",
@@ -138,7 +117,7 @@ def loom_implementations() -> list[Implementation]:
             graph=QWEN3_5_GRAPH,
             loader=LOADER,
             model_types=QWEN3_5_TYPES,
-            factory=_factory(fused=False),
+            factory=build,
             kernels=KERNEL_NAMES,
             capabilities=CAPABILITIES,
             description="separate in_proj_qkv/z/b/a delta nets (Qwen3.5)",
