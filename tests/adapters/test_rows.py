@@ -88,23 +88,39 @@ def test_a_forward_without_choices_is_the_base_model(base, tmp_path):
     assert mx.array_equal(model(x, adapters=[None, None]), plain(x))
 
 
-def test_expert_adapters_mix_only_where_rows_stay_apart(base, tmp_path):
-    path = base("qwen3_next")
+@pytest.mark.parametrize("model_type", ["qwen3_next", "gemma4_text"])
+def test_expert_adapters_mix_even_where_the_expert_block_sorts_tokens(base, tmp_path, model_type):
+    path = base(model_type)
     one = kit.write_adapter(path, tmp_path / "one", num_layers=-1, seed=1)
     two = kit.write_adapter(path, tmp_path / "two", num_layers=-1, seed=2)
     model, _ = mlx_loom.load(path)
     adapters = AdapterSet(model, {"one": one, "two": two})
-    assert [a.adapts_experts for a in adapters.adapters] == [True, True]
-    assert (adapters.batch_key("one"), adapters.batch_key("two")) == ("one", "two")
-    assert adapters.batch_key(None) is None
-    # One token per row: the expert layer keeps rows apart, so they still mix exactly.
-    x = _prompts(3, 1)
-    batch = model(x, adapters=["one", None, "two"])
-    for i, adapter in enumerate([one, None, two]):
-        assert mx.array_equal(batch[i : i + 1], _solo(path, adapter)(x[i : i + 1]))
-    # Long rows are sorted by expert inside the family's layer: refused, never mixed up.
-    with pytest.raises(AdapterError, match="routed-expert"):
-        mx.eval(model(_prompts(3, 24), adapters=["one", None, "two"]))
+    assert any(".switch_" in m for m in adapters.adapters[0].modules)
+    assert {adapters.batch_key(n) for n in ("one", "two", None)} == {None}
+    names, solos = ["one", None, "two", "one"], [one, None, two, one]
+    # 4 rows x 24 tokens x top-2: the core's expert block sorts the pairs by expert.
+    x = _prompts(len(names), 24)
+    batch = model(x, adapters=names)
+    for i, adapter in enumerate(solos):
+        assert mx.array_equal(batch[i : i + 1], _solo(path, adapter)(x[i : i + 1])), i
+
+
+def test_an_expert_projection_outside_a_core_block_refuses_sorted_mixed_rows():
+    from mlx_loom.adapters.layers import AdaptedExpertLinear, Factors, RowSelection
+    from mlx_loom.nn import SwitchLinear
+
+    base = SwitchLinear(8, 4, 3)
+    factors = [
+        Factors(mx.ones((3, 2, 8)), mx.ones((3, 4, 2)), 1.0),
+        Factors(mx.ones((3, 2, 8)), mx.ones((3, 4, 2)), 2.0),
+    ]
+    selection = RowSelection()
+    layer = AdaptedExpertLinear(base, factors, selection)
+    x, indices = mx.ones((4, 1, 8)), mx.array([0, 0, 1, 2])
+    with selection.rows([0, 1]), pytest.raises(AdapterError, match="regrouped by expert"):
+        layer.gather(x, indices, True)
+    with selection.rows([1, 1]):  # one adapter for every row: applied, nothing to split
+        assert layer.gather(x, indices, True).shape == (4, 1, 4)
 
 
 def test_dense_only_adapters_batch_with_everything(base, tmp_path):

@@ -28,10 +28,11 @@ rows only (``x[rows]``) and written into those rows; rows without an adapter
 keep the base output untouched. A row's values are therefore the ones its solo
 run computes: the same ops on the same row (MLX computes each row of a
 matmul independently of the others, measured bit-for-bit). Routed-expert
-projections are the exception: once a family's expert layer has sorted the
-(token, expert) pairs by expert, which row a pair came from is gone, so a
-batch mixing different expert adapters is refused here and must be split by
-the caller (the serving engine groups such rows by adapter).
+projections are the exception: once an expert block has sorted the (token,
+expert) pairs by expert, which row a pair came from is gone, so a projection
+refuses a batch that mixes adapters there. The core's expert block is split by
+row before that happens (:class:`~mlx_loom.adapters.multi.RowSplitExperts`);
+rows whose adapters adapt a family's own expert layer batch per adapter.
 
 ``fused()`` returns the tensors of the equivalent plain layer (``weight``,
 ``bias``, and ``scales``/``biases`` when re-quantized), which is what ``loom

@@ -10,9 +10,18 @@ adapter leaves the layer alone). A forward names each row's adapter::
 
 Row ``i`` then computes exactly what the base model with only that adapter
 applied computes for it, and a row with ``None`` exactly what the base model
-computes (see :mod:`.layers` for why that holds bit for bit, and for the one
-exception: rows with different adapters that adapt routed-expert projections
-must not share a batch — :meth:`AdapterSet.batch_key` says which rows may).
+computes (see :mod:`.layers` for why that holds bit for bit).
+
+Routed experts need one more step. The core's expert block
+(:class:`mlx_loom.nn.SwitchGLU`) may sort the batch's (token, expert) pairs by
+expert, after which no projection can tell which row a pair came from. So
+each expert block whose projections carry adapters is wrapped too
+(:class:`RowSplitExperts`): a batch whose rows use different adapters there
+runs the block once per adapter on that adapter's rows, whole, and puts the
+rows back in order — pure data movement, so every row still gets its solo
+values. A family's own expert layer, outside the core's block, cannot be
+split that way: rows whose adapters adapt it batch only with their own
+adapter (:meth:`AdapterSet.batch_key`).
 """
 
 from __future__ import annotations
@@ -24,17 +33,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
 from mlx_loom.errors import AdapterError
 from mlx_loom.host import ADAPTERS
+from mlx_loom.nn import SwitchGLU
 
 from .apply import Adapter, install, plan_adapter, read_adapter
-from .layers import Factors, RowSelection
+from .layers import AdaptedLayer, Factors, RowSelection
 from .targets import Target
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
 
-__all__ = ["AdapterSet", "RegisteredAdapter", "check_adapter_name"]
+__all__ = ["AdapterSet", "RegisteredAdapter", "RowSplitExperts", "check_adapter_name"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +59,9 @@ class RegisteredAdapter:
     path: Path
     kind: str
     modules: tuple[str, ...]
-    adapts_experts: bool
+    #: Adapts a family's own routed-expert layer (outside the core's expert
+    #: block), so its rows batch only with rows of the same adapter.
+    batches_alone: bool
 
 
 def check_adapter_name(name: str) -> str:
@@ -96,13 +112,17 @@ class AdapterSet:
                 entry[1][slot] = factors
         self.selection = RowSelection()
         install(model.module, layers, self.selection)
+        blocks = _wrap_expert_blocks(model.module, self.selection)
         self.adapters = tuple(
             RegisteredAdapter(
                 name=name,
                 path=adapter.path,
                 kind=adapter.kind,
                 modules=tuple(t.path for t, _ in plan),
-                adapts_experts=any(t.kind == "expert" for t, _ in plan),
+                batches_alone=any(
+                    t.kind == "expert" and not any(t.path.startswith(b + ".") for b in blocks)
+                    for t, _ in plan
+                ),
             )
             for name, adapter, plan in plans
         )
@@ -133,10 +153,67 @@ class AdapterSet:
         return self.selection.rows([self.slot(n) for n in names])
 
     def batch_key(self, name: str | None) -> str | None:
-        """Rows with equal keys may share a batch: every adapter mixes with every other,
-        except those that adapt routed-expert projections, which batch only with
-        themselves (their key is their name)."""
+        """Rows with equal keys may share a batch: every adapter mixes with every other
+        (key ``None``), except one that adapts a family's own routed-expert layer,
+        which batches only with itself (its key is its name)."""
         slot = self.slot(name)
-        if slot is not None and self.adapters[slot].adapts_experts:
+        if slot is not None and self.adapters[slot].batches_alone:
             return name
         return None
+
+
+class RowSplitExperts(nn.Module):
+    """A core expert block whose projections carry adapters, run whole rows per adapter.
+
+    Rows that all use one adapter (or none) here take the block as it is.
+    Otherwise each group of rows sharing an adapter runs the block alone, with
+    the selection narrowed to that group, and the groups' outputs are put back
+    in row order.
+    """
+
+    def __init__(self, block: SwitchGLU, selection: RowSelection) -> None:
+        super().__init__()
+        self.block = block
+        self._selection = selection
+        self._projections = [
+            p
+            for p in (block.gate_proj, block.up_proj, block.down_proj)
+            if isinstance(p, AdaptedLayer)
+        ]
+
+    def _slot_here(self, slot: int | None) -> int | None:
+        touched = slot is not None and any(p._factors(slot) is not None for p in self._projections)
+        return slot if touched else None
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        rows = self._selection.current
+        if rows is None or len({self._slot_here(s) for s in rows}) == 1:
+            return self.block(x, indices)
+        groups: dict[int | None, list[int]] = {}
+        for i, slot in enumerate(rows):
+            groups.setdefault(self._slot_here(slot), []).append(i)
+        order, pieces = [], []
+        for slot, members in groups.items():
+            index = mx.array(members)
+            with self._selection.rows([slot] * len(members)):
+                pieces.append(self.block(x[index], indices[index]))
+            order += members
+        inverse = mx.array(sorted(range(len(order)), key=order.__getitem__))
+        return mx.concatenate(pieces, axis=0)[inverse]
+
+
+def _wrap_expert_blocks(model: nn.Module, selection: RowSelection) -> list[str]:
+    """Wrap every core expert block with an adapted projection; return their paths."""
+    blocks = [
+        (path, module)
+        for path, module in model.named_modules()
+        if isinstance(module, SwitchGLU)
+        and any(
+            isinstance(p, AdaptedLayer)
+            for p in (module.gate_proj, module.up_proj, module.down_proj)
+        )
+    ]
+    model.update_modules(
+        tree_unflatten([(path, RowSplitExperts(block, selection)) for path, block in blocks])
+    )
+    return [path for path, _ in blocks]
