@@ -109,13 +109,14 @@ def test_a_full_fine_tune_matches_mlx_lm(base, tmp_path):
 
 
 def test_greedy_generation_with_an_adapter_matches_mlx_lm_generate(base, tmp_path):
-    from mlx_lm import generate as lm_generate
     from mlx_lm import load as lm_load
+    from mlx_lm import stream_generate as lm_stream_generate
 
     path = base("qwen3_next")
     adapter = kit.write_adapter(path, tmp_path / "lora")
     model, tokenizer = mlx_loom.load(path, adapter_path=adapter)
     lm_model, lm_tokenizer = lm_load(str(path), adapter_path=str(adapter))
-    ours = mlx_loom.generate(model, tokenizer, "the cat", max_tokens=12)
-    theirs = lm_generate(lm_model, lm_tokenizer, "the cat", max_tokens=12)
-    assert ours == theirs
+    prompt = tokenizer.encode("the cat")
+    ours = [r.token for r in mlx_loom.stream_generate(model, tokenizer, prompt, max_tokens=12)]
+    theirs = [r.token for r in lm_stream_generate(lm_model, lm_tokenizer, prompt, max_tokens=12)]
+    assert ours == theirs and len(ours) == 12
