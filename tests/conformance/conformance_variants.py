@@ -37,7 +37,11 @@ def render_and_import(root: Path) -> Any:
 
 
 class Variant:
-    """The rendered plugin with one registration changed."""
+    """The rendered plugin with one registration changed.
+
+    It registers what the template's ``FAMILY`` derives, through the four
+    plugin-API 1.0 hooks, so each registration can be altered on its own.
+    """
 
     def __init__(
         self,
@@ -59,11 +63,13 @@ class Variant:
     def loom_plugin_api_version(self) -> str:
         return self.base.loom_plugin_api_version()
 
+    @property
+    def derived(self):
+        return self.base.FAMILY.registrations()
+
     @hookimpl
     def loom_model_types(self):
-        return [
-            dataclasses.replace(m, **self.model_type_changes) for m in self.base.loom_model_types()
-        ]
+        return [dataclasses.replace(m, **self.model_type_changes) for m in self.derived.model_types]
 
     @hookimpl
     def loom_kernels(self):
@@ -72,7 +78,7 @@ class Variant:
     @hookimpl
     def loom_implementations(self):
         out = []
-        for impl in self.base.loom_implementations():
+        for impl in self.derived.implementations:
             changes: dict[str, Any] = {"kernels": self.kernel_names}
             if self.factory is not None:
                 changes["factory"] = self.factory(impl.factory)
@@ -84,10 +90,9 @@ class Variant:
     @hookimpl
     def loom_profiles(self):
         if self.capabilities is None:
-            return self.base.loom_profiles()
+            return list(self.derived.profiles)
         return [
-            p.model_copy(update={"capabilities": self.capabilities})
-            for p in self.base.loom_profiles()
+            p.model_copy(update={"capabilities": self.capabilities}) for p in self.derived.profiles
         ]
 
 

@@ -89,7 +89,7 @@ def test_installed_package_is_discovered_by_loom_plugins(site):
     records = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
     assert records[NAME]["status"] == "loaded"
     assert records[NAME]["distribution"] == "mlx-loom-demo-lm"
-    assert records[NAME]["registers"]["implementations"] == ["demo_lm.decoder.mlx"]
+    assert records[NAME]["registers"]["implementations"] == ["demo_lm.decoder"]
 
 
 def test_explain_selects_the_new_plugin_for_a_checkpoint_it_claims(site):
@@ -98,8 +98,8 @@ def test_explain_selects_the_new_plugin_for_a_checkpoint_it_claims(site):
     summary = json.loads(result.stdout)
     assert (summary["plugin"], summary["profile"], summary["implementation"]) == (
         NAME,
-        "demo_lm/family",
-        "demo_lm.decoder.mlx",
+        "demo_lm/decoder",
+        "demo_lm.decoder",
     )
 
 

@@ -14,7 +14,13 @@ import huggingface_hub
 import pytest
 from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
-from mlx_loom.artifacts import ALLOW_PATTERNS, hub_cache_dir, parse_repo_ref, resolve_model_ref
+from mlx_loom.artifacts import (
+    ALLOW_PATTERNS,
+    hub_cache_dir,
+    hub_command,
+    parse_repo_ref,
+    resolve_model_ref,
+)
 from mlx_loom.errors import ConfigError, ModelNotFound
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -149,7 +155,7 @@ def test_offline_and_uncached_fails_at_once_naming_repo_and_fix(hub, monkeypatch
         resolve_model_ref("org/absent@v2")
     assert time.monotonic() - start < 5
     assert "org/absent@v2" in info.value.message and "HF_HUB_OFFLINE" in info.value.message
-    assert "huggingface-cli download org/absent --revision v2" in info.value.fix
+    assert f"{hub_command('download')} org/absent --revision v2" in info.value.fix
     assert "unset HF_HUB_OFFLINE" in info.value.fix
     assert [c["local_files_only"] for c in calls] == [True]
 
@@ -202,7 +208,7 @@ def test_a_hub_error_during_download_becomes_model_not_found(hub, monkeypatch):
     with pytest.raises(ModelNotFound) as info:
         resolve_model_ref("org/private")
     assert "org/private" in info.value.message and "401" in info.value.message
-    assert "huggingface-cli" in info.value.fix
+    assert hub_command("login") in info.value.fix
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
@@ -227,3 +233,30 @@ def test_a_hub_error_during_download_becomes_model_not_found(hub, monkeypatch):
 )
 def test_repo_id_syntax(ref, parsed):
     assert parse_repo_ref(ref) == parsed
+
+
+@pytest.mark.parametrize(
+    ("version", "download", "login"),
+    [
+        ("0.33.4", "huggingface-cli download", "huggingface-cli login"),
+        ("0.34.0", "hf download", "hf auth login"),
+        ("1.2.0.dev0", "hf download", "hf auth login"),
+    ],
+)
+def test_hub_fixes_name_the_command_this_huggingface_hub_installs(
+    version, download, login, monkeypatch
+):
+    monkeypatch.setattr(huggingface_hub, "__version__", version)
+    assert (hub_command("download"), hub_command("login")) == (download, login)
+
+
+def test_a_short_name_resolves_to_the_bundled_model_without_the_hub(hub):
+    from mlx_loom import BUNDLED_MODEL
+
+    assert resolve_model_ref("tiny") == BUNDLED_MODEL
+
+
+def test_an_unknown_bare_name_lists_the_short_names(hub):
+    with pytest.raises(ModelNotFound, match="short name \\('tiny', 'tiny-minicpm5'\\)") as info:
+        resolve_model_ref("tinyy")
+    assert "loom models" in info.value.fix

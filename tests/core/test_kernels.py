@@ -53,9 +53,16 @@ def test_duplicate_registration_names_both_providers():
 
 def test_unknown_backend_is_rejected():
     with pytest.raises(RegistrationError, match="backend 'vulkan'"):
-        KernelRegistry([k(backend="vulkan")])
+        k(backend="vulkan")
 
 
 def test_empty_kernel_name_is_rejected():
-    with pytest.raises(RegistrationError, match="empty name"):
-        KernelRegistry([k(name="")])
+    with pytest.raises(RegistrationError, match="Kernel.name must be a non-blank string"):
+        k(name="")
+
+
+def test_a_forged_kernel_is_rechecked_when_registered():
+    forged = k()
+    object.__setattr__(forged, "backend", "vulkan")
+    with pytest.raises(RegistrationError, match="backend 'vulkan'"):
+        KernelRegistry([forged])

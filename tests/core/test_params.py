@@ -208,6 +208,12 @@ def test_per_penalty_context_size_points_to_shared_context_size():
     assert "'penalty_context_size'" in _error(repetition_context_size=64).message
 
 
+def test_transformers_max_new_tokens_name_points_to_max_tokens():
+    err = _error(max_new_tokens=64)
+    assert "did you mean 'max_tokens'" in err.message
+    assert err.fix == "rename 'max_new_tokens' to 'max_tokens'"
+
+
 def test_unrelated_unknown_option_lists_valid_options():
     err = _error(beam_width=4)
     assert "did you mean" not in err.message

@@ -106,6 +106,13 @@ def test_quarantine_keeps_the_traceback_for_json_readers(sites):
     assert "Traceback" in records["toybroken"]["traceback"]
 
 
+def test_a_plugin_written_for_api_1_0_on_the_old_import_paths_loads(sites):
+    records = {
+        p["name"]: p for p in json.loads(loom(["plugins", "--json"], sites).stdout)["plugins"]
+    }
+    assert (records["toygood"]["status"], records["toygood"]["api_version"]) == ("loaded", "1.0")
+
+
 def test_explain_selects_the_installed_plugin(sites, toy_checkpoint):
     result = loom(["explain", str(toy_checkpoint), "--json"], sites)
     assert result.returncode == 0, result.stderr

@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from mlx_loom.errors import PluginError, PolicyError, RegistrationError
+from mlx_loom.errors import PluginError, PolicyError
 from mlx_loom.host import PluginHost, PluginPolicy, hookimpl
 
 from .toyfamily import ToyPlugin, family_profile
@@ -12,6 +12,12 @@ from .toyfamily import ToyPlugin, family_profile
 
 def host(*plugins, **kwargs) -> PluginHost:
     return PluginHost(plugins=list(plugins), entry_points=False, **kwargs)
+
+
+def toy(name: str, model_type: str, *, profile_id: str | None = None) -> ToyPlugin:
+    """A toy plugin whose ids are all its own (unless ``profile_id`` says otherwise)."""
+    profile = family_profile(model_type, id=profile_id or f"{name}/{model_type}")
+    return ToyPlugin(model_type=model_type, impl_id=f"{name}.lm", profiles=[profile])
 
 
 def test_a_plugin_registers_and_is_recorded_with_its_provider():
@@ -66,7 +72,7 @@ def test_an_incompatible_plugin_api_is_refused_naming_both_versions():
     h = host(("old", ToyPlugin(api_version="0.9")))
     record = h.record("old")
     assert record.status == "quarantined"
-    assert "plugin API 0.9" in record.reason and "plugin API 1.0" in record.reason
+    assert "plugin API 0.9" in record.reason and "plugin API 1.1" in record.reason
 
 
 def test_a_plugin_that_does_not_declare_its_api_version_is_quarantined():
@@ -98,12 +104,41 @@ def test_strict_mode_raises_instead_of_quarantining():
         host(("bad", Exploding()), strict=True)
 
 
-def test_duplicate_ids_across_plugins_are_an_error_naming_both():
-    h = host(("a", ToyPlugin(model_type="m1")), ("b", ToyPlugin(model_type="m2")))
-    assert isinstance(h.registry_error, RegistrationError)
-    assert "by a (" in h.registry_error.message and "by b (" in h.registry_error.message
-    with pytest.raises(RegistrationError):
-        _ = h.registry
+def test_plugins_registering_the_same_id_are_both_quarantined_each_naming_the_other():
+    h = host(
+        ("a", ToyPlugin(model_type="m1")),
+        ("b", ToyPlugin(model_type="m2")),
+        (
+            "c",
+            ToyPlugin(model_type="m3", impl_id="c.lm", profiles=[family_profile("m3", id="c/m3")]),
+        ),
+    )
+    a, b = h.record("a"), h.record("b")
+    assert (a.status, b.status) == ("quarantined", "quarantined")
+    assert "implementation 'toy.lm.v1' is also registered by b (in-process)" in a.reason
+    assert "implementation 'toy.lm.v1' is also registered by a (in-process)" in b.reason
+    assert h.record("c").status == "loaded"
+    assert set(h.registry.implementations) == {"c.lm"}
+
+
+def test_a_duplicate_profile_names_the_two_plugins_that_registered_it():
+    h = host(
+        (
+            "a",
+            ToyPlugin(model_type="m1", impl_id="a.lm", profiles=[family_profile("m1", id="p/x")]),
+        ),
+        (
+            "b",
+            ToyPlugin(model_type="m2", impl_id="b.lm", profiles=[family_profile("m2", id="p/x")]),
+        ),
+    )
+    assert "profile 'p/x' is also registered by b (in-process)" in h.record("a").reason
+    assert "profile 'p/x' is also registered by a (in-process)" in h.record("b").reason
+
+
+def test_strict_mode_raises_on_a_conflict_between_plugins():
+    with pytest.raises(PluginError, match="is also registered by"):
+        host(("a", ToyPlugin(model_type="m1")), ("b", ToyPlugin(model_type="m2")), strict=True)
 
 
 def test_allow_list_blocks_plugins_not_listed():

@@ -1,13 +1,13 @@
 """Profile validation and resolution rules, one test per rule."""
 
 import pytest
+from pydantic import ValidationError
 
 from mlx_loom.errors import ProfileError, UnknownModelType
 from mlx_loom.host._profiles import (
     Execution,
     Profile,
     resolve_profile,
-    validate_against_config,
     validate_profile,
 )
 
@@ -38,9 +38,46 @@ def test_a_valid_family_profile_passes():
     validate_profile(profile())
 
 
-def test_empty_id_is_rejected():
-    with pytest.raises(ProfileError, match="empty id"):
-        validate_profile(profile(id="  "))
+@pytest.mark.parametrize("bad", ["", "  ", "fam/ llama", "fam/llama\n", 123, None])
+def test_a_blank_whitespace_or_non_string_profile_id_is_refused_on_construction(bad):
+    with pytest.raises(ValidationError, match="id"):
+        profile(id=bad)
+
+
+@pytest.mark.parametrize("field", ["graph", "loader", "loop", "implementation"])
+@pytest.mark.parametrize("bad", ["", " ", "a b", 7])
+def test_blank_or_non_string_execution_ids_are_refused_on_construction(field, bad):
+    fields = {"graph": "llama", "loader": "hf", field: bad}
+    with pytest.raises(ValidationError, match=field):
+        Execution(**fields)
+
+
+def test_blank_model_type_names_in_a_profile_are_refused():
+    with pytest.raises(ValidationError, match="model_types"):
+        profile(model_types=frozenset({"llama", " "}))
+
+
+def test_a_family_execution_selects_the_implementation_named_like_its_graph():
+    assert Execution(graph="fam.llama", loader="hf").default_implementation == "fam.llama"
+
+
+def test_a_generated_execution_selects_the_graph_generated_implementation():
+    ex = Execution(graph="fam.llama", loader="hf", specialization="generated")
+    assert ex.default_implementation == "fam.llama-generated"
+
+
+def test_a_generated_profile_may_be_family_wide_or_exact():
+    generated = Execution(graph="llama", loader="hf", specialization="generated")
+    validate_profile(profile(execution=generated))
+    validate_profile(exact().model_copy(update={"execution": generated}))
+
+
+def test_a_generated_profile_may_not_name_an_implementation():
+    named = Execution(
+        graph="llama", loader="hf", specialization="generated", implementation="fam.fast"
+    )
+    with pytest.raises(ProfileError, match="only an exact-artifact profile"):
+        validate_profile(exact().model_copy(update={"execution": named}))
 
 
 @pytest.mark.parametrize("which", ["artifact_fingerprint", "config_fingerprint"])
@@ -81,16 +118,6 @@ def test_unknown_loop_is_rejected():
     bad = profile(execution=Execution(graph="llama", loader="hf", loop="teleport"))
     with pytest.raises(ProfileError, match="loop 'teleport'"):
         validate_profile(bad)
-
-
-def test_graph_that_does_not_accept_the_model_type_is_rejected():
-    with pytest.raises(ProfileError, match="does not accept model_type 'gemma4'"):
-        validate_against_config(profile(), "gemma4", {"llama": frozenset({"llama"})})
-
-
-def test_graph_that_nobody_provides_is_rejected():
-    with pytest.raises(ProfileError, match="no installed implementation provides"):
-        validate_against_config(profile(), "llama", {})
 
 
 def test_exact_artifact_profile_wins_over_family_profile():

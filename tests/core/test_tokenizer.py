@@ -152,3 +152,47 @@ def test_invalid_special_token_field_is_refused_naming_it(fixture_dirs, tmp_path
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(TokenizerError, match="'eos_token'"):
         Tokenizer.from_dir(path)
+
+
+# --- mlx-lm compatibility -----------------------------------------------------------
+
+CHAT = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}]
+
+
+def test_eos_token_id_and_ids_match_mlx_lm(family):  # noqa: F811
+    from mlx_lm.tokenizer_utils import load as mlx_lm_load
+
+    name, path = family
+    ours, theirs = Tokenizer.from_dir(path), mlx_lm_load(path)
+    assert ours.eos_token_id == theirs.eos_token_id
+    assert ours.eos_token_id in ours.eos_token_ids
+    assert set(ours.eos_token_ids) >= set(theirs.eos_token_ids)
+
+
+def test_eos_token_id_falls_back_to_the_configs_first_id(tmp_path, fixture_dirs):  # noqa: F811
+    path = _copy(fixture_dirs["byte_bpe"], tmp_path / "no-eos-token")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["eos_token"] = None
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").unlink(missing_ok=True)
+    assert Tokenizer.from_dir(path, config_eos=[5, 1]).eos_token_id == 5
+    assert Tokenizer.from_dir(path).eos_token_id is None
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_apply_chat_template_tokenize_true_returns_mlx_lms_ids(family, add_generation_prompt):  # noqa: F811
+    from mlx_lm.tokenizer_utils import load as mlx_lm_load
+
+    name, path = family
+    ours, theirs = Tokenizer.from_dir(path), mlx_lm_load(path)
+    ids = ours.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=add_generation_prompt)
+    assert ids == list(
+        theirs.apply_chat_template(CHAT, add_generation_prompt=add_generation_prompt)
+    )
+    text = ours.apply_chat_template(CHAT, add_generation_prompt=add_generation_prompt)
+    assert isinstance(text, str) and ours.encode(text, add_special_tokens=False) == ids
+
+
+def test_apply_chat_template_refuses_a_non_bool_tokenize(fixture_dirs):  # noqa: F811
+    with pytest.raises(TokenizerError, match="tokenize='yes'"):
+        Tokenizer.from_dir(fixture_dirs["byte_bpe"]).apply_chat_template(CHAT, tokenize="yes")

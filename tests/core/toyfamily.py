@@ -101,6 +101,7 @@ class ToyPlugin:
         api_version: str = PLUGIN_API_VERSION,
         profiles: Sequence[Profile] | None = None,
         capabilities: Sequence[str] = ("generate",),
+        factory=build_toy,
     ) -> None:
         self.model_type = model_type
         self.impl_id = impl_id
@@ -109,6 +110,7 @@ class ToyPlugin:
         self.api_version = api_version
         self.profile_list = list(profiles) if profiles is not None else [family_profile(model_type)]
         self.capabilities = frozenset(capabilities)
+        self.factory = factory
 
     @hookimpl
     def loom_plugin_api_version(self) -> str:
@@ -134,7 +136,7 @@ class ToyPlugin:
                 graph=GRAPH,
                 loader=LOADER,
                 model_types=frozenset({self.model_type}),
-                factory=build_toy,
+                factory=self.factory,
                 kernels=self.kernel_names,
                 capabilities=self.capabilities,
             )
@@ -145,9 +147,12 @@ class ToyPlugin:
         return self.profile_list
 
 
+#: An installable toy family written exactly as a plugin-API 1.0 plugin was: the
+#: old import paths, four hooks, and an implementation id that is not its graph
+#: id (so it resolves by the 1.0 rule: its own plugin's one implementation).
 PLUGIN_SOURCE = '''
-"""An installable toy family plugin, written by the core's tests."""
-from mlx_loom.hookspecs import PLUGIN_API_VERSION, hookimpl
+"""An installable toy family plugin, written by the core's tests against plugin API 1.0."""
+from mlx_loom.hookspecs import hookimpl
 from mlx_loom.profiles import Execution, Profile
 from mlx_loom.registry import Implementation, ModelType
 
@@ -155,7 +160,7 @@ from mlx_loom.registry import Implementation, ModelType
 
 @hookimpl
 def loom_plugin_api_version():
-    return PLUGIN_API_VERSION
+    return "1.0"
 
 
 @hookimpl

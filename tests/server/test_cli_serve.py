@@ -11,6 +11,8 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
 from mlx_loom.cli.main import build_parser, main
 
 
@@ -31,10 +33,11 @@ def test_a_port_in_use_exits_1_with_a_fix(checkpoint, capsys):
     assert f"Cannot listen on 127.0.0.1:{port}" in err and "fix:" in err
 
 
-def test_an_invalid_max_tokens_limit_exits_1(checkpoint, capsys):
-    code = main(["serve", "--model", str(checkpoint), "--port", "0", "--max-tokens-limit", "0"])
-    assert code == 1
-    assert "max_tokens_limit=0" in capsys.readouterr().err
+def test_an_invalid_max_tokens_limit_is_a_usage_error(checkpoint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", str(checkpoint), "--port", "0", "--max-tokens-limit", "0"])
+    assert exit_info.value.code == 2
+    assert "argument --max-tokens-limit" in capsys.readouterr().err
 
 
 def test_loom_serve_serves_until_interrupted(checkpoint):

@@ -3,8 +3,10 @@
 The user API::
 
     import mlx_loom
-    model, tokenizer = mlx_loom.load("path/or/org-repo")
+    model, tokenizer = mlx_loom.load("path/or/org-repo")   # or "tiny", the bundled model
     print(mlx_loom.generate(model, tokenizer, "Hello", max_tokens=64))
+
+``mlx_loom.BUNDLED_MODEL`` is the bundled tiny model's directory.
 
 An application that embeds the engine and chooses its composition uses
 :class:`PluginHost`, :class:`PluginPolicy` and :class:`Registry` (more in
@@ -20,6 +22,7 @@ except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0+unknown"
 
 from . import errors  # noqa: E402
+from .assets import BUNDLED_MODEL  # noqa: E402
 from .errors import LoomError, Refusal  # noqa: E402
 from .generate import (  # noqa: E402
     BatchResult,
@@ -42,6 +45,7 @@ from .model import Model  # noqa: E402
 from .text import Tokenizer  # noqa: E402
 
 __all__ = [
+    "BUNDLED_MODEL",
     "BatchResult",
     "GenerationResponse",
     "LoomError",

@@ -67,6 +67,10 @@ class RequestError(LoomError, ValueError):
     """A generation request has an invalid parameter (empty prompt, bad top-p ...)."""
 
 
+class UsageError(RequestError):
+    """A command-line flag has a value the command cannot use (CLI exit code 2)."""
+
+
 class ConvertError(LoomError):
     """``loom convert`` / ``loom fuse`` was asked something it cannot do as asked."""
 
@@ -88,6 +92,10 @@ class PluginApiMismatch(PluginError):
 
 class RegistrationError(PluginError):
     """A plugin registered something malformed: an empty id, a duplicate id ..."""
+
+
+class ImplementationFailed(PluginError):
+    """An implementation's factory raised, or returned something that is not a model."""
 
 
 # --- caches ----------------------------------------------------------------

@@ -2,7 +2,33 @@
 
 A plugin imports from here, from :mod:`mlx_loom.cache` (cache kinds, masks,
 attention) and from :mod:`mlx_loom.nn` (layers families share) — nothing
-else in the core is a contract for plugins.
+else in the core is a contract for plugins. A whole plugin module reads::
+
+    from mlx_loom.plugin import (
+        BATCH, GENERATE, PLUGIN_API_VERSION, PROMPT_CACHE, Family, Graph, ModelType, hookimpl,
+    )
+
+    FAMILY = Family(
+        name="mydecoder",
+        model_types=(ModelType(name="mydecoder", schema=Config, fingerprint_fields=FIELDS,
+                               tiny_config=TINY_CONFIG),),
+        graphs=(Graph("mydecoder.decoder", factory=build),),
+        loader="mydecoder.hf",
+        capabilities=frozenset({GENERATE, BATCH, PROMPT_CACHE}),
+        checkpoint_tensors=checkpoint_tensors,
+    )
+
+    @hookimpl
+    def loom_plugin_api_version() -> str:
+        return PLUGIN_API_VERSION
+
+    @hookimpl
+    def loom_families() -> list[Family]:
+        return [FAMILY]
+
+The core derives the implementation (id = graph id) and the family profile
+(``"mydecoder/decoder"``) from the declaration. :class:`Implementation` and
+exact-artifact :class:`Profile` values tune one published artifact.
 """
 
 from __future__ import annotations
@@ -35,12 +61,15 @@ from .host import (
     Backend,
     BuildContext,
     Execution,
+    Family,
+    Graph,
     Implementation,
     Kernel,
     ModelType,
     Profile,
     hookimpl,
 )
+from .model import CausalLM
 
 __all__ = [
     "ADAPTERS",
@@ -54,12 +83,15 @@ __all__ = [
     "BuildContext",
     "CacheError",
     "CapabilityRefused",
+    "CausalLM",
     "ConfigError",
     "Count",
     "Execution",
+    "Family",
     "FieldError",
     "FiniteFloat",
     "Flag",
+    "Graph",
     "Implementation",
     "Kernel",
     "LayerCount",

@@ -16,7 +16,6 @@ from .host._profiles import (  # noqa: F401 - re-exported for plugin API 1.x
     Profile,
     ProfileChoice,
     resolve_profile,
-    validate_against_config,
     validate_profile,
 )
 
@@ -31,6 +30,5 @@ __all__ = [
     "ProfileChoice",
     "SPECULATIVE",
     "resolve_profile",
-    "validate_against_config",
     "validate_profile",
 ]

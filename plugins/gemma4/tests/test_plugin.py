@@ -11,11 +11,14 @@ from mlx_loom.host._profiles import validate_profile
 from mlx_loom.nn import switch_glu
 from mlx_loom_gemma4 import plugin
 
+REGISTERED = plugin.FAMILY.registrations()
+
 
 def test_plugin_claims_both_layouts_and_declares_its_capabilities():
-    (impl,) = plugin.loom_implementations()
-    (profile,) = plugin.loom_profiles()
-    assert {m.name for m in plugin.loom_model_types()} == {"gemma4_text", "gemma4"}
+    (impl,) = REGISTERED.implementations
+    (profile,) = REGISTERED.profiles
+    assert (impl.id, profile.id) == ("gemma4.text", "gemma4/text")
+    assert {m.name for m in REGISTERED.model_types} == {"gemma4_text", "gemma4"}
     assert impl.model_types == profile.model_types == {"gemma4_text", "gemma4"}
     assert (
         impl.capabilities
@@ -26,12 +29,12 @@ def test_plugin_claims_both_layouts_and_declares_its_capabilities():
 
 
 def test_expert_kernel_is_registered_for_every_backend():
-    backends = {(k.name, k.backend) for k in plugin.loom_kernels()}
+    backends = {(k.name, k.backend) for k in REGISTERED.kernels}
     assert backends == {("gemma4.switch_glu", b) for b in ("cpu", "cuda", "metal")}
 
 
 def test_the_cuda_registration_is_the_ops_kernel_that_runs_here():
-    by_backend = {k.backend: k for k in plugin.loom_kernels()}
+    by_backend = {k.backend: k for k in REGISTERED.kernels}
     assert by_backend["cuda"].fn is by_backend["cpu"].fn is switch_glu
     assert "registered for cpu and cuda" in by_backend["cuda"].description
 
@@ -40,7 +43,7 @@ def _core_forward(path, prompt):
     from mlx_loom.host import build_model, resolve_model
 
     resolved = resolve_model(path)
-    assert resolved.summary.implementation == plugin.IMPLEMENTATION_ID
+    assert resolved.summary.implementation == "gemma4.text"
     model = build_model(resolved)
     return model(prompt, cache=model.make_cache())
 

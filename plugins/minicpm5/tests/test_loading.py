@@ -151,7 +151,7 @@ def test_mlx_loom_load_builds_the_model_and_runs_a_forward(make_checkpoint):
     _write_word_tokenizer(path)
     model, tokenizer = mlx_loom.load(path)
     assert model.profile.id == "minicpm5/llama"
-    assert model.implementation.id == "minicpm5.llama.mlx"
+    assert model.implementation.id == "minicpm5.llama"
     ids = tokenizer.encode("w3 w17 w42", add_special_tokens=False)
     logits = model(mx.array([ids]), cache=model.make_cache())
     assert logits.shape == (1, 3, 256)

@@ -65,7 +65,7 @@ def test_plugin_is_discovered_through_its_entry_point():
 
 
 def test_profiles_pass_the_core_validation_rules():
-    for profile in plugin.loom_profiles():
+    for profile in plugin.FAMILY.registrations().profiles:
         validate_profile(profile)
 
 
@@ -87,7 +87,7 @@ def test_exact_profile_fingerprints_derive_from_the_published_geometry():
 def test_minicpm5_1b_checkpoint_resolves_to_the_exact_profile(tmp_path):
     resolved = resolve_model(headers_only_checkpoint(tmp_path / "1b", MINICPM5_1B))
     assert resolved.summary.profile == "minicpm5/minicpm5-1b"
-    assert resolved.summary.implementation == "minicpm5.llama.mlx"
+    assert resolved.summary.implementation == "minicpm5.llama"
     assert "exact-artifact" in resolved.summary.profile_reason
 
 

@@ -16,6 +16,7 @@ from mlx_loom.host import (
     KV_QUANTIZATION,
     PROMPT_CACHE,
     SPECULATIVE,
+    PluginHost,
     Registry,
     build_model,
     resolve_model,
@@ -29,29 +30,24 @@ PROMPT = [1, 5, 7, 9, 11, 200, 3, 4, 8, 100, 42, 17]
 
 
 def _registry() -> Registry:
-    return Registry(
-        model_types=plugin.loom_model_types(),
-        implementations=plugin.loom_implementations(),
-        profiles=plugin.loom_profiles(),
-        kernels=plugin.loom_kernels(),
-    )
+    return PluginHost(plugins=[("qwen3_next", plugin)], entry_points=False).registry
 
 
 def test_every_kernel_is_registered_for_every_backend():
-    reg = KernelRegistry(plugin.loom_kernels())
+    reg = KernelRegistry(plugin.FAMILY.kernels)
     for name in qk.KERNEL_NAMES:
         assert reg.backends_for(name) == ("metal", "cuda", "cpu")
 
 
 def test_the_ops_kernels_are_selected_on_this_device():
-    reg = KernelRegistry(plugin.loom_kernels())
+    reg = KernelRegistry(plugin.FAMILY.kernels)
     assert reg.resolve(qk.GATED_DELTA).fn is qk.gated_delta_ops
     assert reg.resolve(qk.CAUSAL_CONV).fn is qk.causal_conv_silu_ops
 
 
 def test_the_cuda_registrations_are_the_ops_kernels():
-    cuda = {k.name: k for k in plugin.loom_kernels() if k.backend == "cuda"}
-    cpu = {k.name: k for k in plugin.loom_kernels() if k.backend == "cpu"}
+    cuda = {k.name: k for k in plugin.FAMILY.kernels if k.backend == "cuda"}
+    cpu = {k.name: k for k in plugin.FAMILY.kernels if k.backend == "cpu"}
     assert set(cuda) == set(qk.KERNEL_NAMES)
     assert all(cuda[name].fn is cpu[name].fn for name in cuda)
     assert all("registered for cpu and cuda" in k.description for k in cuda.values())
@@ -73,7 +69,7 @@ def test_metal_registrations_carry_their_kernel_sources():
 
 
 def test_profiles_are_valid_and_declare_the_capabilities_the_caches_support():
-    for profile in plugin.loom_profiles():
+    for profile in _registry().profiles:
         validate_profile(profile)
         assert profile.capabilities == {
             GENERATE,

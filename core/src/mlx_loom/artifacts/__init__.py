@@ -35,7 +35,9 @@ from mlx_loom.artifacts.quantization import (
 )
 from mlx_loom.artifacts.reference import (
     ALLOW_PATTERNS,
+    SHORT_NAMES,
     hub_cache_dir,
+    hub_command,
     hub_offline,
     parse_repo_ref,
     resolve_model_ref,
@@ -63,6 +65,7 @@ __all__ = [
     "INDEX_FILE",
     "MAX_HEADER_BYTES",
     "SAFETENSORS_DTYPES",
+    "SHORT_NAMES",
     "SUPPORTED_BITS",
     "SUPPORTED_GROUP_SIZES",
     "TEXT_LAYOUT",
@@ -80,6 +83,7 @@ __all__ = [
     "check_weights",
     "config_fingerprint",
     "hub_cache_dir",
+    "hub_command",
     "hub_offline",
     "list_weight_files",
     "load_weights",

@@ -3,14 +3,17 @@
 Resolution order, and why:
 
 1. Something that exists on disk is a local model, even if it also looks like
-   a repo id: the user's files win over the network.
-2. A Hugging Face repo id is looked up in the local hub cache first, with
+   a repo id or a short name: the user's files win over everything else.
+2. A short name (:data:`SHORT_NAMES`: ``tiny`` for the bundled model) is the
+   model shipped with the core. A bare word is never a repo id (those need
+   ``org/name``), so short names cannot shadow anything on the Hub.
+3. A Hugging Face repo id is looked up in the local hub cache first, with
    ``local_files_only=True``, so a cached model never touches the network.
-3. Not cached and ``HF_HUB_OFFLINE`` set: refuse at once with the command that
+4. Not cached and ``HF_HUB_OFFLINE`` set: refuse at once with the command that
    fixes it. We read the variable when called (``huggingface_hub`` reads it
    once at import), so a host that sets it later is still honoured and we
    never sit on a network timeout.
-4. Otherwise download only what the engine reads — config, tokenizer files,
+5. Otherwise download only what the engine reads — config, tokenizer files,
    chat templates, safetensors and their index — never pickles or code.
 """
 
@@ -24,9 +27,24 @@ import huggingface_hub
 from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
 from mlx_loom.artifacts.config import CONFIG_FILE
+from mlx_loom.assets import BUNDLED_MODEL, BUNDLED_MODEL_ALIAS, BUNDLED_MODEL_NAME
 from mlx_loom.errors import ConfigError, ModelNotFound
 
-__all__ = ["ALLOW_PATTERNS", "hub_cache_dir", "hub_offline", "parse_repo_ref", "resolve_model_ref"]
+__all__ = [
+    "ALLOW_PATTERNS",
+    "SHORT_NAMES",
+    "hub_cache_dir",
+    "hub_command",
+    "hub_offline",
+    "parse_repo_ref",
+    "resolve_model_ref",
+]
+
+#: Model references that name a model shipped with the core, and where it is.
+SHORT_NAMES: dict[str, Path] = {
+    BUNDLED_MODEL_ALIAS: BUNDLED_MODEL,
+    BUNDLED_MODEL_NAME: BUNDLED_MODEL,
+}
 
 #: The files a download fetches: what the engine reads, and nothing executable.
 ALLOW_PATTERNS = (
@@ -69,6 +87,18 @@ def hub_cache_dir() -> Path:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         base = Path(xdg) / "huggingface"
     return base / "hub"
+
+
+def hub_command(action: str) -> str:
+    """The Hub CLI command for ``action`` (``"download"``, ``"login"``) as installed here.
+
+    huggingface_hub 0.34 replaced ``huggingface-cli`` with ``hf`` (and moved
+    login under ``hf auth``); a fix must name the command the user has.
+    """
+    major, minor = (int(p) for p in re.findall(r"\d+", huggingface_hub.__version__)[:2])
+    if (major, minor) >= (0, 34):
+        return {"login": "hf auth login"}.get(action, f"hf {action}")
+    return f"huggingface-cli {action}"
 
 
 def parse_repo_ref(ref: str) -> tuple[str, str | None] | None:
@@ -116,13 +146,18 @@ def resolve_model_ref(ref: str | os.PathLike[str]) -> Path:
     path = Path(ref).expanduser()
     if ref and path.exists():
         return _checked_dir(path, what="model directory")
+    if ref in SHORT_NAMES:
+        return _checked_dir(SHORT_NAMES[ref], what=f"bundled model {ref!r},")
 
     parsed = parse_repo_ref(ref)
     if parsed is None:
+        names = ", ".join(repr(n) for n in SHORT_NAMES)
         raise ModelNotFound(
-            f"model {ref!r} is neither an existing directory nor a Hugging Face repo id",
-            fix="pass a model directory that exists, or a repo id such as org/name "
-            "(optionally org/name@revision)",
+            f"model {ref!r} is neither an existing directory, a short name ({names}) "
+            "nor a Hugging Face repo id",
+            fix="pass a model directory that exists, a repo id such as org/name "
+            "(optionally org/name@revision), or a short name; `loom models` lists the "
+            "models on this machine",
         )
     repo_id, revision = parsed
     shown = repo_id if revision is None else f"{repo_id}@{revision}"
@@ -144,7 +179,7 @@ def resolve_model_ref(ref: str | os.PathLike[str]) -> Path:
     except ValueError as err:  # HFValidationError and friends
         raise ModelNotFound(f"model {shown!r}: {err}", fix="check the repo id") from err
 
-    download = f"huggingface-cli download {repo_id}"
+    download = f"{hub_command('download')} {repo_id}"
     if revision:
         download += f" --revision {revision}"
     if hub_offline():
@@ -165,7 +200,7 @@ def resolve_model_ref(ref: str | os.PathLike[str]) -> Path:
         raise ModelNotFound(
             f"model {shown} could not be downloaded from the Hugging Face Hub: "
             f"{type(err).__name__}: {err}",
-            fix=f"check the repo id, your network and token (`huggingface-cli login`), "
+            fix=f"check the repo id, your network and token (`{hub_command('login')}`), "
             f"or download it with `{download}`",
         ) from err
     return _checked_dir(Path(snapshot), what=f"downloaded snapshot of {shown},")

@@ -7,9 +7,11 @@ file's metadata, validated with a pydantic model on load.
 
 Unlike mlx-lm, which turns a class name from the file into code through
 ``globals()``, a file may only name a cache kind from a fixed table of
-registered kinds (:data:`mlx_loom.cache.CACHE_KINDS`, or a table the caller
-passes); any other name is a :class:`~mlx_loom.errors.CacheError`. A hostile
-file therefore cannot choose what code runs on load.
+registered kinds (:data:`mlx_loom.cache.CACHE_KINDS`, or the table the
+caller passes — :class:`mlx_loom.PromptCache` passes its model's registry
+table, which adds the kinds plugins registered); any other name is a
+:class:`~mlx_loom.errors.CacheError`. A hostile file therefore cannot choose
+what code runs on load.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def kind_table(*classes: type) -> Mapping[str, type]:
     """An immutable ``kind name -> class`` table from cache classes.
 
     Each class must carry a string ``kind`` and a ``from_state(state,
-    meta_state)`` classmethod. Cache modules outside this package (e.g. the
-    recurrent state cache) join by being listed where ``CACHE_KINDS`` is built.
+    meta_state)`` classmethod. The core's kinds are listed where
+    ``CACHE_KINDS`` is built; a plugin's join through its registry
+    (``loom_cache_kinds`` or ``Family(cache_kinds=...)``).
     """
     table: dict[str, type] = {}
     for cls in classes:
@@ -118,7 +121,8 @@ def save_prompt_cache(
             raise CacheError(
                 f"save_prompt_cache: layer {i} holds a {type(cache).__name__}, which is not a "
                 f"registered cache kind ({', '.join(sorted(table))})",
-                fix="register the cache class in mlx_loom.cache.CACHE_KINDS",
+                fix="register the cache class through the plugin's loom_cache_kinds hook "
+                "(or Family(cache_kinds=...))",
             )
         state = tuple(cache.state)
         for j, a in enumerate(state):

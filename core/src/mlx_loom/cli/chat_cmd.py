@@ -1,21 +1,24 @@
-"""``loom chat``: an interactive conversation that keeps its cache between turns."""
+"""``loom chat``: an interactive conversation that keeps its cache between turns.
+
+The pieces: :mod:`.repl` reads what is typed (readline, history, multi-line
+messages), :mod:`.chat_session` runs turns and ``/commands``, and
+:mod:`.conversation` keeps the transcript inside the model's context.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from ..errors import RequestError, TokenizerError
-from ..generate import PromptCache, stream_generate
-from .generate_cmd import (
-    add_model_options,
-    add_sampling_options,
-    load_from_args,
-    print_stats,
-    sampling_kwargs,
-)
-
-HELP = "Type a message. Commands: /reset (forget the conversation), /exit (or Ctrl-D)."
+from ..assets import BUNDLED_MODEL_ALIAS
+from ..errors import TokenizerError
+from ..model import Model
+from . import flags
+from .chat_session import COMMANDS, ChatSession
+from .flags import usage_error
+from .generate_cmd import add_model_options, add_sampling_options, load_from_args, sampling_kwargs
+from .repl import HISTORY_ENV, EndOfInput, LineReader, default_history_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,13 +26,54 @@ def register(sub: argparse._SubParsersAction) -> None:
         "chat",
         help="chat interactively with a model",
         description="An interactive chat. The conversation and its KV cache are kept between "
-        "turns, so each turn only processes the new text.",
+        "turns, so each turn only processes the new text; when the conversation outgrows the "
+        "context, the oldest turns are left out (the system message is kept). Type /help in "
+        "the chat for its commands.",
     )
     add_model_options(parser)
-    parser.add_argument("--system", help="system message")
+    parser.add_argument(
+        "--system",
+        "--system-prompt",
+        dest="system",
+        metavar="TEXT",
+        help="system message (also: /system in the chat)",
+    )
     parser.add_argument("--stats", action="store_true", help="print speed after each reply")
+    parser.add_argument(
+        "--max-kv-size",
+        type=flags.MAX_KV_SIZE,
+        metavar="N",
+        help="tokens the conversation may occupy, prompt and reply together "
+        "(default: the model's context length); older turns are left out to stay inside it",
+    )
+    history = parser.add_mutually_exclusive_group()
+    history.add_argument(
+        "--history-file",
+        type=Path,
+        metavar="FILE",
+        help=f"where to keep typed lines (default: ${HISTORY_ENV}, else chat_history in the "
+        "mlx-loom data directory)",
+    )
+    history.add_argument(
+        "--no-history", action="store_true", help="do not read or write a history file"
+    )
     add_sampling_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
+
+
+def context_budget(args: argparse.Namespace, model: Model) -> int | None:
+    """Tokens the conversation may occupy: ``--max-kv-size``, capped by the model's context."""
+    context = model.context_length
+    if args.max_kv_size is None:
+        return context
+    if context is not None and args.max_kv_size > context:
+        raise usage_error(
+            "--max-kv-size",
+            f"{args.max_kv_size} is more than the model's context of {context} tokens "
+            "(max_position_embeddings)",
+            f"pass --max-kv-size {context} or less, or omit it to use the whole context",
+        )
+    return args.max_kv_size
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,41 +84,36 @@ def run(args: argparse.Namespace) -> int:
             "format a conversation.",
             fix="Use `loom generate --no-chat-template`, or add chat_template.jinja to the model.",
         )
-    options = sampling_kwargs(args)
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    messages = list(system)
-    cache = PromptCache(model)
+    name = args.model or BUNDLED_MODEL_ALIAS
+    budget = context_budget(args, model)
+    session = ChatSession(
+        model,
+        tokenizer,
+        options=sampling_kwargs(args, model),
+        budget=budget,
+        name=name,
+        system=args.system,
+        stats=args.stats,
+    )
     interactive = sys.stdin.isatty()
-    if interactive:
-        print(f"[{model.model_dir.name}] {HELP}")
-    while True:
-        try:
-            line = input(">> " if interactive else "")
-        except EOFError:
-            break
-        text = line.strip()
-        if not text:
-            continue
-        if text in ("/exit", "/quit"):
-            break
-        if text == "/reset":
-            messages = list(system)
-            cache.reset()
-            print("(conversation reset)")
-            continue
-        messages.append({"role": "user", "content": text})
-        ids = tokenizer.encode_chat(messages)
-        reply, last = [], None
-        try:
-            for last in stream_generate(model, tokenizer, ids, prompt_cache=cache, **options):
-                print(last.text, end="", flush=True)
-                reply.append(last.text)
-        except RequestError as err:
-            messages.pop()
-            print(f"\nloom: error: {err.message}\nfix: {err.fix}", file=sys.stderr)
-            continue
-        print()
-        messages.append({"role": "assistant", "content": "".join(reply)})
-        if args.stats:
-            print_stats(last)
+    history = None if args.no_history else (args.history_file or default_history_path())
+    with LineReader(interactive=interactive, history=history, commands=COMMANDS) as reader:
+        if reader.history_error:
+            session.note(reader.history_error)
+        if interactive:
+            context = f"{budget}-token context" if budget else "context not declared"
+            print(f"[{name}, {context}] Type a message; /help for commands, Ctrl-D to leave.")
+        while True:
+            try:
+                if not session.handle(reader.read()):
+                    break
+            except KeyboardInterrupt:  # at the prompt: drop the half-typed line
+                session.recover()
+                print(file=sys.stdout, flush=True)
+            except EndOfInput as end:
+                if interactive:
+                    print(flush=True)  # leave the shell's prompt on a line of its own
+                if end.unfinished:
+                    session.note("the unfinished multi-line message was not sent")
+                break
     return 0

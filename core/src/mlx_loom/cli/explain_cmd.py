@@ -5,18 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..artifacts.summary import summarize_artifact
 from ..host import PluginHost, resolve_model
+from .models_cmd import human_bytes, human_count
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "explain",
         help="show how a model would be resolved, without loading weights",
-        description="Print the model type, the chosen profile and why, the implementation, "
-        "and the kernel backend of each needed kernel on this device — or the refusal and its "
-        "fix.",
+        description="Print the model type, parameter count, dtype, quantization and context "
+        "length, the chosen profile and why, the implementation, and the kernel backend of each "
+        "needed kernel on this device — or the refusal and its fix. Only config.json and the "
+        "safetensors headers are read.",
     )
-    parser.add_argument("model", help="model directory or Hugging Face repo id")
+    parser.add_argument(
+        "model", help="model directory, Hugging Face repo id (org/name[@revision]) or short name"
+    )
     parser.add_argument(
         "--kernel-backend", choices=["metal", "cuda", "cpu"], help="pin the kernel backend"
     )
@@ -27,12 +32,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     resolved = resolve_model(args.model, host=PluginHost(), kernel_backend=args.kernel_backend)
     summary = resolved.summary
+    weights = summarize_artifact(resolved.model_dir, resolved.config)
     if args.json:
-        print(json.dumps(summary.model_dump(mode="json"), indent=2))
+        payload = {**summary.model_dump(mode="json"), "weights": weights.model_dump(mode="json")}
+        print(json.dumps(payload, indent=2))
         return 0
     rows = [
         ("model", summary.model_dir),
         ("model type", summary.model_type),
+        ("parameters", f"{human_count(weights.parameters)} ({weights.parameters:,})"),
+        ("dtype", weights.dtype or "-"),
+        ("quantization", weights.quantization or "none"),
+        ("context length", str(weights.context_length or "not declared")),
+        ("weights on disk", human_bytes(weights.weights_bytes)),
         ("plugin", summary.plugin or "-"),
         ("profile", f"{summary.profile}  ({summary.profile_reason})"),
         ("implementation", summary.implementation),

@@ -1,4 +1,8 @@
-"""``loom generate``: stream one completion to the terminal."""
+"""``loom generate``: stream one completion to the terminal.
+
+Also home to the model, sampling and KV-cache options ``loom chat`` and
+``loom serve`` share, so a flag means the same thing in every command.
+"""
 
 from __future__ import annotations
 
@@ -6,45 +10,154 @@ import argparse
 import sys
 from typing import Any
 
-from ..assets import default_model_path
+from ..assets import BUNDLED_MODEL_ALIAS
 from ..generate import stream_generate
 from ..host import load
+from ..model import Model
+from . import flags
+from .flags import usage_error
+
+DEFAULT_PROMPT = "Once upon a time"
+#: The group size mlx-lm and the API default to; the CLI prefers it when it fits.
+PREFERRED_KV_GROUP_SIZE = 64
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
-        help="model directory or Hugging Face repo id (default: the bundled tiny MiniCPM5 model)",
+        metavar="MODEL",
+        help="model directory, Hugging Face repo id (org/name[@revision]) or short name "
+        f"(default: {BUNDLED_MODEL_ALIAS!r}, the bundled tiny MiniCPM5 model; "
+        "`loom models` lists what is here)",
     )
     parser.add_argument(
         "--kernel-backend", choices=["metal", "cuda", "cpu"], help="pin the kernel backend"
     )
     parser.add_argument(
         "--adapter-path",
+        metavar="DIR",
         help="a LoRA/DoRA adapter directory (mlx-lm's adapter_config.json + adapters.safetensors)",
     )
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", "-m", type=int, default=256, help="default: 256")
-    group.add_argument("--temp", type=float, default=0.0, help="0 = greedy (default)")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0, help="0 = off")
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float)
-    group.add_argument("--presence-penalty", type=float)
-    group.add_argument("--frequency-penalty", type=float)
-    group.add_argument("--seed", type=int)
-    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument(
+        "--max-tokens", "-m", type=flags.MAX_TOKENS, default=256, metavar="N", help="default: 256"
+    )
+    group.add_argument(
+        "--temp", type=flags.TEMP, default=0.0, metavar="T", help="0 = greedy (default)"
+    )
+    group.add_argument(
+        "--top-p", type=flags.TOP_P, default=1.0, metavar="P", help="in (0, 1]; default: 1 (off)"
+    )
+    group.add_argument("--top-k", type=flags.TOP_K, default=0, metavar="K", help="default: 0 (off)")
+    group.add_argument(
+        "--min-p", type=flags.MIN_P, default=0.0, metavar="P", help="in [0, 1]; default: 0 (off)"
+    )
+    group.add_argument(
+        "--repetition-penalty",
+        type=flags.REPETITION_PENALTY,
+        metavar="R",
+        help="> 0; 1.0 is neutral",
+    )
+    group.add_argument(
+        "--presence-penalty", type=flags.PRESENCE_PENALTY, metavar="X", help="0 = off"
+    )
+    group.add_argument(
+        "--frequency-penalty", type=flags.FREQUENCY_PENALTY, metavar="X", help="0 = off"
+    )
+    group.add_argument("--seed", type=flags.SEED, metavar="S", help="default: a fresh random seed")
+    group.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
+    )
     cache = parser.add_argument_group("KV cache")
-    cache.add_argument("--kv-bits", type=int, help="quantize the KV cache to 4 or 8 bits")
-    cache.add_argument("--kv-group-size", type=int, default=64)
-    cache.add_argument("--quantized-kv-start", type=int, default=0)
-    cache.add_argument("--prefill-step-size", type=int, default=2048)
+    cache.add_argument(
+        "--kv-bits",
+        type=flags.KV_BITS_FLAG,
+        metavar="{2,3,4,5,6,8}",
+        help="quantize the KV cache to this many bits (4 and 8 are the usual choices; "
+        "default: not quantized)",
+    )
+    cache.add_argument(
+        "--kv-group-size",
+        type=flags.KV_GROUP_SIZE,
+        metavar="{32,64,128}",
+        help="elements per quantization group; must divide the head dimension "
+        "(default: 64, or 32 when 64 does not divide it)",
+    )
+    cache.add_argument(
+        "--quantized-kv-start",
+        type=flags.QUANTIZED_KV_START,
+        default=0,
+        metavar="N",
+        help="quantize once the cache holds this many tokens (default: 0)",
+    )
+    cache.add_argument(
+        "--prefill-step-size",
+        type=flags.PREFILL_STEP_SIZE,
+        default=2048,
+        metavar="N",
+        help="prompt tokens per prefill forward (default: 2048)",
+    )
 
 
-def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def model_head_dims(model: Model) -> set[int]:
+    """The attention head sizes ``config.json`` declares (what KV groups must divide).
+
+    Read from ``head_dim`` and ``global_head_dim`` (Gemma 4's full-attention
+    layers), else ``hidden_size / num_attention_heads`` — the sizes the
+    families' key/value caches hold.
+    """
+    text = model.config.text_config()
+    dims = {v for k in ("head_dim", "global_head_dim") if isinstance(v := text.get(k), int)}
+    hidden, heads = text.get("hidden_size"), text.get("num_attention_heads")
+    if not dims and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        dims.add(hidden // heads)
+    return {d for d in dims if d > 0}
+
+
+def kv_group_size(args: argparse.Namespace, model: Model) -> int:
+    """The KV quantization group size: the user's, else the preferred one that fits.
+
+    mlx-lm always defaults to 64, which fails on models with 32-wide heads
+    (the bundled model among them); a default that cannot work is not a
+    default. An explicit ``--kv-group-size`` is checked, never replaced.
+    """
+    dims = model_head_dims(model)
+    if args.kv_group_size is not None:
+        if args.kv_bits is not None:
+            bad = sorted(d for d in dims if d % args.kv_group_size)
+            if bad:
+                raise usage_error(
+                    "--kv-group-size",
+                    f"{args.kv_group_size} does not divide this model's head dimension "
+                    f"({', '.join(map(str, bad))})",
+                    _group_fix(dims),
+                )
+        return args.kv_group_size
+    if args.kv_bits is None:
+        return PREFERRED_KV_GROUP_SIZE
+    for size in (PREFERRED_KV_GROUP_SIZE, 32):  # 128 only ever fits where 64 does
+        if all(d % size == 0 for d in dims):
+            return size
+    raise usage_error(
+        "--kv-bits",
+        f"this model's head dimension ({', '.join(map(str, sorted(dims)))}) is not a "
+        "multiple of any KV quantization group size (32, 64 or 128)",
+        "omit --kv-bits for this model",
+    )
+
+
+def _group_fix(dims: set[int]) -> str:
+    fits = [s for s in (32, 64, 128) if all(d % s == 0 for d in dims)]
+    if fits:
+        return f"pass --kv-group-size {fits[-1]}, or omit it to pick one that fits"
+    return "omit --kv-bits for this model: no KV group size divides its head dimension"
+
+
+def sampling_kwargs(args: argparse.Namespace, model: Model) -> dict[str, Any]:
+    """The ``stream_generate`` options the shared flags ask for."""
     options: dict[str, Any] = dict(
         max_tokens=args.max_tokens,
         temperature=args.temp,
@@ -54,7 +167,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         stop=args.stop,
         kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size,
+        kv_group_size=kv_group_size(args, model),
         quantized_kv_start=args.quantized_kv_start,
         prefill_step_size=args.prefill_step_size,
     )
@@ -65,8 +178,11 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load_from_args(args: argparse.Namespace):
-    model_ref = args.model or default_model_path()
-    return load(model_ref, kernel_backend=args.kernel_backend, adapter_path=args.adapter_path)
+    return load(
+        args.model or BUNDLED_MODEL_ALIAS,
+        kernel_backend=args.kernel_backend,
+        adapter_path=args.adapter_path,
+    )
 
 
 def print_stats(last, out=None) -> None:
@@ -91,30 +207,72 @@ def register(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="generate text from a prompt",
         description="Stream a completion for one prompt, then print prompt and generation "
-        "speed and peak memory.",
+        "speed and peak memory (on stderr).",
+    )
+    parser.add_argument(
+        "prompt_text",
+        nargs="?",
+        metavar="PROMPT",
+        help=f"the prompt ('-' reads stdin; default: {DEFAULT_PROMPT!r})",
     )
     add_model_options(parser)
-    parser.add_argument("--prompt", "-p", default="Once upon a time", help="'-' reads stdin")
-    parser.add_argument("--system", help="system message for the chat template")
     parser.add_argument(
-        "--no-chat-template", action="store_true", help="feed the prompt as raw text"
+        "--prompt", "-p", metavar="PROMPT", help="the prompt, as a flag (as in mlx-lm)"
+    )
+    parser.add_argument(
+        "--system",
+        "--system-prompt",
+        dest="system",
+        metavar="TEXT",
+        help="system message for the chat template",
+    )
+    parser.add_argument(
+        "--no-chat-template",
+        "--ignore-chat-template",
+        dest="no_chat_template",
+        action="store_true",
+        help="feed the prompt as raw text, without the model's chat template",
     )
     parser.add_argument("--verbose", action="store_true", help="also show what was resolved")
     parser.add_argument(
-        "--draft-model", help="a smaller model with the same tokenizer, for speculative decoding"
+        "--draft-model",
+        metavar="MODEL",
+        help="a smaller model with the same tokenizer, for speculative decoding",
     )
-    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=flags.NUM_DRAFT_TOKENS,
+        default=3,
+        metavar="N",
+        help="tokens the draft proposes per step (default: 3)",
+    )
     add_sampling_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
 
 
+def prompt_from_args(args: argparse.Namespace) -> str:
+    if args.prompt_text is not None and args.prompt is not None:
+        raise usage_error(
+            "--prompt",
+            "the prompt was given twice, as an argument and with --prompt",
+            'pass the prompt once: `loom generate "..."` or `loom generate --prompt "..."`',
+        )
+    prompt = args.prompt_text if args.prompt_text is not None else args.prompt
+    if prompt is None:
+        return DEFAULT_PROMPT
+    return sys.stdin.read() if prompt == "-" else prompt
+
+
 def run(args: argparse.Namespace) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = prompt_from_args(args)
     model, tokenizer = load_from_args(args)
+    options = sampling_kwargs(args, model)
     if args.verbose:
+        kv = f"  kv cache: {args.kv_bits}-bit, group {options['kv_group_size']}"
         print(
             f"model: {model.model_dir}\nprofile: {model.profile.id} ({model.profile_reason})\n"
-            f"implementation: {model.implementation.id}  backend: {model.backend}",
+            f"implementation: {model.implementation.id}  backend: {model.backend}"
+            + (kv if args.kv_bits is not None else ""),
             file=sys.stderr,
         )
     if not args.no_chat_template and tokenizer.has_chat_template:
@@ -125,13 +283,12 @@ def run(args: argparse.Namespace) -> int:
         ids = tokenizer.encode_chat(messages)
     else:
         ids = prompt
-    options = sampling_kwargs(args)
     if args.draft_model:
         options["draft_model"], _ = load(args.draft_model, kernel_backend=args.kernel_backend)
         options["num_draft_tokens"] = args.num_draft_tokens
     last = None
     for last in stream_generate(model, tokenizer, ids, **options):
         print(last.text, end="", flush=True)
-    print()
+    print(flush=True)
     print_stats(last)
     return 0

@@ -1,27 +1,42 @@
 """``loom``: the command line.
 
 Exit codes: 0 success, 1 bad input (config, weights, request parameters, a
-broken plugin), 2 usage error (including an inconsistent plugin policy),
-3 refusal (what the artifact needs is not installed, not allowed, or cannot
-run on this device). Errors print the message and, on its own line, the fix.
+broken plugin), 2 usage error (a bad flag value, an inconsistent plugin
+policy), 3 refusal (what the artifact needs is not installed, not allowed, or
+cannot run on this device), 130 interrupted (Ctrl-C), 141 the reader of the
+output went away (``loom generate | head``). Errors print the message and, on
+its own line, the fix — spelled with the command's flags, not the Python API's
+parameter names.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from ..errors import LoomError, PolicyError, Refusal, RequestError
-from . import chat_cmd, convert_cmd, explain_cmd, fuse_cmd, generate_cmd, plugins_cmd, serve_cmd
+from ..errors import LoomError, PolicyError, Refusal, UsageError
+from . import (
+    chat_cmd,
+    convert_cmd,
+    explain_cmd,
+    fuse_cmd,
+    generate_cmd,
+    models_cmd,
+    plugins_cmd,
+    serve_cmd,
+)
+from .flags import LoomArgumentParser, speak_flags
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REFUSAL = 0, 1, 2, 3
+EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141  # 128 + SIGINT, 128 + SIGPIPE, as a shell reports
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = LoomArgumentParser(
         prog="loom",
         description="mlx-loom: LLM inference on MLX with pluggable model families.",
         epilog="Exit codes: 0 success, 1 bad input, 2 usage error, 3 refusal.",
@@ -29,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mlx-loom {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     plugins_cmd.register(sub)
+    models_cmd.register(sub)
     explain_cmd.register(sub)
     generate_cmd.register(sub)
     chat_cmd.register(sub)
@@ -41,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def exit_code_for(err: LoomError) -> int:
     if isinstance(err, Refusal):
         return EXIT_REFUSAL
-    if isinstance(err, PolicyError):
+    if isinstance(err, (PolicyError, UsageError)):
         return EXIT_USAGE
     return EXIT_ERROR
 
@@ -53,28 +69,51 @@ def report_error(err: LoomError, *, as_json: bool = False) -> int:
         print(json.dumps({**err.to_dict(), "exit_code": code}, indent=2))
     else:
         kind = "refused" if isinstance(err, Refusal) else "error"
-        print(f"loom: {kind}: {err.message}", file=sys.stderr)
+        print(f"loom: {kind}: {speak_flags(err.message)}", file=sys.stderr)
         if err.fix:
-            print(f"fix: {err.fix}", file=sys.stderr)
+            print(f"fix: {speak_flags(err.fix)}", file=sys.stderr)
     return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # also from --help piped into head
+        return _reader_went_away()
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # reported by the command's own parser, so the fix names its --help
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extras)}")
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
     try:
         return int(args.handler(args) or EXIT_OK)
     except LoomError as err:
-        if isinstance(err, RequestError) and not getattr(args, "json", False):
-            parser_for = getattr(args, "_parser", parser)
-            parser_for.print_usage(sys.stderr)
         return report_error(err, as_json=getattr(args, "json", False))
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+
+
+def _reader_went_away() -> int:
+    """Exit quietly when stdout's reader closed the pipe (``loom generate | head``).
+
+    Whatever is still buffered for stdout can never be written; pointing
+    stdout at /dev/null keeps the interpreter's final flush from printing a
+    second traceback. Python ignores SIGPIPE, so this exception is how we
+    learn of it; we do not restore the default handler, because the server's
+    sockets would then kill the process when a client disconnects.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout already closed or not a real file
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

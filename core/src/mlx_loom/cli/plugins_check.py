@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from ..advice import allow_plugin_fix
 from ..host import PluginHost
 
 EXIT_OK, EXIT_FAILED, EXIT_UNAVAILABLE = 0, 1, 3
@@ -36,12 +37,13 @@ def run(args: argparse.Namespace) -> int:
 
     # Respect the host policy: a plugin this environment blocks is reported as
     # such, not checked behind the user's back.
-    record = PluginHost().record(args.name)
+    host = PluginHost()
+    record = host.record(args.name)
     if record is not None and record.status == "blocked":
         return _unavailable(
             args,
             f"plugin {args.name!r} is {record.reason}",
-            f"allow it: add {args.name!r} to MLX_LOOM_PLUGINS",
+            allow_plugin_fix(args.name, host.policy),
         )
     report = run_conformance(args.name)
     if not report.available:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..advice import install_command
 from ..host import PluginHost, PluginRecord
 
 
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not host.records:
         print("No mlx-loom plugins are installed.")
-        print("Install a model family, e.g.: pip install mlx-loom-minicpm5")
+        print(f"Install a model family, e.g.: {install_command('minicpm5', 'mlx-loom-minicpm5')}")
         return 0
     print(f"plugin policy: {host.policy.describe()}")
     for record in host.records:

@@ -6,8 +6,9 @@ import argparse
 import logging
 import sys
 
-from ..assets import BUNDLED_MODEL
+from ..assets import BUNDLED_MODEL_NAME
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
+from . import flags
 from .generate_cmd import add_model_options, load_from_args
 
 
@@ -25,10 +26,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="127.0.0.1",
         help="address to bind (default: 127.0.0.1, reachable from this machine only)",
     )
-    parser.add_argument("--port", type=int, default=8080, help="default: 8080; 0 picks a free port")
+    parser.add_argument(
+        "--port",
+        type=flags.PORT,
+        default=8080,
+        metavar="PORT",
+        help="default: 8080; 0 picks a free port",
+    )
     parser.add_argument(
         "--max-tokens-limit",
-        type=int,
+        type=flags.MAX_TOKENS_LIMIT,
+        metavar="N",
         default=DEFAULT_MAX_TOKENS_LIMIT,
         help=f"largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_LIMIT})",
     )
@@ -47,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer,
         host=args.host,
         port=args.port,
-        model_id=args.model or BUNDLED_MODEL,
+        model_id=args.model or BUNDLED_MODEL_NAME,
         max_tokens_limit=args.max_tokens_limit,
     )
     if not server.loopback_only:

@@ -100,6 +100,7 @@ _ALIASES: dict[str, str] = {
     "presence_context_size": "penalty_context_size",
     "frequency_context_size": "penalty_context_size",
     "random_seed": "seed",
+    "max_new_tokens": "max_tokens",  # transformers' name; max_tokens is a generate() option
 }
 
 

@@ -82,12 +82,17 @@ class PromptCache:
                 "implementation": self.model.implementation.id,
                 "model": str(self.model.model_dir.resolve()),
             },
+            kinds=self.model.binding.cache_kinds,
         )
 
     @classmethod
     def load(cls, path: str | Path, model: Model) -> PromptCache:
-        """Read a cache saved by :meth:`save` for ``model`` (the same implementation)."""
-        caches, meta = load_prompt_cache(path)
+        """Read a cache saved by :meth:`save` for ``model`` (the same implementation).
+
+        Only the cache kinds ``model``'s registry knows (the core's and those
+        plugins registered) can be restored.
+        """
+        caches, meta = load_prompt_cache(path, kinds=model.binding.cache_kinds)
         # A cache is only meaningful with the weights that produced it: the same
         # implementation and the same model directory.
         want = {"implementation": model.implementation.id, "model": str(model.model_dir.resolve())}

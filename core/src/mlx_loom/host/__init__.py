@@ -7,7 +7,10 @@ one idea:
 * ``_hookspecs`` — the hooks a plugin implements and the plugin-API version;
 * ``_policy`` — which plugins a host lets load;
 * ``_discovery`` — entry points, import, hook calls, quarantine;
+* ``_registrations`` — model types, implementations, the declarative family;
 * ``_registry`` — the immutable snapshot of registrations and ``select()``;
+* ``_checks`` — field checks every registration passes;
+* ``_bounded`` — plugin code under a time limit, every exception caught;
 * ``_profiles`` — profiles, their rules, and profile resolution;
 * ``_kernels`` — kernels per (name, backend) and which backend runs here;
 * ``_resolution`` — a model reference to a binding, without loading weights;
@@ -33,6 +36,7 @@ from ._profiles import (
     Execution,
     Profile,
 )
+from ._registrations import Family, Graph
 from ._registry import Binding, BuildContext, Implementation, ModelType, Registry
 from ._resolution import Resolution, Resolved
 
@@ -52,6 +56,8 @@ __all__ = [
     "Binding",
     "BuildContext",
     "Execution",
+    "Family",
+    "Graph",
     "Implementation",
     "Kernel",
     "ModelType",

@@ -1,27 +1,37 @@
-"""The plugin host: discovery, policy, quarantine, and the registry it builds.
+"""The plugin host: discovery, quarantine, and the registry it builds.
 
 Plugins are found through the entry-point group ``mlx_loom`` (the entry-point
 name is the plugin's name) or handed in directly by an embedding host. For
-each plugin, in order:
+each plugin, in name order:
 
-1. the host policy decides whether it may load at all (``blocked``);
-2. it is imported and registered with pluggy; a hook implementation that
-   matches no hookspec (a misspelling) is an error;
+1. the host policy decides whether it may load at all (``blocked``); an
+   entry-point name claimed by two distributions loads neither (which one ran
+   would depend on install order) and both are reported;
+2. it is imported (bounded in time, see :mod:`._bounded`) and registered
+   with pluggy; a hook implementation that matches no hookspec (a
+   misspelling) is an error;
 3. its plugin-API version is checked against the core's;
-4. its registration hooks are called and every item is checked.
+4. its registration hooks are called and every item is type-checked at this
+   boundary; its own registrations must be unambiguous on their own (no
+   duplicate ids; every family profile has one default implementation).
 
 A failure in steps 2–4 *quarantines* that plugin: the host records its
 package, version, the reason and the traceback, and carries on with the
-others — the CLI keeps working and anything that needs the plugin refuses and
-shows the cause. With ``strict=True`` the first failure raises instead.
+others. Then registrations are compared across plugins: two plugins that
+register the same id (model type, implementation, profile, kernel for one
+backend, cache kind) are *both* quarantined, each naming the other, because
+the host cannot know which one is meant — and every other plugin keeps
+working. The CLI keeps working throughout, and anything that needs a
+quarantined plugin refuses and shows the cause. With ``strict=True`` the
+first failure raises instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import traceback as tb
-from collections.abc import Iterable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,6 +39,7 @@ import pluggy
 from importlib_metadata import EntryPoint, entry_points
 
 from ..errors import (
+    ImplementationUnavailable,
     LoomError,
     PluginApiMismatch,
     PluginError,
@@ -36,14 +47,19 @@ from ..errors import (
     RegistrationError,
 )
 from . import _hookspecs as hookspecs
+from ._bounded import PluginFault, describe, import_plugin, timeout_from_env
+from ._bounded import call as bounded_call
 from ._kernels import Kernel, Provider
 from ._policy import PluginPolicy
 from ._profiles import Profile, validate_profile
-from ._registry import Implementation, ModelType, Registry
+from ._registrations import Family, Implementation, ModelType, Registrations, check_cache_kind
+from ._registry import Registry
 
 STRICT_ENV = "MLX_LOOM_STRICT_PLUGINS"
 
 Status = Literal["loaded", "quarantined", "blocked"]
+
+_API_VERSION = re.compile(r"^(\d{1,4})\.(\d{1,4})$")
 
 
 @dataclass(frozen=True)
@@ -76,27 +92,31 @@ class PluginRecord:
         }
 
 
-@dataclass
-class _Collected:
-    model_types: list[ModelType] = field(default_factory=list)
-    kernels: list[Kernel] = field(default_factory=list)
-    implementations: list[Implementation] = field(default_factory=list)
-    profiles: list[Profile] = field(default_factory=list)
-
-
-_EXPECTED = {
+#: What each registration hook must return a list of.
+_EXPECTED: dict[str, type] = {
+    "loom_families": Family,
     "loom_model_types": ModelType,
     "loom_kernels": Kernel,
     "loom_implementations": Implementation,
     "loom_profiles": Profile,
+    "loom_cache_kinds": type,
 }
 
 
-class _Quarantine(Exception):
-    def __init__(self, reason: str, trace: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.trace = trace
+@dataclass(frozen=True)
+class _Candidate:
+    """A plugin to load: its name, who provides it and how to get the object."""
+
+    name: str
+    provider: Provider
+    load: Callable[[], object]
+    clash: str | None = None  # why it may not load: its name is claimed twice
+
+
+@dataclass
+class _Loaded:
+    record: PluginRecord
+    found: Registrations
 
 
 class PluginHost:
@@ -104,7 +124,9 @@ class PluginHost:
 
     ``plugins`` adds in-process plugins ``(name, module_or_object)`` — how an
     embedding application or a test supplies plugins without installing them.
-    ``entry_points=False`` skips installed plugins entirely.
+    ``entry_points=False`` skips installed plugins entirely. ``timeout`` bounds
+    each import and hook call in seconds (default ``MLX_LOOM_PLUGIN_TIMEOUT``,
+    else 60).
     """
 
     def __init__(
@@ -114,37 +136,29 @@ class PluginHost:
         strict: bool | None = None,
         plugins: Iterable[tuple[str, object]] = (),
         entry_points: bool = True,
+        timeout: float | None = None,
     ) -> None:
         self.policy = policy if policy is not None else PluginPolicy.from_env()
         self.strict = strict if strict is not None else os.environ.get(STRICT_ENV) == "1"
+        self.timeout = timeout if timeout is not None else timeout_from_env()
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
         self._pm.add_hookspecs(hookspecs)
-        discovered = _discover_entry_points() if entry_points else []
-        inline = [(name, obj, Provider(name)) for name, obj in plugins]
-        self._check_policy_names([d.name for d in discovered] + [n for n, _, _ in inline])
+        candidates = _discover_entry_points() if entry_points else []
+        candidates += [_Candidate(name, Provider(name), lambda o=obj: o) for name, obj in plugins]
+        candidates = _mark_name_clashes(candidates)
+        self._check_policy_names([c.name for c in candidates])
 
-        records: list[PluginRecord] = []
-        collected = _Collected()
-        self._profile_providers: list[Provider] = []
-        for ep in discovered:
-            records.append(self._load(ep.name, _provider_of(ep), collected, loader=ep.load))
-        for name, obj, provider in inline:
-            records.append(self._load(name, provider, collected, loader=lambda o=obj: o))
-        self.records: tuple[PluginRecord, ...] = tuple(records)
+        outcomes: list[PluginRecord | _Loaded] = [self._load(c) for c in candidates]
+        outcomes = self._quarantine_conflicts(outcomes)
+        self.records: tuple[PluginRecord, ...] = tuple(
+            o.record if isinstance(o, _Loaded) else o for o in outcomes
+        )
+        merged = sum((o.found for o in outcomes if isinstance(o, _Loaded)), Registrations())
         self._registry: Registry | None = None
         self.registry_error: RegistrationError | None = None
         try:
-            self._registry = Registry(
-                model_types=collected.model_types,
-                implementations=collected.implementations,
-                profiles=collected.profiles,
-                kernels=collected.kernels,
-                profile_providers={
-                    p.id: prov
-                    for p, prov in zip(collected.profiles, self._profile_providers, strict=True)
-                },
-            )
-        except RegistrationError as err:
+            self._registry = _registry_of(merged)
+        except RegistrationError as err:  # a conflict the checks above did not foresee
             if self.strict:
                 raise
             self.registry_error = err
@@ -181,11 +195,12 @@ class PluginHost:
         if unknown:
             raise PolicyError(
                 f"The plugin policy ({self.policy.describe()}) names {unknown}, which match no "
-                f"installed plugin (installed: {', '.join(sorted(names)) or 'none'}).",
+                f"installed plugin (installed: {', '.join(sorted(set(names))) or 'none'}).",
                 fix="Correct the names in the policy (MLX_LOOM_PLUGINS), or install the plugins.",
             )
 
-    def _load(self, name: str, provider: Provider, collected: _Collected, loader) -> PluginRecord:
+    def _load(self, candidate: _Candidate) -> PluginRecord | _Loaded:
+        name, provider = candidate.name, candidate.provider
         base = dict(name=name, distribution=provider.distribution, version=provider.version)
         if not self.policy.permits(name):
             return PluginRecord(
@@ -195,49 +210,45 @@ class PluginHost:
             )
         api_version: str | None = None
         try:
-            try:
-                obj = loader()
-            except Exception as err:  # noqa: BLE001 - any import failure quarantines
-                raise _Quarantine(
-                    f"import failed: {type(err).__name__}: {err}", tb.format_exc()
-                ) from None
+            if candidate.clash is not None:
+                raise PluginFault(candidate.clash)
+            obj = import_plugin(candidate.load, what="import", timeout=self.timeout)
             api_version = self._register(name, obj)
-            found = self._collect(name, obj, provider)
-        except _Quarantine as q:
-            if self.strict:
-                raise PluginError(
-                    f"Plugin {name!r} ({provider.distribution} {provider.version}) failed: "
-                    f"{q.reason}",
-                    fix="Fix or uninstall the plugin, or run without strict plugin loading.",
-                ) from None
-            if self._pm.get_plugin(name) is not None:
-                self._pm.unregister(name=name)
-            return PluginRecord(
-                **base,
-                status="quarantined",
-                reason=q.reason,
-                traceback=q.trace,
-                api_version=api_version,
-            )
-        collected.model_types += found.model_types
-        collected.kernels += found.kernels
-        collected.implementations += found.implementations
-        collected.profiles += found.profiles
-        self._profile_providers += [provider] * len(found.profiles)
-        registers = {
-            "model_types": tuple(m.name for m in found.model_types),
-            "implementations": tuple(i.id for i in found.implementations),
-            "profiles": tuple(p.id for p in found.profiles),
-            "kernels": tuple(f"{k.name}[{k.backend}]" for k in found.kernels),
-        }
-        return PluginRecord(**base, status="loaded", api_version=api_version, registers=registers)
+            found = self._collect(name, provider)
+            _check_alone(found)
+        except PluginFault as fault:
+            return self._quarantined(name, provider, fault, api_version)
+        registers = _summary(found)
+        record = PluginRecord(**base, status="loaded", api_version=api_version, registers=registers)
+        return _Loaded(record, found)
+
+    def _quarantined(
+        self, name: str, provider: Provider, fault: PluginFault, api_version: str | None
+    ) -> PluginRecord:
+        if self.strict:
+            raise PluginError(
+                f"Plugin {name!r} ({provider.distribution} {provider.version}) failed: "
+                f"{fault.reason}",
+                fix="Fix or uninstall the plugin, or run without strict plugin loading.",
+            ) from None
+        if self._pm.has_plugin(name):
+            self._pm.unregister(name=name)
+        return PluginRecord(
+            name=name,
+            distribution=provider.distribution,
+            version=provider.version,
+            status="quarantined",
+            reason=fault.reason,
+            traceback=fault.trace,
+            api_version=api_version,
+        )
 
     def _register(self, name: str, obj: object) -> str:
         """Register with pluggy, reject misspelt hooks, check the API version."""
         try:
             self._pm.register(obj, name=name)
-        except (pluggy.PluginValidationError, ValueError) as err:
-            raise _Quarantine(f"invalid plugin: {err}", tb.format_exc()) from None
+        except (Exception, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - not Ctrl-C
+            raise PluginFault(f"invalid plugin: {describe(err)}") from None
         try:
             # pluggy's own check: a hook implementation with no matching spec
             # (a misspelling) is an error. Earlier plugins passed it already,
@@ -249,71 +260,204 @@ class PluginHost:
                 for caller in (self._pm.get_hookcallers(obj) or [])
                 if not caller.has_spec()
             ]
-            raise _Quarantine(
+            raise PluginFault(
                 f"implements hooks that match no hookspec: {', '.join(sorted(unknown))} "
                 f"(known hooks: loom_plugin_api_version, {', '.join(hookspecs.REGISTRATION_HOOKS)})"
             ) from None
         answers = self._call(name, "loom_plugin_api_version")
         if not answers:
-            raise _Quarantine(
+            raise PluginFault(
                 "does not declare the plugin-API version it was written for "
                 "(implement loom_plugin_api_version)"
             )
-        version = str(answers[0])
+        version = answers[0]
+        if not isinstance(version, str) or not _API_VERSION.match(version):
+            raise PluginFault(
+                f"loom_plugin_api_version returned {version!r:.60}; it must return a "
+                f"'MAJOR.MINOR' string such as {hookspecs.PLUGIN_API_VERSION!r}"
+            )
         if version.split(".")[0] != hookspecs.PLUGIN_API_VERSION.split(".")[0]:
             err = PluginApiMismatch(
                 f"Plugin {name!r} was written for plugin API {version}; this core speaks "
                 f"plugin API {hookspecs.PLUGIN_API_VERSION}.",
                 fix="Install a plugin release built for this core, or a core that matches it.",
             )
-            raise _Quarantine(err.message + " " + f"Fix: {err.fix}")
+            raise PluginFault(err.message + " " + f"Fix: {err.fix}")
         return version
 
     def _call(self, name: str, hook: str) -> list[Any]:
         caller = getattr(self._pm.hook, hook)
-        return [impl.function() for impl in caller.get_hookimpls() if impl.plugin_name == name]
+        return [
+            bounded_call(impl.function, what=hook, timeout=self.timeout)
+            for impl in caller.get_hookimpls()
+            if impl.plugin_name == name
+        ]
 
-    def _collect(self, name: str, obj: object, provider: Provider) -> _Collected:
-        found = _Collected()
+    def _collect(self, name: str, provider: Provider) -> Registrations:
+        """Call every registration hook; check each item here, at the boundary."""
+        found = Registrations()
         for hook, expected in _EXPECTED.items():
-            try:
-                results = self._call(name, hook)
-            except Exception as err:  # noqa: BLE001 - a raising hook quarantines the plugin
-                raise _Quarantine(
-                    f"{hook} raised {type(err).__name__}: {err}", tb.format_exc()
-                ) from None
-            items: list[Any] = []
-            for result in results:
+            for result in self._call(name, hook):
                 if result is None:
                     continue
                 if not isinstance(result, (list, tuple)):
-                    raise _Quarantine(
+                    raise PluginFault(
                         f"{hook} returned {type(result).__name__}; it must return a list of "
                         f"{expected.__name__}"
                     )
                 for item in result:
                     if not isinstance(item, expected):
-                        raise _Quarantine(
+                        raise PluginFault(
                             f"{hook} returned a {type(item).__name__}; expected {expected.__name__}"
                         )
-                    if dataclasses.is_dataclass(item):
-                        item = dataclasses.replace(item, provider=provider)
-                    items.append(item)
-            if hook == "loom_profiles":
-                for profile in items:
                     try:
-                        validate_profile(profile, origin=str(provider))
+                        found += _admit(hook, item, provider)
                     except LoomError as err:
-                        raise _Quarantine(f"invalid profile: {err.message}") from None
-            setattr(found, hook.removeprefix("loom_"), items)
+                        what = "profile" if hook == "loom_profiles" else f"registration ({hook})"
+                        raise PluginFault(f"invalid {what}: {err.message}") from None
         return found
 
+    # --- across plugins ----------------------------------------------------
 
-def _discover_entry_points() -> list[EntryPoint]:
-    seen: dict[str, EntryPoint] = {}
-    for ep in entry_points(group=hookspecs.ENTRY_POINT_GROUP):
-        seen.setdefault(ep.name, ep)
-    return sorted(seen.values(), key=lambda e: e.name)
+    def _quarantine_conflicts(
+        self, outcomes: list[PluginRecord | _Loaded]
+    ) -> list[PluginRecord | _Loaded]:
+        """Quarantine every plugin that registers an id another plugin also registers."""
+        owners: dict[tuple[str, str], list[str]] = {}
+        loaded = {o.record.name: o for o in outcomes if isinstance(o, _Loaded)}
+        for name, outcome in loaded.items():
+            for key in _ids(outcome.found):
+                owners.setdefault(key, []).append(name)
+        reasons: dict[str, list[str]] = {}
+        for (kind, ident), names in owners.items():
+            if len(names) < 2:
+                continue
+            for name in names:
+                others = ", ".join(str(loaded[n].record.provider) for n in names if n != name)
+                reasons.setdefault(name, []).append(
+                    f"{kind} {ident!r} is also registered by {others}"
+                )
+        if not reasons:
+            return outcomes
+        result: list[PluginRecord | _Loaded] = []
+        for outcome in outcomes:
+            name = outcome.record.name if isinstance(outcome, _Loaded) else None
+            if name not in reasons:
+                result.append(outcome)
+                continue
+            fault = PluginFault(
+                "conflicts with another plugin: "
+                + "; ".join(sorted(reasons[name]))
+                + " (neither is loaded; uninstall or disallow one of them)"
+            )
+            record = outcome.record
+            result.append(self._quarantined(name, record.provider, fault, record.api_version))
+        return result
+
+
+def _admit(hook: str, item: Any, provider: Provider) -> Registrations:
+    """One returned item, re-checked and tagged with its provider."""
+    if hook == "loom_families":
+        regs = item.registrations()
+        return Registrations(
+            model_types=tuple(_tag(m, provider) for m in regs.model_types),
+            kernels=tuple(_tag(k, provider) for k in regs.kernels),
+            implementations=tuple(_tag(i, provider) for i in regs.implementations),
+            profiles=tuple(_tag(p, provider) for p in regs.profiles),
+            cache_kinds=regs.cache_kinds,
+        )
+    if hook == "loom_cache_kinds":
+        return Registrations(cache_kinds=(check_cache_kind(item),))
+    tagged = _tag(item, provider)
+    field_name = hook.removeprefix("loom_")
+    return Registrations(**{field_name: (tagged,)})
+
+
+def _tag(item: Any, provider: Provider) -> Any:
+    if isinstance(item, Profile):
+        profile = item.model_copy(update={"provider": provider})
+        validate_profile(profile, origin=str(provider))
+        return profile
+    # replace() builds a new instance, so __post_init__ checks every field again
+    # even if the plugin forged the original.
+    return dataclasses.replace(item, provider=provider)
+
+
+def _check_alone(found: Registrations) -> None:
+    """A plugin's registrations must be unambiguous on their own."""
+    try:
+        registry = _registry_of(found)
+        for profile in registry.profiles:
+            if profile.execution.implementation is None:
+                try:
+                    registry.default_implementation(profile)
+                except ImplementationUnavailable:
+                    pass  # refused at selection, with the install hint; not ambiguous
+    except RegistrationError as err:
+        raise PluginFault(f"invalid registrations: {err.message}") from None
+
+
+def _registry_of(found: Registrations) -> Registry:
+    return Registry(
+        model_types=found.model_types,
+        implementations=found.implementations,
+        profiles=found.profiles,
+        kernels=found.kernels,
+        cache_kinds=found.cache_kinds,
+    )
+
+
+def _ids(found: Registrations) -> set[tuple[str, str]]:
+    return {
+        *(("model type", m.name) for m in found.model_types),
+        *(("implementation", i.id) for i in found.implementations),
+        *(("profile", p.id) for p in found.profiles),
+        *(("kernel", f"{k.name}[{k.backend}]") for k in found.kernels),
+        *(("cache kind", c.kind) for c in found.cache_kinds),
+    }
+
+
+def _summary(found: Registrations) -> dict[str, tuple[str, ...]]:
+    return {
+        "model_types": tuple(m.name for m in found.model_types),
+        "implementations": tuple(i.id for i in found.implementations),
+        "profiles": tuple(p.id for p in found.profiles),
+        "kernels": tuple(f"{k.name}[{k.backend}]" for k in found.kernels),
+        "cache_kinds": tuple(c.kind for c in found.cache_kinds),
+    }
+
+
+def _discover_entry_points() -> list[_Candidate]:
+    return sorted(
+        (_Candidate(ep.name, _provider_of(ep), ep.load) for ep in _entry_points()),
+        key=lambda c: c.name,
+    )
+
+
+def _entry_points() -> list[EntryPoint]:
+    return list(entry_points(group=hookspecs.ENTRY_POINT_GROUP))
+
+
+def _mark_name_clashes(candidates: list[_Candidate]) -> list[_Candidate]:
+    """A plugin name claimed twice (two distributions, or an entry point and an
+    in-process plugin) loads neither claimant; each is reported with the others."""
+    by_name: dict[str, list[_Candidate]] = {}
+    for c in candidates:
+        by_name.setdefault(c.name, []).append(c)
+    out = []
+    for c in candidates:
+        claimants = by_name[c.name]
+        if len(claimants) == 1:
+            out.append(c)
+            continue
+        listed = "; ".join(f"{o.provider.distribution} {o.provider.version}" for o in claimants)
+        clash = (
+            f"plugin name {c.name!r} is claimed by {len(claimants)} distributions ({listed}); "
+            "none is loaded, since which one ran would depend on install order "
+            "(uninstall all but one)"
+        )
+        out.append(dataclasses.replace(c, clash=clash))
+    return out
 
 
 def _provider_of(ep: EntryPoint) -> Provider:

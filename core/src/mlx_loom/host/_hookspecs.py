@@ -7,10 +7,21 @@ plugin, so every registration carries its provider's name and version.
 
 Call order at discovery: :func:`loom_plugin_api_version` first (an
 incompatible answer quarantines the plugin before anything else is called),
-then :func:`loom_model_types`, :func:`loom_kernels`,
-:func:`loom_implementations`, :func:`loom_profiles`. A plugin implements only
-the hooks it needs; a hook implementation whose name matches no spec below
-(a misspelling) makes the plugin fail validation.
+then :func:`loom_families`, :func:`loom_model_types`, :func:`loom_kernels`,
+:func:`loom_implementations`, :func:`loom_profiles`,
+:func:`loom_cache_kinds`. A plugin implements only the hooks it needs; a
+hook implementation whose name matches no spec below (a misspelling) makes
+the plugin fail validation.
+
+Every call runs on a host worker thread under a time limit (see
+:mod:`mlx_loom.host._bounded`): anything a hook raises — ``SystemExit`` and
+``KeyboardInterrupt`` included — or a hook that does not return in time
+quarantines the plugin. Return plain registrations; build MLX arrays inside
+factories, not in hooks.
+
+Versions: 1.0 had the four registration hooks; 1.1 added
+:func:`loom_families` (the declarative family) and :func:`loom_cache_kinds`.
+A 1.0 plugin runs unchanged on a 1.1 core.
 """
 
 from __future__ import annotations
@@ -23,14 +34,14 @@ import pluggy
 if TYPE_CHECKING:
     from ._kernels import Kernel
     from ._profiles import Profile
-    from ._registry import Implementation, ModelType
+    from ._registrations import Family, Implementation, ModelType
 
 PROJECT = "mlx_loom"
 ENTRY_POINT_GROUP = "mlx_loom"
 
 #: The plugin-API version this core speaks. A plugin returns the version it was
 #: written for from :func:`loom_plugin_api_version`; the major part must match.
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -42,6 +53,15 @@ def loom_plugin_api_version() -> str:
 
     Required. A plugin whose major version differs from the core's is refused
     and quarantined with both versions named.
+    """
+
+
+@hookspec
+def loom_families() -> Sequence[Family]:
+    """Declarative families (plugin API 1.1): model types, graphs, kernels, capabilities.
+
+    The core derives each graph's implementation (id = graph id) and family
+    profile from them; see :class:`mlx_loom.plugin.Family`.
     """
 
 
@@ -65,9 +85,20 @@ def loom_profiles() -> Sequence[Profile]:
     """Family profiles and exact-artifact profiles this plugin registers."""
 
 
+@hookspec
+def loom_cache_kinds() -> Sequence[type]:
+    """Cache classes of this plugin that prompt-cache files may name (plugin API 1.1).
+
+    Each needs a unique string ``kind`` and ``from_state(state, meta_state)``;
+    :meth:`mlx_loom.PromptCache.load` restores only registered kinds.
+    """
+
+
 REGISTRATION_HOOKS: tuple[str, ...] = (
+    "loom_families",
     "loom_model_types",
     "loom_kernels",
     "loom_implementations",
     "loom_profiles",
+    "loom_cache_kinds",
 )

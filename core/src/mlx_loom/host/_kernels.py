@@ -21,6 +21,7 @@ from typing import Literal
 import mlx.core as mx
 
 from ..errors import KernelUnavailable, RegistrationError
+from ._checks import check_callable, check_id, check_instance, check_text
 
 Backend = Literal["metal", "cuda", "cpu"]
 BACKENDS: tuple[Backend, ...] = ("metal", "cuda", "cpu")
@@ -56,6 +57,20 @@ class Kernel:
     description: str = ""
     provider: Provider | None = field(default=None, compare=False)
 
+    def __post_init__(self) -> None:
+        check_id("Kernel", "name", self.name)
+        if self.backend not in BACKENDS:
+            raise RegistrationError(
+                f"Kernel {self.name!r} names backend {self.backend!r}; known backends are "
+                f"{', '.join(BACKENDS)}.",
+                fix="Register the kernel for 'metal', 'cuda' or 'cpu'.",
+            )
+        check_callable("Kernel", "fn", self.fn)
+        if self.source is not None:
+            check_text("Kernel", "source", self.source)
+        check_text("Kernel", "description", self.description)
+        check_instance("Kernel", "provider", self.provider, Provider, optional=True)
+
 
 def runnable_backends() -> frozenset[Backend]:
     """Backends whose kernels can execute in this process."""
@@ -88,17 +103,8 @@ class KernelRegistry:
     def __init__(self, kernels: Iterable[Kernel] = ()) -> None:
         table: dict[tuple[str, Backend], Kernel] = {}
         for kernel in kernels:
-            if not kernel.name:
-                raise RegistrationError(
-                    f"{kernel.provider or 'a plugin'} registered a kernel with an empty name.",
-                    fix="Give every Kernel a non-empty name.",
-                )
-            if kernel.backend not in BACKENDS:
-                raise RegistrationError(
-                    f"Kernel {kernel.name!r} from {kernel.provider or 'a plugin'} names "
-                    f"backend {kernel.backend!r}; known backends are {', '.join(BACKENDS)}.",
-                    fix="Register the kernel for 'metal', 'cuda' or 'cpu'.",
-                )
+            check_instance("KernelRegistry", "kernels[]", kernel, Kernel)
+            kernel.__post_init__()  # re-checked: a frozen instance can still be forged
             key = (kernel.name, kernel.backend)
             if key in table:
                 raise RegistrationError(

@@ -5,16 +5,20 @@ specialised, and the capabilities that follow. Request methods (sampling, KV
 quantization, batching, speculation) are checked against capabilities when a
 request arrives, not here.
 
-Two kinds exist:
+Kinds, by ``execution.specialization``:
 
-* a **family profile** (``specialization="family"``, no fingerprints) claims
-  every checkpoint of its model types;
-* an **exact-artifact profile** (``specialization="artifact"``, both
-  fingerprints) claims one published artifact and may name one
-  implementation tuned for it.
+* ``"family"`` — claims every checkpoint of its model types; carries no
+  fingerprints; its implementation is the one whose id is the graph id;
+* ``"artifact"`` — an **exact-artifact profile**: both fingerprints identify
+  one published artifact, and it may name (``implementation=``) one
+  implementation tuned for it;
+* ``"generated"`` — its implementation is generated for the graph, with id
+  ``"<graph>-generated"``; with both fingerprints it is exact-artifact,
+  without them it is the family profile of its model types.
 
 An exact-artifact profile that matches wins over the family profile; two
-matches are an error, never a coin toss.
+matches are an error, never a coin toss. Which implementation a profile gets
+is decided by :meth:`mlx_loom.host.Registry.select` (the selection rule).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 
-from ..errors import ProfileError, UnknownModelType
+from ..errors import ProfileError, RegistrationError, UnknownModelType
+from ._checks import check_id, check_ids
+from ._kernels import Provider
 
 # Capabilities the core understands. Plugins may declare others; the core
 # checks these at request time.
@@ -46,40 +52,85 @@ LOOP_CAPABILITIES: Mapping[str, frozenset[str]] = {
 }
 
 
+Specialization = Literal["family", "artifact", "generated"]
+
+
+def _id(owner: str, name: str, value: str) -> str:
+    try:
+        return check_id(owner, name, value)
+    except RegistrationError as err:
+        raise ValueError(err.message) from None
+
+
 class Execution(BaseModel):
     """How the artifact is built and run."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    graph: str
-    loader: str
-    loop: str = "autoregressive"
-    specialization: Literal["family", "artifact"] = "family"
-    implementation: str | None = None
+    graph: StrictStr
+    loader: StrictStr
+    loop: StrictStr = "autoregressive"
+    specialization: Specialization = "family"
+    implementation: StrictStr | None = None
+
+    @field_validator("graph", "loader", "loop", "implementation")
+    @classmethod
+    def _ids(cls, value: str | None, info) -> str | None:
+        return None if value is None else _id("Execution", info.field_name, value)
+
+    @property
+    def default_implementation(self) -> str:
+        """The implementation id this execution selects when it names none."""
+        if self.specialization == "generated":
+            return f"{self.graph}-generated"
+        return self.graph
 
 
 class Profile(BaseModel):
-    """One registered profile. ``model_types`` are the config model types it claims."""
+    """One profile. ``model_types`` are the config model types it claims.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    ``provider`` is set by the plugin host to the plugin that registered it
+    (``None`` for a profile the embedding host composed itself); it takes no
+    part in comparisons of what the profile says.
+    """
 
-    id: str
-    model_types: frozenset[str] = Field(default_factory=frozenset)
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    id: StrictStr
+    model_types: frozenset[StrictStr] = Field(default_factory=frozenset)
     execution: Execution
-    artifact_fingerprint: str | None = None
-    config_fingerprint: str | None = None
-    capabilities: frozenset[str] = Field(default_factory=frozenset)
-    description: str = ""
+    artifact_fingerprint: StrictStr | None = None
+    config_fingerprint: StrictStr | None = None
+    capabilities: frozenset[StrictStr] = Field(default_factory=frozenset)
+    description: StrictStr = ""
+    provider: Provider | None = Field(default=None, exclude=True, repr=False)
+
+    @field_validator("id")
+    @classmethod
+    def _profile_id(cls, value: str) -> str:
+        return _id("Profile", "id", value)
+
+    @field_validator("model_types", "capabilities")
+    @classmethod
+    def _id_sets(cls, value: frozenset[str], info) -> frozenset[str]:
+        try:
+            return frozenset(check_ids("Profile", info.field_name, value))
+        except RegistrationError as err:
+            raise ValueError(err.message) from None
 
     @property
     def is_exact(self) -> bool:
         return self.artifact_fingerprint is not None
 
+    def same_declaration(self, other: Profile) -> bool:
+        """True when ``other`` says exactly what this profile says (provider aside)."""
+        return self.model_dump() == other.model_dump()
+
 
 def validate_profile(profile: Profile, *, origin: str = "") -> None:
     """Check the rules that need no config. Raises :class:`ProfileError`."""
     where = f" (from {origin})" if origin else ""
-    if not profile.id.strip():
+    if not profile.id.strip():  # unreachable through the constructor; a forged instance
         raise ProfileError(
             f"A profile has an empty id{where}.",
             fix="Give every profile a unique, non-empty id.",
@@ -103,6 +154,7 @@ def validate_profile(profile: Profile, *, origin: str = "") -> None:
             f"{name} carries fingerprints but has specialization 'family'.",
             fix="Use specialization 'artifact' for an exact-artifact profile.",
         )
+    # 'generated' may carry both fingerprints (one artifact) or neither (the family).
     if ex.implementation is not None and (not has_a or ex.specialization != "artifact"):
         raise ProfileError(
             f"{name} names implementation {ex.implementation!r}, which only an exact-artifact "
@@ -127,29 +179,6 @@ def validate_profile(profile: Profile, *, origin: str = "") -> None:
         raise ProfileError(
             f"{name} claims no model types.",
             fix="List the config model_type values this profile claims.",
-        )
-
-
-def validate_against_config(
-    profile: Profile, model_type: str, graph_model_types: Mapping[str, frozenset[str]]
-) -> None:
-    """Check the rules that need the artifact's config.
-
-    ``graph_model_types`` maps each registered graph id to the model types it accepts.
-    """
-    validate_profile(profile)
-    accepted = graph_model_types.get(profile.execution.graph)
-    if accepted is None:
-        raise ProfileError(
-            f"Profile {profile.id!r} uses graph {profile.execution.graph!r}, which no installed "
-            "implementation provides.",
-            fix="Install or allow the plugin that provides this graph.",
-        )
-    if model_type not in accepted:
-        raise ProfileError(
-            f"Profile {profile.id!r} uses graph {profile.execution.graph!r}, which does not "
-            f"accept model_type {model_type!r} (it accepts {sorted(accepted)}).",
-            fix="Fix the profile's graph or model_types.",
         )
 
 

@@ -1,134 +1,122 @@
 """The implementation registry: what plugins registered, frozen, and selection.
 
 A :class:`Registry` is an immutable snapshot of everything the allowed plugins
-registered — model types, implementations, profiles, kernels. It is the one
-piece of shared state the engine documents: built once by the plugin host and
-never mutated. A host narrows or pins it with :meth:`Registry.with_`, which
-returns a *new* registry; models already built keep the binding they were
-built with.
+registered — model types, implementations, profiles, kernels, cache kinds. It
+is the one piece of shared state the engine documents: built once by the
+plugin host and never mutated. A host narrows or pins it with
+:meth:`Registry.with_`, which returns a *new* registry; models already built
+keep the binding they were built with.
 
-:meth:`Registry.select` turns a resolved profile into exactly one
-:class:`Binding` (implementation + the kernels it needs, resolved for one
-backend) or raises a refusal that says what was asked, what is installed and
-how to fix it. A declared implementation never falls back to another.
+:meth:`Registry.select` turns a profile into exactly one :class:`Binding`
+(implementation + the kernels it needs, resolved for one backend) or raises a
+refusal that says what was asked, what is installed and how to fix it.
+
+The selection rule — by id, never by "whatever fits":
+
+1. An exact-artifact profile that names ``implementation=`` gets exactly that
+   implementation, from whichever plugin registers it.
+2. Otherwise the profile's graph names the implementation: ``graph`` for a
+   family profile, ``"<graph>-generated"`` for a generated one — provided it
+   is registered by the profile's own plugin (a profile the embedding host
+   composed itself, with no plugin, may take it from any plugin).
+3. A plugin-API 1.0 family profile whose plugin registers no implementation
+   with the graph id gets the one implementation *of the same plugin* whose
+   graph, loader and loop equal the profile's; two such are a registration
+   error of that plugin (the host quarantines it).
+4. Implementations of other plugins are never defaults, so installing any
+   number of extra implementations changes no other checkpoint's resolution.
+5. The chosen implementation must then fit — same graph, loader and loop,
+   the model type, the capabilities, every kernel runnable here — or the
+   profile is refused as incompatible. Nothing is ever substituted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from pydantic import BaseModel
+from types import MappingProxyType
+from typing import Any
 
 from ..errors import (
     ImplementationUnavailable,
     IncompatibleImplementation,
     KernelUnavailable,
+    ProfileError,
     RegistrationError,
     UnknownModelType,
 )
+from ._checks import check_instance
 from ._kernels import Backend, Kernel, KernelRegistry, Provider, active_backend, runnable_backends
-from ._profiles import Profile
+from ._profiles import Profile, validate_profile
+from ._registrations import BuildContext, Implementation, ModelType, check_cache_kind
 
-if TYPE_CHECKING:
-    import mlx.nn as nn
-
-    from ..artifacts import ArtifactConfig
-
-
-@dataclass(frozen=True)
-class ModelType:
-    """A config ``model_type`` a plugin claims, with the schema that validates it.
-
-    ``fingerprint_fields`` are the config fields that decide the graph; the
-    config fingerprint is computed over exactly these, so two checkpoints with
-    the same geometry share it whatever else their configs carry.
-    """
-
-    name: str
-    schema: type[BaseModel]
-    fingerprint_fields: tuple[str, ...]
-    description: str = ""
-    #: A small but complete ``config.json`` dict for this model type, used by
-    #: the conformance kit to build a tiny random-weight checkpoint.
-    tiny_config: Mapping[str, Any] | None = None
-    #: The tensors a checkpoint of a given config holds, in Hugging Face
-    #: layout: ``config dict -> {name: (shape, dtype name)}``. The conformance
-    #: kit writes random weights from it and checks exact weight coverage.
-    checkpoint_tensors: (
-        Callable[[Mapping[str, Any]], Mapping[str, tuple[tuple[int, ...], str]]] | None
-    ) = None
-    provider: Provider | None = field(default=None, compare=False)
-
-
-@dataclass(frozen=True)
-class BuildContext:
-    """Everything an implementation's factory gets to build a model."""
-
-    model_dir: Path
-    config: ArtifactConfig
-    family_config: BaseModel
-    profile: Profile
-    backend: Backend
-    kernels: Mapping[str, Callable[..., Any]]
-
-
-@dataclass(frozen=True)
-class Implementation:
-    """One way to build and run a model: graph + loader + loop + kernels.
-
-    ``factory`` builds the model (graph with its weights loaded by the loader)
-    from a :class:`BuildContext`; the returned module must satisfy
-    :class:`mlx_loom.model.CausalLM`.
-    """
-
-    id: str
-    graph: str
-    loader: str
-    model_types: frozenset[str]
-    factory: Callable[[BuildContext], nn.Module]
-    loop: str = "autoregressive"
-    kernels: tuple[str, ...] = ()
-    capabilities: frozenset[str] = frozenset()
-    description: str = ""
-    provider: Provider | None = field(default=None, compare=False)
+__all__ = ["Binding", "BuildContext", "Implementation", "ModelType", "Registry"]
 
 
 @dataclass(frozen=True)
 class Binding:
-    """The outcome of selection: one implementation and its resolved kernels."""
+    """The outcome of selection: one implementation, its resolved kernels, and the
+    cache kinds a prompt-cache file for this model may name."""
 
     implementation: Implementation
     profile: Profile
     backend: Backend
     kernels: Mapping[str, Kernel]
+    cache_kinds: Mapping[str, type] = field(default_factory=lambda: MappingProxyType({}))
 
 
-def _duplicates_error(kind: str, ident: str, first: Any, second: Any) -> RegistrationError:
-    if not ident:
-        return RegistrationError(
-            f"{second.provider or 'a plugin'} registered a {kind} with an empty id.",
-            fix=f"Give every {kind} a non-empty id.",
-        )
-    return RegistrationError(
-        f"{kind.capitalize()} id {ident!r} is registered twice: by "
-        f"{first.provider or 'a plugin'} and by {second.provider or 'a plugin'}.",
-        fix="Uninstall or disallow one of the two plugins, or rename one of the ids.",
-    )
+def _describe(item: Any) -> str:
+    return str(item.provider) if getattr(item, "provider", None) is not None else "a plugin"
 
 
-def _unique(kind: str, items: Iterable[Any], key: Callable[[Any], str]) -> dict[str, Any]:
+def _unique(kind: str, items: Iterable[Any], cls: type, key: Callable[[Any], str]) -> dict:
     table: dict[str, Any] = {}
     for item in items:
+        check_instance("Registry", f"{kind}s[]", item, cls)
         ident = key(item)
-        if not ident or not ident.strip():
-            raise _duplicates_error(kind, "", None, item)
+        if not isinstance(ident, str) or not ident.strip():
+            raise RegistrationError(
+                f"{_describe(item)} registered a {kind} with an empty id.",
+                fix=f"Give every {kind} a non-empty id.",
+            )
         if ident in table:
-            raise _duplicates_error(kind, ident, table[ident], item)
+            raise RegistrationError(
+                f"{kind.capitalize()} id {ident!r} is registered twice: by "
+                f"{_describe(table[ident])} and by {_describe(item)}.",
+                fix="Uninstall or disallow one of the two plugins, or rename one of the ids.",
+            )
         table[ident] = item
     return table
+
+
+def standard_cache_kinds() -> Mapping[str, type]:
+    """The cache kinds the core ships (every registry includes them)."""
+    from ..cache import CACHE_KINDS
+
+    return CACHE_KINDS
+
+
+def _cache_table(extra: Iterable[type]) -> Mapping[str, type]:
+    table = dict(standard_cache_kinds())
+    for cls in extra:
+        check_cache_kind(cls)
+        if cls.kind in table and table[cls.kind] is not cls:
+            raise RegistrationError(
+                f"Cache kind {cls.kind!r} is claimed by both {_qualname(table[cls.kind])} and "
+                f"{_qualname(cls)}.",
+                fix="Give each cache class a distinct 'kind'.",
+            )
+        table[cls.kind] = cls
+    return MappingProxyType(table)
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _plugin(item: Any) -> str | None:
+    provider = getattr(item, "provider", None)
+    return provider.plugin if provider is not None else None
 
 
 @dataclass(frozen=True)
@@ -149,17 +137,17 @@ class Registry:
         implementations: Iterable[Implementation] = (),
         profiles: Iterable[Profile] = (),
         kernels: Iterable[Kernel] = (),
-        profile_providers: Mapping[str, Provider] | None = None,
+        cache_kinds: Iterable[type] = (),
         _composition: _Composition | None = None,
     ) -> None:
-        self._model_types = _unique("model type", model_types, lambda m: m.name)
-        self._implementations = _unique("implementation", implementations, lambda i: i.id)
-        profiles = tuple(profiles)
-        providers = dict(profile_providers or {})
-        self._profiles = _unique(
-            "profile", [_ProfileEntry(p, providers.get(p.id)) for p in profiles], lambda e: e.id
+        self._model_types = _unique("model type", model_types, ModelType, lambda m: m.name)
+        self._implementations = _unique(
+            "implementation", implementations, Implementation, lambda i: i.id
         )
+        self._profiles = _unique("profile", profiles, Profile, lambda p: p.id)
         self._kernels = KernelRegistry(kernels)
+        self._extra_cache_kinds = tuple(cache_kinds)
+        self._cache_kinds = _cache_table(self._extra_cache_kinds)
         self._composition = _composition or _Composition()
 
     # --- read access -------------------------------------------------------
@@ -174,7 +162,7 @@ class Registry:
 
     @property
     def profiles(self) -> tuple[Profile, ...]:
-        return tuple(e.profile for e in self._profiles.values())
+        return tuple(self._profiles.values())
 
     def profile_provider(self, profile_id: str) -> Provider | None:
         entry = self._profiles.get(profile_id)
@@ -185,19 +173,17 @@ class Registry:
         return self._kernels
 
     @property
+    def cache_kinds(self) -> Mapping[str, type]:
+        """``kind -> class`` for every cache kind a prompt-cache file may name."""
+        return self._cache_kinds
+
+    @property
     def kernel_backend(self) -> Backend | None:
         return self._composition.kernel_backend
 
     @property
     def allowed_implementations(self) -> frozenset[str] | None:
         return self._composition.allowed_implementations
-
-    def graph_model_types(self) -> dict[str, frozenset[str]]:
-        """Each graph id and the model types some implementation of it accepts."""
-        out: dict[str, set[str]] = {}
-        for impl in self._implementations.values():
-            out.setdefault(impl.graph, set()).update(impl.model_types)
-        return {g: frozenset(m) for g, m in out.items()}
 
     def model_type(self, name: str) -> ModelType:
         found = self._model_types.get(name)
@@ -211,6 +197,20 @@ class Registry:
 
     # --- composition -------------------------------------------------------
 
+    @classmethod
+    def combined(cls, *parts: Registry) -> Registry:
+        """One registry of every part's registrations, providers kept — what a host
+        loading all their plugins together builds. The parts' host choices
+        (allow-lists, pinned backend) are not carried over; a duplicate id
+        raises :class:`~mlx_loom.errors.RegistrationError`."""
+        return cls(
+            model_types=[m for p in parts for m in p._model_types.values()],
+            implementations=[i for p in parts for i in p._implementations.values()],
+            profiles=[q for p in parts for q in p._profiles.values()],
+            kernels=[k for p in parts for k in p._kernels],
+            cache_kinds=[c for p in parts for c in p._extra_cache_kinds],
+        )
+
     def with_(
         self,
         *,
@@ -218,15 +218,19 @@ class Registry:
         profiles: Iterable[Profile] = (),
         kernels: Iterable[Kernel] = (),
         model_types: Iterable[ModelType] = (),
+        cache_kinds: Iterable[type] = (),
         allow_implementations: Iterable[str] | None = None,
         kernel_backend: Backend | None = None,
     ) -> Registry:
         """A new registry with extra registrations and/or narrowed host choices.
 
+        Registrations added here belong to the embedding host (no plugin).
         ``allow_implementations`` restricts selection to those ids (each must
-        exist); ``kernel_backend`` pins the backend kernels resolve on. This
-        registry is left unchanged.
+        exist): a profile whose implementation is not allowed is refused, never
+        given another. ``kernel_backend`` pins the backend kernels resolve on.
+        This registry is left unchanged.
         """
+        implementations, profiles = tuple(implementations), tuple(profiles)
         composition = self._composition
         if allow_implementations is not None:
             allowed = frozenset(allow_implementations)
@@ -244,82 +248,50 @@ class Registry:
         return Registry(
             model_types=[*self._model_types.values(), *model_types],
             implementations=[*self._implementations.values(), *implementations],
-            profiles=[*self.profiles, *profiles],
+            profiles=[*self.profiles, *(p.model_copy(update={"provider": None}) for p in profiles)],
             kernels=[*self._kernels, *kernels],
-            profile_providers={
-                **{k: e.provider for k, e in self._profiles.items() if e.provider},
-            },
+            cache_kinds=[*self._extra_cache_kinds, *cache_kinds],
             _composition=composition,
         )
 
     # --- selection ---------------------------------------------------------
 
-    def select(self, model_type: str, profile: Profile) -> Binding:
-        """Exactly one binding for ``profile`` serving ``model_type``, or a refusal."""
-        ex = profile.execution
+    def select(
+        self,
+        model_type: str,
+        profile: Profile,
+        *,
+        config_fingerprint: str | None = None,
+        artifact_fingerprint: str | None = None,
+    ) -> Binding:
+        """Exactly one binding for ``profile`` serving ``model_type``, or a refusal.
+
+        The profile is re-validated every time — its own rules, that it claims
+        ``model_type``, and for an exact-artifact profile that both fingerprints
+        are the artifact's — so a profile built by hand cannot bypass them.
+        """
+        profile = self._checked(model_type, profile, config_fingerprint, artifact_fingerprint)
+        impl = self.default_implementation(profile)
         allowed = self._composition.allowed_implementations
-        if ex.implementation is not None:
-            impl = self._implementations.get(ex.implementation)
-            if impl is None:
-                raise ImplementationUnavailable(
-                    f"Profile {profile.id!r} requires implementation {ex.implementation!r}, "
-                    f"which is not installed (installed: {self._describe_impls()}).",
-                    fix=self._install_hint(profile),
-                )
-            candidates = [impl]
-        else:
-            candidates = [
-                i
-                for i in self._implementations.values()
-                if i.graph == ex.graph and i.loader == ex.loader
-            ]
-            if not candidates:
-                raise ImplementationUnavailable(
-                    f"Profile {profile.id!r} needs graph {ex.graph!r} with loader "
-                    f"{ex.loader!r}; no installed implementation provides it "
-                    f"(installed: {self._describe_impls()}).",
-                    fix=self._install_hint(profile),
-                )
-        if allowed is not None:
-            permitted = [i for i in candidates if i.id in allowed]
-            if not permitted:
-                raise ImplementationUnavailable(
-                    f"Profile {profile.id!r} can be served by "
-                    f"{', '.join(repr(i.id) for i in candidates)}, but the host allows only "
-                    f"{sorted(allowed)}.",
-                    fix="Add one of those implementation ids to the host's allowed list.",
-                )
-            candidates = permitted
-        fitting, reasons, kernel_refusals = [], [], []
-        for impl in candidates:
-            why = self._misfit(impl, model_type, profile)
-            if why is None:
-                fitting.append(impl)
-            elif isinstance(why, KernelUnavailable):
-                kernel_refusals.append(why)
-                reasons.append(f"{impl.id!r}: {why.message.rstrip('.')}")
-            else:
-                reasons.append(f"{impl.id!r}: {why}")
-        if not fitting and kernel_refusals and len(kernel_refusals) == len(candidates):
-            first = kernel_refusals[0]
-            raise KernelUnavailable(
-                f"Profile {profile.id!r} cannot run here: " + "; ".join(reasons) + ".",
-                fix=first.fix,
-            )
-        if not fitting:
-            raise IncompatibleImplementation(
-                f"No implementation can serve profile {profile.id!r} for model_type "
-                f"{model_type!r}: " + "; ".join(reasons) + ".",
-                fix="Install or allow a plugin whose implementation fits this profile.",
-            )
-        if len(fitting) > 1:
+        if allowed is not None and impl.id not in allowed:
             raise ImplementationUnavailable(
-                f"{len(fitting)} implementations fit profile {profile.id!r}: "
-                f"{', '.join(f'{i.id!r} from {i.provider}' for i in fitting)}; "
-                "selection must be unambiguous.",
-                fix="Restrict the host's allowed implementations to one of them.",
+                f"Profile {profile.id!r} selects implementation {impl.id!r}, but the host allows "
+                f"only {sorted(allowed)}.",
+                fix=f"Add {impl.id!r} to the host's allowed implementations.",
             )
-        impl = fitting[0]
+        why = self._misfit(impl, model_type, profile)
+        if isinstance(why, KernelUnavailable):
+            raise KernelUnavailable(
+                f"Profile {profile.id!r} cannot run here: {impl.id!r}: {why.message.rstrip('.')}.",
+                fix=why.fix,
+            )
+        if why is not None:
+            raise IncompatibleImplementation(
+                f"Implementation {impl.id!r} ({_describe(impl)}) cannot serve profile "
+                f"{profile.id!r} for model_type {model_type!r}: {why}; it is never replaced "
+                "by another implementation.",
+                fix="Install or allow a version of the plugin whose implementation fits.",
+            )
         pinned = self.kernel_backend
         if not impl.kernels and pinned is not None and pinned not in runnable_backends():
             # No kernel to name, but the pin still cannot be honoured here.
@@ -331,7 +303,101 @@ class Registry:
             )
         kernels = {name: self._kernels.resolve(name, self.kernel_backend) for name in impl.kernels}
         backend = next(iter(kernels.values())).backend if kernels else self._default_backend()
-        return Binding(implementation=impl, profile=profile, backend=backend, kernels=kernels)
+        return Binding(
+            implementation=impl,
+            profile=profile,
+            backend=backend,
+            kernels=kernels,
+            cache_kinds=self._cache_kinds,
+        )
+
+    def default_implementation(self, profile: Profile) -> Implementation:
+        """The implementation ``profile`` names, by the selection rule (no fit checks)."""
+        ex = profile.execution
+        if ex.implementation is not None:
+            impl = self._implementations.get(ex.implementation)
+            if impl is None:
+                raise ImplementationUnavailable(
+                    f"Profile {profile.id!r} requires implementation {ex.implementation!r}, "
+                    f"which is not installed (installed: {self._describe_impls()}).",
+                    fix=self._install_hint(profile),
+                )
+            return impl
+        owner = _plugin(profile)
+        wanted = ex.default_implementation
+        impl = self._implementations.get(wanted)
+        if impl is not None and (owner is None or _plugin(impl) == owner):
+            return impl
+        if owner is not None and ex.specialization == "family":
+            legacy = self._legacy_defaults(profile)
+            if len(legacy) == 1:
+                return legacy[0]
+            if legacy:
+                raise RegistrationError(
+                    f"Plugin {profile.provider} registers {len(legacy)} implementations of graph "
+                    f"{ex.graph!r} ({', '.join(repr(i.id) for i in legacy)}) and none with the "
+                    f"graph's id, so its family profile {profile.id!r} has no default.",
+                    fix=f"Give the default implementation the id {wanted!r}; name the others "
+                    "from exact-artifact profiles.",
+                )
+        foreign = (
+            f"; {wanted!r} is registered by {_describe(impl)}, and another plugin's "
+            "implementation is never a default"
+            if impl is not None
+            else ""
+        )
+        raise ImplementationUnavailable(
+            f"Profile {profile.id!r} selects implementation {wanted!r} (named by its graph), "
+            f"which {'its plugin does not register' if impl is not None else 'is not installed'}"
+            f"{foreign} (installed: {self._describe_impls()}).",
+            fix=self._install_hint(profile),
+        )
+
+    def _legacy_defaults(self, profile: Profile) -> list[Implementation]:
+        ex, owner = profile.execution, _plugin(profile)
+        return [
+            i
+            for i in self._implementations.values()
+            if _plugin(i) == owner and (i.graph, i.loader, i.loop) == (ex.graph, ex.loader, ex.loop)
+        ]
+
+    def _checked(
+        self,
+        model_type: str,
+        profile: Profile,
+        config_fingerprint: str | None,
+        artifact_fingerprint: str | None,
+    ) -> Profile:
+        check_instance("Registry.select", "profile", profile, Profile)
+        validate_profile(profile)
+        registered = self._profiles.get(profile.id)
+        if registered is not None:
+            if not registered.same_declaration(profile):
+                raise ProfileError(
+                    f"The profile passed as {profile.id!r} differs from the registered profile "
+                    "of that id.",
+                    fix="Select with the registered profile, or give yours an id of its own.",
+                )
+            profile = registered
+        elif profile.provider is not None:
+            profile = profile.model_copy(update={"provider": None})  # only plugins own profiles
+        if model_type not in profile.model_types:
+            raise ProfileError(
+                f"Profile {profile.id!r} claims model types {sorted(profile.model_types)}, not "
+                f"{model_type!r}.",
+                fix="Select a profile that claims this model type.",
+            )
+        if profile.is_exact and (
+            profile.artifact_fingerprint != artifact_fingerprint
+            or profile.config_fingerprint != config_fingerprint
+        ):
+            raise ProfileError(
+                f"Exact-artifact profile {profile.id!r} is for artifact "
+                f"{profile.artifact_fingerprint} with config {profile.config_fingerprint}; this "
+                f"artifact is {artifact_fingerprint} with config {config_fingerprint}.",
+                fix="Use the family profile for this artifact (resolution chooses it).",
+            )
+        return profile
 
     def _default_backend(self) -> Backend:
         return self.kernel_backend or active_backend()
@@ -340,18 +406,18 @@ class Registry:
         self, impl: Implementation, model_type: str, profile: Profile
     ) -> str | KernelUnavailable | None:
         ex = profile.execution
-        if model_type not in impl.model_types:
-            return f"does not accept model_type {model_type!r} (accepts {sorted(impl.model_types)})"
-        if impl.graph != ex.graph or impl.loader != ex.loader:
+        if (impl.graph, impl.loader, impl.loop) != (ex.graph, ex.loader, ex.loop):
             return (
-                f"provides graph {impl.graph!r}/loader {impl.loader!r}, the profile needs "
-                f"{ex.graph!r}/{ex.loader!r}"
+                f"it provides graph {impl.graph!r}, loader {impl.loader!r}, loop "
+                f"{impl.loop!r}; the profile needs {ex.graph!r}, {ex.loader!r}, {ex.loop!r}"
             )
-        if impl.loop != ex.loop:
-            return f"runs loop {impl.loop!r}, the profile needs {ex.loop!r}"
+        if model_type not in impl.model_types:
+            return (
+                f"it does not accept model_type {model_type!r} (accepts {sorted(impl.model_types)})"
+            )
         missing = profile.capabilities - impl.capabilities
         if missing:
-            return f"lacks capabilities {sorted(missing)} the profile requires"
+            return f"it lacks capabilities {sorted(missing)} the profile requires"
         for name in impl.kernels:
             try:
                 self._kernels.resolve(name, self.kernel_backend)
@@ -362,23 +428,13 @@ class Registry:
     def _describe_impls(self) -> str:
         if not self._implementations:
             return "none"
-        return ", ".join(f"{i.id!r} from {i.provider}" for i in self._implementations.values())
+        return ", ".join(f"{i.id!r} from {_describe(i)}" for i in self._implementations.values())
 
     def _install_hint(self, profile: Profile) -> str:
-        provider = self.profile_provider(profile.id)
+        provider = profile.provider
         if provider is not None:
             return (
                 f"Install a version of {provider.distribution} that registers it, or allow the "
                 "plugin that does."
             )
         return "Install or allow the plugin that registers it."
-
-
-@dataclass(frozen=True)
-class _ProfileEntry:
-    profile: Profile
-    provider: Provider | None
-
-    @property
-    def id(self) -> str:
-        return self.profile.id

@@ -11,10 +11,11 @@ its cause:
 3. the family's schema validates the config;
 4. fingerprints are computed (config: the family's fields; artifact: the
    tensor manifest from the safetensors headers — no tensor data is read);
-5. the profile is chosen (exact artifact beats family) and re-validated
-   against the config;
-6. the registry selects exactly one implementation and resolves each kernel
-   it needs for this device (or the host's pinned backend).
+5. the profile is chosen (exact artifact beats family);
+6. the registry re-validates it against the config and both fingerprints,
+   selects its implementation by id (the selection rule in
+   :mod:`mlx_loom.host._registry`) and resolves each kernel it needs for this
+   device (or the host's pinned backend).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from ..advice import allow_plugin_fix, install_command
 from ..artifacts import (
     ArtifactConfig,
     artifact_fingerprint,
@@ -35,7 +37,8 @@ from ..artifacts import (
 )
 from ..errors import PluginUnavailable, UnknownModelType
 from ._discovery import PluginHost, PluginRecord
-from ._profiles import resolve_profile, validate_against_config
+from ._policy import PluginPolicy
+from ._profiles import resolve_profile
 from ._registry import Binding, ModelType, Registry
 
 # Where the project's own families live, so a refusal can name the package to
@@ -93,11 +96,21 @@ class Resolved:
     model_dir: Path
 
 
-def resolve(
-    model_ref: str | Path, *, host: PluginHost, registry: Registry | None = None
-) -> Resolved:
-    """Resolve ``model_ref`` against the host's (or the given composed) registry."""
-    registry = registry if registry is not None else host.registry
+@dataclass(frozen=True)
+class Identity:
+    """What an artifact is, before any profile is chosen: its directory, config,
+    validated family config, model type and both fingerprints."""
+
+    model_dir: Path
+    config: ArtifactConfig
+    family_config: BaseModel
+    model_type: ModelType
+    config_fingerprint: str
+    artifact_fingerprint: str
+
+
+def identify(model_ref: str | Path, *, host: PluginHost, registry: Registry) -> Identity:
+    """Steps 1–4: directory, config, claiming model type, schema, fingerprints."""
     model_dir = resolve_model_ref(model_ref)
     config = read_config(model_dir)
     name = config.model_type
@@ -112,16 +125,32 @@ def resolve(
         prefix="text_config" if config.is_nested else None,
     )
     config_fp = config_fingerprint({f: text.get(f) for f in claim.fingerprint_fields})
-    manifest = read_manifest(model_dir)
-    artifact_fp = artifact_fingerprint(manifest)
+    artifact_fp = artifact_fingerprint(read_manifest(model_dir))
+    return Identity(model_dir, config, family_config, claim, config_fp, artifact_fp)
+
+
+def resolve(
+    model_ref: str | Path, *, host: PluginHost, registry: Registry | None = None
+) -> Resolved:
+    """Resolve ``model_ref`` against the host's (or the given composed) registry."""
+    registry = registry if registry is not None else host.registry
+    ident = identify(model_ref, host=host, registry=registry)
+    model_dir, config, family_config, claim = (
+        ident.model_dir,
+        ident.config,
+        ident.family_config,
+        ident.model_type,
+    )
+    name, config_fp, artifact_fp = claim.name, ident.config_fingerprint, ident.artifact_fingerprint
     choice = resolve_profile(
         registry.profiles,
         model_type=name,
         artifact_fingerprint=artifact_fp,
         config_fingerprint=config_fp,
     )
-    validate_against_config(choice.profile, name, registry.graph_model_types())
-    binding = registry.select(name, choice.profile)
+    binding = registry.select(
+        name, choice.profile, config_fingerprint=config_fp, artifact_fingerprint=artifact_fp
+    )
     impl = binding.implementation
     summary = Resolution(
         model_ref=str(model_ref),
@@ -155,12 +184,12 @@ def _unclaimed(name: str, host: PluginHost, registry: Registry) -> Exception:
         plugin, dist = known
         record = host.record(plugin) or host.by_distribution(dist)
         if record is not None and record.status != "loaded":
-            return _unavailable(name, record)
+            return _unavailable(name, record, host.policy)
         if record is None:
             return UnknownModelType(
                 f"model_type {name!r} needs the {plugin!r} family plugin, which is not "
                 f"installed (model types claimed here: {claimed}).",
-                fix=f"pip install {dist}",
+                fix=install_command(plugin, dist),
             )
     suspects = [r for r in host.unavailable]
     if suspects:
@@ -177,12 +206,12 @@ def _unclaimed(name: str, host: PluginHost, registry: Registry) -> Exception:
     )
 
 
-def _unavailable(name: str, record: PluginRecord) -> PluginUnavailable:
+def _unavailable(name: str, record: PluginRecord, policy: PluginPolicy) -> PluginUnavailable:
     who = f"plugin {record.name!r} ({record.distribution} {record.version})"
     if record.status == "blocked":
         return PluginUnavailable(
             f"model_type {name!r} is claimed by {who}, which is {record.reason}.",
-            fix=f"Allow it: add {record.name!r} to MLX_LOOM_PLUGINS or to the host's policy.",
+            fix=allow_plugin_fix(record.name, policy),
         )
     return PluginUnavailable(
         f"model_type {name!r} is claimed by {who}, which is quarantined: {record.reason}.",

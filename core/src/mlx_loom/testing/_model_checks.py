@@ -27,9 +27,6 @@ from ..cache import (
     CACHE_KINDS,
     Cache,
     SpeculativeRounds,
-    kind_table,
-    load_prompt_cache,
-    save_prompt_cache,
 )
 from ..errors import CacheError, CacheNotTrimmable, KernelUnavailable, LoomError, WeightsError
 from ..generate import (
@@ -401,11 +398,7 @@ def check_kernel_refusal(subject: Any, target: Target) -> CheckResult:
         implementations=reg.implementations.values(),
         profiles=reg.profiles,
         kernels=[k for k in reg.kernels if not (k.name == kernel and k.backend == here)],
-        profile_providers={
-            p.id: reg.profile_provider(p.id)
-            for p in reg.profiles
-            if reg.profile_provider(p.id) is not None
-        },
+        cache_kinds=[c for k, c in reg.cache_kinds.items() if k not in CACHE_KINDS],
     )
     outcome = _expect_kernel_refusal(
         lambda: resolve_for(target.checkpoint, impl, host=subject.host, registry=stripped),
@@ -540,14 +533,18 @@ def check_state_round_trip(target: Target) -> CheckResult:
     model = target.model
     ids = _ids(target, 6, seed=9)
     nxt = _ids(target, 1, seed=10)[0]
-    cache = model.make_cache()
+    # The production path: PromptCache.save/load with the cache kinds the
+    # registry knows (the core's and those plugins registered), nothing more.
+    saved = PromptCache(model)
+    cache = saved.cache
     _forward(model, ids, cache)
-    kinds = kind_table(*dict.fromkeys([*CACHE_KINDS.values(), *(type(c) for c in cache)]))
+    saved.record(ids)
     path = target.workdir / f"{target.label}-prompt-cache.safetensors"
-    save_prompt_cache(path, cache, {"conformance": "1"}, kinds=kinds)
-    loaded, meta = load_prompt_cache(path, kinds=kinds)
-    if meta.get("conformance") != "1":
-        return failed(name, f"metadata did not survive the round trip: {meta}")
+    saved.save(path)
+    restored = PromptCache.load(path, model)
+    loaded = restored.cache
+    if restored.tokens != list(ids):
+        return failed(name, f"tokens did not survive the round trip: {restored.tokens}")
     if [type(c) for c in loaded] != [type(c) for c in cache]:
         return failed(name, f"reloaded cache kinds {[type(c).__name__ for c in loaded]} differ")
     if _offsets(loaded) != _offsets(cache):

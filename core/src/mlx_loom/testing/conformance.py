@@ -14,14 +14,22 @@ item in brackets):
 ``registrations``
     every model type, implementation, profile and kernel is well formed:
     namespaced ids, a schema, a tiny checkpoint recipe, implementations whose
-    model types and kernels are registered, profiles an implementation serves
-    with no more capabilities than it provides.
+    model types and kernels are registered, every implementation selected by
+    some profile, profiles whose implementation fits them with no more
+    capabilities than it provides. An *implementation-only* plugin (a tuned
+    implementation plus exact-artifact profiles naming it, for model types
+    another installed plugin claims) is a valid plugin.
 ``no-collisions``
-    nothing it registers collides with another installed plugin (ids, kernel
-    registrations, model types, family profiles claiming the same model type).
+    composed with every other installed plugin, nothing it registers collides
+    (ids, kernel registrations, cache kinds — a host would quarantine both),
+    each of its model types keeps one family profile, and the tiny checkpoint
+    of every *other* plugin's model type it touches resolves exactly as it
+    does without it (same profile, same implementation).
 ``construct[MODEL_TYPE]``
     a tiny random-weight checkpoint of each model type resolves to this
-    plugin and builds; ``implementations`` checks every declared
+    plugin and builds (for an implementation-only plugin: the owning plugin's
+    tiny checkpoint, bound to this plugin's implementation through an
+    exact-artifact profile); ``implementations`` checks every declared
     implementation was built at least once.
 ``forward``, ``incremental-decode``, ``greedy-determinism``,
 ``weight-coverage``, ``kernel-refusal`` and the capability checks
@@ -37,7 +45,6 @@ preconditions failed (the model did not build) is a ``FAIL``.
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 import time
 import traceback
@@ -46,8 +53,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-from pydantic import BaseModel
 
 from ..errors import LoomError
 from ..host import (
@@ -66,7 +71,7 @@ from ..host import (
     build_model,
 )
 from ..host._hookspecs import PROJECT, REGISTRATION_HOOKS
-from ..host._resolution import resolve
+from ..host._resolution import identify, resolve
 from ..model import Model
 from ..text import Tokenizer
 from .checkpoints import write_checkpoint
@@ -224,47 +229,84 @@ def _describe_error(err: BaseException) -> str:
 
 @dataclass
 class _Subject:
-    """The plugin under test: its record and registrations, from its own host."""
+    """The plugin under test: its record and registrations, from its own host.
+
+    ``own`` holds only this plugin's registrations; ``registry`` is what the
+    checks build against — ``own``, plus, for model types this plugin uses but
+    does not claim (an implementation-only plugin), the installed plugins
+    that claim them.
+    """
 
     name: str
     host: PluginHost
     record: PluginRecord
+    own: Registry
     registry: Registry
     obj: object | None
     model_types: list[ModelType] = field(default_factory=list)
     implementations: list[Implementation] = field(default_factory=list)
     profiles: list[Profile] = field(default_factory=list)
     kernels: list[Kernel] = field(default_factory=list)
+    foreign_types: frozenset[str] = frozenset()
+    _others: list[tuple[PluginRecord, Registry]] | None = None
 
     @classmethod
     def of(cls, name: str, host: PluginHost, obj: object | None) -> _Subject:
         record = host.record(name)
         assert record is not None
-        registry = host.registry
+        own = host.registry
         mine = lambda item: item.provider is not None and item.provider.plugin == name  # noqa: E731
-        return cls(
+        subject = cls(
             name=name,
             host=host,
             record=record,
-            registry=registry,
+            own=own,
+            registry=own,
             obj=obj,
-            model_types=[m for m in registry.model_types.values() if mine(m)],
-            implementations=[i for i in registry.implementations.values() if mine(i)],
-            profiles=[
-                p
-                for p in registry.profiles
-                if (registry.profile_provider(p.id) or _NO_PROVIDER).plugin == name
-            ],
-            kernels=[k for k in registry.kernels if mine(k)],
+            model_types=[m for m in own.model_types.values() if mine(m)],
+            implementations=[i for i in own.implementations.values() if mine(i)],
+            profiles=[p for p in own.profiles if mine(p)],
+            kernels=[k for k in own.kernels if mine(k)],
         )
+        used = {m for i in subject.implementations for m in i.model_types}
+        used |= {m for p in subject.profiles for m in p.model_types}
+        subject.foreign_types = frozenset(used - {m.name for m in subject.model_types})
+        owners = (
+            [reg for _, reg in subject.others if subject.foreign_types & set(reg.model_types)]
+            if subject.foreign_types
+            else []
+        )
+        if owners:
+            try:
+                subject.registry = Registry.combined(own, *owners)
+            except LoomError:
+                pass  # reported by no-collisions; the checks build against own
+        return subject
+
+    @property
+    def others(self) -> list[tuple[PluginRecord, Registry]]:
+        """Every other installed plugin, each with the registry it builds alone."""
+        if self._others is None:
+            self._others = _installed_alone(exclude=self.name)
+        return self._others
+
+    @property
+    def implementation_only(self) -> bool:
+        return not self.model_types and not any(not p.is_exact for p in self.profiles)
 
 
-@dataclass(frozen=True)
-class _NoProvider:
-    plugin: str = ""
-
-
-_NO_PROVIDER = _NoProvider()
+def _installed_alone(*, exclude: str) -> list[tuple[PluginRecord, Registry]]:
+    """Every other installed, loadable plugin with the registry it builds on its own."""
+    everyone = PluginHost(policy=PluginPolicy())
+    out = []
+    for record in everyone.loaded:
+        if record.name == exclude:
+            continue
+        alone = PluginHost(policy=PluginPolicy.allow(record.name))
+        mine = alone.record(record.name)
+        if alone.registry_error is None and mine is not None and mine.status == "loaded":
+            out.append((mine, alone.registry))
+    return out
 
 
 def check_hooks(subject: _Subject) -> CheckResult:
@@ -280,11 +322,12 @@ def check_hooks(subject: _Subject) -> CheckResult:
     unknown = sorted(set(implemented) - known)
     if unknown:
         return failed(name, f"implements unknown hooks {unknown}")
-    if not set(implemented) & {"loom_model_types", "loom_implementations", "loom_profiles"}:
+    registering = {"loom_families", "loom_model_types", "loom_implementations", "loom_profiles"}
+    if not set(implemented) & registering:
         return failed(
             name,
-            "implements none of loom_model_types, loom_implementations, loom_profiles; "
-            "a family plugin registers at least a model type, an implementation and a profile",
+            f"implements none of {', '.join(sorted(registering))}; a plugin registers at least "
+            "a family, or an implementation and a profile",
         )
     return passed(
         name,
@@ -313,35 +356,60 @@ def check_registrations(subject: _Subject) -> CheckResult:
     name = "registrations"
     problems: list[str] = []
     reg, plugin = subject.registry, subject.name
-    if not subject.model_types:
-        problems.append("registers no model type")
     if not subject.implementations:
         problems.append("registers no implementation")
     if not subject.profiles:
         problems.append("registers no profile")
+    if subject.implementation_only:
+        problems += _implementation_only_problems(subject)
+    elif subject.foreign_types:
+        problems.append(
+            f"uses model types {sorted(subject.foreign_types)} it does not claim, beside ones it "
+            "does: a family plugin claims its model types; tuning another plugin's is the job "
+            "of an implementation-only plugin"
+        )
     for mt in subject.model_types:
         where = f"model type {mt.name!r}"
-        if not (isinstance(mt.schema, type) and issubclass(mt.schema, BaseModel)):
-            problems.append(f"{where}: schema is not a pydantic model class")
-        if not mt.fingerprint_fields or not all(isinstance(f, str) for f in mt.fingerprint_fields):
-            problems.append(f"{where}: fingerprint_fields must be a non-empty tuple of field names")
+        if not mt.fingerprint_fields:
+            problems.append(
+                f"{where}: fingerprint_fields must name the fields that decide the graph"
+            )
         if mt.tiny_config is None:
             problems.append(f"{where}: no tiny_config (a small complete config.json dict)")
         elif mt.tiny_config.get("model_type") != mt.name:
             problems.append(
                 f"{where}: tiny_config['model_type'] is {mt.tiny_config.get('model_type')!r}"
             )
-        if mt.checkpoint_tensors is None or not callable(mt.checkpoint_tensors):
+        if mt.checkpoint_tensors is None:
             problems.append(f"{where}: no checkpoint_tensors(config) -> {{name: (shape, dtype)}}")
         if not any(mt.name in p.model_types and not p.is_exact for p in subject.profiles):
             problems.append(f"{where}: no family profile of this plugin claims it")
+    selected = set()
+    for profile in subject.profiles:
+        where = f"profile {profile.id!r}"
+        if not profile.id.startswith(f"{plugin}/"):
+            problems.append(f"{where}: id must start with '{plugin}/'")
+        try:
+            impl = reg.default_implementation(profile)
+        except LoomError as err:
+            problems.append(f"{where}: {err.message}")
+            continue
+        selected.add(impl.id)
+        ex = profile.execution
+        if (impl.graph, impl.loader, impl.loop) != (ex.graph, ex.loader, ex.loop):
+            problems.append(
+                f"{where}: selects {impl.id!r}, whose graph/loader/loop differ from the profile's"
+            )
+        extra = sorted(profile.capabilities - impl.capabilities)
+        if extra:
+            problems.append(f"{where}: declares {extra}, which {impl.id!r} does not provide")
     for impl in subject.implementations:
         where = f"implementation {impl.id!r}"
         if not impl.id.startswith(f"{plugin}."):
             problems.append(f"{where}: id must start with '{plugin}.'")
         unclaimed = sorted(m for m in impl.model_types if m not in reg.model_types)
-        if not impl.model_types or unclaimed:
-            problems.append(f"{where}: model types {unclaimed or '(none)'} are not registered")
+        if unclaimed:
+            problems.append(f"{where}: model types {unclaimed} are claimed by no installed plugin")
         if impl.loop not in LOOP_CAPABILITIES:
             problems.append(f"{where}: loop {impl.loop!r} is not a core loop")
         elif not LOOP_CAPABILITIES[impl.loop] <= impl.capabilities:
@@ -352,78 +420,85 @@ def check_registrations(subject: _Subject) -> CheckResult:
         for kernel in impl.kernels:
             if not reg.kernels.backends_for(kernel):
                 problems.append(f"{where}: kernel {kernel!r} has no registration")
-        if not callable(impl.factory):
-            problems.append(f"{where}: factory is not callable")
-    for profile in subject.profiles:
-        where = f"profile {profile.id!r}"
-        if not profile.id.startswith(f"{plugin}/"):
-            problems.append(f"{where}: id must start with '{plugin}/'")
-        servers = _servers(reg, profile)
-        if not servers:
+        if impl.id not in selected:
             problems.append(
-                f"{where}: no implementation serves graph {profile.execution.graph!r} with "
-                f"loader {profile.execution.loader!r}"
+                f"{where}: no profile selects it (a family profile selects the implementation "
+                "whose id is its graph id; an exact-artifact profile names one explicitly)"
             )
-            continue
-        offered = frozenset().union(*(i.capabilities for i in servers))
-        extra = sorted(profile.capabilities - offered)
-        if extra:
-            problems.append(f"{where}: declares {extra}, which its implementation does not provide")
-    for kernel in subject.kernels:
-        # A metal/cuda registration may be a custom kernel (with its source) or
-        # MLX's own primitives for that backend; both are legitimate.
-        if not callable(kernel.fn):
-            problems.append(f"kernel {kernel.name!r}[{kernel.backend}]: fn is not callable")
     if problems:
         return failed(name, "; ".join(problems))
+    kind = "implementation-only plugin: " if subject.implementation_only else ""
     return passed(
         name,
-        f"{len(subject.model_types)} model type(s), {len(subject.implementations)} "
+        f"{kind}{len(subject.model_types)} model type(s), {len(subject.implementations)} "
         f"implementation(s), {len(subject.profiles)} profile(s), {len(subject.kernels)} kernel "
         "registration(s), all well formed",
     )
 
 
-def _servers(reg: Registry, profile: Profile) -> list[Implementation]:
-    ex = profile.execution
-    if ex.implementation is not None:
-        impl = reg.implementations.get(ex.implementation)
-        return [impl] if impl is not None else []
-    return [
-        i for i in reg.implementations.values() if i.graph == ex.graph and i.loader == ex.loader
-    ]
-
-
-def check_collisions(subject: _Subject) -> CheckResult:
-    """Compose this plugin with every other installed plugin; the result must be unambiguous."""
-    name = "no-collisions"
-    everyone = PluginHost(policy=PluginPolicy())
-    others = [r for r in everyone.loaded if r.name != subject.name]
-    parts: list[Registry] = []
-    for record in others:
-        alone = PluginHost(policy=PluginPolicy.allow(record.name))
-        if alone.registry_error is None and alone.record(record.name).status == "loaded":
-            parts.append(alone.registry)
-    mine = subject.registry
-    try:
-        combined = mine
-        for part in parts:
-            combined = combined.with_(
-                model_types=part.model_types.values(),
-                implementations=part.implementations.values(),
-                profiles=part.profiles,
-                kernels=list(part.kernels),
+def _implementation_only_problems(subject: _Subject) -> list[str]:
+    problems = []
+    for profile in subject.profiles:
+        if profile.execution.implementation is None:
+            problems.append(
+                f"profile {profile.id!r}: an implementation-only plugin's exact-artifact profile "
+                "must name the implementation it tunes the artifact for"
             )
+    unclaimed = sorted(subject.foreign_types - set(subject.registry.model_types))
+    if unclaimed:
+        problems.append(
+            f"tunes model types {unclaimed}, which no installed plugin claims (install the "
+            "family plugin it builds on)"
+        )
+    return problems
+
+
+def check_collisions(subject: _Subject, workdir: Path) -> CheckResult:
+    """Compose this plugin with every other installed plugin; nothing else may change."""
+    name = "no-collisions"
+    if not subject.others:
+        return passed(name, "no other installed plugins to compose with")
+    others = [reg for _, reg in subject.others]
+    listed = ", ".join(r.name for r, _ in subject.others)
+    try:
+        combined = Registry.combined(subject.own, *others)
     except LoomError as err:
-        return failed(name, err.message)
+        return failed(
+            name, f"{err.message.rstrip('.')} — a host with both installed quarantines both"
+        )
     for mt in subject.model_types:
         family = [p.id for p in combined.profiles if mt.name in p.model_types and not p.is_exact]
         if len(family) > 1:
             return failed(
                 name, f"model type {mt.name!r} is claimed by several family profiles: {family}"
             )
-    listed = ", ".join(r.name for r in others) or "none"
-    return passed(name, f"composes with the other installed plugins ({listed})")
+    baseline = Registry.combined(*others)
+    touched = sorted(subject.foreign_types & set(baseline.model_types))
+    changed = []
+    for model_type in touched:
+        checkpoint = _tiny_checkpoint(
+            baseline.model_type(model_type), workdir / "no-collisions" / model_type
+        )
+        before = _resolves_to(checkpoint, subject.host, baseline)
+        after = _resolves_to(checkpoint, subject.host, combined)
+        if before != after:
+            changed.append(f"{model_type!r}: {before} -> {after}")
+    if changed:
+        return failed(
+            name,
+            "installing it changes what another plugin's checkpoint resolves to: "
+            + "; ".join(changed),
+        )
+    unchanged = f"; tiny checkpoints of {touched} resolve as before" if touched else ""
+    return passed(name, f"composes with the other installed plugins ({listed}){unchanged}")
+
+
+def _resolves_to(checkpoint: Path, host: PluginHost, registry: Registry) -> str:
+    try:
+        summary = resolve(checkpoint, host=host, registry=registry).summary
+    except LoomError as err:
+        return f"refused ({type(err).__name__})"
+    return f"{summary.profile} / {summary.implementation}"
 
 
 # --- building targets -------------------------------------------------------------
@@ -448,23 +523,34 @@ def resolve_for(
 ) -> Resolved:
     """Resolve ``checkpoint`` and bind it to ``implementation`` specifically.
 
-    The family profile picks the implementation users get. An implementation
-    no family profile reaches is bound through a throwaway family profile
-    naming its graph and loader, with only that implementation allowed.
+    When the profile resolution picks selects another implementation (or
+    none), the implementation is pinned the way the design pins one: an
+    exact-artifact profile for this checkpoint's fingerprints naming it —
+    so the binding still goes through :meth:`Registry.select` and its checks.
     """
-    resolved = resolve(checkpoint, host=host, registry=registry)
-    if resolved.binding.implementation.id == implementation.id:
-        return resolved
+    try:
+        resolved = resolve(checkpoint, host=host, registry=registry)
+        if resolved.binding.implementation.id == implementation.id:
+            return resolved
+    except LoomError:
+        pass  # the pinned resolution below reports what is wrong with this implementation
+    ident = identify(checkpoint, host=host, registry=registry)
     impl = implementation
-    profile = Profile(
+    pin = Profile(
         id=f"conformance/{impl.id}",
-        model_types=frozenset({resolved.model_type.name}),
-        execution=Execution(graph=impl.graph, loader=impl.loader, loop=impl.loop),
+        model_types=frozenset({ident.model_type.name}),
+        execution=Execution(
+            graph=impl.graph,
+            loader=impl.loader,
+            loop=impl.loop,
+            specialization="artifact",
+            implementation=impl.id,
+        ),
+        artifact_fingerprint=ident.artifact_fingerprint,
+        config_fingerprint=ident.config_fingerprint,
         capabilities=impl.capabilities,
     )
-    narrowed = registry.with_(allow_implementations=[impl.id])
-    binding = narrowed.select(resolved.model_type.name, profile)
-    return dataclasses.replace(resolved, binding=binding)
+    return resolve(checkpoint, host=host, registry=registry.with_(profiles=[pin]))
 
 
 def load_target(
@@ -485,31 +571,31 @@ def load_target(
 
 def _pairs(subject: _Subject) -> list[tuple[ModelType, Implementation]]:
     """(model type, implementation) pairs to build: each of this plugin's model types once,
-    with the implementation its family profile selects, plus every implementation no
-    family profile reaches (with the first model type it serves)."""
+    with the implementation its family profile selects, plus every other implementation
+    of this plugin (with the first model type it serves)."""
     reg = subject.registry
     out: list[tuple[ModelType, Implementation]] = []
+    mine = {i.id for i in subject.implementations}
     for mt in sorted(subject.model_types, key=lambda m: m.name):
-        impls = [i for i in subject.implementations if mt.name in i.model_types]
-        family = [p for p in subject.profiles if mt.name in p.model_types and not p.is_exact]
         chosen = None
-        for profile in family:
-            servers = [i for i in _servers(reg, profile) if i in impls]
-            if servers:
-                chosen = servers[0]
+        for profile in subject.profiles:
+            if mt.name in profile.model_types and not profile.is_exact:
+                try:
+                    chosen = reg.default_implementation(profile)
+                except LoomError:
+                    continue
                 break
-        if chosen is None and impls:
-            chosen = impls[0]
+        if chosen is None or chosen.id not in mine:
+            chosen = next((i for i in subject.implementations if mt.name in i.model_types), None)
         if chosen is not None:
             out.append((mt, chosen))
     reached = {impl.id for _, impl in out}
-    names = {m.name: m for m in subject.model_types}
     for impl in subject.implementations:
         if impl.id in reached:
             continue
-        served = sorted(m for m in impl.model_types if m in names)
+        served = sorted(m for m in impl.model_types if m in reg.model_types)
         if served:
-            out.append((names[served[0]], impl))
+            out.append((reg.model_type(served[0]), impl))
     return out
 
 
@@ -523,8 +609,11 @@ def _check_construct(
     except Exception as err:  # noqa: BLE001 - reported as this check's failure
         return failed(name, _describe_error(err)), None
     summary = target.resolved.summary
-    if summary.plugin != subject.name:
+    built_by = target.resolved.binding.implementation.provider
+    if mt.name not in subject.foreign_types and summary.plugin != subject.name:
         return failed(name, f"resolved to plugin {summary.plugin!r}, not {subject.name!r}"), None
+    if built_by is None or built_by.plugin != subject.name:
+        return failed(name, f"bound to {summary.implementation!r}, not this plugin's"), None
     n = len(mt.checkpoint_tensors(dict(mt.tiny_config or {})))  # type: ignore[misc]
     return passed(
         name,
@@ -585,10 +674,6 @@ def run_conformance(
         )
     subject = _Subject.of(name, host, plugin)
     results: list[CheckResult] = []
-    results += _guard("hooks", lambda: check_hooks(subject))
-    results += _guard("registrations", lambda: check_registrations(subject))
-    if collisions:
-        results += _guard("no-collisions", lambda: check_collisions(subject))
     with ExitStack() as stack:
         root = (
             Path(workdir)
@@ -597,6 +682,10 @@ def run_conformance(
                 stack.enter_context(tempfile.TemporaryDirectory(prefix=f"loom-conformance-{name}-"))
             )
         )
+        results += _guard("hooks", lambda: check_hooks(subject))
+        results += _guard("registrations", lambda: check_registrations(subject))
+        if collisions:
+            results += _guard("no-collisions", lambda: check_collisions(subject, root))
         targets: list[Target] = []
         pairs = _guard_pairs(subject, results)
         for mt, impl in pairs:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import tokenizers
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
@@ -130,9 +130,10 @@ class Tokenizer:
         self.source = source
         self._templates = dict(templates or {})
         self._plan = DecodePlan.for_backend(backend)
-        eos = {int(i) for i in extra_eos_ids}
+        eos = [int(i) for i in extra_eos_ids]
         if (eos_id := self.token_to_id(config.eos_token)) is not None:
-            eos.add(eos_id)
+            eos.insert(0, eos_id)
+        self._eos_order = tuple(dict.fromkeys(eos))  # tokenizer's own first, then configs'
         self._eos_ids = frozenset(eos)
 
     # --- loading -------------------------------------------------------------
@@ -199,6 +200,16 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> int | None:
         return self.token_to_id(self.config.pad_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The end-of-sequence id, as in transformers and mlx-lm.
+
+        The tokenizer's own ``eos_token`` when it has one; otherwise the first
+        id ``config.json``/``generation_config.json`` declare. Generation stops
+        on any of :attr:`eos_token_ids`, not only this one.
+        """
+        return self._eos_order[0] if self._eos_order else None
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -282,23 +293,64 @@ class Tokenizer:
                 fix="choose one of the listed templates",
             ) from None
 
+    @overload
     def apply_chat_template(
         self,
         messages: Sequence[Any],
         *,
+        tokenize: Literal[False] = False,
         add_generation_prompt: bool = True,
         system: str | None = None,
         tools: Sequence[Any] | None = None,
         continue_final_message: bool = False,
         template_name: str | None = None,
         **template_kwargs: Any,
-    ) -> str:
-        """Render a conversation to prompt text.
+    ) -> str: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Any],
+        *,
+        tokenize: Literal[True],
+        add_generation_prompt: bool = True,
+        system: str | None = None,
+        tools: Sequence[Any] | None = None,
+        continue_final_message: bool = False,
+        template_name: str | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]: ...
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Any],
+        *,
+        tokenize: bool = False,
+        add_generation_prompt: bool = True,
+        system: str | None = None,
+        tools: Sequence[Any] | None = None,
+        continue_final_message: bool = False,
+        template_name: str | None = None,
+        **template_kwargs: Any,
+    ) -> str | list[int]:
+        """Render a conversation to prompt text, or with ``tokenize=True`` to its token ids.
+
+        ``tokenize=True`` gives what :meth:`encode_chat` gives (and what
+        transformers' and mlx-lm's ``apply_chat_template`` return): the
+        rendered text encoded without adding special tokens, since the
+        template writes its own. Unlike transformers, text is the default
+        here, and ``add_generation_prompt`` defaults to True (a prompt about
+        to be answered), the way mlx-lm always calls it.
 
         ``system`` prepends a system message. ``template_kwargs`` are template
         variables (``enable_thinking=False`` ...), and may override the special
         token strings the template sees.
         """
+        if tokenize is not True and tokenize is not False:
+            raise TokenizerError(
+                f"apply_chat_template(tokenize={tokenize!r}) needs a bool",
+                fix="pass tokenize=True for token ids, or tokenize=False (the default) for text",
+            )
         chat = list(messages)
         if system is not None:
             chat.insert(0, {"role": "system", "content": system})
@@ -308,7 +360,7 @@ class Tokenizer:
                 fix="pass at least one message",
             )
         template = self.chat_template(template_name, tools=tools)
-        return template.render(
+        text = template.render(
             chat,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
@@ -316,16 +368,14 @@ class Tokenizer:
             special_tokens=self.special_tokens,
             **template_kwargs,
         )
+        # A template that wants BOS writes ``{{ bos_token }}`` itself, so the
+        # post-processor's special tokens would double it; transformers and
+        # mlx-lm encode rendered chats the same way.
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def encode_chat(self, messages: Sequence[Any], **kwargs: Any) -> list[int]:
-        """Token ids of a rendered conversation.
-
-        The rendered text is encoded *without* the post-processor's special
-        tokens: a template that wants BOS writes ``{{ bos_token }}`` itself, so
-        adding one here would double it. This is what transformers'
-        ``apply_chat_template(tokenize=True)`` and mlx-lm do.
-        """
-        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+        """Token ids of a rendered conversation: ``apply_chat_template(..., tokenize=True)``."""
+        return self.apply_chat_template(messages, tokenize=True, **kwargs)
 
 
 # --- file readers ----------------------------------------------------------------

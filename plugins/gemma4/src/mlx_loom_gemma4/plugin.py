@@ -1,36 +1,69 @@
-"""The Gemma 4 plugin's registrations: model types, expert kernel, implementation, profile."""
+"""Gemma 4 for mlx-loom, declared once: the text model, flat or inside the multimodal wrapper.
+
+The core derives implementation ``gemma4.text`` and family profile
+``gemma4/text`` (claiming ``gemma4_text`` and ``gemma4``) from :data:`FAMILY`.
+Both model types share one schema: the core hands the family the text view of
+a wrapper config (``text_config``), so the family never re-nests it.
+"""
 
 from __future__ import annotations
 
-from mlx_loom.hookspecs import PLUGIN_API_VERSION, hookimpl
-from mlx_loom.kernels import Kernel
-from mlx_loom.plugin import ADAPTERS
-from mlx_loom.profiles import (
+from mlx_loom.plugin import (
+    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
+    PLUGIN_API_VERSION,
     PROMPT_CACHE,
     SPECULATIVE,
-    Execution,
-    Profile,
+    Family,
+    Graph,
+    ModelType,
+    hookimpl,
 )
-from mlx_loom.registry import Implementation, ModelType
-from mlx_loom_gemma4 import kernels as _kernels
-from mlx_loom_gemma4.config import FINGERPRINT_FIELDS, Gemma4TextConfig
-from mlx_loom_gemma4.loader import build
-from mlx_loom_gemma4.manifest import TINY_TEXT_CONFIG, TINY_WRAPPER_CONFIG, checkpoint_tensors
 
-MODEL_TYPES = frozenset({"gemma4_text", "gemma4"})
-GRAPH = "gemma4.text"
-LOADER = "gemma4.hf"
-IMPLEMENTATION_ID = "gemma4.text.standard"
-PROFILE_ID = "gemma4/text"
+from . import kernels as _kernels
+from .config import FINGERPRINT_FIELDS, Gemma4TextConfig
+from .loader import build
+from .manifest import TINY_TEXT_CONFIG, TINY_WRAPPER_CONFIG, checkpoint_tensors
 
 # Speculative decoding: sliding layers use a rotating cache, whose trim past a
 # full window raises CacheNotTrimmable (mlx-lm silently trims nothing there and
 # verifies against a wrong window). Refusing is correct behaviour; the loop
 # surfaces it. Within the window, and on full-attention layers, trim is exact.
 CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS})
+
+FAMILY = Family(
+    name="gemma4",
+    model_types=(
+        ModelType(
+            name="gemma4_text",
+            schema=Gemma4TextConfig,
+            fingerprint_fields=FINGERPRINT_FIELDS,
+            description="Gemma 4 text model (flat config)",
+            tiny_config=TINY_TEXT_CONFIG,
+        ),
+        ModelType(
+            name="gemma4",
+            schema=Gemma4TextConfig,
+            fingerprint_fields=FINGERPRINT_FIELDS,
+            description="Gemma 4 multimodal checkpoint; text tower only (vision/audio dropped)",
+            tiny_config=TINY_WRAPPER_CONFIG,
+        ),
+    ),
+    graphs=(
+        Graph(
+            "gemma4.text",
+            factory=build,
+            kernels=(_kernels.SWITCH_GLU,),
+            description="Gemma 4 text: sliding/global attention, KV sharing, per-layer inputs, MoE",
+        ),
+    ),
+    loader="gemma4.hf",
+    capabilities=CAPABILITIES,
+    kernels=tuple(_kernels.kernels()),
+    checkpoint_tensors=checkpoint_tensors,
+)
 
 
 @hookimpl
@@ -39,56 +72,5 @@ def loom_plugin_api_version() -> str:
 
 
 @hookimpl
-def loom_model_types() -> list[ModelType]:
-    return [
-        ModelType(
-            name="gemma4_text",
-            schema=Gemma4TextConfig,
-            fingerprint_fields=FINGERPRINT_FIELDS,
-            description="Gemma 4 text model (flat config)",
-            tiny_config=TINY_TEXT_CONFIG,
-            checkpoint_tensors=checkpoint_tensors,
-        ),
-        ModelType(
-            name="gemma4",
-            schema=Gemma4TextConfig,
-            fingerprint_fields=FINGERPRINT_FIELDS,
-            description="Gemma 4 multimodal checkpoint; text tower only (vision/audio dropped)",
-            tiny_config=TINY_WRAPPER_CONFIG,
-            checkpoint_tensors=checkpoint_tensors,
-        ),
-    ]
-
-
-@hookimpl
-def loom_kernels() -> list[Kernel]:
-    return _kernels.kernels()
-
-
-@hookimpl
-def loom_implementations() -> list[Implementation]:
-    return [
-        Implementation(
-            id=IMPLEMENTATION_ID,
-            graph=GRAPH,
-            loader=LOADER,
-            model_types=MODEL_TYPES,
-            factory=build,
-            kernels=(_kernels.SWITCH_GLU,),
-            capabilities=CAPABILITIES,
-            description="Gemma 4 text: sliding/global attention, KV sharing, per-layer inputs, MoE",
-        )
-    ]
-
-
-@hookimpl
-def loom_profiles() -> list[Profile]:
-    return [
-        Profile(
-            id=PROFILE_ID,
-            model_types=MODEL_TYPES,
-            execution=Execution(graph=GRAPH, loader=LOADER),
-            capabilities=CAPABILITIES,
-            description="Every gemma4_text / gemma4 checkpoint",
-        )
-    ]
+def loom_families() -> list[Family]:
+    return [FAMILY]

@@ -40,7 +40,33 @@ from mlx_loom.plugin import (
 )
 from mlx_loom_qwen3_next.kernels import SUPPORTED_CONV_WIDTHS
 
-__all__ = ["HybridConfig", "Qwen3NextConfig", "Qwen3_5Config"]
+__all__ = ["FINGERPRINT_FIELDS", "HybridConfig", "Qwen3NextConfig", "Qwen3_5Config"]
+
+#: The config fields that decide tensor shapes and graph structure. The config
+#: fingerprint hashes exactly these (as the checkpoint spells them).
+FINGERPRINT_FIELDS: tuple[str, ...] = (
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_value_heads",
+    "linear_num_key_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "vocab_size",
+    "full_attention_interval",
+    "num_experts",
+    "num_experts_per_tok",
+    "decoder_sparse_step",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "mlp_only_layers",
+    "tie_word_embeddings",
+    "partial_rotary_factor",
+)
 
 LayerKind = Literal["linear", "attention"]
 MlpKind = Literal["moe", "dense"]

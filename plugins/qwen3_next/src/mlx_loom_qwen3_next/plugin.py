@@ -1,61 +1,84 @@
-"""The plugin's registrations: model types, kernels, implementations, profiles."""
+"""Qwen3-Next and Qwen3.5 for mlx-loom, declared once: one family, two graphs.
+
+``qwen3_next`` checkpoints get graph ``qwen3_next.hybrid-moe`` (fused
+``in_proj_qkvz``/``in_proj_ba`` delta nets, MoE beside dense layers);
+``qwen3_5``/``qwen3_5_text`` get ``qwen3_next.hybrid-split`` (separate
+``in_proj_qkv``/``z``/``b``/``a``). The core derives one implementation per
+graph (id = graph id) and the family profiles ``qwen3_next/hybrid-moe`` and
+``qwen3_next/hybrid-split``. One factory serves both: the schema the config
+validated against decides the projection layout.
+"""
 
 from __future__ import annotations
 
-from mlx_loom.hookspecs import PLUGIN_API_VERSION, hookimpl
-from mlx_loom.kernels import Kernel
-from mlx_loom.plugin import ADAPTERS
-from mlx_loom.profiles import (
+from mlx_loom.plugin import (
+    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
+    PLUGIN_API_VERSION,
     PROMPT_CACHE,
     SPECULATIVE,
-    Execution,
-    Profile,
-)
-from mlx_loom.registry import Implementation, ModelType
-from mlx_loom_qwen3_next.config import Qwen3_5Config, Qwen3NextConfig
-from mlx_loom_qwen3_next.kernels import KERNEL_NAMES, kernels
-from mlx_loom_qwen3_next.loader import build
-from mlx_loom_qwen3_next.manifest import (
-    TINY_QWEN3_5,
-    TINY_QWEN3_5_TEXT,
-    TINY_QWEN3_NEXT,
-    checkpoint_tensors,
+    Family,
+    Graph,
+    ModelType,
+    hookimpl,
 )
 
-LOADER = "qwen3_next.hf-or-mlx"
-QWEN3_NEXT_GRAPH = "qwen3_next.hybrid-moe"
-QWEN3_5_GRAPH = "qwen3_next.hybrid-split"
-QWEN3_5_TYPES = frozenset({"qwen3_5", "qwen3_5_text"})
+from .config import FINGERPRINT_FIELDS, Qwen3_5Config, Qwen3NextConfig
+from .kernels import KERNEL_NAMES, kernels
+from .loader import build
+from .manifest import TINY_QWEN3_5, TINY_QWEN3_5_TEXT, TINY_QWEN3_NEXT, checkpoint_tensors
 
 # Speculative decoding goes through RecurrentCache rounds (begin_round/commit);
 # prompt-cache reuse never trims (the loop reuses exact prefixes only).
 CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS})
 
-_FINGERPRINT = (
-    "hidden_size",
-    "num_hidden_layers",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "linear_num_value_heads",
-    "linear_num_key_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-    "vocab_size",
-    "full_attention_interval",
-    "num_experts",
-    "num_experts_per_tok",
-    "decoder_sparse_step",
-    "moe_intermediate_size",
-    "shared_expert_intermediate_size",
-    "mlp_only_layers",
-    "tie_word_embeddings",
-    "partial_rotary_factor",
+FAMILY = Family(
+    name="qwen3_next",
+    model_types=(
+        ModelType(
+            name="qwen3_next",
+            schema=Qwen3NextConfig,
+            fingerprint_fields=FINGERPRINT_FIELDS,
+            description="Qwen3-Next: gated delta nets + gated attention, sparse MoE",
+            tiny_config=TINY_QWEN3_NEXT,
+        ),
+        ModelType(
+            name="qwen3_5",
+            schema=Qwen3_5Config,
+            fingerprint_fields=FINGERPRINT_FIELDS,
+            description="Qwen3.5 (text): gated delta nets + gated attention",
+            tiny_config=TINY_QWEN3_5,
+        ),
+        ModelType(
+            name="qwen3_5_text",
+            schema=Qwen3_5Config,
+            fingerprint_fields=FINGERPRINT_FIELDS,
+            description="Qwen3.5 text config",
+            tiny_config=TINY_QWEN3_5_TEXT,
+        ),
+    ),
+    graphs=(
+        Graph(
+            "qwen3_next.hybrid-moe",
+            factory=build,
+            model_types=frozenset({"qwen3_next"}),
+            kernels=KERNEL_NAMES,
+            description="fused in_proj_qkvz/in_proj_ba delta nets, MoE beside dense layers",
+        ),
+        Graph(
+            "qwen3_next.hybrid-split",
+            factory=build,
+            model_types=frozenset({"qwen3_5", "qwen3_5_text"}),
+            kernels=KERNEL_NAMES,
+            description="separate in_proj_qkv/z/b/a delta nets (Qwen3.5)",
+        ),
+    ),
+    loader="qwen3_next.hf-or-mlx",
+    capabilities=CAPABILITIES,
+    kernels=tuple(kernels()),
+    checkpoint_tensors=checkpoint_tensors,
 )
 
 
@@ -65,81 +88,5 @@ def loom_plugin_api_version() -> str:
 
 
 @hookimpl
-def loom_model_types() -> list[ModelType]:
-    return [
-        ModelType(
-            "qwen3_next",
-            Qwen3NextConfig,
-            _FINGERPRINT,
-            description="Qwen3-Next: gated delta nets + gated attention, sparse MoE",
-            tiny_config=TINY_QWEN3_NEXT,
-            checkpoint_tensors=checkpoint_tensors,
-        ),
-        ModelType(
-            "qwen3_5",
-            Qwen3_5Config,
-            _FINGERPRINT,
-            description="Qwen3.5 (text): gated delta nets + gated attention",
-            tiny_config=TINY_QWEN3_5,
-            checkpoint_tensors=checkpoint_tensors,
-        ),
-        ModelType(
-            "qwen3_5_text",
-            Qwen3_5Config,
-            _FINGERPRINT,
-            description="Qwen3.5 text config",
-            tiny_config=TINY_QWEN3_5_TEXT,
-            checkpoint_tensors=checkpoint_tensors,
-        ),
-    ]
-
-
-@hookimpl
-def loom_kernels() -> list[Kernel]:
-    return kernels()
-
-
-@hookimpl
-def loom_implementations() -> list[Implementation]:
-    return [
-        Implementation(
-            id="qwen3_next.hybrid-moe.default",
-            graph=QWEN3_NEXT_GRAPH,
-            loader=LOADER,
-            model_types=frozenset({"qwen3_next"}),
-            factory=build,
-            kernels=KERNEL_NAMES,
-            capabilities=CAPABILITIES,
-            description="fused in_proj_qkvz/in_proj_ba delta nets, MoE beside dense layers",
-        ),
-        Implementation(
-            id="qwen3_next.hybrid-split.default",
-            graph=QWEN3_5_GRAPH,
-            loader=LOADER,
-            model_types=QWEN3_5_TYPES,
-            factory=build,
-            kernels=KERNEL_NAMES,
-            capabilities=CAPABILITIES,
-            description="separate in_proj_qkv/z/b/a delta nets (Qwen3.5)",
-        ),
-    ]
-
-
-@hookimpl
-def loom_profiles() -> list[Profile]:
-    return [
-        Profile(
-            id="qwen3_next/family",
-            model_types=frozenset({"qwen3_next"}),
-            execution=Execution(graph=QWEN3_NEXT_GRAPH, loader=LOADER),
-            capabilities=CAPABILITIES,
-            description="every qwen3_next checkpoint",
-        ),
-        Profile(
-            id="qwen3_next/qwen3_5-family",
-            model_types=QWEN3_5_TYPES,
-            execution=Execution(graph=QWEN3_5_GRAPH, loader=LOADER),
-            capabilities=CAPABILITIES,
-            description="every qwen3_5 / qwen3_5_text checkpoint",
-        ),
-    ]
+def loom_families() -> list[Family]:
+    return [FAMILY]

@@ -1,0 +1,52 @@
+"""The commands the README and the usage guide show are commands the CLI accepts."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from mlx_loom.cli.main import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+
+
+def code_blocks(text: str) -> list[str]:
+    return re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+
+
+def loom_examples(text: str) -> list[str]:
+    """Lines of code blocks that run ``loom`` (a leading ``$`` prompt is dropped)."""
+    found = []
+    for block in code_blocks(text):
+        for line in block.splitlines():
+            line = line.removeprefix("$ ").split("  #")[0].strip()
+            if line.startswith("loom ") and "[" not in line and "|" not in line:
+                found.append(line)
+    return found
+
+
+def quick_start() -> list[str]:
+    return [b.strip() for b in code_blocks(README) if b.startswith("python3 -m venv")]
+
+
+@pytest.mark.parametrize(
+    "line",
+    loom_examples(README) + loom_examples((ROOT / "docs" / "usage.md").read_text()),
+)
+def test_documented_loom_commands_parse(line):
+    build_parser().parse_args(shlex.split(line)[1:])  # a usage error would exit 2
+
+
+def test_the_first_quick_start_command_shows_pip_progress():
+    first, _ = quick_start()
+    assert " -q " not in first and "--quiet" not in first
+    assert first.endswith('loom generate "Once upon a time"')
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    _, test_command = quick_start()
+    assert test_command in (ROOT / ".ci" / "run").read_text().splitlines()
