@@ -258,3 +258,14 @@ def test_loom_convert_exit_codes(hf, tmp_path, capsys, flags, code, message):
     assert main([*argv, *flags]) == code
     err = capsys.readouterr().err
     assert message in err and "fix:" in err
+
+
+@pytest.mark.parametrize("flag, value", [("--q-bits", "7"), ("--q-group-size", "48")])
+def test_an_unsupported_packing_flag_is_a_usage_error(hf, tmp_path, capsys, flag, value):
+    argv = ["convert", "--hf-path", str(hf("llama")), "--mlx-path", str(tmp_path / "o"), "-q"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "fix:" in err
+    assert not (tmp_path / "o").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..artifacts import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from ..convert import DTYPES, MODES, RECIPES, convert
 from ..errors import Refusal
 from .fuse_cmd import describe_output
@@ -31,8 +32,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--mlx-path", default="mlx_model", help="output directory (must not exist)")
     parser.add_argument("-q", "--quantize", action="store_true", help="quantize the weights")
-    parser.add_argument("--q-group-size", type=int, help="quantization group size (default 64)")
-    parser.add_argument("--q-bits", type=int, help="bits per weight (default 4)")
+    parser.add_argument(
+        "--q-group-size",
+        type=int,
+        choices=SUPPORTED_GROUP_SIZES,
+        help="quantization group size (default 64)",
+    )
+    parser.add_argument(
+        "--q-bits", type=int, choices=SUPPORTED_BITS, help="bits per weight (default 4)"
+    )
     parser.add_argument(
         "--q-mode",
         default="affine",
