@@ -153,7 +153,7 @@ def test_a_malformed_config_file_is_refused(llama, adapter, text, expected):
 
 def test_an_oversized_config_file_is_refused_before_parsing(llama, adapter):
     (adapter / "adapter_config.json").write_text(" " * (2 << 20) + "{}")
-    assert "at most" in _refusal(llama, adapter).message
+    assert "the limit for this file is" in _refusal(llama, adapter).message
 
 
 def test_a_directory_without_weights_is_refused(llama, adapter):

@@ -19,11 +19,12 @@ The plugin policy's fix likewise depends on the policy's form: a deny list
 
 from __future__ import annotations
 
-import json
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from .bounded_json import parse_json
+from .errors import LoomError
 from .host._policy import POLICY_ENV, PluginPolicy
 
 __all__ = ["allow_plugin_fix", "install_command"]
@@ -39,9 +40,11 @@ def _core_origin() -> tuple[Path, bool] | None:
         return None
     if not text:
         return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
+    try:  # pip wrote it, but it is a file on disk like any other: parse it bounded
+        data = parse_json(text, source="direct_url.json", error=LoomError, fix="")
+    except LoomError:
+        return None
+    if not isinstance(data, dict):
         return None
     url = urlparse(str(data.get("url", "")))
     if url.scheme != "file":

@@ -56,6 +56,10 @@ class TokenizerError(ArtifactError):
     """The tokenizer files are missing or unusable, or a chat template fails."""
 
 
+class TemplateBudgetExceeded(TokenizerError):
+    """A chat template ran past its time budget or tried to build too much text."""
+
+
 class AdapterError(ArtifactError):
     """A LoRA/DoRA adapter is unreadable, or does not fit the model it is applied to."""
 

@@ -16,13 +16,13 @@ learning rate ...). Inference reads four things and ignores the rest:
   and embedding in the adapted layers.
 
 ``dropout`` is a training-time setting; it is read (so a malformed value is
-still reported) and ignored. The file is small by construction; anything over
+still reported) and ignored. The file is small by construction; it is read
+with the core's bounded JSON parser, and anything over
 :data:`MAX_CONFIG_BYTES` is refused before it is parsed.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from mlx_loom.artifacts.config import validate_family_config
+from mlx_loom.bounded_json import JsonLimits, read_json_file
 from mlx_loom.errors import AdapterError, ConfigError
 
 __all__ = [
@@ -95,32 +96,18 @@ class AdapterConfig(BaseModel):
 
 def _load_json(path: Path) -> Any:
     try:
-        size = path.stat().st_size
+        return read_json_file(
+            path,
+            error=AdapterError,
+            fix=f"repair {path.name}, or re-save the adapter",
+            limits=JsonLimits(max_bytes=MAX_CONFIG_BYTES),
+        )
     except FileNotFoundError:
         raise AdapterError(
             f"{path} does not exist",
             fix=f"pass the directory mlx-lm's trainer wrote (it holds {ADAPTER_CONFIG_FILE} "
             f"and {ADAPTER_WEIGHTS_FILE})",
         ) from None
-    if size > MAX_CONFIG_BYTES:
-        raise AdapterError(
-            f"{path} is {size} bytes; an adapter config is at most {MAX_CONFIG_BYTES} bytes",
-            fix=f"check that {path.name} is the adapter's config and not another file",
-        )
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise AdapterError(
-            f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}",
-            fix=f"repair {path.name}, or re-save the adapter",
-        ) from err
-    except RecursionError:
-        raise AdapterError(
-            f"{path} nests its values too deeply to be an adapter config",
-            fix=f"repair {path.name}, or re-save the adapter",
-        ) from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise AdapterError(f"{path} cannot be read: {err}", fix="re-save the adapter") from err
 
 
 def read_adapter_config(adapter_dir: Path) -> AdapterConfig:

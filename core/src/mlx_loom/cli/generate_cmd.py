@@ -14,10 +14,24 @@ from ..assets import BUNDLED_MODEL_ALIAS
 from ..generate import stream_generate
 from ..host import load
 from ..model import Model
+from ..text.template_budget import ENV_MAX_OUTPUT, ENV_TIMEOUT, TemplateBudget
 from . import flags
 from .flags import usage_error
 
 DEFAULT_PROMPT = "Once upon a time"
+TEMPLATE_TIMEOUT = flags.finite(
+    "--template-timeout",
+    check=lambda v: 0 < v <= 3600,
+    valid="a number of seconds in (0, 3600]",
+    fix="pass a time such as {flag} 5",
+)
+TEMPLATE_MAX_OUTPUT = flags.integer(
+    "--template-max-output",
+    low=1,
+    high=1 << 31,
+    valid="a number of characters >= 1",
+    fix="pass a size such as {flag} 4194304",
+)
 #: The group size mlx-lm and the API default to; the CLI prefers it when it fits.
 PREFERRED_KV_GROUP_SIZE = 64
 
@@ -37,6 +51,27 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "--adapter-path",
         metavar="DIR",
         help="a LoRA/DoRA adapter directory (mlx-lm's adapter_config.json + adapters.safetensors)",
+    )
+    group = parser.add_argument_group("chat template budget")
+    group.add_argument(
+        "--template-timeout",
+        type=TEMPLATE_TIMEOUT,
+        metavar="SECONDS",
+        help=f"time one chat-template render may take (default: {ENV_TIMEOUT} or 1)",
+    )
+    group.add_argument(
+        "--template-max-output",
+        type=TEMPLATE_MAX_OUTPUT,
+        metavar="CHARS",
+        help=f"longest prompt text a chat template may render (default: {ENV_MAX_OUTPUT} or 2Mi)",
+    )
+
+
+def template_budget_from_args(args: argparse.Namespace) -> TemplateBudget:
+    """The chat-template budget: the flags, else the environment, else the defaults."""
+    return TemplateBudget.from_env().replaced(
+        {"timeout_s": args.template_timeout, "max_output_chars": args.template_max_output},
+        names={"timeout_s": "--template-timeout", "max_output_chars": "--template-max-output"},
     )
 
 
@@ -265,6 +300,7 @@ def prompt_from_args(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     prompt = prompt_from_args(args)
+    template_budget = template_budget_from_args(args)
     model, tokenizer = load_from_args(args)
     options = sampling_kwargs(args, model)
     if args.verbose:
@@ -280,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         if args.system:
             messages.append({"role": "system", "content": args.system})
         messages.append({"role": "user", "content": prompt})
-        ids = tokenizer.encode_chat(messages)
+        ids = tokenizer.encode_chat(messages, template_budget=template_budget)
     else:
         ids = prompt
     if args.draft_model:

@@ -9,7 +9,7 @@ import sys
 from ..assets import BUNDLED_MODEL_NAME
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from . import flags
-from .generate_cmd import add_model_options, load_from_args
+from .generate_cmd import add_model_options, load_from_args, template_budget_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO if args.log_requests else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",
     )
+    template_budget = template_budget_from_args(args)
     model, tokenizer = load_from_args(args)
     server = make_server(
         model,
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         model_id=args.model or BUNDLED_MODEL_NAME,
         max_tokens_limit=args.max_tokens_limit,
+        template_budget=template_budget,
     )
     if not server.loopback_only:
         print(

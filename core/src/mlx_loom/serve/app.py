@@ -14,12 +14,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import LoomError, RequestError
+from ..errors import LoomError, RequestError, TemplateBudgetExceeded
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
 from ..host import GENERATE
 from ..model import Model
-from ..text import StopStrings, Tokenizer
+from ..text import StopStrings, TemplateBudget, Tokenizer
 from . import schemas
 from .errors import NOT_FOUND, HttpError, from_loom_error
 from .worker import GenerationWorker, Job, Piece
@@ -62,6 +62,7 @@ class ServeApp:
         *,
         model_id: str | None = None,
         max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+        template_budget: TemplateBudget | None = None,
     ) -> None:
         if (
             isinstance(max_tokens_limit, bool)
@@ -76,6 +77,7 @@ class ServeApp:
         self.tokenizer = tokenizer
         self.model_id = model_id or model.model_dir.name
         self.max_tokens_limit = max_tokens_limit
+        self.template_budget = template_budget or TemplateBudget.from_env()
         self.default_max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
         self.created = int(time.time())
         self.worker = GenerationWorker(model, tokenizer)
@@ -246,7 +248,20 @@ class ServeApp:
             )
         messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
         kwargs = dict(request.chat_template_kwargs or {})
-        reserved = {"messages", "tools", "system", "template_name"} & kwargs.keys()
+        # Names the tokenizer or the template renderer takes themselves: a client
+        # setting one would collide with the server's own argument (a 500) or
+        # override what the server decides (the template budget).
+        reserved = {
+            "messages",
+            "tools",
+            "system",
+            "template_name",
+            "template_budget",
+            "budget",
+            "special_tokens",
+            "tokenize",
+            "self",
+        } & kwargs.keys()
         if reserved:
             raise HttpError(
                 400,
@@ -256,7 +271,13 @@ class ServeApp:
                 code="invalid_parameter",
             )
         try:
-            ids = self.tokenizer.encode_chat(messages, **kwargs)
+            ids = self.tokenizer.encode_chat(
+                messages, template_budget=self.template_budget, **kwargs
+            )
+        except TemplateBudgetExceeded as err:
+            raise HttpError(
+                400, err.message, fix=err.fix, param="messages", code="template_budget_exceeded"
+            ) from None
         except LoomError as err:
             raise from_loom_error(err, param="messages") from None
         self._check_prompt(ids, "messages")

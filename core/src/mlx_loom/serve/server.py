@@ -23,7 +23,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import LoomError
+from ..bounded_json import REQUEST_JSON, parse_json
+from ..errors import LoomError, RequestError
+from ..text.template_budget import TemplateBudget
 from .app import ServeApp
 from .errors import NOT_FOUND, SERVER_ERROR, HttpError, ServerStartError, from_loom_error
 from .worker import END, Job, Piece
@@ -208,15 +210,13 @@ class Handler(BaseHTTPRequestHandler):
         if len(data) < length:
             raise ClientGone
         self._body_read = True
+        fix = "send a UTF-8 JSON object, with Content-Type: application/json"
         try:
-            return json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise HttpError(
-                400,
-                f"The request body is not valid JSON: {exc}.",
-                fix="send a UTF-8 JSON object, with Content-Type: application/json",
-                code="invalid_json",
-            ) from None
+            return parse_json(
+                data, source="The request body", error=RequestError, fix=fix, limits=REQUEST_JSON
+            )
+        except RequestError as exc:
+            raise HttpError(400, exc.message, fix=fix, code="invalid_json") from None
 
     # --- completions ------------------------------------------------------------------
 
@@ -374,10 +374,17 @@ def make_server(
     port: int = 8080,
     model_id: str | None = None,
     max_tokens_limit: int | None = None,
+    template_budget: TemplateBudget | None = None,
 ) -> LoomServer:
-    """A server for a loaded ``(model, tokenizer)``, bound but not yet serving."""
-    options = {} if max_tokens_limit is None else {"max_tokens_limit": max_tokens_limit}
-    app = ServeApp(model, tokenizer, model_id=model_id, **options)
+    """A server for a loaded ``(model, tokenizer)``, bound but not yet serving.
+
+    ``template_budget`` bounds every chat-template render (default: the
+    environment's, see :meth:`TemplateBudget.from_env`).
+    """
+    options: dict[str, Any] = (
+        {} if max_tokens_limit is None else {"max_tokens_limit": max_tokens_limit}
+    )
+    app = ServeApp(model, tokenizer, model_id=model_id, template_budget=template_budget, **options)
     try:
         return LoomServer(app, host, port)
     except BaseException:

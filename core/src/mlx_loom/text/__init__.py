@@ -24,6 +24,7 @@ so their text is never produced.
 from mlx_loom.text.chat_template import ChatTemplate
 from mlx_loom.text.detokenizer import DecodePlan, StreamingDetokenizer
 from mlx_loom.text.stops import StopCheck, StopStrings, StopTokenSequences
+from mlx_loom.text.template_budget import TemplateBudget
 from mlx_loom.text.tokenizer import Tokenizer, TokenizerConfig
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "StopStrings",
     "StopTokenSequences",
     "StreamingDetokenizer",
+    "TemplateBudget",
     "Tokenizer",
     "TokenizerConfig",
 ]
