@@ -75,7 +75,12 @@ CONFIG_JSON = JsonLimits(max_bytes=16 * 1024 * 1024)
 ARTIFACT_JSON = JsonLimits()
 #: HTTP request bodies (the server bounds the body size before reading it):
 #: text a client sends must be valid Unicode.
-REQUEST_JSON = JsonLimits(max_bytes=None, max_containers=500_000, allow_lone_surrogates=False)
+# Request bodies carry tool definitions whose JSON schemas legitimately nest
+# (two JSON levels per schema object); the server's own check on tool depth
+# (``serve.tools.MAX_TOOL_DEPTH``) names the tool, so the body bound sits above it.
+REQUEST_JSON = JsonLimits(
+    max_bytes=None, max_depth=256, max_containers=500_000, allow_lone_surrogates=False
+)
 
 # One JSON string literal, escapes included (unrolled so it never backtracks).
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)

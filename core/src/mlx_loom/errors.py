@@ -152,5 +152,10 @@ class CapabilityRefused(Refusal):
     """A request method (KV quantization, batching, speculation ...) is not supported."""
 
 
+class ToolParserUnavailable(Refusal):
+    """A tool-call parser was asked for by name and none is registered under it,
+    or tools were sent to a model for which no tool-call format is known."""
+
+
 class HubRefused(Refusal):
     """The Hugging Face Hub is needed (an upload) but the host forbids or cannot reach it."""

@@ -109,12 +109,12 @@ def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
         )
     if not lazy:
         _evaluate(module)
-    # Arrays a graph keeps outside its parameters (a RoPE's precomputed
-    # frequencies) are evaluated here too, on this thread: left lazy, they
-    # would be evaluated on whichever thread first generates, and MLX refuses
-    # a graph built on another thread's stream ("There is no Stream(cpu, 0) in
-    # current thread") — which is how every Gemma 4 request failed in a server.
-    mx.eval(_private_arrays(module))
+        # Buffers (arrays a module keeps beside its parameters, such as RoPE
+        # frequency tables) too: MLX ties an unevaluated array to the stream of
+        # the thread that built it, so a model built on one thread and run on
+        # another (the server's generation thread) would fail with "There is
+        # no Stream(cpu, 0) in current thread".
+        mx.eval(_buffers(module))
     module.eval()
     return Model(
         module,
@@ -123,15 +123,6 @@ def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
         model_dir=resolved.model_dir,
         profile_reason=resolved.summary.profile_reason,
     )
-
-
-def _private_arrays(module) -> list[mx.array]:
-    return [
-        value
-        for _, sub in module.named_modules()
-        for key, value in sub.items()
-        if key.startswith("_") and isinstance(value, mx.array)
-    ]
 
 
 def _evaluate(module: nn.Module) -> None:
@@ -171,6 +162,18 @@ def _screen(a: mx.array) -> mx.array:
     """A float32 scalar that is finite when every element of ``a`` is (or overflowed)."""
     rows = a.reshape(-1, a.shape[-1]) if a.ndim >= 2 else a.reshape(1, -1)
     return mx.sum(mx.sum(rows, axis=0)).astype(mx.float32)
+
+
+def _buffers(module: nn.Module) -> list[mx.array]:
+    """Arrays the module tree holds under ``_``-prefixed keys (not parameters)."""
+    return [
+        leaf
+        for m in module.modules()
+        for key, value in m.items()
+        if key.startswith("_")
+        for _, leaf in tree_flatten(value)
+        if isinstance(leaf, mx.array)
+    ]
 
 
 def load(

@@ -45,6 +45,7 @@ from ..errors import (
     RegistrationError,
     UnknownModelType,
 )
+from ..text.tool_calls import ToolParser, parser_table
 from ._checks import check_instance
 from ._kernels import Backend, Kernel, KernelRegistry, Provider, active_backend, runnable_backends
 from ._profiles import Profile, validate_profile
@@ -138,6 +139,7 @@ class Registry:
         profiles: Iterable[Profile] = (),
         kernels: Iterable[Kernel] = (),
         cache_kinds: Iterable[type] = (),
+        tool_parsers: Iterable[ToolParser] = (),
         _composition: _Composition | None = None,
     ) -> None:
         self._model_types = _unique("model type", model_types, ModelType, lambda m: m.name)
@@ -148,6 +150,8 @@ class Registry:
         self._kernels = KernelRegistry(kernels)
         self._extra_cache_kinds = tuple(cache_kinds)
         self._cache_kinds = _cache_table(self._extra_cache_kinds)
+        self._extra_tool_parsers = tuple(tool_parsers)
+        self._tool_parsers = parser_table(self._extra_tool_parsers)
         self._composition = _composition or _Composition()
 
     # --- read access -------------------------------------------------------
@@ -176,6 +180,11 @@ class Registry:
     def cache_kinds(self) -> Mapping[str, type]:
         """``kind -> class`` for every cache kind a prompt-cache file may name."""
         return self._cache_kinds
+
+    @property
+    def tool_parsers(self) -> Mapping[str, ToolParser]:
+        """Every tool-call parser by name: the plugins' first, then the core's."""
+        return dict(self._tool_parsers)
 
     @property
     def kernel_backend(self) -> Backend | None:
@@ -209,6 +218,7 @@ class Registry:
             profiles=[q for p in parts for q in p._profiles.values()],
             kernels=[k for p in parts for k in p._kernels],
             cache_kinds=[c for p in parts for c in p._extra_cache_kinds],
+            tool_parsers=[t for p in parts for t in p._extra_tool_parsers],
         )
 
     def with_(
@@ -219,6 +229,7 @@ class Registry:
         kernels: Iterable[Kernel] = (),
         model_types: Iterable[ModelType] = (),
         cache_kinds: Iterable[type] = (),
+        tool_parsers: Iterable[ToolParser] = (),
         allow_implementations: Iterable[str] | None = None,
         kernel_backend: Backend | None = None,
     ) -> Registry:
@@ -251,6 +262,7 @@ class Registry:
             profiles=[*self.profiles, *(p.model_copy(update={"provider": None}) for p in profiles)],
             kernels=[*self._kernels, *kernels],
             cache_kinds=[*self._extra_cache_kinds, *cache_kinds],
+            tool_parsers=[*self._extra_tool_parsers, *tool_parsers],
             _composition=composition,
         )
 

@@ -48,6 +48,8 @@ class Piece:
     generation_tokens: int
     cached_tokens: int
     finish_reason: str | None
+    #: The stop string that ended the generation, if one did.
+    stop: str | None = None
 
     @classmethod
     def of(cls, r: GenerationResponse) -> Piece:
@@ -60,6 +62,7 @@ class Piece:
             generation_tokens=r.generation_tokens,
             cached_tokens=r.cached_tokens,
             finish_reason=r.finish_reason,
+            stop=r.stop,
         )
 
 
@@ -83,6 +86,10 @@ class Job:
     max_tokens: int
     stop: list[str] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)
+    #: KV-cache quantization (the server's ``--kv-bits`` ...), as ``stream_generate`` takes it.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -191,6 +198,9 @@ class GenerationWorker:
                 max_tokens=job.max_tokens,
                 stop=job.stop,
                 prompt_cache=self._prompt_cache,
+                kv_bits=job.kv_bits,
+                kv_group_size=job.kv_group_size,
+                quantized_kv_start=job.quantized_kv_start,
                 **job.sampling,
             )
             for response in stream:

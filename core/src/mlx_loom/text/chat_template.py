@@ -11,8 +11,9 @@ Rendering follows what transformers does for the same template so that prompts
 ``{% generation %}`` block, the ``raise_exception`` and ``strftime_now``
 globals, a ``tojson`` filter that does not HTML-escape, the special-token
 strings (``bos_token``, ``eos_token`` ...) as variables, messages whose
-``None`` fields are dropped, and reasoning aliased under
-``reasoning_content``/``thinking``.
+``None`` fields are dropped, reasoning aliased under
+``reasoning_content``/``thinking``, and tool-call arguments sent as JSON
+strings (as OpenAI clients send them) decoded to objects.
 """
 
 from __future__ import annotations
@@ -193,8 +194,30 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [_decoded_arguments(c) for c in message["tool_calls"]]
         out.append(message)
     return out
+
+
+def _decoded_arguments(call: Any) -> Any:
+    """An OpenAI tool call whose ``function.arguments`` JSON string is decoded to an object.
+
+    OpenAI clients send arguments as a JSON *string*; templates iterate them
+    as a mapping (``tool_call.arguments | items``) or print them with
+    ``tojson``, which would quote the string a second time. mlx-lm decodes
+    them the same way. A string that is not a JSON object stays a string.
+    """
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except (ValueError, RecursionError):
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatTemplate:

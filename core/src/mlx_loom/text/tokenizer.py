@@ -7,7 +7,8 @@ Files read from the model directory:
   ``tokenizer_config.json`` ``add_bos_token`` is read but not applied, as
   transformers (v5) also drops it when ``tokenizer.json`` exists.
 * ``tokenizer_config.json`` — special-token strings (plain or
-  ``{"content": ...}``), ``chat_template`` (a string or a list of named ones).
+  ``{"content": ...}``), ``chat_template`` (a string or a list of named ones),
+  ``tool_parser_type`` (the tool-call format's name, as mlx-lm spells it).
 * ``special_tokens_map.json`` — fills special tokens the config lacks.
 * ``chat_template.jinja`` and ``additional_chat_templates/*.jinja`` — when
   present they replace the config's templates, as in transformers.
@@ -86,6 +87,8 @@ class TokenizerConfig(BaseModel):
     mask_token: str | None = None
     add_bos_token: bool | None = None
     chat_template: str | dict[str, str] | None = None
+    #: The tool-call format, by parser name (mlx-lm's key; see ``mlx_loom.text.tool_calls``).
+    tool_parser_type: str | None = None
 
     @field_validator(*SPECIAL_TOKEN_NAMES, mode="before")
     @classmethod

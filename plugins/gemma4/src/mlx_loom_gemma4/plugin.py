@@ -42,6 +42,7 @@ FAMILY = Family(
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Gemma 4 text model (flat config)",
             tiny_config=TINY_TEXT_CONFIG,
+            tool_parser="gemma4",
         ),
         ModelType(
             name="gemma4",
@@ -49,6 +50,7 @@ FAMILY = Family(
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Gemma 4 multimodal checkpoint; text tower only (vision/audio dropped)",
             tiny_config=TINY_WRAPPER_CONFIG,
+            tool_parser="gemma4",
         ),
     ),
     graphs=(
