@@ -92,6 +92,16 @@ def write_adapter(
     return out
 
 
+#: mlx-loom's oracle path: the checkpoint's dtype and MLX's own operations, the
+#: arithmetic mlx-lm runs (the CPU's default path computes in fp32 on native kernels).
+ORACLE_PATH = {"compute_dtype": "checkpoint", "cpu_kernels": "cpu-ops"}
+
+
+def load_ours(base: Path, adapter: Path | None = None):
+    """mlx-loom's model on the oracle path, with ``adapter`` applied if given."""
+    return mlx_loom.load(base, adapter_path=adapter, **ORACLE_PATH)[0]
+
+
 def load_theirs(base: Path, adapter: Path | None):
     from mlx_lm import load
 

@@ -30,8 +30,7 @@ DORA_KEYS = {
 
 
 def _both(base, adapter):
-    ours, _ = mlx_loom.load(base, adapter_path=adapter)
-    return ours, kit.load_theirs(base, adapter)
+    return kit.load_ours(base, adapter), kit.load_theirs(base, adapter)
 
 
 @pytest.mark.parametrize("kind", BASES)
@@ -41,7 +40,7 @@ def test_lora_matches_mlx_lm(base, tmp_path, model_type, kind):
     adapter = kit.write_adapter(path, tmp_path / "lora", num_layers=2)
     ours, theirs = _both(path, adapter)
     kit.assert_same_run(ours, theirs)
-    plain, _ = mlx_loom.load(path)
+    plain = kit.load_ours(path)
     x = kit.prompt()
     assert not mx.array_equal(ours(x), plain(x)), "the adapter changed nothing"
 
@@ -114,9 +113,32 @@ def test_greedy_generation_with_an_adapter_matches_mlx_lm_generate(base, tmp_pat
 
     path = base("qwen3_next")
     adapter = kit.write_adapter(path, tmp_path / "lora")
-    model, tokenizer = mlx_loom.load(path, adapter_path=adapter)
+    model, tokenizer = mlx_loom.load(path, adapter_path=adapter, **kit.ORACLE_PATH)
     lm_model, lm_tokenizer = lm_load(str(path), adapter_path=str(adapter))
     prompt = tokenizer.encode("the cat")
     ours = [r.token for r in mlx_loom.stream_generate(model, tokenizer, prompt, max_tokens=12)]
     theirs = [r.token for r in lm_stream_generate(lm_model, lm_tokenizer, prompt, max_tokens=12)]
     assert ours == theirs and len(ours) == 12
+
+
+@pytest.mark.parametrize("fine_tune_type", ["lora", "dora"])
+def test_on_the_cpus_default_path_adapters_wrap_the_native_layers(base, tmp_path, fine_tune_type):
+    """fp32 activations on the native kernels (the CPU default): the adapter wraps the
+    native layers and gives mlx-lm's greedy tokens, logits within the native
+    kernels' stated 1e-4 of their scale."""
+    from mlx_loom.cpu.layers import NativeLinear
+
+    path = base("llama", "bf16")
+    adapter = kit.write_adapter(path, tmp_path / "a", fine_tune_type=fine_tune_type)
+    ours, _ = mlx_loom.load(path, adapter_path=adapter)
+    wrapped = [m.base for _, m in ours.module.named_modules() if hasattr(m, "adapters")]
+    if ours.cpu_path.kernel_set == "cpu-native":
+        assert wrapped and all(isinstance(b, NativeLinear) for b in wrapped)
+    theirs = kit.load_theirs(path, adapter)
+    theirs.set_dtype(mx.float32)
+    x = kit.prompt()
+    a = kit.greedy_logits(ours, x, ours.make_cache(), 6)
+    b = kit.greedy_logits(theirs, x, theirs.make_cache(), 6)
+    for la, lb in zip(a, b, strict=True):
+        assert mx.argmax(la[0, -1]).item() == mx.argmax(lb[0, -1]).item()
+        assert mx.abs(la - lb).max().item() <= 1e-4 * max(1.0, mx.abs(lb).max().item())

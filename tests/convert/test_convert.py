@@ -80,7 +80,7 @@ def logits_everywhere(paths: list[Path]) -> list[mx.array]:
     x = kit.prompt(16)
     out = []
     for path in paths:
-        out.append(mlx_loom.load(path)[0](x))
+        out.append(kit.load_ours(path)(x))  # mlx-loom on its oracle path
         out.append(load_model(path)[0](x))
     mx.eval(out)
     return out

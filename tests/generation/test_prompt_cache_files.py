@@ -112,7 +112,11 @@ def test_a_cache_of_another_dtype_is_refused(tmp_path, tmp_path_factory):
     claim = mlx_loom.default_host().registry.model_types["llama"]
     config = claim.tiny_config
     bf16 = {n: (shape, "BF16") for n, (shape, _) in claim.checkpoint_tensors(config).items()}
-    model, tok = mlx_loom.load(write_checkpoint(tmp_path / "bf16", config, bf16))
+    # In its own dtype: on the CPU the default float32 compute would give this
+    # model float32 caches too (the cache dtype follows the compute dtype).
+    model, tok = mlx_loom.load(
+        write_checkpoint(tmp_path / "bf16", config, bf16), compute_dtype="checkpoint"
+    )
     f32, _ = mlx_loom.load(checkpoint(tmp_path_factory, "llama"))
     cache = filled(f32, tok)
     path = tmp_path / "dtype.safetensors"

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import mlx.nn as nn
 
     from .artifacts import ArtifactConfig
+    from .cpu.path import CpuPath
     from .host import Binding, Implementation, Profile
 
 
@@ -49,6 +50,7 @@ class Model:
         config: ArtifactConfig,
         model_dir: Path,
         profile_reason: str = "",
+        cpu_path: CpuPath | None = None,
     ) -> None:
         if not isinstance(module, CausalLM):
             raise TypeError(
@@ -60,6 +62,9 @@ class Model:
         self.config = config
         self.model_dir = model_dir
         self.profile_reason = profile_reason
+        #: The compute dtype and CPU kernel set it runs with (``None`` when
+        #: built outside :func:`mlx_loom.load`).
+        self.cpu_path = cpu_path
         #: The adapter applied on top of the family's graph, if any
         #: (:class:`mlx_loom.adapters.AppliedAdapter`).
         self.adapter: Any = None
@@ -136,5 +141,11 @@ class Model:
     def __repr__(self) -> str:
         return (
             f"Model(model_type={self.model_type!r}, profile={self.profile.id!r}, "
-            f"implementation={self.implementation.id!r}, backend={self.backend!r})"
+            f"implementation={self.implementation.id!r}, backend={self.backend!r}"
+            + (
+                f", compute_dtype={self.cpu_path.compute_dtype!r}, "
+                f"cpu_kernels={self.cpu_path.kernel_set!r})"
+                if self.cpu_path is not None
+                else ")"
+            )
         )

@@ -52,6 +52,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a LoRA/DoRA adapter directory (mlx-lm's adapter_config.json + adapters.safetensors)",
     )
+    add_cpu_path_options(parser)
     group = parser.add_argument_group("chat template budget")
     group.add_argument(
         "--template-timeout",
@@ -72,6 +73,19 @@ def template_budget_from_args(args: argparse.Namespace) -> TemplateBudget:
     return TemplateBudget.from_env().replaced(
         {"timeout_s": args.template_timeout, "max_output_chars": args.template_max_output},
         names={"timeout_s": "--template-timeout", "max_output_chars": "--template-max-output"},
+    )
+
+
+def add_cpu_path_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compute-dtype",
+        choices=["checkpoint", "float32", "bfloat16", "float16"],
+        help="dtype activations run in (default on the CPU: float32; elsewhere: checkpoint)",
+    )
+    parser.add_argument(
+        "--cpu-kernels",
+        choices=["cpu-native", "cpu-ops"],
+        help="kernel set for the matrix products on the CPU (default: cpu-native where it runs)",
     )
 
 
@@ -217,6 +231,8 @@ def load_from_args(args: argparse.Namespace):
         args.model or BUNDLED_MODEL_ALIAS,
         kernel_backend=args.kernel_backend,
         adapter_path=args.adapter_path,
+        compute_dtype=args.compute_dtype,
+        cpu_kernels=args.cpu_kernels,
     )
 
 
@@ -320,7 +336,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         ids = prompt
     if args.draft_model:
-        options["draft_model"], _ = load(args.draft_model, kernel_backend=args.kernel_backend)
+        options["draft_model"], _ = load(
+            args.draft_model,
+            kernel_backend=args.kernel_backend,
+            compute_dtype=args.compute_dtype,
+            cpu_kernels=args.cpu_kernels,
+        )
         options["num_draft_tokens"] = args.num_draft_tokens
     last = None
     for last in stream_generate(model, tokenizer, ids, **options):

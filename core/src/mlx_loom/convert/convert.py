@@ -41,10 +41,17 @@ MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 
 
 def load_lazily(source: str | os.PathLike[str], **host_options: Any):
-    """The family's graph for ``source`` with its weights unread, and the resolution."""
+    """The family's graph for ``source`` with its weights unread, and the resolution.
+
+    Built on the checkpoint's own terms — its stored dtypes (``compute_dtype``
+    ``"checkpoint"``) and MLX's own layers (``cpu_kernels`` ``"cpu-ops"``) —
+    whatever the CPU path would choose for running it: a conversion writes
+    what the checkpoint holds, transformed only as asked.
+    """
     from mlx_loom.host import build_model, resolve_model
 
-    resolved = resolve_model(source, **host_options)
+    options = {"compute_dtype": "checkpoint", "cpu_kernels": "cpu-ops", **host_options}
+    resolved = resolve_model(source, **options)
     return build_model(resolved, lazy=True), resolved
 
 

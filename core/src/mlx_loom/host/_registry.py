@@ -126,6 +126,9 @@ class _Composition:
 
     allowed_implementations: frozenset[str] | None = None
     kernel_backend: Backend | None = None
+    #: The host's pins of the CPU compute path (see :mod:`mlx_loom.cpu`).
+    compute_dtype: str | None = None
+    cpu_kernels: str | None = None
 
 
 class Registry:
@@ -194,6 +197,16 @@ class Registry:
     def allowed_implementations(self) -> frozenset[str] | None:
         return self._composition.allowed_implementations
 
+    @property
+    def compute_dtype(self) -> str | None:
+        """The compute dtype the host pins (``None``: the run or the default decides)."""
+        return self._composition.compute_dtype
+
+    @property
+    def cpu_kernels(self) -> str | None:
+        """The CPU kernel set the host pins (``None``: the run or the default decides)."""
+        return self._composition.cpu_kernels
+
     def model_type(self, name: str) -> ModelType:
         found = self._model_types.get(name)
         if found is None:
@@ -232,14 +245,17 @@ class Registry:
         tool_parsers: Iterable[ToolParser] = (),
         allow_implementations: Iterable[str] | None = None,
         kernel_backend: Backend | None = None,
+        compute_dtype: str | None = None,
+        cpu_kernels: str | None = None,
     ) -> Registry:
         """A new registry with extra registrations and/or narrowed host choices.
 
         Registrations added here belong to the embedding host (no plugin).
         ``allow_implementations`` restricts selection to those ids (each must
         exist): a profile whose implementation is not allowed is refused, never
-        given another. ``kernel_backend`` pins the backend kernels resolve on.
-        This registry is left unchanged.
+        given another. ``kernel_backend`` pins the backend kernels resolve on;
+        ``compute_dtype`` and ``cpu_kernels`` pin the CPU compute path
+        (:mod:`mlx_loom.cpu`). This registry is left unchanged.
         """
         implementations, profiles = tuple(implementations), tuple(profiles)
         composition = self._composition
@@ -256,6 +272,16 @@ class Registry:
             composition = replace(composition, allowed_implementations=allowed)
         if kernel_backend is not None:
             composition = replace(composition, kernel_backend=kernel_backend)
+        if compute_dtype is not None or cpu_kernels is not None:
+            from ..cpu.path import check_compute_dtype, check_kernel_set
+
+            check_compute_dtype(compute_dtype)
+            check_kernel_set(cpu_kernels)
+            composition = replace(
+                composition,
+                compute_dtype=compute_dtype or composition.compute_dtype,
+                cpu_kernels=cpu_kernels or composition.cpu_kernels,
+            )
         return Registry(
             model_types=[*self._model_types.values(), *model_types],
             implementations=[*self._implementations.values(), *implementations],
