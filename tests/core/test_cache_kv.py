@@ -11,12 +11,16 @@ from mlx_loom.cache import (
     STANDARD_KINDS,
     AttentionCache,
     BatchKVCache,
+    BatchQuantizedKVCache,
     BatchRotatingKVCache,
     BatchRows,
     KVCache,
     QuantizedKVCache,
     QuantizedRotatingKVCache,
     RotatingKVCache,
+    Stackable,
+    StackedQuantizedRotatingKVCache,
+    StackedRotatingKVCache,
     create_attention_mask,
     create_causal_mask,
     scaled_dot_product_attention,
@@ -184,9 +188,16 @@ def test_every_standard_kind_satisfies_the_cache_protocols():
         "QuantizedKVCache": QuantizedKVCache(),
         "QuantizedRotatingKVCache": QuantizedRotatingKVCache(4),
         "BatchRotatingKVCache": BatchRotatingKVCache(4, [0]),
+        "BatchQuantizedKVCache": BatchQuantizedKVCache([0]),
+        "StackedRotatingKVCache": StackedRotatingKVCache(4, 1),
+        "StackedQuantizedRotatingKVCache": StackedQuantizedRotatingKVCache(4, 1),
     }
     assert {cls.kind for cls in STANDARD_KINDS} == set(examples)
     for name, cache in examples.items():
         assert isinstance(cache, AttentionCache), name
-    assert isinstance(examples["BatchKVCache"], BatchRows)
-    assert isinstance(examples["BatchRotatingKVCache"], BatchRows)
+    for name in ("BatchKVCache", "BatchRotatingKVCache", "BatchQuantizedKVCache"):
+        assert isinstance(examples[name], BatchRows), name
+    for name in ("StackedRotatingKVCache", "StackedQuantizedRotatingKVCache"):
+        assert isinstance(examples[name], BatchRows), name
+    for single in ("KVCache", "RotatingKVCache", "QuantizedKVCache", "QuantizedRotatingKVCache"):
+        assert isinstance(examples[single], Stackable), single

@@ -10,7 +10,6 @@ from mlx_lm.utils import load_model
 import mlx_loom
 from mlx_loom.errors import CapabilityRefused
 from mlx_loom.generate import batch_generate, batch_generate_tokens, generate_tokens, make_sampler
-from mlx_loom.generate.batch import make_batch_cache
 from mlx_loom.generate.params import SamplingParams
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 1], [200, 13, 55, 66, 2]]
@@ -39,7 +38,7 @@ def test_batched_prefill_logits_match_mlx_lm_batch_cache(llama_f32):
     width = max(map(len, PROMPTS))
     padding = [width - len(p) for p in PROMPTS]
     inputs = mx.array([[0] * pad + p for p, pad in zip(PROMPTS, padding, strict=True)])
-    ours = model(inputs, make_batch_cache(model, padding))
+    ours = model(inputs, [c.empty_batch(padding) for c in model.make_cache()])
     theirs = oracle(inputs, cache=[BatchKVCache(padding) for _ in oracle.layers])
     for row, pad in enumerate(padding):
         assert mx.array_equal(ours[row, pad:], theirs[row, pad:])

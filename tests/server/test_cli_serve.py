@@ -80,3 +80,49 @@ def test_loom_serve_serves_until_interrupted(checkpoint):
             proc.kill()
         proc.wait(5)
         proc.stderr.close()
+
+
+def test_serve_batching_flags_default_to_mlx_lm_servers_values():
+    from mlx_loom.cli.serve_cmd import engine_settings
+
+    settings = engine_settings(build_parser().parse_args(["serve"]))
+    assert (settings.decode_concurrency, settings.prompt_concurrency) == (32, 8)
+    assert (settings.prefill_step_size, settings.prompt_cache_size) == (2048, 10)
+    assert settings.prompt_cache_bytes is None and settings.max_queued == 64
+    assert settings.idle_seconds is None  # the server keeps its engine thread
+
+
+def test_serve_batching_flags_are_read_with_sizes_in_units():
+    from mlx_loom.cli.serve_cmd import engine_settings
+
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--decode-concurrency",
+            "4",
+            "--prompt-concurrency",
+            "2",
+            "--prefill-step-size",
+            "256",
+            "--prompt-cache-size",
+            "0",
+            "--prompt-cache-bytes",
+            "1.5GB",
+            "--queue-size",
+            "3",
+        ]
+    )
+    settings = engine_settings(args)
+    assert (settings.decode_concurrency, settings.prompt_concurrency) == (4, 2)
+    assert (settings.prefill_step_size, settings.prompt_cache_size) == (256, 0)
+    assert settings.prompt_cache_bytes == 1_500_000_000 and settings.max_queued == 3
+
+
+def test_an_out_of_range_batching_flag_is_a_usage_error(capsys):
+    import pytest
+
+    for argv in (["--decode-concurrency", "0"], ["--prompt-cache-bytes", "lots"]):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(["serve", *argv])
+        assert exit_info.value.code == 2
+        assert argv[0] in capsys.readouterr().err

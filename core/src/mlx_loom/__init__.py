@@ -6,6 +6,10 @@ The user API::
     model, tokenizer = mlx_loom.load("path/or/org-repo")   # or "tiny", the bundled model
     print(mlx_loom.generate(model, tokenizer, "Hello", max_tokens=64))
 
+Every generation runs on the model's continuous-batching engine
+(``model.engine``; :mod:`mlx_loom.engine`), so the API may be called from
+several threads at once: their requests are batched together.
+
 ``mlx_loom.BUNDLED_MODEL`` is the bundled tiny model's directory.
 
 An application that embeds the engine and chooses its composition uses
@@ -32,6 +36,7 @@ from .errors import LoomError, Refusal
 
 #: public name -> the submodule that defines it
 _LAZY = {
+    "BatchResponse": "generate",
     "BatchResult": "generate",
     "GenerationResponse": "generate",
     "PromptCache": "generate",
@@ -47,6 +52,9 @@ _LAZY = {
     "resolve_model": "host",
     "Model": "model",
     "Tokenizer": "text",
+    "Engine": "engine",
+    "EngineSettings": "engine",
+    "make_request": "engine",
 }
 
 __all__ = ["BUNDLED_MODEL", "LoomError", "Refusal", "__version__", "errors", *sorted(_LAZY)]
@@ -90,7 +98,9 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
+    from .engine import Engine, EngineSettings, make_request  # noqa: F401
     from .generate import (  # noqa: F401
+        BatchResponse,
         BatchResult,
         GenerationResponse,
         PromptCache,

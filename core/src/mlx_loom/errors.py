@@ -79,6 +79,14 @@ class ConvertError(LoomError):
     """``loom convert`` / ``loom fuse`` was asked something it cannot do as asked."""
 
 
+class EngineBusy(LoomError):
+    """The engine's queue of waiting requests is full; try again shortly."""
+
+
+class EngineStopped(LoomError):
+    """The engine was shut down (or stopped) before the request could finish."""
+
+
 # --- plugins ---------------------------------------------------------------
 
 

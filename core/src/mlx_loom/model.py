@@ -8,6 +8,7 @@ can always tell what is running.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
     from .artifacts import ArtifactConfig
     from .cpu.path import CpuPath
+    from .engine import EngineService
     from .host import Binding, Implementation, Profile
 
 
@@ -39,8 +41,45 @@ class CausalLM(Protocol):
     def make_cache(self) -> list[Any]: ...
 
 
+def _arrays(module: nn.Module, *, constants_only: bool) -> list[mx.array]:
+    """Every array the module tree holds; with ``constants_only``, only the non-parameters.
+
+    Non-parameters are the arrays a graph computes at construction and keeps
+    under a private name (``self._freqs = base ** ...``): MLX leaves them out
+    of ``parameters()``, so loading the weights never evaluates them.
+    """
+
+    def keep(_module: Any, key: str, value: Any) -> bool:
+        if isinstance(value, (dict, list)):
+            return True
+        return isinstance(value, mx.array) and (not constants_only or key.startswith("_"))
+
+    found: list[mx.array] = []
+
+    def collect(tree: Any) -> None:
+        if isinstance(tree, mx.array):
+            found.append(tree)
+        elif isinstance(tree, dict):
+            for value in tree.values():
+                collect(value)
+        elif isinstance(tree, (list, tuple)):
+            for value in tree:
+                collect(value)
+
+    collect(module.filter_and_map(keep))
+    return found
+
+
 class Model:
-    """A built model: the plugin's graph plus the resolution that produced it."""
+    """A built model: the plugin's graph plus the resolution that produced it.
+
+    Construction evaluates every array the graph computed while it was built
+    (RoPE frequency tables and the like). Why: an MLX graph is bound to the
+    streams of the thread that built it, and generation runs on the model's
+    engine thread, not the loading thread; a constant left lazy would fail
+    there with "There is no Stream(cpu, 0) in current thread" (every Gemma 4
+    request did, through ``loom serve``).
+    """
 
     def __init__(
         self,
@@ -71,6 +110,32 @@ class Model:
         #: Adapters chosen per batch row, if registered
         #: (:class:`mlx_loom.adapters.AdapterSet`).
         self.adapter_set: Any = None
+        mx.eval(_arrays(module, constants_only=True))
+        self._engine_lock = threading.Lock()
+        self._engine: Any = None
+
+    @property
+    def engine(self) -> EngineService:
+        """The continuous-batching engine every generation on this model goes through.
+
+        Started on first use; see :mod:`mlx_loom.engine.service` for the
+        thread-safety contract it provides.
+        """
+        with self._engine_lock:
+            if self._engine is None or not self._engine.alive:
+                from .engine import EngineService
+
+                self._engine = EngineService(self)
+            return self._engine
+
+    def materialize(self) -> None:
+        """Evaluate every array of the graph, weights included, on the calling thread.
+
+        Needed only for a model built with ``lazy=True``, and only on the
+        thread that loaded it: its weights are lazy graphs bound to that
+        thread's streams, and the engine thread cannot evaluate them.
+        """
+        mx.eval(_arrays(self.module, constants_only=False))
 
     def __call__(
         self,

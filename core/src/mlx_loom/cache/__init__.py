@@ -13,7 +13,12 @@ from mlx_loom.cache.attention import (
     quantized_scaled_dot_product_attention,
     scaled_dot_product_attention,
 )
-from mlx_loom.cache.batch import BatchKVCache, BatchRotatingKVCache, dynamic_roll
+from mlx_loom.cache.batch import (
+    BatchKVCache,
+    BatchQuantizedKVCache,
+    BatchRotatingKVCache,
+    dynamic_roll,
+)
 from mlx_loom.cache.convert import maybe_quantize_kv_cache, validate_kv_quantization
 from mlx_loom.cache.kv import KVCache
 from mlx_loom.cache.masks import create_attention_mask, create_causal_mask
@@ -24,10 +29,12 @@ from mlx_loom.cache.protocol import (
     Cache,
     Mask,
     SpeculativeRounds,
+    Stackable,
 )
 from mlx_loom.cache.quantized import QuantizedKVCache, QuantizedRotatingKVCache
 from mlx_loom.cache.recurrent import RecurrentCache
 from mlx_loom.cache.rotating import RotatingKVCache
+from mlx_loom.cache.stacked import StackedQuantizedRotatingKVCache, StackedRotatingKVCache
 
 #: The key/value cache kinds of this module, in a fixed order.
 STANDARD_KINDS: tuple[type, ...] = (
@@ -37,6 +44,9 @@ STANDARD_KINDS: tuple[type, ...] = (
     QuantizedRotatingKVCache,
     BatchKVCache,
     BatchRotatingKVCache,
+    BatchQuantizedKVCache,
+    StackedRotatingKVCache,
+    StackedQuantizedRotatingKVCache,
 )
 
 #: Every cache kind a saved prompt cache may name. A file naming anything
@@ -53,6 +63,7 @@ __all__ = [
     "STANDARD_KINDS",
     "AttentionCache",
     "BatchKVCache",
+    "BatchQuantizedKVCache",
     "BatchRotatingKVCache",
     "BatchRows",
     "Cache",
@@ -63,6 +74,9 @@ __all__ = [
     "RecurrentCache",
     "RotatingKVCache",
     "SpeculativeRounds",
+    "Stackable",
+    "StackedQuantizedRotatingKVCache",
+    "StackedRotatingKVCache",
     "create_attention_mask",
     "create_causal_mask",
     "dynamic_roll",

@@ -9,6 +9,12 @@ forward) are declared with :meth:`prepare` and rolled into left padding by
 :meth:`extract`, :meth:`merge`) let a continuous-batching loop add and remove
 sequences. Slot and padding bookkeeping match mlx-lm's ``BatchKVCache`` and
 ``BatchRotatingKVCache`` bit for bit (parity-tested).
+
+:class:`BatchQuantizedKVCache` is :class:`BatchKVCache` over affine-quantized
+storage: the same slot bookkeeping, written once over "an array or a
+``(packed, scales, biases)`` triple" (see ``_buffers``), so its row ``i``
+holds exactly what the single-row :class:`~mlx_loom.cache.QuantizedKVCache`
+of that sequence holds.
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ from mlx_loom.cache import _buffers as buf
 from mlx_loom.cache.kv import KVCache
 from mlx_loom.cache.masks import create_causal_mask
 from mlx_loom.cache.protocol import Mask
+from mlx_loom.cache.quantized import QuantizedKVCache
 from mlx_loom.cache.rotating import RotatingKVCache, check_window
 from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
 
-__all__ = ["BatchKVCache", "BatchRotatingKVCache", "dynamic_roll"]
+__all__ = ["BatchKVCache", "BatchQuantizedKVCache", "BatchRotatingKVCache", "dynamic_roll"]
 
 
 def dynamic_roll(x: mx.array, shifts: mx.array, axis: int) -> mx.array:
@@ -57,6 +64,13 @@ def _refuse_quantize(kind: str) -> NoReturn:
         f"{kind}: KV quantization of a batch cache is not supported",
         fix="batch without kv_bits, or generate one sequence at a time with kv_bits",
     )
+
+
+def _cat_rows(parts: Sequence[buf.Stored]) -> buf.Stored:
+    """Concatenate stored buffers along the batch axis."""
+    if isinstance(parts[0], tuple):
+        return tuple(mx.concatenate(list(group)) for group in zip(*parts, strict=True))
+    return mx.concatenate(list(parts))
 
 
 class _BatchRowsBase:
@@ -126,21 +140,27 @@ class _BatchRowsBase:
         self.offset = self.offset - mx.array(pads)
 
     def _pad_for_extend(
-        self, c: Any, max_idx: int, max_len: int, H: int, Dk: int, Dv: int, dtype: mx.Dtype
-    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        self, c: Any, max_idx: int, max_len: int, like: tuple[Any, Any]
+    ) -> tuple[Any, Any, mx.array, mx.array]:
         """Right-align ``c``'s rows on ``max_idx`` in a buffer of ``max_len`` slots."""
         k, v = c.keys, c.values
         if k is None:
-            k = mx.zeros((c.batch_size, H, 0, Dk), dtype=dtype)
-            v = mx.zeros((c.batch_size, H, 0, Dv), dtype=dtype)
+            # An empty side: zero slots shaped like the other side's buffers.
+            k = buf.apply(
+                lambda a: mx.zeros((c.batch_size, *a.shape[1:2], 0, a.shape[3]), a.dtype), like[0]
+            )
+            v = buf.apply(
+                lambda a: mx.zeros((c.batch_size, *a.shape[1:2], 0, a.shape[3]), a.dtype), like[1]
+            )
         left = max_idx - c._idx
-        right = max_len - k.shape[2] - left
+        right = max_len - buf.seq_len(k) - left
         if right < 0:
-            k, v = k[..., :right, :], v[..., :right, :]
+            k, v = buf.take(k, None, right), buf.take(v, None, right)
             right = 0
         if left or right:
             widths = [(0, 0), (0, 0), (left, right), (0, 0)]
-            k, v = mx.pad(k, widths), mx.pad(v, widths)
+            k = buf.apply(lambda a: mx.pad(a, widths), k)
+            v = buf.apply(lambda a: mx.pad(a, widths), v)
         return k, v, c.offset, c.left_padding + left
 
     def _extend_rows(self, other: Any) -> None:
@@ -148,17 +168,15 @@ class _BatchRowsBase:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
             return
-        ref = self.keys if self.keys is not None else other.keys
-        ref_v = self.values if self.values is not None else other.values
-        H, Dk, Dv = ref.shape[1], ref.shape[3], ref_v.shape[3]
+        like = (self.keys, self.values) if self.keys is not None else (other.keys, other.values)
         max_idx = max(self._idx, other._idx)
-        max_len = max(c.keys.shape[2] for c in (self, other) if c.keys is not None)
-        parts = [
-            self._pad_for_extend(c, max_idx, max_len, H, Dk, Dv, ref.dtype) for c in (self, other)
-        ]
-        self.keys, self.values, self.offset, self.left_padding = (
-            mx.concatenate(list(group)) for group in zip(*parts, strict=True)
-        )
+        max_len = max(buf.seq_len(c.keys) for c in (self, other) if c.keys is not None)
+        parts = [self._pad_for_extend(c, max_idx, max_len, like) for c in (self, other)]
+        keys, values, offsets, pads = zip(*parts, strict=True)
+        self.keys = _cat_rows(keys)
+        self.values = _cat_rows(values)
+        self.offset = mx.concatenate(list(offsets))
+        self.left_padding = mx.concatenate(list(pads))
         self._idx = max_idx
 
     def empty(self) -> bool:
@@ -178,41 +196,51 @@ class BatchKVCache(_BatchRowsBase):
     ``left_padding[i]`` pad tokens precede row ``i``'s prompt, e.g. prompts
     ``[1 3 5]``, ``[7]``, ``[2 6 8 9]`` enter as ``[0 1 3 5]``, ``[0 0 0 7]``,
     ``[2 6 8 9]`` with ``left_padding = [1, 3, 0]``.
+
+    A row's real keys sit in time order, as in the row's own
+    :class:`~mlx_loom.cache.KVCache`; the pads only add masked slots in front.
+    On the CPU backend attention then reduces over the same values in the same
+    order (a masked slot adds an exact zero), so a merged row decodes bit for
+    bit as it would alone (tested for every family).
     """
 
     kind: ClassVar[str] = "BatchKVCache"
     step: ClassVar[int] = 256
+    _codec: ClassVar[buf.PlainCodec | buf.AffineCodec] = buf.PlainCodec()
+    #: The single-row kind a row of this batch is (``merge`` takes, ``extract`` gives).
+    _single: ClassVar[type] = KVCache
 
     def __init__(self, left_padding: Sequence[int]) -> None:
         super().__init__(left_padding)
+        self.keys: buf.Stored | None = None  # type: ignore[assignment]
+        self.values: buf.Stored | None = None  # type: ignore[assignment]
         self._right_padding: mx.array | None = None
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         prev = self._idx
         L = keys.shape[2]
-        if self.keys is None or prev + L > self.keys.shape[2]:
-            B, H, _, Dk = keys.shape
+        if self.keys is None or prev + L > buf.seq_len(self.keys):
             n = (L + self.step - 1) // self.step * self.step
-            new_k = mx.zeros((B, H, n, Dk), keys.dtype)
-            new_v = mx.zeros((B, H, n, values.shape[3]), values.dtype)
+            new_k = self._codec.zeros(keys, n)
+            new_v = self._codec.zeros(values, n)
             if self.keys is None:
                 self.keys, self.values = new_k, new_v
             else:
                 if prev % self.step != 0:
-                    self.keys = self.keys[..., :prev, :]
-                    self.values = self.values[..., :prev, :]
-                self.keys = mx.concatenate([self.keys, new_k], axis=2)
-                self.values = mx.concatenate([self.values, new_v], axis=2)
+                    self.keys = buf.take(self.keys, None, prev)
+                    self.values = buf.take(self.values, None, prev)
+                self.keys = buf.cat([self.keys, new_k])
+                self.values = buf.cat([self.values, new_v])
         self.offset = self.offset + L
         self._idx += L
-        self.keys[..., prev : self._idx, :] = keys
-        self.values[..., prev : self._idx, :] = values
+        buf.write(self.keys, prev, self._codec.encode(keys))
+        buf.write(self.values, prev, self._codec.encode(values))
         return self.keys_and_values()
 
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+    def keys_and_values(self) -> tuple[Any, Any]:
         if self.keys is None:
             raise CacheError(f"{self.kind}: no keys/values yet", fix="call update_and_fetch first")
-        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+        return buf.take(self.keys, None, self._idx), buf.take(self.values, None, self._idx)
 
     def make_mask(
         self, N: int, *, window_size: int | None = None, return_array: bool = False
@@ -243,8 +271,8 @@ class BatchKVCache(_BatchRowsBase):
         if self._right_padding is None:
             return
         pads = self._right_padding
-        self.keys = dynamic_roll(self.keys, pads[:, None], axis=2)
-        self.values = dynamic_roll(self.values, pads[:, None], axis=2)
+        self.keys = buf.apply(lambda a: dynamic_roll(a, pads[:, None], axis=2), self.keys)
+        self.values = buf.apply(lambda a: dynamic_roll(a, pads[:, None], axis=2), self.values)
         self.offset = self.offset - pads
         self.left_padding = self.left_padding + pads
         self._right_padding = None
@@ -265,16 +293,16 @@ class BatchKVCache(_BatchRowsBase):
     def filter(self, rows: Sequence[int]) -> None:
         idx = self._rows(rows)
         if self.keys is not None:
-            self.keys = self.keys[idx]
-            self.values = self.values[idx]
+            self.keys = buf.apply(lambda a: a[idx], self.keys)
+            self.values = buf.apply(lambda a: a[idx], self.values)
         self.offset = self.offset[idx]
         self.left_padding = self.left_padding[idx]
         # Drop slots that are padding in every remaining row.
         shift = min(self.left_padding.tolist())
         if shift > 0:
             if self.keys is not None:
-                self.keys = self.keys[..., shift:, :]
-                self.values = self.values[..., shift:, :]
+                self.keys = buf.take(self.keys, shift, None)
+                self.values = buf.take(self.values, shift, None)
             self._idx -= shift
             self.left_padding = self.left_padding - shift
 
@@ -282,49 +310,73 @@ class BatchKVCache(_BatchRowsBase):
         self._check_other(other)
         self._extend_rows(other)
 
-    def extract(self, row: int) -> KVCache:
+    def _empty_single(self) -> Any:
+        return self._single()
+
+    def extract(self, row: int) -> Any:
         row = self._row(row)
-        cache = KVCache()
+        cache = self._empty_single()
         if self.keys is None:
             return cache
         pad = self.left_padding.tolist()[row]
-        cache.keys = mx.contiguous(self.keys[row : row + 1, :, pad : self._idx])
-        cache.values = mx.contiguous(self.values[row : row + 1, :, pad : self._idx])
-        cache.offset = cache.keys.shape[2]
+        cut = lambda a: mx.contiguous(a[row : row + 1, :, pad : self._idx])  # noqa: E731
+        cache.keys = buf.apply(cut, self.keys)
+        cache.values = buf.apply(cut, self.values)
+        cache.offset = buf.seq_len(cache.keys)
         return cache
 
     @classmethod
-    def merge(cls, caches: Sequence[KVCache]) -> BatchKVCache:
+    def _check_members(cls, caches: Sequence[Any]) -> None:
         if not caches:
             raise CacheError(f"{cls.kind}.merge: no caches given", fix="pass at least one cache")
+        name = cls._single.__name__
         for i, c in enumerate(caches):
-            if type(c) is not KVCache:
+            if type(c) is not cls._single:
                 raise CacheError(
-                    f"{cls.kind}.merge: caches[{i}] is a {type(c).__name__}, not a KVCache",
-                    fix="merge only full, unquantized single-row caches into a BatchKVCache",
+                    f"{cls.kind}.merge: caches[{i}] is a {type(c).__name__}, not a {name}",
+                    fix=f"merge only single-row {name}s into a {cls.kind}",
                 )
+
+    @classmethod
+    def _new_like(cls, caches: Sequence[Any], pads: list[int]) -> BatchKVCache:
+        return cls(pads)
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> BatchKVCache:
+        cls._check_members(caches)
         lengths = [c.size() for c in caches]
         longest = max(lengths)
-        if longest == 0:
-            return cls([0] * len(caches))
         pads = [longest - n for n in lengths]
-        full = [c for c in caches if c.keys is not None]
-        H = max(c.keys.shape[1] for c in full)
-        Dk = max(c.keys.shape[3] for c in full)
-        Dv = max(c.values.shape[3] for c in full)
-        dtype = full[0].keys.dtype
-        keys = mx.zeros((len(caches), H, longest, Dk), dtype=dtype)
-        values = mx.zeros((len(caches), H, longest, Dv), dtype=dtype)
-        for i, (p, n, c) in enumerate(zip(pads, lengths, caches, strict=True)):
-            if c.keys is None or n == 0:
-                continue
-            keys[i : i + 1, :, p : p + n] = c.keys[..., :n, :]
-            values[i : i + 1, :, p : p + n] = c.values[..., :n, :]
-        cache = cls(pads)
+        cache = cls._new_like(caches, pads)
+        if longest == 0:
+            return cache
+        ref = next(c for c in caches if c.keys is not None)
+
+        def row(stored: buf.Stored | None, like: buf.Stored, pad: int, n: int) -> buf.Stored:
+            # Each row right-aligned in ``longest`` slots, zeros in front: built
+            # per row and concatenated once (not written slot by slot).
+            if stored is None or n == 0:
+                return buf.apply(
+                    lambda a: mx.zeros((1, a.shape[1], longest, a.shape[3]), a.dtype), like
+                )
+            used = buf.take(stored, None, n)
+            return buf.apply(lambda a: mx.pad(a, [(0, 0), (0, 0), (pad, 0), (0, 0)]), used)
+
+        keys = _cat_rows(
+            [row(c.keys, ref.keys, p, n) for p, n, c in zip(pads, lengths, caches, strict=True)]
+        )
+        values = _cat_rows(
+            [row(c.values, ref.values, p, n) for p, n, c in zip(pads, lengths, caches, strict=True)]
+        )
         cache.keys, cache.values = keys, values
         cache.offset = cache.offset + longest
         cache._idx = longest
         return cache
+
+    @classmethod
+    def stack(cls, caches: Sequence[Any]) -> BatchKVCache:
+        """The batch whose row ``i`` decodes exactly as ``caches[i]`` alone (see the class)."""
+        return cls.merge(caches)
 
     # --- size and state -------------------------------------------------------
 
@@ -333,10 +385,11 @@ class BatchKVCache(_BatchRowsBase):
 
     @property
     def state(self) -> tuple[mx.array, ...]:
-        """``(offset, left_padding[, keys, values])``, keys cut to the used slots."""
+        """``(offset, left_padding[, keys..., values...])``, keys cut to the used slots."""
         if self.keys is None:
             return (self.offset, self.left_padding)
-        return (self.offset, self.left_padding, *self.keys_and_values())
+        k, v = self.keys_and_values()
+        return (self.offset, self.left_padding, *buf.leaves(k), *buf.leaves(v))
 
     @property
     def meta_state(self) -> tuple[str, ...]:
@@ -356,6 +409,84 @@ class BatchKVCache(_BatchRowsBase):
 
     def empty_batch(self, left_padding: Sequence[int]) -> BatchKVCache:
         return BatchKVCache(left_padding)
+
+
+class BatchQuantizedKVCache(BatchKVCache):
+    """:class:`BatchKVCache` over affine-quantized keys/values (``bits`` per ``group_size``).
+
+    Row ``i`` holds, slot for slot, what the row's own
+    :class:`~mlx_loom.cache.QuantizedKVCache` holds, so
+    :func:`~mlx_loom.cache.scaled_dot_product_attention` (which follows
+    ``bits``) attends over it with ``mx.quantized_matmul`` exactly as for the
+    single row.
+    """
+
+    kind: ClassVar[str] = "BatchQuantizedKVCache"
+    _single: ClassVar[type] = QuantizedKVCache
+
+    def __init__(self, left_padding: Sequence[int], *, group_size: int = 64, bits: int = 8) -> None:
+        super().__init__(left_padding)
+        self._codec = buf.AffineCodec(group_size, bits, owner=self.kind)  # type: ignore[misc]
+
+    @property
+    def group_size(self) -> int:
+        return self._codec.group_size  # type: ignore[return-value]
+
+    @property
+    def bits(self) -> int:
+        return self._codec.bits  # type: ignore[return-value]
+
+    def _empty_single(self) -> QuantizedKVCache:
+        return QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+
+    def _check_other(self, other: Any) -> None:
+        super()._check_other(other)
+        if (other.group_size, other.bits) != (self.group_size, self.bits):
+            raise CacheError(
+                f"{self.kind}.extend: rows quantized with group_size={other.group_size}, "
+                f"bits={other.bits} cannot join rows with group_size={self.group_size}, "
+                f"bits={self.bits}",
+                fix="batch only rows quantized the same way",
+            )
+
+    @classmethod
+    def _new_like(cls, caches: Sequence[Any], pads: list[int]) -> BatchQuantizedKVCache:
+        widths = {(c.group_size, c.bits) for c in caches}
+        if len(widths) > 1:
+            raise CacheError(
+                f"{cls.kind}.merge: the caches are quantized differently {sorted(widths)}",
+                fix="merge only caches quantized with the same group_size and bits",
+            )
+        group_size, bits = widths.pop()
+        return cls(pads, group_size=group_size, bits=bits)
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """``(offset, left_padding[, six key/value arrays])``, cut to the used slots."""
+        return super().state
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        """``(idx, group_size, bits)`` as decimal strings."""
+        return (str(self._idx), str(self.group_size), str(self.bits))
+
+    @classmethod
+    def from_state(
+        cls, state: Sequence[mx.array], meta_state: Sequence[str]
+    ) -> BatchQuantizedKVCache:
+        arrays = buf.check_state_len(state, (2, 8), owner=cls.kind)
+        idx, group_size, bits = buf.parse_meta(
+            meta_state, ("idx", "group_size", "bits"), owner=cls.kind
+        )
+        cache = cls([0], group_size=group_size, bits=bits)
+        cache.offset, cache.left_padding = arrays[0], arrays[1]
+        cache.keys = tuple(arrays[2:5]) if len(arrays) == 8 else None
+        cache.values = tuple(arrays[5:8]) if len(arrays) == 8 else None
+        cache._idx = idx
+        return cache
+
+    def empty_batch(self, left_padding: Sequence[int]) -> BatchQuantizedKVCache:
+        return BatchQuantizedKVCache(left_padding, group_size=self.group_size, bits=self.bits)
 
 
 class BatchRotatingKVCache(_BatchRowsBase):

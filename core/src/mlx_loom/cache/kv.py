@@ -154,3 +154,10 @@ class KVCache(GrowingKV):
         from mlx_loom.cache.batch import BatchKVCache
 
         return BatchKVCache.merge(caches)
+
+    @classmethod
+    def stack(cls, caches: Sequence[KVCache]) -> BatchKVCache:
+        """A batch whose row ``i`` decodes bit for bit as ``caches[i]`` alone."""
+        from mlx_loom.cache.batch import BatchKVCache
+
+        return BatchKVCache.stack(caches)

@@ -94,6 +94,23 @@ class BatchRows(Protocol):
 
 
 @runtime_checkable
+class Stackable(Protocol):
+    """Single-row caches that can become the rows of a decoding batch.
+
+    ``stack`` is the promise continuous batching rests on: row ``i`` of the
+    returned batch cache (a :class:`BatchRows`) decodes bit for bit as
+    ``caches[i]`` would alone, so a request's tokens and logits do not depend
+    on which other requests share its batch. A kind that cannot keep that
+    promise does not provide ``stack``; the engine then runs its rows one
+    forward each.
+    """
+
+    @classmethod
+    def stack(cls, caches: Sequence[Any]) -> Any:
+        """A batch cache holding ``caches`` as its rows, in order."""
+
+
+@runtime_checkable
 class SpeculativeRounds(Protocol):
     """Caches that cannot be trimmed but can roll a speculative window back."""
 

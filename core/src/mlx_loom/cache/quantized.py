@@ -9,15 +9,20 @@ the quantized window cache is bit-equal to ``mx.quantize`` of the plain window
 cache's output (tested). mlx-lm has the full kind (``QuantizedKVCache``, parity
 tested) but refuses the window kind ("RotatingKVCache Quantization NYI").
 
-Batching quantized caches is refused (:class:`CapabilityRefused`): the batch
-kinds roll and pad rows, and we have no mlx-lm oracle to prove a quantized
-version against.
+Padded batches of quantized caches (``empty_batch``/``merge``, mlx-lm's
+left-padded prefill layout) are refused (:class:`CapabilityRefused`): they
+roll and pad rows, and we have no mlx-lm oracle to prove a quantized version
+against. :meth:`stack` batches rows that were prefilled alone, keeping each
+row's slots exactly as its own cache holds them
+(:class:`~mlx_loom.cache.BatchQuantizedKVCache`,
+:class:`~mlx_loom.cache.StackedQuantizedRotatingKVCache`), so a row decodes
+bit for bit as it would alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar, NoReturn
+from typing import TYPE_CHECKING, ClassVar, NoReturn
 
 import mlx.core as mx
 
@@ -25,6 +30,10 @@ from mlx_loom.cache import _buffers as buf
 from mlx_loom.cache.kv import GrowingKV
 from mlx_loom.cache.rotating import RotatingBase
 from mlx_loom.errors import CapabilityRefused
+
+if TYPE_CHECKING:
+    from mlx_loom.cache.batch import BatchQuantizedKVCache
+    from mlx_loom.cache.stacked import StackedQuantizedRotatingKVCache
 
 __all__ = ["QuantizedKVCache", "QuantizedRotatingKVCache"]
 
@@ -81,6 +90,13 @@ class QuantizedKVCache(GrowingKV):
     def merge(cls, caches: Sequence[QuantizedKVCache]) -> NoReturn:
         _refuse_batch(cls.kind)
 
+    @classmethod
+    def stack(cls, caches: Sequence[QuantizedKVCache]) -> BatchQuantizedKVCache:
+        """A batch whose row ``i`` decodes bit for bit as ``caches[i]`` alone."""
+        from mlx_loom.cache.batch import BatchQuantizedKVCache
+
+        return BatchQuantizedKVCache.stack(caches)
+
 
 class QuantizedRotatingKVCache(RotatingBase):
     """Sliding-window KV cache whose stored keys/values are affine-quantized.
@@ -135,3 +151,10 @@ class QuantizedRotatingKVCache(RotatingBase):
     @classmethod
     def merge(cls, caches: Sequence[QuantizedRotatingKVCache]) -> NoReturn:
         _refuse_batch(cls.kind)
+
+    @classmethod
+    def stack(cls, caches: Sequence[QuantizedRotatingKVCache]) -> StackedQuantizedRotatingKVCache:
+        """A batch whose row ``i`` decodes bit for bit as ``caches[i]`` alone."""
+        from mlx_loom.cache.stacked import StackedQuantizedRotatingKVCache
+
+        return StackedQuantizedRotatingKVCache.stack(caches)

@@ -439,6 +439,43 @@ class RecurrentCache:
             merged.extend(c)
         return merged
 
+    @classmethod
+    def stack(cls, caches: Sequence[RecurrentCache]) -> RecurrentCache:
+        """A batch whose row ``i`` continues bit for bit as ``caches[i]`` alone.
+
+        A row's state is its own slice of the batch state and the recurrence
+        is computed row by row, so stacking changes no value (tested). One
+        concatenation per array, however many caches (``merge`` extends one
+        at a time).
+        """
+        if not caches:
+            raise CacheError(f"{cls.kind}.stack got no caches", fix="pass at least one cache")
+        for c in caches:
+            c._no_round("stack")
+            if c.left_padding is not None or c.lengths is not None:
+                raise CacheError(
+                    f"{cls.kind}.stack got a cache in the middle of a padded prefill",
+                    fix="finalize() the padded prefill before stacking its rows",
+                )
+
+        def rows(name: str) -> mx.array | None:
+            ref = next((getattr(c, name) for c in caches if getattr(c, name) is not None), None)
+            if ref is None:
+                return None
+            return mx.concatenate(
+                [
+                    getattr(c, name)
+                    if getattr(c, name) is not None
+                    else mx.zeros((c.batch_size, *ref.shape[1:]), dtype=ref.dtype)
+                    for c in caches
+                ]
+            )
+
+        out = cls()
+        out.conv_state, out.recurrent_state = rows("conv_state"), rows("recurrent_state")
+        out._offset = mx.concatenate([c._row_offsets() for c in caches])
+        return out
+
     def empty_batch(self, left_padding: Sequence[int]) -> RecurrentCache:
         """An empty batch cache of this kind, one row per entry of ``left_padding``."""
         return RecurrentCache(left_padding=left_padding)

@@ -25,6 +25,7 @@ from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
 if TYPE_CHECKING:
     from mlx_loom.cache.batch import BatchRotatingKVCache
     from mlx_loom.cache.quantized import QuantizedRotatingKVCache
+    from mlx_loom.cache.stacked import StackedRotatingKVCache
 
 __all__ = ["RotatingKVCache"]
 
@@ -283,6 +284,18 @@ class RotatingKVCache(RotatingBase):
 
     @classmethod
     def merge(cls, caches: Sequence[RotatingKVCache]) -> BatchRotatingKVCache:
+        """mlx-lm's batch layout: rows re-aligned on one shared write index."""
         from mlx_loom.cache.batch import BatchRotatingKVCache
 
         return BatchRotatingKVCache.merge(caches)
+
+    @classmethod
+    def stack(cls, caches: Sequence[RotatingKVCache]) -> StackedRotatingKVCache:
+        """A batch whose row ``i`` decodes bit for bit as ``caches[i]`` alone.
+
+        Unlike :meth:`merge`, each row keeps its own slot order (see
+        :mod:`mlx_loom.cache.stacked` for why that matters).
+        """
+        from mlx_loom.cache.stacked import StackedRotatingKVCache
+
+        return StackedRotatingKVCache.stack(caches)

@@ -1,23 +1,28 @@
-"""Generation loops written once against the cache protocol.
+"""Generation: request parameters, sampling, and the clients of the engine.
 
 ``stream_generate``/``generate`` for one prompt (with prompt-cache reuse),
-``batch_generate`` for several prompts decoded together.
+``batch_generate`` for several prompts decoded together, ``generate_tokens``
+for token ids in and out. All of them run on the model's continuous-batching
+engine (:mod:`mlx_loom.engine`): there is one loop.
 """
 
-from .batch import BatchResult, batch_generate, batch_generate_tokens
-from .loop import KVQuantization, generate_tokens
+from .batch import BatchResponse, BatchResult, BatchStats, batch_generate, batch_generate_tokens
+from .loop import KVQuantization, StepLog, generate_tokens
 from .params import SamplingParams
 from .prompt_cache import PromptCache
 from .sampling import Sampler, make_logits_processors, make_sampler
 from .stream import GenerationResponse, generate, stream_generate
 
 __all__ = [
+    "BatchResponse",
     "BatchResult",
+    "BatchStats",
     "GenerationResponse",
     "KVQuantization",
     "PromptCache",
     "Sampler",
     "SamplingParams",
+    "StepLog",
     "batch_generate",
     "batch_generate_tokens",
     "generate",

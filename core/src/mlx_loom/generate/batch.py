@@ -1,113 +1,168 @@
-"""Batched generation: several prompts of different lengths decoded together.
+"""``batch_generate``: several prompts at once, on the same engine as every other request.
 
-Prompts are left-padded to a common length; each layer's cache is created
-as the batch counterpart of the model's own cache kind (``empty_batch``) with
-the per-row padding, so pad positions are masked out of attention (and never
-enter a recurrent state). Rows that finish — EOS or their token budget — are
-filtered out of the caches, so the remaining rows stop paying for them.
+Each prompt becomes one engine request with the options a single request
+takes (sampling, penalties, stop strings, logit bias, ``max_kv_size`` ...),
+so each row's tokens are the tokens that prompt gets alone. The engine
+decodes them together (up to its ``decode_concurrency``; the rest wait for a
+free row) and each row leaves as soon as it finishes. The answer is a
+:class:`BatchResponse`, shaped like mlx-lm's (``.texts``) and also a
+sequence of per-row :class:`BatchResult` s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, overload
 
 import mlx.core as mx
 
+from ..engine.request import make_request
 from ..errors import RequestError
 from ..host import BATCH
 from ..model import Model
 from ..text import Tokenizer
 from .params import SamplingParams
-from .sampling import logprobs_from_logits, make_logits_processors, make_sampler
-from .stream import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, _check_request, encode_prompt
+from .stream import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, sampling_params
+
+__all__ = ["BatchResponse", "BatchResult", "BatchStats", "batch_generate", "batch_generate_tokens"]
 
 
 @dataclass(frozen=True)
 class BatchResult:
-    """One row's outcome: its tokens, text and why it stopped."""
+    """One row's outcome: its tokens, text, why it stopped, and each token's log-probability."""
 
     tokens: list[int]
     text: str
     finish_reason: str
+    logprobs: list[float] = field(default_factory=list)
 
 
-def make_batch_cache(model: Model, left_padding: Sequence[int]) -> list[Any]:
-    """Fresh batch caches for ``model`` with the given per-row left padding."""
-    caches = []
-    for cache in model.make_cache():
-        make = getattr(cache, "empty_batch", None)
-        if make is None:
-            raise RequestError(
-                f"{type(cache).__name__} caches cannot hold a batch.",
-                fix="Generate the prompts one at a time.",
-            )
-        caches.append(make(list(left_padding)))
-    return caches
+@dataclass(frozen=True)
+class BatchStats:
+    """Totals over the batch (speeds in tokens per second, memory in GB)."""
+
+    prompt_tokens: int
+    generation_tokens: int
+    seconds: float
+    peak_memory: float
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / max(self.seconds, 1e-9)
+
+
+@dataclass(frozen=True)
+class BatchResponse(Sequence[BatchResult]):
+    """mlx-lm's ``BatchResponse`` shape (``texts``, ``token_ids``, ``logprobs``, ``stats``),
+    and a sequence of the per-row :class:`BatchResult` s, in prompt order."""
+
+    results: list[BatchResult]
+    stats: BatchStats
+
+    @property
+    def texts(self) -> list[str]:
+        return [r.text for r in self.results]
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [r.tokens for r in self.results]
+
+    @property
+    def logprobs(self) -> list[list[float]]:
+        return [r.logprobs for r in self.results]
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [r.finish_reason for r in self.results]
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    @overload
+    def __getitem__(self, index: int) -> BatchResult: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[BatchResult]: ...
+
+    def __getitem__(self, index: int | slice) -> BatchResult | list[BatchResult]:
+        return self.results[index]
+
+    def __iter__(self) -> Iterator[BatchResult]:
+        return iter(self.results)
+
+
+def _run_rows(
+    model: Model,
+    tokenizer: Tokenizer | None,
+    prompts: Sequence[Any],
+    max_tokens: int | Sequence[int],
+    options: dict[str, Any],
+) -> list[tuple[list[int], str, list[float], str, int]]:
+    """Submit one request per prompt; collect each row's tokens, reason, logprobs, text,
+    prompt length."""
+    model.require(BATCH, asked="batched generation")
+    if isinstance(prompts, (str, bytes)) or not prompts:
+        raise RequestError(
+            "batch_generate needs a non-empty list of prompts.",
+            fix="Pass a list of prompts (texts or token-id lists).",
+        )
+    budgets = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    if len(budgets) != len(prompts):
+        raise RequestError(
+            f"max_tokens has {len(budgets)} entries for {len(prompts)} prompts.",
+            fix="Pass one max_tokens, or one per prompt.",
+        )
+    requests = [
+        make_request(model, tokenizer, p, max_tokens=m, **options)
+        for p, m in zip(prompts, budgets, strict=True)
+    ]
+    engine = model.engine
+    handles = [engine.submit(r) for r in requests]
+    rows = []
+    try:
+        for handle in handles:
+            tokens, logprobs, text, reason, prompt_len = [], [], [], "length", 0
+            for event in handle:
+                tokens.append(event.token)
+                logprobs.append(event.logprob)
+                text.append(event.text)
+                reason = event.finish_reason or reason
+                prompt_len = event.prompt_tokens
+            rows.append((tokens, reason, logprobs, "".join(text), prompt_len))
+    finally:
+        for handle in handles:
+            handle.cancel()
+    return rows
 
 
 def batch_generate_tokens(
     model: Model,
     prompts: Sequence[Sequence[int]],
     *,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_tokens: int | Sequence[int] = DEFAULT_MAX_TOKENS,
     eos: frozenset[int] = frozenset(),
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     params: SamplingParams | None = None,
 ) -> list[tuple[list[int], str]]:
-    """Decode all ``prompts`` together; return each row's tokens and finish reason."""
-    model.require(BATCH, asked="batched generation")
-    params = params or SamplingParams()
-    if params.repetition_penalty or params.presence_penalty or params.frequency_penalty:
-        raise RequestError(
-            "Penalties are not supported in batched generation yet.",
-            fix="Generate these prompts one at a time to use penalties.",
-        )
-    sampler = make_sampler(params)
-    lengths = [len(p) for p in prompts]
-    width = max(lengths)
-    padding = [width - n for n in lengths]
-    cache = make_batch_cache(model, padding)
-    inputs = mx.array(
-        [[0] * pad + list(p) for p, pad in zip(prompts, padding, strict=True)], mx.int32
+    """Token-level ``batch_generate``: each row's tokens and finish reason.
+
+    An EOS token ends its row (``"stop"``) and is not included.
+    """
+    rows = _run_rows(
+        model,
+        None,
+        prompts,
+        max_tokens,
+        dict(params=params, prefill_step_size=prefill_step_size, eos=eos),
     )
-
-    while inputs.shape[1] > 1:
-        n = min(prefill_step_size, inputs.shape[1] - 1)
-        model(inputs[:, :n], cache)
-        mx.eval([c.state for c in cache])
-        inputs = inputs[:, n:]
-
-    rows = list(range(len(prompts)))  # original index of each live row
-    out: list[list[int]] = [[] for _ in prompts]
-    reasons = ["length"] * len(prompts)
-    # Penalties are refused above, so at most the logit bias remains; it does
-    # not read the token history.
-    processors = make_logits_processors(params)
-    no_history = mx.array([], mx.uint32)
-    while rows:
-        logits = model(inputs, cache)[:, -1, :]
-        for processor in processors:
-            logits = processor(no_history, logits)
-        tokens = sampler(logprobs_from_logits(logits)).tolist()
-        keep = []
-        for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
-            if token in eos:
-                reasons[row] = "stop"
-                continue
-            out[row].append(token)
-            if len(out[row]) < max_tokens:
-                keep.append(i)
-        if not keep:
-            break
-        if len(keep) < len(rows):
-            for c in cache:
-                c.filter(keep)
-            rows = [rows[i] for i in keep]
-            tokens = [tokens[i] for i in keep]
-        inputs = mx.array(tokens, mx.int32)[:, None]
-    return [(out[i], reasons[i]) for i in range(len(prompts))]
+    out = []
+    for tokens, reason, *_ in rows:
+        if reason == "stop" and tokens and tokens[-1] in eos:
+            tokens = tokens[:-1]
+        out.append((tokens, reason))
+    return out
 
 
 def batch_generate(
@@ -115,34 +170,58 @@ def batch_generate(
     tokenizer: Tokenizer,
     prompts: Sequence[str | Sequence[int]],
     *,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_tokens: int | Sequence[int] = DEFAULT_MAX_TOKENS,
+    stop: Sequence[str] = (),
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
+    max_kv_size: int | None = None,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    logits_processors: Sequence[Callable[[mx.array, mx.array], mx.array]] | None = None,
+    verbose: bool = False,
     **sampling: Any,
-) -> list[BatchResult]:
-    """Generate for several prompts at once; one :class:`BatchResult` per prompt."""
-    if not prompts:
-        raise RequestError("No prompts were given.", fix="Pass at least one prompt.")
-    if "temp" in sampling:
-        sampling["temperature"] = sampling.pop("temp")
-    params = SamplingParams.parse(**sampling)
-    ids = [encode_prompt(tokenizer, p) for p in prompts]
-    for row in ids:
-        _check_request(
-            model,
-            row,
-            max_tokens=max_tokens,
-            prefill_step_size=prefill_step_size,
-            kv_bits=None,
-            kv_group_size=64,
-            quantized_kv_start=0,
-            params=params,
-        )
-    results = batch_generate_tokens(
+) -> BatchResponse:
+    """Generate for several prompts at once; a :class:`BatchResponse` (one result per prompt).
+
+    Takes what :func:`~mlx_loom.generate.stream_generate` takes, applied to
+    every prompt (``max_tokens`` may also be one per prompt). A row's text
+    excludes the EOS token and any stop string, exactly as its stream would.
+    """
+    params = sampling_params(sampling)
+    started = time.perf_counter()
+    rows = _run_rows(
         model,
-        ids,
-        max_tokens=max_tokens,
-        eos=tokenizer.eos_token_ids,
-        prefill_step_size=prefill_step_size,
-        params=params,
+        tokenizer,
+        prompts,
+        max_tokens,
+        dict(
+            params=params,
+            stop=stop,
+            prefill_step_size=prefill_step_size,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
+            max_kv_size=max_kv_size,
+            sampler=sampler,
+            logits_processors=logits_processors,
+        ),
     )
-    return [BatchResult(t, tokenizer.decode(t), r) for t, r in results]
+    eos = tokenizer.eos_token_ids
+    results = []
+    for tokens, reason, logprobs, text, _ in rows:
+        if reason == "stop" and tokens and tokens[-1] in eos:
+            tokens, logprobs = tokens[:-1], logprobs[:-1]
+        results.append(BatchResult(tokens, text, reason, logprobs))
+    stats = BatchStats(
+        prompt_tokens=sum(r[4] for r in rows),
+        generation_tokens=sum(len(r[0]) for r in rows),
+        seconds=time.perf_counter() - started,
+        peak_memory=mx.get_peak_memory() / 1e9,
+    )
+    if verbose:
+        print(
+            f"Prompt: {stats.prompt_tokens} tokens; generation: {stats.generation_tokens} tokens, "
+            f"{stats.generation_tps:.3f} tokens-per-sec; peak memory: {stats.peak_memory:.3f} GB"
+        )
+    return BatchResponse(results, stats)

@@ -6,20 +6,34 @@ from the new prompt, the cache must drop its tail — which only a trimmable
 cache can do exactly. A non-trimmable cache (recurrent state, a sliding
 window that has wrapped) is never trimmed: it is reused only when what it
 holds is an exact prefix of the new prompt, and otherwise started afresh.
+
+One generation at a time: a :class:`PromptCache` is one conversation's
+state, so a second generation that asks for it while one runs (from another
+thread, or an interleaved generator) is refused with a
+:class:`~mlx_loom.errors.RequestError` rather than corrupting it. The
+caches themselves are only ever computed on the model's engine thread.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
 
 from ..bounded_json import parse_json
 from ..cache import load_prompt_cache, save_prompt_cache
 from ..cache.geometry import check_caches_fit
-from ..errors import CacheError
+from ..engine.caches import fresh_caches
+from ..errors import CacheError, RequestError
 from ..model import Model
+
+if TYPE_CHECKING:
+    from ..engine import Done
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -32,16 +46,59 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PromptCache:
-    """The caches of one conversation plus the exact tokens they hold."""
+    """The caches of one conversation plus the exact tokens they hold.
 
-    def __init__(self, model: Model) -> None:
+    ``max_kv_size`` bounds each attention layer to a sliding window of that
+    many tokens (as ``stream_generate(max_kv_size=...)``); a request must ask
+    for the same bound as the cache it uses.
+    """
+
+    def __init__(self, model: Model, *, max_kv_size: int | None = None) -> None:
         self.model = model
-        self.cache: list[Any] = model.make_cache()
+        self.max_kv_size = max_kv_size
+        self.cache: list[Any] = fresh_caches(model, max_kv_size)
         self.tokens: list[int] = []
+        self._busy = threading.Lock()
 
     def reset(self) -> None:
-        self.cache = self.model.make_cache()
+        self.cache = fresh_caches(self.model, self.max_kv_size)
         self.tokens = []
+
+    @contextmanager
+    def claim(self) -> Iterator[None]:
+        """Hold this cache for one generation; refuse if another one holds it."""
+        if not self._busy.acquire(blocking=False):
+            raise RequestError(
+                "This PromptCache is in use by another generation; one conversation's cache "
+                "serves one generation at a time.",
+                fix="Give each concurrent generation its own PromptCache, or wait for the "
+                "other generation to finish.",
+            )
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def check_options(self, *, max_kv_size: int | None) -> None:
+        if max_kv_size != self.max_kv_size:
+            raise RequestError(
+                f"The request asks for max_kv_size={max_kv_size}; this PromptCache was made "
+                f"with max_kv_size={self.max_kv_size}.",
+                fix="Pass the same max_kv_size to PromptCache(...) and to the request.",
+            )
+
+    def record(self, fed: Sequence[int]) -> None:
+        """Note tokens fed into the caches by hand (outside a generation)."""
+        self.tokens.extend(fed)
+
+    def finish(self, done: Done) -> None:
+        """Take in how a generation left the caches (the engine continued them in place)."""
+        if done.outcome == "failed":
+            self.tokens = []  # the engine started the caches afresh
+            return
+        if done.caches is not None and done.caches is not self.cache:
+            self.cache = done.caches
+        self.tokens.extend(done.fed)
 
     def prepare(self, prompt: Sequence[int]) -> list[int]:
         """Make the caches hold a prefix of ``prompt``; return the tokens still to feed.
@@ -65,10 +122,6 @@ class PromptCache:
     @property
     def reused(self) -> int:
         return len(self.tokens)
-
-    def record(self, fed: Sequence[int]) -> None:
-        """Note tokens the loop fed into the caches."""
-        self.tokens.extend(fed)
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +163,9 @@ class PromptCache:
                 )
         tokens = _saved_tokens(meta.get("tokens"), source=source, vocab=model.vocab_size)
         check_caches_fit(caches, model, tokens=len(tokens), source=source)
+        # Evaluate on this (the loading) thread: the arrays are lazy reads, and
+        # a lazy graph can only be evaluated on the thread that built it.
+        mx.eval([c.state for c in caches])
         out = cls(model)
         out.cache, out.tokens = caches, tokens
         return out

@@ -95,10 +95,8 @@ def speculative_generate_tokens(
         if k > 0:
             _begin(draft_cache)
             feed = draft_pending + [y]
-            fed_draft = 0
             for _ in range(k):
                 logits = draft(mx.array(feed)[None], draft_cache)[:, -1, :]
-                fed_draft += len(feed)
                 token = sampler(logprobs_from_logits(logits)).item()
                 proposals.append(token)
                 feed = [token]

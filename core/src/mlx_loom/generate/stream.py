@@ -1,34 +1,44 @@
-"""``stream_generate`` and ``generate``: text in, streamed text out.
+"""``stream_generate`` and ``generate``: text in, streamed text out, through the engine.
 
-Shaped like mlx-lm's functions of the same names. Every request parameter is
-validated before any forward runs, so a bad request never wastes a prefill.
-The stream never emits broken UTF-8 (the detokenizer holds partial
-characters back) and never emits any part of a stop string (text that could
-still become one is held back until it is disambiguated).
+Shaped like mlx-lm's functions of the same names (and accepting its
+``sampler=``, ``logits_processors=`` and ``max_kv_size=``). Every request
+parameter is validated on the calling thread before anything is queued, so a
+bad request never wastes a prefill. The request then runs on the model's
+engine (:mod:`mlx_loom.engine`), alone or batched with whatever else runs on
+that model, with the same tokens either way. The stream never emits broken
+UTF-8 (the detokenizer holds partial characters back) and never emits any
+part of a stop string (text that could still become one is held back until
+it is disambiguated). Generation stops at the model's context
+(``finish_reason="length"``); a prompt that fills the context is refused.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
-from ..cache import validate_kv_quantization
+from ..engine.request import Speculation, encode_prompt, make_request
 from ..errors import RequestError
-from ..host import KV_QUANTIZATION
 from ..model import Model
-from ..text import StopStrings, Tokenizer
-from .loop import KVQuantization, StepLog, generate_tokens
+from ..text import Tokenizer
 from .params import SamplingParams
 from .prompt_cache import PromptCache
-from .sampling import logprobs_top_k, make_logits_processors, make_sampler
-from .speculative import speculative_generate_tokens
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PREFILL_STEP = 2048
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_PREFILL_STEP",
+    "GenerationResponse",
+    "encode_prompt",
+    "generate",
+    "sampling_params",
+    "stream_generate",
+]
 
 
 @dataclass
@@ -57,71 +67,12 @@ class GenerationResponse:
     stop: str | None = field(default=None)
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> list[int]:
-    """Token ids for ``prompt``; refuse an empty one."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError(
-                "The prompt is empty.", fix="Pass a non-empty prompt (text or token ids)."
-            )
-        bos = tokenizer.bos_token
-        add_special = bos is None or not prompt.startswith(bos)
-        ids = tokenizer.encode(prompt, add_special_tokens=add_special)
-    else:
-        ids = [int(t) for t in prompt]
-    if not ids:
-        raise RequestError(
-            "The prompt encodes to no tokens.", fix="Pass a non-empty prompt (text or token ids)."
-        )
-    return ids
-
-
-def _check_request(
-    model: Model,
-    prompt_ids: Sequence[int],
-    *,
-    max_tokens: int,
-    prefill_step_size: int,
-    kv_bits: int | None,
-    kv_group_size: int,
-    quantized_kv_start: int,
-    params: SamplingParams,
-) -> None:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise RequestError(
-            f"max_tokens={max_tokens!r} is invalid; it must be an int >= 1.",
-            fix="Pass a positive max_tokens.",
-        )
-    if (
-        isinstance(prefill_step_size, bool)
-        or not isinstance(prefill_step_size, int)
-        or prefill_step_size < 1
-    ):
-        raise RequestError(
-            f"prefill_step_size={prefill_step_size!r} is invalid; it must be an int >= 1.",
-            fix="Pass a positive prefill_step_size (default 2048).",
-        )
-    validate_kv_quantization(
-        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start
-    )
-    if kv_bits is not None:
-        model.require(KV_QUANTIZATION, asked=f"kv_bits={kv_bits}")
-    vocab = model.vocab_size
-    if vocab is not None:
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                f"The prompt holds token id(s) {bad[:5]} outside the vocabulary (size {vocab}).",
-                fix="Encode the prompt with this model's tokenizer.",
-            )
-        params.validate_logit_bias(vocab)
-    limit = model.context_length
-    if limit is not None and len(prompt_ids) > limit:
-        raise RequestError(
-            f"The prompt is {len(prompt_ids)} tokens long; the model's context "
-            f"(max_position_embeddings) is {limit} tokens.",
-            fix="Shorten the prompt.",
-        )
+def sampling_params(sampling: dict[str, Any]) -> SamplingParams:
+    """:class:`SamplingParams` from keyword options (``temp`` is mlx-lm's ``temperature``)."""
+    if "temp" in sampling:
+        sampling = dict(sampling)
+        sampling["temperature"] = sampling.pop("temp")
+    return SamplingParams.parse(**sampling)
 
 
 def stream_generate(
@@ -136,6 +87,9 @@ def stream_generate(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,
+    max_kv_size: int | None = None,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    logits_processors: Sequence[Callable[[mx.array, mx.array], mx.array]] | None = None,
     draft_model: Model | None = None,
     num_draft_tokens: int = 3,
     **sampling: Any,
@@ -144,164 +98,86 @@ def stream_generate(
 
     ``sampling`` takes the :class:`SamplingParams` fields (``temperature``
     (or ``temp``), ``top_p``, ``top_k``, ``min_p``, penalties, ``logit_bias``,
-    ``seed``, ``logprobs``). Pass a :class:`PromptCache` to reuse the longest
-    usable prefix of an earlier call's caches. ``draft_model`` turns on
-    speculative decoding (``num_draft_tokens`` proposals per step; the draft
-    must share the tokenizer). The last response carries
-    ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"``.
+    ``seed``, ``logprobs``); ``sampler`` and ``logits_processors`` take
+    mlx-lm-style callables instead (processors run after the built-in
+    penalties; with ``sampler``, ``seed`` seeds MLX's generator, which
+    mlx-lm's samplers draw from). ``max_kv_size`` bounds each attention layer's cache to a
+    sliding window of that many tokens. Pass a :class:`PromptCache` to reuse
+    the longest usable prefix of an earlier call's caches (one generation at
+    a time per cache). ``draft_model`` turns on speculative decoding
+    (``num_draft_tokens`` proposals per step; the draft must share the
+    tokenizer). The last response carries ``finish_reason``: ``"stop"`` (EOS
+    or a stop string) or ``"length"`` (``max_tokens``, or the context).
     """
-    if "temp" in sampling:
-        sampling["temperature"] = sampling.pop("temp")
-    params = SamplingParams.parse(**sampling)
-    prompt_ids = encode_prompt(tokenizer, prompt)
-    _check_request(
-        model,
-        prompt_ids,
+    params = sampling_params(sampling)
+    ids = encode_prompt(tokenizer, prompt)
+    options: dict[str, Any] = dict(
         max_tokens=max_tokens,
+        params=params,
+        stop=stop,
         prefill_step_size=prefill_step_size,
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
         quantized_kv_start=quantized_kv_start,
-        params=params,
+        max_kv_size=max_kv_size,
+        sampler=sampler,
+        logits_processors=logits_processors,
+        logprobs_vector=True,
     )
-    log = StepLog()
     if draft_model is not None:
-        if (
-            prompt_cache is not None
-            or kv_bits is not None
-            or params.logprobs
-            or (
-                params.repetition_penalty
-                or params.presence_penalty
-                or params.frequency_penalty
-                or params.logit_bias
-            )
-        ):
-            raise RequestError(
-                "Speculative decoding does not combine with prompt caches, KV quantization, "
-                "logprobs, penalties or logit bias yet.",
-                fix="Drop draft_model, or drop those options.",
-            )
-        to_feed, cached = prompt_ids, 0
-        tokens = (
-            (t, lp, d)
-            for t, lp, d in speculative_generate_tokens(
-                model,
-                draft_model,
-                prompt_ids,
-                num_draft=num_draft_tokens,
-                max_tokens=max_tokens,
-                sampler=make_sampler(params),
-                prefill_step_size=prefill_step_size,
-            )
+        options["speculation"] = Speculation(draft_model, num_draft_tokens)
+    if prompt_cache is None:
+        request = make_request(model, tokenizer, ids, **options)
+        handle = model.engine.submit(request)
+        try:
+            yield from _responses(handle)
+        finally:
+            handle.cancel()
+        return
+    if prompt_cache.model is not model:
+        raise RequestError(
+            "The prompt cache was made for another model.",
+            fix="Use a PromptCache created for this model.",
         )
-    else:
-        if prompt_cache is None:
-            prompt_cache = PromptCache(model)
-        elif prompt_cache.model is not model:
-            raise RequestError(
-                "The prompt cache was made for another model.",
-                fix="Use a PromptCache created for this model.",
-            )
-        to_feed = prompt_cache.prepare(prompt_ids)
-        cached = len(prompt_cache.tokens)
-        tokens = (
-            (t, lp, False)
-            for t, lp in generate_tokens(
-                model,
-                to_feed,
-                prompt_cache.cache,
-                sampler=make_sampler(params),
-                processors=make_logits_processors(params),
-                history=prompt_cache.tokens[:],
-                max_tokens=max_tokens,
-                prefill_step_size=prefill_step_size,
-                kv=KVQuantization(kv_bits, kv_group_size, quantized_kv_start),
-                log=log,
-            )
+    with prompt_cache.claim():
+        prompt_cache.check_options(max_kv_size=max_kv_size)
+        make_request(model, tokenizer, ids, **options)  # validate before touching the cache
+        to_feed = prompt_cache.prepare(ids)
+        request = make_request(
+            model,
+            tokenizer,
+            to_feed,
+            cache=prompt_cache.cache,
+            history=list(prompt_cache.tokens),
+            **options,
         )
-    detok = tokenizer.detokenizer()
-    stops = StopStrings(stop)
-    eos = tokenizer.eos_token_ids
-    start = time.perf_counter()
-    prompt_tps = gen_start = 0.0
-    n = 0
-    try:
-        for n, (token, logprobs, from_draft) in enumerate(tokens, start=1):
-            if n == 1:
-                gen_start = time.perf_counter()
-                prompt_tps = len(to_feed) / max(gen_start - start, 1e-9)
-            finish = None
-            if token in eos:
-                finish = "stop"
-                detok.finalize()
-            else:
-                detok.add_token(token)
-                if n == max_tokens:
-                    detok.finalize()
-                    finish = "length"
-            check = stops.feed(detok.last_segment)
-            text, hit = check.emit, check.stop
-            if hit is not None:
-                finish = "stop"
-            elif finish is not None:
-                text += stops.flush()
-            response = _response(
-                text,
-                token,
-                logprobs,
-                params.logprobs,
-                n,
-                len(prompt_ids),
-                prompt_tps,
-                gen_start,
-                cached,
-                finish,
-                hit,
-            )
-            response.from_draft = from_draft
-            yield response
-            if finish is not None:
-                break
-    finally:
-        tokens.close()
-        if prompt_cache is not None:
-            prompt_cache.record(log.fed)
+        handle = model.engine.submit(request)
+        try:
+            yield from _responses(handle)
+        finally:
+            handle.cancel()
+            done = handle.wait()
+            prompt_cache.finish(done)
 
 
-def _response(
-    text: str,
-    token: int,
-    logprobs: mx.array,
-    top_k: int,
-    n: int,
-    prompt_tokens: int,
-    prompt_tps: float,
-    gen_start: float,
-    cached: int,
-    finish: str | None,
-    stop: str | None,
-) -> GenerationResponse:
-    top: list[tuple[int, float]] = []
-    if top_k:
-        ids, values = logprobs_top_k(logprobs[None], top_k)
-        top = list(zip(ids[0].tolist(), values[0].tolist(), strict=True))
-    elapsed = max(time.perf_counter() - gen_start, 1e-9)
-    return GenerationResponse(
-        text=text,
-        token=token,
-        logprob=logprobs[token].item(),
-        logprobs=logprobs,
-        top_logprobs=top,
-        prompt_tokens=prompt_tokens,
-        prompt_tps=prompt_tps,
-        generation_tokens=n,
-        generation_tps=n / elapsed,
-        peak_memory=mx.get_peak_memory() / 1e9,
-        cached_tokens=cached,
-        finish_reason=finish,
-        stop=stop,
-    )
+def _responses(handle: Any) -> Iterator[GenerationResponse]:
+    for event in handle:
+        yield GenerationResponse(
+            text=event.text,
+            token=event.token,
+            logprob=event.logprob,
+            logprobs=event.logprobs,
+            top_logprobs=event.top_logprobs,
+            prompt_tokens=event.prompt_tokens,
+            prompt_tps=event.prompt_tps,
+            generation_tokens=event.generation_tokens,
+            generation_tps=event.generation_tps,
+            peak_memory=event.peak_memory,
+            cached_tokens=event.cached_tokens,
+            from_draft=event.from_draft,
+            finish_reason=event.finish_reason,
+            stop=event.stop,
+        )
 
 
 def generate(

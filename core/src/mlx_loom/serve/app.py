@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cache import validate_kv_quantization
+from ..engine import EngineSettings
 from ..errors import CapabilityRefused, LoomError, RequestError, TemplateBudgetExceeded
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
@@ -32,6 +33,9 @@ from .worker import GenerationWorker, Job, Piece
 #: The largest ``max_tokens`` a request may ask for unless the server is started
 #: with another ``--max-tokens-limit``.
 DEFAULT_MAX_TOKENS_LIMIT = 4096
+
+#: Requests that may wait for a free row before the server answers 503.
+DEFAULT_MAX_QUEUED = 64
 
 #: The most choices (``n``) one request may ask for: each is a full generation.
 MAX_CHOICES = 16
@@ -107,7 +111,9 @@ class ServeApp:
     silently answered by this one.
 
     Server-wide options, each validated here (a bad one fails start-up, not
-    the first request): ``tool_call_parser`` names the tool-call format,
+    the first request): ``engine`` sets how the model's engine batches
+    (concurrency, prefill chunking, the prefix store, the queue bound);
+    ``tool_call_parser`` names the tool-call format,
     overriding what the model declares (``registry`` — by default the
     default host's — holds the registered parsers and the model type's
     default format);
@@ -123,6 +129,7 @@ class ServeApp:
         *,
         model_id: str | None = None,
         max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+        engine: EngineSettings | None = None,
         template_budget: TemplateBudget | None = None,
         tool_call_parser: str | None = None,
         registry: Registry | None = None,
@@ -161,7 +168,7 @@ class ServeApp:
         self.chat_format = ChatFormat.for_model(
             model, tokenizer, registry=registry, override=tool_call_parser
         )
-        self.worker = GenerationWorker(model, tokenizer)
+        self.worker = GenerationWorker(model, tokenizer, engine or server_engine_settings())
 
     def close(self) -> None:
         self.worker.close()
@@ -181,15 +188,28 @@ class ServeApp:
         return schemas.ModelCard(id=self.model_id, created=self.created).model_dump()
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        """``(status, body)``: 503 once the generation thread has died."""
+        """``(status, body)``: 503 once the engine has been shut down.
+
+        ``queued`` counts requests waiting for a free row, ``active_rows`` the
+        requests being prefilled or decoded.
+        """
         worker = self.worker
         ok = worker.alive
+        stats = worker.stats()
+        engine = stats.engine
+        settings = worker.service.settings
         fmt = self.chat_format
         return (200 if ok else 503), {
             "status": "ok" if ok else "unavailable",
             "model": self.model_id,
-            "busy": worker.busy,
-            "queued": worker.queued,
+            "busy": engine.active > 0,
+            "queued": stats.queued,
+            "active_rows": engine.active,
+            "prefilling": engine.prefilling,
+            "decoding": engine.decoding,
+            "decode_concurrency": settings.decode_concurrency,
+            "max_queued": settings.max_queued,
+            "prompt_cache": {"entries": engine.prefix_entries, "bytes": engine.prefix_bytes},
             "tool_call_parser": fmt.tool_parser.name if fmt.tool_parser else None,
             "reasoning": fmt.reasoning.name if fmt.reasoning else None,
         }
@@ -292,12 +312,14 @@ class ServeApp:
                     code="invalid_token",
                 )
         limit = self.model.context_length
-        if limit is not None and len(ids) > limit:
+        if limit is not None and len(ids) >= limit:
+            # Generation stops at the context (finish_reason "length"); a prompt
+            # that fills it leaves no room for a single token.
             raise HttpError(
                 400,
                 f"The {param} is {len(ids)} tokens long; this model's context "
-                f"(max_position_embeddings) is {limit} tokens.",
-                fix="shorten the prompt",
+                f"(max_position_embeddings) is {limit} tokens, which leaves no room to generate.",
+                fix=f"shorten the prompt to fewer than {limit} tokens",
                 param=param,
                 code="context_length_exceeded",
             )
@@ -686,6 +708,17 @@ def _template_args(args: Mapping[str, Any] | None) -> dict[str, Any]:
             fix="remove those keys from --chat-template-args",
         )
     return dict(args)
+
+
+def server_engine_settings(**changes: Any) -> EngineSettings:
+    """The engine settings ``loom serve`` uses unless told otherwise (mlx-lm's defaults).
+
+    Unlike the Python API's default engine, the server keeps a prefix store
+    (``prompt_cache_size`` 10), bounds its queue (``max_queued`` 64) and keeps
+    its engine thread for its whole life (no idle exit and restart).
+    """
+    defaults = {"prompt_cache_size": 10, "max_queued": DEFAULT_MAX_QUEUED, "idle_seconds": None}
+    return EngineSettings(**{**defaults, **changes})
 
 
 def _failing_option(options: dict[str, Any]) -> str:

@@ -1,9 +1,10 @@
 """The HTTP server: ``ThreadingHTTPServer`` routing to a :class:`ServeApp`.
 
 Each connection gets a handler thread; handler threads parse, validate and
-write, and hand generation to the app's single worker thread (see
-``worker.py``). So ``/health`` and ``/v1/models`` answer at once while a
-generation runs, and a request waiting for its turn costs no MLX work.
+write, and hand generation to the model's engine thread (see
+``worker.py``), which batches concurrent requests. So ``/health`` and
+``/v1/models`` answer at once while generations run, and a request waiting
+for a row costs no MLX work.
 
 Every answer the server gives to a bad request is JSON in the OpenAI error
 shape; no input makes a handler raise past :meth:`Handler._dispatch`.
@@ -25,7 +26,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..bounded_json import REQUEST_JSON, parse_json
-from ..errors import LoomError, RequestError
+from ..engine import EngineSettings
+from ..errors import EngineBusy, LoomError, RequestError
 from . import anthropic, page
 from .app import ServeApp
 from .errors import (
@@ -46,6 +48,9 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 
 #: How often a handler waiting for tokens checks that its client is still there.
 POLL_SECONDS = 0.05
+
+#: Seconds a client told the queue is full should wait before retrying.
+RETRY_AFTER_SECONDS = 1
 
 ROUTES: dict[str, tuple[str, ...]] = {
     "/": ("GET",),
@@ -372,7 +377,7 @@ class Handler(BaseHTTPRequestHandler):
                 if not self.app.worker.alive:
                     raise HttpError(
                         503,
-                        "The generation thread has stopped.",
+                        "The generation engine has stopped.",
                         type=SERVER_ERROR,
                         fix="restart the server",
                     ) from None
@@ -393,11 +398,32 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"{head}data: {data}\n\n".encode())
         self.wfile.flush()
 
+    def _submit(self, jobs: list[Job]) -> None:
+        """Queue every job of a request, or none: a full queue is ``503`` with ``Retry-After``.
+
+        A request with ``n`` choices is several jobs; when the queue fills
+        part-way, the ones already queued are cancelled so no row generates
+        for an answer that is never sent.
+        """
+        try:
+            for job in jobs:
+                self.app.worker.submit(job)
+        except EngineBusy as err:
+            for job in jobs:
+                job.cancel()
+            raise HttpError(
+                503,
+                err.message,
+                fix=err.fix,
+                type=SERVER_ERROR,
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from None
+
     def _complete(self, *, chat: bool) -> None:
         body = self._read_json()
         prep = self.app.prepare(body, chat=chat)
-        for job in prep.jobs:
-            self.app.worker.submit(job)
+        self._submit(prep.jobs)
         try:
             if not prep.stream:
                 for choice in prep.choices:
@@ -445,7 +471,7 @@ class Handler(BaseHTTPRequestHandler):
             raise anthropic.renamed(err) from None
         shaper = anthropic.MessageShaper(prep.model)
         choice = prep.choices[0]
-        self.app.worker.submit(choice.job)
+        self._submit([choice.job])
         try:
             events = self._events(choice.job)
             if not prep.stream:
@@ -507,6 +533,10 @@ class LoomServer(ThreadingHTTPServer):
     """
 
     daemon_threads = True
+    #: The listen backlog. socketserver's default (5) overflows when a burst of
+    #: clients connects at once, as they do to a batching server, and the
+    #: kernel then resets some of those connections.
+    request_queue_size = 128
 
     def __init__(
         self,
@@ -578,20 +608,22 @@ def make_server(
     port: int = 8080,
     model_id: str | None = None,
     max_tokens_limit: int | None = None,
+    engine: EngineSettings | None = None,
     allowed_origins: Iterable[str] = (),
     api_key: str | None = None,
     **app_options: Any,
 ) -> LoomServer:
     """A server for a loaded ``(model, tokenizer)``, bound but not yet serving.
 
-    ``app_options`` are :class:`ServeApp`'s (``template_budget``,
-    ``tool_call_parser``, ``chat_template_args``, ``kv_bits`` ...); the
-    template budget defaults to the environment's
-    (:meth:`~mlx_loom.text.TemplateBudget.from_env`).
+    ``engine`` sets how requests are batched (default:
+    :func:`~mlx_loom.serve.app.server_engine_settings`). ``app_options`` are
+    :class:`ServeApp`'s (``template_budget``, ``tool_call_parser``,
+    ``chat_template_args``, ``kv_bits`` ...); the template budget defaults to
+    the environment's (:meth:`~mlx_loom.text.TemplateBudget.from_env`).
     """
     if max_tokens_limit is not None:
         app_options["max_tokens_limit"] = max_tokens_limit
-    app = ServeApp(model, tokenizer, model_id=model_id, **app_options)
+    app = ServeApp(model, tokenizer, model_id=model_id, engine=engine, **app_options)
     try:
         return LoomServer(app, host, port, allowed_origins=allowed_origins, api_key=api_key)
     except BaseException:

@@ -1,0 +1,489 @@
+"""Sliding-window caches of several rows, each row in its own slot order.
+
+A single-row :class:`~mlx_loom.cache.RotatingKVCache` writes its newest token
+at a write index that wraps around the window, so the order of its slots is
+a rotation of time order that depends on the row's own history (prompt
+length, chunking, decode steps). Attention reduces over the slots in slot
+order, and floating-point sums depend on their order: a batch layout that
+re-aligns rows on a shared write index (mlx-lm's ``BatchRotatingKVCache``,
+kept as :class:`~mlx_loom.cache.BatchRotatingKVCache`) therefore changes
+each row's logits slightly (measured: up to 2.5e-6 on a tiny Gemma 4, 1.8e-7
+on a tiny sliding Llama).
+
+Here each row keeps exactly the slots its own cache would hold, in the same
+order, and writes at its own index. Slots a row has not filled yet are
+masked; on the CPU backend a masked slot adds an exact zero to the softmax
+and to the value sum, so a row decodes bit for bit as it would alone (tested
+per family). The price is a per-row scatter for each write instead of one
+slice update, which is small next to the attention it feeds.
+
+The kind supports what a decoding batch needs — one-token appends,
+:meth:`filter`, :meth:`extend`, :meth:`extract`, :meth:`stack` — for
+windows that keep no leading tokens (``keep == 0``). Multi-token appends (a
+prefill chunk, or a speculative verify window) are refused for now: prompts
+are prefilled in a row's own cache before it joins a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import mlx.core as mx
+
+from mlx_loom.cache import _buffers as buf
+from mlx_loom.cache.protocol import Mask
+from mlx_loom.cache.quantized import QuantizedRotatingKVCache
+from mlx_loom.cache.rotating import RotatingBase, RotatingKVCache, check_window
+from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
+
+__all__ = ["StackedQuantizedRotatingKVCache", "StackedRotatingKVCache"]
+
+
+def _row_slots(cache: RotatingBase) -> tuple[buf.Stored | None, buf.Stored | None, int, int]:
+    """``(keys, values, count, next_write)`` of a single-row window, normalised.
+
+    After a prefill chunk a window may hold more than ``max_size`` slots (in
+    time order); its next one-token write first drops the oldest excess and
+    then wraps to slot 0. Normalising that here — keep the newest
+    ``max_size`` slots, next write at 0 — gives the layout the row will have
+    after that write, so the batch can write every row the same way.
+    """
+    W = cache.max_size
+    if cache.keys is None:
+        return None, None, 0, 0
+    count = cache.offset
+    length = buf.seq_len(cache.keys)
+    if count < W:  # never full: time order, next write at the end
+        return (
+            buf.take(cache.keys, 0, count),
+            buf.take(cache.values, 0, count),
+            count,
+            count,
+        )
+    if length > W:
+        return (
+            buf.take(cache.keys, length - W, None),
+            buf.take(cache.values, length - W, None),
+            count,
+            0,
+        )
+    return cache.keys, cache.values, count, cache._idx % W
+
+
+class StackedRotatingKVCache:
+    """Sliding-window KV cache (``keep == 0``) for several rows, each in its own slot order."""
+
+    kind: ClassVar[str] = "StackedRotatingKVCache"
+    step: ClassVar[int] = 256
+    _codec: ClassVar[buf.PlainCodec | buf.AffineCodec] = buf.PlainCodec()
+    _single: ClassVar[type[RotatingBase]] = RotatingKVCache
+
+    def __init__(self, max_size: int, rows: int = 0) -> None:
+        check_window(max_size, 0, owner=self.kind)
+        self.max_size = max_size
+        self.keys: buf.Stored | None = None
+        self.values: buf.Stored | None = None
+        # Per row: tokens written so far, and the slot the next token goes to.
+        self._count: list[int] = [0] * rows
+        self._next: list[int] = [0] * rows
+        self._offset_array: mx.array | None = None
+
+    # --- geometry -------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._count)
+
+    @property
+    def offset(self) -> mx.array:
+        """Tokens seen per row (``[B]`` int32): each row's RoPE position."""
+        if self._offset_array is None:
+            self._offset_array = mx.array(self._count, dtype=mx.int32)
+        return self._offset_array
+
+    def _slots(self) -> int:
+        return 0 if self.keys is None else buf.seq_len(self.keys)
+
+    def _slots_after_write(self) -> int:
+        """Slots the buffer has once the next one-token write has grown it (if needed)."""
+        need = max(self._next, default=0) + 1
+        if need <= self._slots():
+            return self._slots()
+        return min(self.max_size, -(-need // self.step) * self.step)
+
+    # --- append and attend --------------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        B, _, L, _ = keys.shape
+        if L != 1:
+            raise CacheError(
+                f"{self.kind}: appending {L} tokens at once is not supported (one per row)",
+                fix="prefill prompts in each row's own cache, then stack the rows",
+            )
+        if B != self.batch_size:
+            raise CacheError(
+                f"{self.kind}: got keys for {B} rows; the batch has {self.batch_size}",
+                fix="pass one row of keys/values per batch row",
+            )
+        slots = self._slots_after_write()
+        if slots > self._slots():
+            grow = slots - self._slots()
+            new_k, new_v = self._codec.zeros(keys, grow), self._codec.zeros(values, grow)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys = buf.cat([self.keys, new_k])
+                self.values = buf.cat([self.values, new_v])
+        where = mx.array(self._next, dtype=mx.int32)[:, None, None, None]
+        self.keys = _scatter(self.keys, where, self._codec.encode(keys))
+        self.values = _scatter(self.values, where, self._codec.encode(values))
+        W = self.max_size
+        self._count = [c + 1 for c in self._count]
+        self._next = [(n + 1) % W for n in self._next]
+        self._offset_array = None
+        return self.keys, self.values
+
+    def _positions(self, window: int) -> mx.array:
+        """``[B, S]`` bool: which slots the row's next token attends to (after its write)."""
+        S = self._slots_after_write()
+        W = self.max_size
+        slot = mx.arange(S)[None]
+        newest = mx.array(self._count, dtype=mx.int32)[:, None]  # position being written
+        after = mx.array([(n + 1) % W for n in self._next], dtype=mx.int32)[:, None]
+        wrapped = newest >= W  # the write lands in a full window
+        # Full window: slot s holds the token (after - 1 - s) mod W steps older
+        # than the newest; otherwise slots are in time order.
+        age = mx.where(wrapped, (after - 1 - slot) % W, newest - slot)
+        return (age >= 0) & (age < min(window, W)) & (slot < W)
+
+    def make_mask(
+        self, N: int, *, window_size: int | None = None, return_array: bool = False
+    ) -> Mask:
+        if N != 1:
+            raise CacheError(
+                f"{self.kind}: a mask for {N} new tokens per row is not supported (one per row)",
+                fix="prefill prompts in each row's own cache, then stack the rows",
+            )
+        window = window_size or self.max_size
+        return self._positions(window)[:, None, None, :]
+
+    # --- padding: none ---------------------------------------------------------
+
+    def prepare(
+        self,
+        *,
+        left_padding: Sequence[int] | None = None,
+        lengths: Sequence[int] | None = None,
+        right_padding: Sequence[int] | None = None,
+    ) -> None:
+        """Rows here are never padded: any padding declared is refused."""
+        declared = [p for p in (left_padding, right_padding) if p is not None and any(p)]
+        if declared or lengths is not None:
+            raise CacheError(
+                f"{self.kind}: padded prefill is not supported; each row holds only its own tokens",
+                fix="prefill each prompt in its own single-row cache, then stack() the rows",
+            )
+
+    def finalize(self) -> None:
+        """Nothing to fold away: rows are never padded."""
+
+    # --- trim -----------------------------------------------------------------
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        n = buf.trim_count(n, owner=self.kind)
+        if n == 0:
+            return 0
+        raise CacheNotTrimmable(
+            f"{self.kind} cannot trim {n} token(s): its rows rotate independently",
+            fix="extract() the row and trim the single-row window cache",
+        )
+
+    # --- rows -----------------------------------------------------------------
+
+    def filter(self, rows: Sequence[int]) -> None:
+        idx = _check_rows(rows, self.batch_size, owner=f"{self.kind}.filter")
+        if self.keys is not None:
+            take = mx.array(idx, dtype=mx.int32)
+            self.keys = buf.apply(lambda a: a[take], self.keys)
+            self.values = buf.apply(lambda a: a[take], self.values)
+        self._count = [self._count[i] for i in idx]
+        self._next = [self._next[i] for i in idx]
+        self._offset_array = None
+
+    def _compatible(self, other: Any) -> None:
+        if type(other) is not type(self):
+            raise CacheError(
+                f"{self.kind}.extend: cannot append rows of a {type(other).__name__}",
+                fix=f"extend a {self.kind} only with another {self.kind}",
+            )
+        if other.max_size != self.max_size:
+            raise CacheError(
+                f"{self.kind}.extend: max_size {other.max_size} differs from {self.max_size}",
+                fix="extend only with a batch cache of the same window",
+            )
+
+    def extend(self, other: StackedRotatingKVCache) -> None:
+        self._compatible(other)
+        if other.keys is not None or self.keys is not None:
+            S = max(self._slots(), other._slots())
+            ref = self if self.keys is not None else other
+            self.keys = _cat_rows(
+                [_padded(c.keys, ref.keys, c.batch_size, S) for c in (self, other)]
+            )
+            self.values = _cat_rows(
+                [_padded(c.values, ref.values, c.batch_size, S) for c in (self, other)]
+            )
+        self._count = self._count + other._count
+        self._next = self._next + other._next
+        self._offset_array = None
+
+    def _empty_single(self) -> RotatingBase:
+        return self._single(self.max_size, 0)
+
+    def extract(self, row: int) -> RotatingBase:
+        """Row ``row`` as a single-row window cache that continues exactly as the row would."""
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.batch_size:
+            raise CacheError(
+                f"{self.kind}.extract: row={row!r} is out of range for a batch of "
+                f"{self.batch_size}",
+                fix=f"pass a row index in [0, {self.batch_size})",
+            )
+        cache = self._empty_single()
+        count, nxt = self._count[row], self._next[row]
+        if self.keys is None or count == 0:
+            return cache
+        W = self.max_size
+        keep = W if count >= W else count
+        cut = lambda a: mx.contiguous(a[row : row + 1, :, :keep])  # noqa: E731
+        cache.keys = buf.apply(cut, self.keys)
+        cache.values = buf.apply(cut, self.values)
+        cache.offset = count
+        # A single window that just filled its last slot reports idx == max_size
+        # (it wraps on the next write); one mid-rotation reports its write slot.
+        cache._idx = (nxt or W) if count >= W else count
+        return cache
+
+    @classmethod
+    def _new_like(cls, caches: Sequence[RotatingBase]) -> StackedRotatingKVCache:
+        return cls(caches[0].max_size, len(caches))
+
+    @classmethod
+    def stack(cls, caches: Sequence[RotatingBase]) -> StackedRotatingKVCache:
+        """The batch whose row ``i`` decodes exactly as ``caches[i]`` alone."""
+        if not caches:
+            raise CacheError(f"{cls.kind}.stack: no caches given", fix="pass at least one cache")
+        for i, c in enumerate(caches):
+            if type(c) is not cls._single:
+                raise CacheError(
+                    f"{cls.kind}.stack: caches[{i}] is a {type(c).__name__}, not a "
+                    f"{cls._single.__name__}",
+                    fix=f"stack only single-row {cls._single.__name__}s into a {cls.kind}",
+                )
+            if c.keep != 0:
+                raise CapabilityRefused(
+                    f"{type(c).__name__}(max_size={c.max_size}, keep={c.keep}): batching a "
+                    "sliding-window cache that keeps leading tokens is not supported",
+                    fix="generate this model one sequence at a time, or use keep=0",
+                )
+        sizes = {c.max_size for c in caches}
+        if len(sizes) > 1:
+            raise CacheError(
+                f"{cls.kind}.stack: caches have different max_size values {sorted(sizes)}",
+                fix="stack only caches of the same layer (same window)",
+            )
+        out = cls._new_like(caches)
+        rows = [_row_slots(c) for c in caches]
+        filled = [r for r in rows if r[0] is not None]
+        if filled:
+            S = max(max(buf.seq_len(r[0]) for r in filled), max(r[3] for r in rows) + 1)
+            S = min(S, out.max_size)
+            ref_k, ref_v = filled[0][0], filled[0][1]
+            out.keys = _cat_rows([_padded(r[0], ref_k, 1, S) for r in rows])
+            out.values = _cat_rows([_padded(r[1], ref_v, 1, S) for r in rows])
+        out._count = [r[2] for r in rows]
+        out._next = [r[3] for r in rows]
+        return out
+
+    # --- size and state -------------------------------------------------------
+
+    def size(self) -> int:
+        return min(max(self._count, default=0), self.max_size)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return buf.nbytes(self.keys, self.values)
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """The stored keys then values (each an array, or a quantized triple)."""
+        if self.keys is None:
+            return ()
+        return (*buf.leaves(self.keys), *buf.leaves(self.values))
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        """``(max_size, counts, next slots)``: counts and slots comma-separated."""
+        return (
+            str(self.max_size),
+            ",".join(map(str, self._count)),
+            ",".join(map(str, self._next)),
+        )
+
+    @classmethod
+    def _from_meta(cls, meta_state: Sequence[str], n_meta: int) -> tuple[Any, list[int], list[int]]:
+        if not isinstance(meta_state, (list, tuple)) or len(meta_state) != n_meta:
+            raise CacheError(
+                f"{cls.kind}.from_state: meta_state must hold {n_meta} strings; "
+                f"found {meta_state!r}",
+                fix="recreate the cache state with this version of mlx-loom",
+            )
+        try:
+            counts = [int(x) for x in meta_state[1].split(",") if x]
+            nexts = [int(x) for x in meta_state[2].split(",") if x]
+        except ValueError:
+            raise CacheError(
+                f"{cls.kind}.from_state: per-row counts {meta_state[1]!r} / next slots "
+                f"{meta_state[2]!r} are not comma-separated integers",
+                fix="recreate the cache state with this version of mlx-loom",
+            ) from None
+        if len(counts) != len(nexts):
+            raise CacheError(
+                f"{cls.kind}.from_state: {len(counts)} row counts but {len(nexts)} next slots",
+                fix="recreate the cache state with this version of mlx-loom",
+            )
+        return meta_state, counts, nexts
+
+    @classmethod
+    def from_state(
+        cls, state: Sequence[mx.array], meta_state: Sequence[str]
+    ) -> StackedRotatingKVCache:
+        arrays = buf.check_state_len(state, (0, 2), owner=cls.kind)
+        meta, counts, nexts = cls._from_meta(meta_state, 3)
+        (max_size,) = buf.parse_meta(meta[:1], ("max_size",), owner=cls.kind)
+        cache = cls(max_size, len(counts))
+        if arrays:
+            cache.keys, cache.values = arrays
+        cache._count, cache._next = counts, nexts
+        return cache
+
+    def __repr__(self) -> str:
+        return f"{self.kind}(max_size={self.max_size}, rows={self.batch_size})"
+
+
+class StackedQuantizedRotatingKVCache(StackedRotatingKVCache):
+    """:class:`StackedRotatingKVCache` over affine-quantized keys/values."""
+
+    kind: ClassVar[str] = "StackedQuantizedRotatingKVCache"
+    _single: ClassVar[type[RotatingBase]] = QuantizedRotatingKVCache
+
+    def __init__(self, max_size: int, rows: int = 0, *, group_size: int = 64, bits: int = 8):
+        super().__init__(max_size, rows)
+        self._codec = buf.AffineCodec(group_size, bits, owner=self.kind)  # type: ignore[misc]
+
+    @property
+    def group_size(self) -> int:
+        return self._codec.group_size  # type: ignore[return-value]
+
+    @property
+    def bits(self) -> int:
+        return self._codec.bits  # type: ignore[return-value]
+
+    def _empty_single(self) -> RotatingBase:
+        return QuantizedRotatingKVCache(
+            self.max_size, 0, group_size=self.group_size, bits=self.bits
+        )
+
+    def _compatible(self, other: Any) -> None:
+        super()._compatible(other)
+        if (other.group_size, other.bits) != (self.group_size, self.bits):
+            raise CacheError(
+                f"{self.kind}.extend: rows quantized with group_size={other.group_size}, "
+                f"bits={other.bits} cannot join rows with group_size={self.group_size}, "
+                f"bits={self.bits}",
+                fix="batch only rows quantized the same way",
+            )
+
+    @classmethod
+    def _new_like(cls, caches: Sequence[RotatingBase]) -> StackedQuantizedRotatingKVCache:
+        widths = {(c.group_size, c.bits) for c in caches}  # type: ignore[attr-defined]
+        if len(widths) > 1:
+            raise CacheError(
+                f"{cls.kind}.stack: the caches are quantized differently {sorted(widths)}",
+                fix="stack only caches quantized with the same group_size and bits",
+            )
+        group_size, bits = widths.pop()
+        return cls(caches[0].max_size, len(caches), group_size=group_size, bits=bits)
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        """``(max_size, counts, next slots, group_size, bits)``."""
+        return (*super().meta_state, str(self.group_size), str(self.bits))
+
+    @classmethod
+    def from_state(
+        cls, state: Sequence[mx.array], meta_state: Sequence[str]
+    ) -> StackedQuantizedRotatingKVCache:
+        arrays = buf.check_state_len(state, (0, 6), owner=cls.kind)
+        meta, counts, nexts = cls._from_meta(meta_state, 5)
+        max_size, group_size, bits = buf.parse_meta(
+            (meta[0], meta[3], meta[4]), ("max_size", "group_size", "bits"), owner=cls.kind
+        )
+        cache = cls(max_size, len(counts), group_size=group_size, bits=bits)
+        if arrays:
+            cache.keys, cache.values = tuple(arrays[:3]), tuple(arrays[3:])
+        cache._count, cache._next = counts, nexts
+        return cache
+
+
+# --- helpers ----------------------------------------------------------------------
+
+
+def _scatter(buffer: buf.Stored, where: mx.array, new: buf.Stored) -> buf.Stored:
+    """Write each row's one new slot at that row's own index (``where`` is ``[B,1,1,1]``)."""
+    if isinstance(buffer, tuple):
+        return tuple(
+            mx.put_along_axis(b, where, n, axis=2) for b, n in zip(buffer, new, strict=True)
+        )
+    return mx.put_along_axis(buffer, where, new, axis=2)
+
+
+def _padded(x: buf.Stored | None, like: buf.Stored, rows: int, slots: int) -> buf.Stored:
+    """``x`` with zero slots appended up to ``slots`` (zeros shaped like ``like`` if empty)."""
+    if x is None:
+        return buf.apply(lambda a: mx.zeros((rows, a.shape[1], slots, a.shape[3]), a.dtype), like)
+    extra = slots - buf.seq_len(x)
+    if extra <= 0:
+        return x
+    return buf.apply(lambda a: mx.pad(a, [(0, 0), (0, 0), (0, extra), (0, 0)]), x)
+
+
+def _cat_rows(parts: Sequence[buf.Stored]) -> buf.Stored:
+    if isinstance(parts[0], tuple):
+        return tuple(mx.concatenate(list(group)) for group in zip(*parts, strict=True))
+    return mx.concatenate(list(parts))
+
+
+def _check_rows(rows: Sequence[int], size: int, *, owner: str) -> list[int]:
+    try:
+        idx = [int(r) for r in rows]
+        ok = all(not isinstance(r, bool) and int(r) == r for r in rows)
+    except (TypeError, ValueError):
+        ok, idx = False, []
+    if not ok:
+        raise CacheError(
+            f"{owner}: rows={rows!r} must be a sequence of ints", fix="pass row indices"
+        )
+    bad = [r for r in idx if not 0 <= r < size]
+    if bad:
+        raise CacheError(
+            f"{owner}: rows {bad} are out of range for a batch of {size}",
+            fix=f"pass row indices in [0, {size})",
+        )
+    return idx

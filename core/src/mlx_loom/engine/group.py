@@ -1,0 +1,311 @@
+"""A decode group: rows that take their decode steps together, in one forward.
+
+A group of one row decodes through that row's own single-row caches — the
+same op graph as mlx-lm's ``generate_step``, step for step, which is what
+the loop-parity tests hold bit-equal. When rows join, their caches are
+stacked (:meth:`~mlx_loom.cache.protocol.Stackable.stack`) into batch caches
+whose rows decode bit for bit as each row alone, so a request's tokens and
+logits never depend on its neighbours.
+
+One step (:meth:`DecodeGroup.step`), in ``generate_step``'s order:
+
+1. rows whose current token is their last (by count) leave before the
+   forward: nothing is fed for them, as ``generate_step`` feeds nothing past
+   ``max_tokens``;
+2. the forward over every other row's current token, then (for a row alone)
+   the KV-quantization check;
+3. per row: its logits processors over its own token history, then the
+   log-softmax of the batch, then each row's own sampler (greedy rows share
+   one ``argmax``);
+4. ``mx.async_eval`` of the next tokens — queued *before* the current
+   tokens are read back, so host work overlaps the device;
+5. the current tokens are read and handed to their rows (text, stops,
+   finish); rows that finished by content (EOS, a stop string) leave.
+
+Growing to speculative verification: a step feeds one token per row today.
+Verifying ``k`` draft tokens per row is the same step with ``inputs`` of
+shape ``[B, k+1]``, a per-row ``keep`` count after sampling, and the caches
+rolled back per row (``trim`` for KV kinds, ``begin_round``/``commit(keep)``
+for recurrent state, which already takes per-row counts); the stacked
+window kind then needs multi-token appends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from mlx_loom.engine.caches import layout, quantization_pending, stackable
+from mlx_loom.engine.events import TokenEvent
+from mlx_loom.engine.row import Row
+from mlx_loom.generate.sampling import logprobs_from_logits, logprobs_top_k
+
+if TYPE_CHECKING:
+    from mlx_loom.model import Model
+
+
+@dataclass
+class Left:
+    """A row leaving its group, with the single-row caches it leaves with."""
+
+    row: Row
+    caches: list[Any] | None
+    error: BaseException | None = None
+
+
+@dataclass
+class _Extras:
+    """What a row asked to see about its current token, still lazy."""
+
+    top: tuple[mx.array, mx.array] | None = None
+    vector: mx.array | None = None
+
+
+@dataclass
+class StepResult:
+    events: list[TokenEvent] = field(default_factory=list)
+    left: list[Left] = field(default_factory=list)
+
+
+class DecodeGroup:
+    """Rows decoding together through one set of (single-row or batch) caches."""
+
+    def __init__(self, model: Model, row: Row, caches: list[Any]) -> None:
+        self.model = model
+        self.rows = [row]
+        #: A lone row decodes through its own cache list (a caller's list is
+        #: continued in place); stacked rows through batch caches.
+        self.caches = caches
+        self.stacked = False
+        self.tokens = mx.array([row.last_prompt_token], mx.uint32)
+        self.chosen = mx.zeros((1,), mx.float32)
+        self.extras = [_Extras()]
+        #: Whether each row's current token was generated (else: its last prompt token).
+        self.emit = [False]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    # --- grouping -------------------------------------------------------------
+
+    @property
+    def key(self) -> Hashable | None:
+        """Rows with equal keys may share a batch; ``None``: this group stays alone."""
+        if self.stacked:
+            return self._key
+        row = self.rows[0]
+        if (
+            row.request.speculation is not None
+            or not stackable(self.caches)
+            or quantization_pending(self.caches, row.request.kv.bits)
+        ):
+            return None
+        return layout(self.caches)
+
+    def absorb(self, others: list[DecodeGroup]) -> None:
+        """Take every row of ``others`` (groups with this group's :attr:`key`).
+
+        Lone rows are stacked all at once (one ``stack`` per layer, not one
+        per row), then appended to this group's batch with one ``extend``:
+        a burst of new rows costs one copy of their caches, not one each.
+        """
+        batches = [g for g in [self, *others] if g.stacked]
+        lone = [g for g in [self, *others] if not g.stacked]
+        order = batches + lone
+        if not self.stacked:
+            self._key = layout(self.caches)
+        layers: list[Any] | None = None
+        for group in batches:
+            if layers is None:
+                layers = group.caches
+            else:
+                for mine, theirs in zip(layers, group.caches, strict=True):
+                    mine.extend(theirs)
+        if lone:
+            fresh = [
+                type(first).stack([g.caches[i] for g in lone])
+                for i, first in enumerate(lone[0].caches)
+            ]
+            if layers is None:
+                layers = fresh
+            else:
+                for mine, theirs in zip(layers, fresh, strict=True):
+                    mine.extend(theirs)
+        self.caches = layers or []
+        self.stacked = True
+        self.rows = [row for g in order for row in g.rows]
+        self.tokens = mx.concatenate([g.tokens.astype(mx.uint32) for g in order])
+        self.chosen = mx.concatenate([g.chosen.astype(mx.float32) for g in order])
+        self.extras = [e for g in order for e in g.extras]
+        self.emit = [e for g in order for e in g.emit]
+        for g in others:
+            g.rows = []
+
+    def _row_caches(self, i: int) -> list[Any]:
+        """Row ``i``'s caches as single-row caches (its own list when alone)."""
+        if not self.stacked:
+            return self.caches
+        return [c.extract(i) for c in self.caches]
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (indices, in order), in caches and pending tokens."""
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        self.emit = [self.emit[i] for i in keep]
+        self.extras = [self.extras[i] for i in keep]
+        if not keep:
+            self.caches = []
+            return
+        idx = mx.array(keep, mx.int32)
+        self.tokens, self.chosen = self.tokens[idx], self.chosen[idx]
+        if self.stacked:
+            if len(keep) == 1:
+                # A lone row goes back to its own caches: the cheaper single-row
+                # path (no masks, slice writes), with identical values.
+                row = self.rows[0]
+                single = [c.extract(keep[0]) for c in self.caches]
+                self.caches = _into(row, single)
+                self.stacked = False
+            else:
+                for c in self.caches:
+                    c.filter(keep)
+
+    def remove(self, uid: int) -> Left | None:
+        """Take row ``uid`` out now (cancelled); ``None`` if it is not here."""
+        for i, row in enumerate(self.rows):
+            if row.uid == uid:
+                left = Left(row, self._row_caches(i))
+                self._keep([j for j in range(len(self.rows)) if j != i])
+                return left
+        return None
+
+    # --- one step -------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        out = StepResult()
+        rows = self.rows
+        last = [self.emit[i] and row.at_last_token for i, row in enumerate(rows)]
+        going = [i for i in range(len(rows)) if not last[i]]
+        cur_tokens, cur_chosen, cur_extras, cur_emit = (
+            self.tokens,
+            self.chosen,
+            self.extras,
+            self.emit,
+        )
+        ending: list[tuple[int, list[Any] | None]] = []
+        if len(going) < len(rows):
+            ending = [(i, self._row_caches(i)) for i in range(len(rows)) if last[i]]
+        self._keep(going)
+        failed: dict[int, BaseException] = {}
+        if self.rows:
+            failed = self._queue_next()
+        # Read the current tokens back (the next step is already queued).
+        tokens = cur_tokens.tolist()
+        chosen = cur_chosen.tolist() if any(cur_emit) else [0.0] * len(tokens)
+        fed_rows = set(going)
+        leaving: dict[int, Left] = {}
+        for i, row in enumerate(rows):
+            if i in fed_rows:
+                row.note_fed(tokens[i])
+            if not cur_emit[i]:
+                continue
+            extra = cur_extras[i]
+            top = []
+            if extra.top is not None:
+                ids, vals = extra.top
+                top = list(zip(ids[0].tolist(), vals[0].tolist(), strict=True))
+            out.events.append(row.accept(tokens[i], chosen[i], top, extra.vector))
+        for i, caches in ending:
+            leaving[rows[i].uid] = Left(rows[i], caches)
+        # Rows that finished by content, or whose own processing failed, leave now.
+        done = [j for j, row in enumerate(self.rows) if row.finished or j in failed]
+        for j in done:
+            row = self.rows[j]
+            leaving[row.uid] = Left(row, self._row_caches(j), failed.get(j))
+        if done:
+            self._keep([j for j in range(len(self.rows)) if j not in done])
+        out.left = list(leaving.values())
+        return out
+
+    def _queue_next(self) -> dict[int, BaseException]:
+        """Build and queue the forward and sampling of the next tokens of every row."""
+        rows, B = self.rows, len(self.rows)
+        inputs = self.tokens
+        logits = self.model(inputs[:, None], self.caches)[:, -1, :]
+        if not self.stacked:
+            rows[0].request.kv.apply(self.caches)
+        failed: dict[int, BaseException] = {}
+        if any(row.processors for row in rows):
+            parts = []
+            for j, row in enumerate(rows):
+                part = logits if B == 1 else logits[j : j + 1]
+                if row.processors:
+                    try:
+                        if self.emit[j]:
+                            row.context = mx.concatenate([row.context, inputs[j : j + 1]])
+                        for processor in row.processors:
+                            part = processor(row.context, part)
+                    except BaseException as err:  # a user's processor: this row fails alone
+                        failed[j] = err
+                        part = logits if B == 1 else logits[j : j + 1]
+                parts.append(part)
+            logits = parts[0] if B == 1 else mx.concatenate(parts)
+        logprobs = logprobs_from_logits(logits)
+        tokens = self._sample(logprobs, failed)
+        chosen = mx.take_along_axis(logprobs, tokens[:, None].astype(mx.int32), axis=-1)[:, 0]
+        extras = []
+        for j, row in enumerate(rows):
+            k = row.request.params.logprobs
+            row_lp = logprobs if B == 1 else logprobs[j : j + 1]
+            extras.append(
+                _Extras(
+                    top=logprobs_top_k(row_lp, k) if k else None,
+                    vector=(row_lp[0] if B == 1 else mx.contiguous(row_lp[0]))
+                    if row.request.logprobs_vector
+                    else None,
+                )
+            )
+        pending: list[Any] = [tokens, logprobs, chosen]
+        for e in extras:
+            if e.top is not None:
+                pending.extend(e.top)
+            if e.vector is not None:
+                pending.append(e.vector)
+        pending.extend(row.context for row in rows if row.context is not None)
+        mx.async_eval(*pending)
+        self.tokens, self.chosen, self.extras = tokens, chosen, extras
+        self.emit = [True] * B
+        return failed
+
+    def _sample(self, logprobs: mx.array, failed: dict[int, BaseException]) -> mx.array:
+        rows, B = self.rows, len(self.rows)
+        if all(row.greedy for row in rows):
+            return mx.argmax(logprobs, axis=-1)
+        if B == 1:
+            return rows[0].sampler(logprobs)
+        greedy = mx.argmax(logprobs, axis=-1) if any(row.greedy for row in rows) else None
+        parts = []
+        for j, row in enumerate(rows):
+            if row.greedy:
+                parts.append(greedy[j : j + 1])
+                continue
+            try:
+                token = mx.reshape(row.sampler(logprobs[j : j + 1]), (1,)).astype(mx.uint32)
+            except BaseException as err:  # a user's sampler: this row fails alone
+                failed[j] = err
+                token = mx.argmax(logprobs[j : j + 1], axis=-1)
+            parts.append(token)
+        return mx.concatenate(parts)
+
+
+def _into(row: Row, caches: list[Any]) -> list[Any]:
+    """Caches for a row that decodes alone again: into its caller's list, if it brought one."""
+    own = row.request.cache
+    if own is None:
+        return caches
+    own[:] = caches
+    return own

@@ -1,0 +1,312 @@
+"""A generation request as the engine receives it: validated, plain data.
+
+Everything a request carries is either plain Python (token ids, numbers,
+strings, a frozen :class:`~mlx_loom.generate.SamplingParams`) or an object
+the engine only calls on its own thread (the tokenizer, user callables). No
+request holds an MLX graph built on another thread: MLX graphs are bound to
+the streams of the thread that built them, so the engine builds every array a
+request needs (sampler keys, penalty windows) itself.
+
+:func:`make_request` is the one place a request's options are checked. It
+runs on the caller's thread before anything is queued, so a bad request
+fails at once with a :class:`~mlx_loom.errors.RequestError` (or a refusal)
+and never costs a forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from mlx_loom.cache import maybe_quantize_kv_cache, validate_kv_quantization
+from mlx_loom.errors import RequestError
+from mlx_loom.generate.params import SamplingParams
+from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
+
+if TYPE_CHECKING:
+    from mlx_loom.model import Model
+    from mlx_loom.text import Tokenizer
+
+#: ``sampler(logprobs [1, V]) -> token [1]`` (mlx-lm's sampler signature).
+SamplerFn = Callable[[mx.array], mx.array]
+#: ``processor(tokens_so_far [T], logits [1, V]) -> logits [1, V]`` (mlx-lm's).
+ProcessorFn = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """When and how to switch KV caches to affine-quantized storage."""
+
+    bits: int | None = None
+    group_size: int = 64
+    start: int = 0
+
+    def apply(self, cache: list[Any]) -> None:
+        if self.bits is None:  # runs after every forward: the common case costs nothing
+            return
+        maybe_quantize_kv_cache(
+            cache, kv_bits=self.bits, kv_group_size=self.group_size, quantized_kv_start=self.start
+        )
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding for one request: a draft model and how far it runs ahead."""
+
+    draft: Model
+    num_draft: int = 3
+
+
+@dataclass(frozen=True, eq=False)
+class Request:
+    """One validated generation request (build it with :func:`make_request`).
+
+    ``cache`` (with ``history``, the tokens it already holds) is a caller-owned
+    list of per-layer caches the engine continues in place; ``None`` means the
+    engine provides the caches (from its prefix store, or fresh).
+    ``limit`` is ``max_tokens`` capped by the room the context leaves.
+    """
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    limit: int
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+    tokenizer: Tokenizer | None = None
+    eos: frozenset[int] = frozenset()
+    prefill_step_size: int | None = None
+    kv: KVQuantization = KVQuantization()
+    max_kv_size: int | None = None
+    sampler: SamplerFn | None = None
+    logits_processors: tuple[ProcessorFn, ...] = ()
+    cache: list[Any] | None = field(default=None, repr=False)
+    history: tuple[int, ...] = ()
+    logprobs_vector: bool = False
+    speculation: Speculation | None = None
+
+
+def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:
+    """Token ids for ``prompt``; refuse an empty one."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError(
+                "The prompt is empty.", fix="Pass a non-empty prompt (text or token ids)."
+            )
+        if tokenizer is None:
+            raise RequestError(
+                "A text prompt needs a tokenizer.", fix="Pass token ids, or the model's tokenizer."
+            )
+        ids = tokenizer.encode_prompt(prompt)  # BOS unless the text starts with it
+    else:
+        try:
+            ids = [_token_id(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise RequestError(
+                "The prompt must be text or a sequence of integer token ids.",
+                fix="Pass a string, or a list of ints from this model's tokenizer.",
+            ) from None
+    if not ids:
+        raise RequestError(
+            "The prompt encodes to no tokens.", fix="Pass a non-empty prompt (text or token ids)."
+        )
+    return ids
+
+
+def _token_id(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, mx.array) and value.ndim == 0:
+            return int(value.item())
+        raise TypeError(value)
+    return int(value)
+
+
+def _positive_int(name: str, value: Any, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestError(f"{name}={value!r} is invalid; it must be an int >= 1.", fix=fix)
+    return value
+
+
+def context_room(model: Model, prompt_len: int) -> int | None:
+    """How many tokens may follow a prompt of ``prompt_len`` (``None``: no known bound).
+
+    The context (``max_position_embeddings``) bounds the whole sequence,
+    prompt and generated tokens together, as in the OpenAI API and vLLM. A
+    prompt that fills the context leaves no room and is refused.
+    """
+    limit = model.context_length
+    if limit is None:
+        return None
+    if prompt_len >= limit:
+        raise RequestError(
+            f"The prompt is {prompt_len} tokens long; the model's context "
+            f"(max_position_embeddings) is {limit} tokens, which leaves no room for a new token.",
+            fix=f"Shorten the prompt to fewer than {limit} tokens.",
+        )
+    return limit - prompt_len
+
+
+def make_request(
+    model: Model,
+    tokenizer: Tokenizer | None,
+    prompt: str | Sequence[int],
+    *,
+    max_tokens: int = 256,
+    params: SamplingParams | None = None,
+    stop: Sequence[str] = (),
+    prefill_step_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
+    max_kv_size: int | None = None,
+    sampler: SamplerFn | None = None,
+    logits_processors: Sequence[ProcessorFn] | None = None,
+    cache: list[Any] | None = None,
+    history: Sequence[int] = (),
+    logprobs_vector: bool = False,
+    speculation: Speculation | None = None,
+    eos: frozenset[int] | None = None,
+) -> Request:
+    """Check every option of a request against ``model``; return the :class:`Request`.
+
+    Raises :class:`~mlx_loom.errors.RequestError` for a bad value and a
+    :class:`~mlx_loom.errors.Refusal` for what the model cannot do, before
+    any work is queued.
+    """
+    from mlx_loom.text import StopStrings
+
+    params = params if params is not None else SamplingParams()
+    ids = encode_prompt(tokenizer, prompt)
+    _positive_int("max_tokens", max_tokens, "Pass a positive max_tokens.")
+    if prefill_step_size is not None:
+        _positive_int(
+            "prefill_step_size", prefill_step_size, "Pass a positive prefill_step_size (2048)."
+        )
+    validate_kv_quantization(
+        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start
+    )
+    if kv_bits is not None:
+        model.require(KV_QUANTIZATION, asked=f"kv_bits={kv_bits}")
+    if max_kv_size is not None:
+        _positive_int(
+            "max_kv_size", max_kv_size, "Pass the most tokens each attention layer may keep."
+        )
+    vocab = model.vocab_size
+    if vocab is not None:
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"The prompt holds token id(s) {bad[:5]} outside the vocabulary (size {vocab}).",
+                fix="Encode the prompt with this model's tokenizer.",
+            )
+        params.validate_logit_bias(vocab)
+    room = context_room(model, len(ids) + len(history))
+    limit = max_tokens if room is None else min(max_tokens, room)
+    StopStrings(stop)  # refuses empty stop strings, by name
+    if stop and tokenizer is None:
+        raise RequestError(
+            "Stop strings need the tokenizer, to see the text being generated.",
+            fix="Pass the model's tokenizer, or stop on token ids (eos) instead.",
+        )
+    if sampler is not None:
+        if not callable(sampler):
+            raise RequestError(
+                f"sampler={sampler!r} is not callable.",
+                fix="Pass a function logprobs [1, vocab] -> token [1], as mlx-lm's samplers are.",
+            )
+        moved = [
+            name
+            for name in ("temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep")
+            if getattr(params, name) != SamplingParams.model_fields[name].default
+        ]
+        if moved:
+            raise RequestError(
+                f"Both sampler= and {', '.join(moved)} were given; a custom sampler decides "
+                "the token itself, so those settings would be ignored.",
+                fix=f"Drop {', '.join(moved)}, or drop sampler= and use the built-in sampler.",
+            )
+    processors = tuple(logits_processors or ())
+    for i, proc in enumerate(processors):
+        if not callable(proc):
+            raise RequestError(
+                f"logits_processors[{i}]={proc!r} is not callable.",
+                fix="Pass functions (tokens, logits) -> logits, as mlx-lm's processors are.",
+            )
+    if speculation is not None:
+        _check_speculation(
+            model,
+            speculation,
+            kv_bits=kv_bits,
+            params=params,
+            cache=cache,
+            max_kv_size=max_kv_size,
+            sampler=sampler,
+            processors=processors,
+        )
+    return Request(
+        prompt=tuple(ids),
+        max_tokens=max_tokens,
+        limit=limit,
+        params=params,
+        stop=tuple(stop),
+        tokenizer=tokenizer,
+        eos=eos if eos is not None else (tokenizer.eos_token_ids if tokenizer else frozenset()),
+        prefill_step_size=prefill_step_size,
+        kv=KVQuantization(kv_bits, kv_group_size, quantized_kv_start),
+        max_kv_size=max_kv_size,
+        sampler=sampler,
+        logits_processors=processors,
+        cache=cache,
+        history=tuple(history),
+        logprobs_vector=logprobs_vector,
+        speculation=speculation,
+    )
+
+
+def _check_speculation(
+    model: Model,
+    spec: Speculation,
+    *,
+    kv_bits: int | None,
+    params: SamplingParams,
+    cache: list[Any] | None,
+    max_kv_size: int | None,
+    sampler: SamplerFn | None,
+    processors: tuple[ProcessorFn, ...],
+) -> None:
+    model.require(SPECULATIVE, asked="speculative decoding")
+    spec.draft.require(SPECULATIVE, asked="speculative decoding (draft model)")
+    if model.vocab_size != spec.draft.vocab_size:
+        raise RequestError(
+            f"The draft model's vocabulary ({spec.draft.vocab_size}) differs from the model's "
+            f"({model.vocab_size}).",
+            fix="Use a draft model that shares the main model's tokenizer.",
+        )
+    n = spec.num_draft
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise RequestError(
+            f"num_draft={n!r} is invalid; it must be an int >= 1.",
+            fix="Pass num_draft between 1 and 8 (3 is a good start).",
+        )
+    penalties = (
+        params.repetition_penalty
+        or params.presence_penalty
+        or params.frequency_penalty
+        or params.logit_bias
+    )
+    if (
+        cache is not None
+        or kv_bits is not None
+        or max_kv_size is not None
+        or params.logprobs
+        or penalties
+        or sampler is not None
+        or processors
+    ):
+        raise RequestError(
+            "Speculative decoding does not combine with prompt caches, KV quantization, "
+            "max_kv_size, logprobs, penalties, logit bias or custom samplers/processors yet.",
+            fix="Drop draft_model, or drop those options.",
+        )

@@ -1,0 +1,139 @@
+"""One request inside the engine: its own sampler, penalties, text and counters.
+
+A row carries everything that makes its tokens its own, so a row's output
+does not depend on its neighbours in a batch: its PRNG key (the
+:class:`~mlx_loom.generate.sampling.Sampler` owns it), its logits processors
+with their own token window, its detokenizer and stop-string matcher, its
+budget. The caches it is fed through belong to the decode group it is in.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_loom.engine.events import TokenEvent
+from mlx_loom.engine.request import Request
+from mlx_loom.generate.logits import make_logits_processors
+from mlx_loom.generate.sampling import make_sampler
+from mlx_loom.text import StopStrings
+
+
+class Row:
+    """The per-request state of one generation (engine thread only)."""
+
+    def __init__(self, uid: int, request: Request, *, to_feed: list[int], cached: int) -> None:
+        self.uid = uid
+        self.request = request
+        #: Prompt tokens still to feed (after any reuse); the last one is the
+        #: first decode input, so it is never fed by prefill.
+        self.to_feed = to_feed
+        self.cursor = 0
+        #: Prompt tokens found already in the caches (prefix reuse).
+        self.cached = cached
+        #: Every token fed into this row's caches by this request, in order.
+        self.fed: list[int] = []
+        self.caches: list[Any] | None = None
+        self.produced = 0
+        self.finished = False
+        params = request.params
+        self.greedy = request.sampler is None and params.greedy
+        self.sampler = request.sampler if request.sampler is not None else make_sampler(params)
+        self.processors = [*make_logits_processors(params), *request.logits_processors]
+        # Penalties see every token so far: what the caches held, the prompt,
+        # then each generated token (mlx-lm's generate_step feeds them the same).
+        self.context: mx.array | None = None
+        if self.processors:
+            self.context = mx.array([*request.history, *request.prompt], mx.uint32)
+        tok = request.tokenizer
+        self.detok = tok.detokenizer() if tok is not None else None
+        self.stops = StopStrings(request.stop)
+        self.admitted = time.perf_counter()
+        self.first_at = 0.0
+        self.prompt_tps = 0.0
+
+    # --- prefill ------------------------------------------------------------
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens prefill still has to feed (all but the last)."""
+        return max(0, len(self.to_feed) - 1 - self.cursor)
+
+    def next_chunk(self, step: int) -> list[int]:
+        n = min(step, self.prefill_left)
+        chunk = self.to_feed[self.cursor : self.cursor + n]
+        self.cursor += n
+        self.fed.extend(chunk)
+        return chunk
+
+    @property
+    def last_prompt_token(self) -> int:
+        return self.to_feed[-1]
+
+    # --- decode ---------------------------------------------------------------
+
+    @property
+    def at_last_token(self) -> bool:
+        """True when the token about to be emitted is this row's last (by count)."""
+        return self.produced + 1 >= self.request.limit
+
+    def note_fed(self, token: int) -> None:
+        self.fed.append(token)
+
+    def accept(
+        self,
+        token: int,
+        logprob: float,
+        top: list[tuple[int, float]],
+        vector: mx.array | None,
+        *,
+        from_draft: bool = False,
+    ) -> TokenEvent:
+        """Turn one sampled token into this row's event (text, stop, finish)."""
+        self.produced += 1
+        now = time.perf_counter()
+        if self.produced == 1:
+            self.first_at = now
+            self.prompt_tps = len(self.to_feed) / max(now - self.admitted, 1e-9)
+        finish: str | None = None
+        detok = self.detok
+        if token in self.request.eos:
+            finish = "stop"
+            if detok is not None:
+                detok.finalize()
+        else:
+            if detok is not None:
+                detok.add_token(token)
+            if self.produced >= self.request.limit:
+                finish = "length"
+                if detok is not None:
+                    detok.finalize()
+        text, hit = "", None
+        if detok is not None:
+            check = self.stops.feed(detok.last_segment)
+            text, hit = check.emit, check.stop
+            if hit is not None:
+                finish = "stop"
+            elif finish is not None:
+                text += self.stops.flush()
+        self.finished = finish is not None
+        elapsed = max(now - self.first_at, 1e-9)
+        return TokenEvent(
+            uid=self.uid,
+            token=token,
+            text=text,
+            logprob=logprob,
+            top_logprobs=top,
+            prompt_tokens=len(self.request.history) + len(self.request.prompt),
+            cached_tokens=self.cached,
+            generation_tokens=self.produced,
+            prompt_tps=self.prompt_tps,
+            generation_tps=self.produced / elapsed,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+            stop=hit,
+            from_draft=from_draft,
+            logprobs=vector,
+        )

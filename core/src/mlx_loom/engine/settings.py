@@ -1,0 +1,100 @@
+"""How an engine schedules: batch sizes, prefill chunking, the shared prefix store.
+
+The names and meanings are mlx-lm's server flags (``--decode-concurrency``,
+``--prompt-concurrency``, ``--prefill-step-size``, ``--prompt-cache-size``,
+``--prompt-cache-bytes``), so a server configured for one means the same on
+the other. Validated at the boundary: a bad value is a
+:class:`~mlx_loom.errors.RequestError` naming the setting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from mlx_loom.errors import RequestError
+
+#: mlx-lm's server defaults.
+DEFAULT_DECODE_CONCURRENCY = 32
+DEFAULT_PROMPT_CONCURRENCY = 8
+DEFAULT_PREFILL_STEP = 2048
+DEFAULT_PROMPT_CACHE_SIZE = 10
+
+
+class EngineSettings(BaseModel):
+    """Scheduling settings of one engine. Frozen: change them with ``model_copy(update=...)``.
+
+    * ``decode_concurrency``: most requests decoding together (rows in the
+      decode batches, plus prompts being prefilled, which will join them).
+    * ``prompt_concurrency``: most prompts prefilled at once; each advances
+      by one chunk per engine step, between decode steps of the running rows.
+    * ``prefill_step_size``: tokens per prefill chunk for requests that do
+      not set their own. Smaller chunks bound how long a new prompt stalls
+      the running streams; larger ones prefill faster.
+    * ``prompt_cache_size`` / ``prompt_cache_bytes``: bounds of the shared
+      prefix store (``0`` entries disables it; ``None`` bytes means no byte
+      bound). The Python API's default engine keeps no store, so a plain
+      ``generate`` call keeps nothing alive after it returns.
+    * ``max_queued``: requests that may wait for a free row; ``None`` is
+      unbounded. Past it, :meth:`EngineService.submit` raises
+      :class:`~mlx_loom.errors.EngineBusy` (the server answers 503).
+    * ``idle_seconds``: how long the engine thread waits for work before it
+      exits (it restarts on the next request; the prefix store survives), so
+      that an idle model holds no thread; ``None`` keeps it for good (the
+      server does).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY
+    prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY
+    prefill_step_size: int = DEFAULT_PREFILL_STEP
+    prompt_cache_size: int = 0
+    prompt_cache_bytes: int | None = None
+    max_queued: int | None = None
+    idle_seconds: float | None = 5.0
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            name = str(err["loc"][0]) if err["loc"] else "settings"
+            reason = err["msg"].removeprefix("Value error, ")
+            raise RequestError(
+                f"invalid engine setting {name}={err.get('input')!r}: {reason}.",
+                fix=f"pass {name} as described in EngineSettings",
+            ) from None
+
+    @field_validator("decode_concurrency", "prompt_concurrency", "prefill_step_size", mode="before")
+    @classmethod
+    def _positive(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError("it must be an int >= 1")
+        return value
+
+    @field_validator("prompt_cache_size", mode="before")
+    @classmethod
+    def _count(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError("it must be an int >= 0 (0 disables the prefix store)")
+        return value
+
+    @field_validator("prompt_cache_bytes", "max_queued", mode="before")
+    @classmethod
+    def _optional_count(cls, value: Any) -> Any:
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise ValueError("it must be None or an int >= 0")
+        return value
+
+    @field_validator("idle_seconds", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
+            raise ValueError("it must be a positive number of seconds below 1e6, or None")
+        return float(value)
