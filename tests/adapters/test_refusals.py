@@ -206,3 +206,20 @@ def test_a_graph_without_decoder_layers_is_refused_even_with_the_capability(tmp_
     adapter = kit.write_adapter(llama, tmp_path / "a")
     with pytest.raises(AdapterError, match="decoder layers"):
         load_adapter(model, adapter)
+
+
+def test_a_model_split_across_processes_refuses_adapters(base, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from mlx_loom.adapters import AdapterSet, load_adapter
+
+    path = base("llama")
+    adapter = kit.write_adapter(path, tmp_path / "adapter")
+    model = mlx_loom.load(path)[0]
+    # What load(..., parallel="tensor") records on each rank's part.
+    monkeypatch.setattr(model, "parallel", SimpleNamespace(mode="tensor", rank=0, size=2))
+    with pytest.raises(AdapterError, match="split across processes"):
+        load_adapter(model, adapter)
+    with pytest.raises(AdapterError, match="split across processes"):
+        AdapterSet(model, {"a": adapter})
+    assert model.adapter is None and model.adapter_set is None

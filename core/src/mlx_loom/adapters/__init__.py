@@ -32,7 +32,7 @@ from mlx_loom.host import ADAPTERS
 from .apply import Adapter, apply_adapter, read_adapter
 from .config import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, AdapterConfig
 from .layers import AdaptedLayer, adapted_layers
-from .multi import AdapterSet, RegisteredAdapter
+from .multi import AdapterSet, RegisteredAdapter, refuse_split_model
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
@@ -74,6 +74,7 @@ def load_adapter(model: Model, adapter_path: str | os.PathLike[str]) -> AppliedA
     the model already runs an adapter (fuse it first, or load the base again).
     """
     model.require(ADAPTERS, asked="adapter_path")
+    refuse_split_model(model)
     if model.adapter is not None or model.adapter_set is not None:
         running = model.adapter.path if model.adapter is not None else "set"
         raise AdapterError(

@@ -48,7 +48,13 @@ from .targets import Target
 if TYPE_CHECKING:
     from mlx_loom.model import Model
 
-__all__ = ["AdapterSet", "RegisteredAdapter", "RowSplitExperts", "check_adapter_name"]
+__all__ = [
+    "AdapterSet",
+    "RegisteredAdapter",
+    "RowSplitExperts",
+    "check_adapter_name",
+    "refuse_split_model",
+]
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,17 @@ class RegisteredAdapter:
     #: Adapts a family's own routed-expert layer (outside the core's expert
     #: block), so its rows batch only with rows of the same adapter.
     batches_alone: bool
+
+
+def refuse_split_model(model: Model) -> None:
+    """Adapters apply to a whole graph; a rank's part of a split model holds slices of
+    the layers an adapter names, which the factors do not fit."""
+    if getattr(model, "parallel", None) is not None:
+        raise AdapterError(
+            "adapters do not apply to a model split across processes (parallel=...) yet",
+            fix="load the model without parallel=/--parallel to run adapters, or fuse the "
+            "adapter into the base first (`loom fuse`) and split the fused model",
+        )
 
 
 def check_adapter_name(name: str) -> str:
@@ -84,6 +101,7 @@ class AdapterSet:
 
     def __init__(self, model: Model, adapters: Mapping[str, str | os.PathLike[str]]) -> None:
         model.require(ADAPTERS, asked="adapters")
+        refuse_split_model(model)
         if model.adapter is not None or getattr(model, "adapter_set", None) is not None:
             raise AdapterError(
                 "this model already runs an adapter, so a set of per-request adapters "

@@ -14,6 +14,7 @@ from ..assets import BUNDLED_MODEL_ALIAS
 from ..generate import stream_generate
 from ..host import load
 from ..model import Model
+from ..parallel import doors
 from ..text.template_budget import ENV_MAX_OUTPUT, ENV_TIMEOUT, TemplateBudget
 from . import flags
 from .flags import usage_error
@@ -53,6 +54,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         help="a LoRA/DoRA adapter directory (mlx-lm's adapter_config.json + adapters.safetensors)",
     )
     add_cpu_path_options(parser)
+    doors.add_parallel_option(parser)
     group = parser.add_argument_group("chat template budget")
     group.add_argument(
         "--template-timeout",
@@ -227,13 +229,16 @@ def sampling_kwargs(args: argparse.Namespace, model: Model) -> dict[str, Any]:
 
 
 def load_from_args(args: argparse.Namespace):
-    return load(
+    model, tokenizer = load(
         args.model or BUNDLED_MODEL_ALIAS,
         kernel_backend=args.kernel_backend,
         adapter_path=args.adapter_path,
         compute_dtype=args.compute_dtype,
         cpu_kernels=args.cpu_kernels,
+        parallel=args.parallel,
     )
+    doors.silence_followers(model)
+    return model, tokenizer
 
 
 def print_stats(last, out=None) -> None:
@@ -315,9 +320,12 @@ def prompt_from_args(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    prompt = prompt_from_args(args)
+    # Split across ranks, rank 0 alone reads the prompt (stdin may be its alone).
+    prompt = None if args.parallel else prompt_from_args(args)
     template_budget = template_budget_from_args(args)
     model, tokenizer = load_from_args(args)
+    if prompt is None:
+        prompt = doors.shared_input(model, lambda: prompt_from_args(args))
     options = sampling_kwargs(args, model)
     if args.verbose:
         kv = f"  kv cache: {args.kv_bits}-bit, group {options['kv_group_size']}"
@@ -348,4 +356,7 @@ def run(args: argparse.Namespace) -> int:
         print(last.text, end="", flush=True)
     print(flush=True)
     print_stats(last)
+    split = doors.finish(model)
+    if split:
+        print(split, file=sys.stderr)
     return 0

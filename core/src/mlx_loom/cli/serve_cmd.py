@@ -19,6 +19,8 @@ from ..engine.settings import (
     DEFAULT_PROMPT_CONCURRENCY,
 )
 from ..errors import RequestError
+from ..parallel import doors
+from ..parallel.serving import follow_jobs
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from ..serve.adapters import parse_adapter_specs
 from ..serve.app import DEFAULT_MAX_QUEUED, server_engine_settings
@@ -254,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_from_args(args)
     if adapters:
         AdapterSet(model, adapters)
+    if doors.is_follower(model):
+        follow_jobs(model, tokenizer)  # rank 0 serves; this rank runs every job with it
+        return 0
     server = make_server(
         model,
         tokenizer,
