@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from ..adapters import AdapterSet
 from ..assets import BUNDLED_MODEL_NAME
 from ..bounded_json import REQUEST_JSON, parse_json
 from ..engine import EngineSettings
@@ -21,6 +22,7 @@ from ..errors import RequestError
 from ..parallel import doors
 from ..parallel.serving import follow_jobs
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
+from ..serve.adapters import parse_adapter_specs
 from ..serve.app import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_QUEUED, server_engine_settings
 from ..serve.connection import (
     DEFAULT_BODY_TIMEOUT,
@@ -96,6 +98,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_LIMIT})",
     )
     parser.add_argument("--log-requests", action="store_true", help="log each request to stderr")
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="register a LoRA/DoRA adapter a request may pick (model '<model>:NAME' or "
+        "'adapter': NAME); repeatable, rows with different adapters share one batch",
+    )
     chat = parser.add_argument_group("chat")
     chat.add_argument(
         "--tool-call-parser",
@@ -313,7 +323,10 @@ def run(args: argparse.Namespace) -> int:
     )
     template_budget = template_budget_from_args(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    adapters = parse_adapter_specs(args.adapter)  # a malformed spec fails before loading
     model, tokenizer = load_from_args(args)
+    if adapters:
+        AdapterSet(model, adapters)
     if doors.is_follower(model):
         follow_jobs(model, tokenizer)  # rank 0 serves; this rank runs every job with it
         return 0

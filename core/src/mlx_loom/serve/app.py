@@ -27,6 +27,7 @@ from ..text import StopStrings, TemplateBudget, Tokenizer
 from ..text.output_parser import Content, OutputParser, Reasoning, ToolCallFound
 from ..text.tool_calls import ToolCall
 from . import schemas
+from .adapters import ServedAdapters
 from .errors import NOT_FOUND, HttpError, from_loom_error
 from .tools import ChatFormat, ToolPlan, output_parser, plan_tools, prompt_suffix
 from .worker import GenerationWorker, Job, Piece
@@ -124,7 +125,9 @@ class ServeApp:
 
     ``model_id`` is the id clients see in ``GET /v1/models`` and may send as
     ``model``; a request naming any other model is refused (404), never
-    silently answered by this one.
+    silently answered by this one. Adapters registered on the model
+    (``model.adapter_set``, what ``loom serve --adapter`` builds) are served
+    too, each as ``<model_id>:<name>`` (:mod:`mlx_loom.serve.adapters`).
 
     Server-wide options, each validated here (a bad one fails start-up, not
     the first request): ``engine`` sets how the model's engine batches
@@ -192,6 +195,11 @@ class ServeApp:
         self.chat_format = ChatFormat.for_model(
             model, tokenizer, registry=registry, override=tool_call_parser
         )
+        self.adapters = (
+            ServedAdapters(model.adapter_set, self.model_id)
+            if model.adapter_set is not None
+            else None
+        )
         self.worker = GenerationWorker(model, tokenizer, engine or server_engine_settings())
 
     def close(self) -> None:
@@ -203,13 +211,21 @@ class ServeApp:
         directory = self.model.model_dir
         return {self.model_id, str(directory), str(directory.resolve()), directory.name}
 
+    @property
+    def model_ids(self) -> list[str]:
+        """The base model's id, then ``<model>:<name>`` for each served adapter."""
+        return self.adapters.ids if self.adapters is not None else [self.model_id]
+
     def models(self) -> dict[str, Any]:
-        card = schemas.ModelCard(id=self.model_id, created=self.created)
-        return schemas.ModelList(data=[card]).model_dump()
+        cards = [schemas.ModelCard(id=i, created=self.created) for i in self.model_ids]
+        return schemas.ModelList(data=cards).model_dump()
 
     def model_card(self, model_id: str) -> dict[str, Any]:
-        self._check_model(model_id, param=None)
-        return schemas.ModelCard(id=self.model_id, created=self.created).model_dump()
+        adapter = self._check_model(model_id, param=None)
+        return schemas.ModelCard(id=self._served_id(adapter), created=self.created).model_dump()
+
+    def _served_id(self, adapter: str | None) -> str:
+        return self.model_id if adapter is None else f"{self.model_id}:{adapter}"
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """``(status, body)``: 503 once the engine has been shut down.
@@ -240,17 +256,44 @@ class ServeApp:
 
     # --- validation -------------------------------------------------------------
 
-    def _check_model(self, name: str | None, *, param: str | None = "model") -> None:
+    def _check_model(self, name: str | None, *, param: str | None = "model") -> str | None:
+        """Refuse a model id not served here; return the adapter it names (``<model>:<name>``)."""
         if name is None or name in self._accepted_ids():
-            return
+            return None
+        if self.adapters is not None:
+            base, adapter = self.adapters.split(name, self._accepted_ids())
+            if adapter is not None:
+                return adapter
+            name = base
+        served = ", ".join(repr(i) for i in self.model_ids)
         raise HttpError(
             404,
-            f"The model {name!r} is not served here; this server serves {self.model_id!r}.",
+            f"The model {name!r} is not served here; this server serves {served}.",
             fix=f"omit model, or pass model={self.model_id!r} (see GET /v1/models)",
             type=NOT_FOUND if param is None else "invalid_request_error",
             param=param,
             code="model_not_found",
         )
+
+    def _pick_adapter(
+        self, request: schemas._GenerationRequest, from_model: str | None
+    ) -> str | None:
+        """The registered adapter a request runs with (``None``: the base model)."""
+        if self.adapters is None:
+            asked = next(
+                (f for f in ("adapter", "adapters") if getattr(request, f) is not None), None
+            )
+            if asked is not None:
+                raise HttpError(
+                    400,
+                    f"The request names an adapter ({asked}={getattr(request, asked)!r}), "
+                    "but this server serves none.",
+                    fix="start the server with --adapter NAME=PATH, or drop the field",
+                    param=asked,
+                    code="invalid_parameter",
+                )
+            return None
+        return self.adapters.pick(from_model, request.adapter, request.adapters)
 
     def _max_tokens(self, request: schemas._GenerationRequest) -> int:
         both = (request.max_tokens, request.max_completion_tokens)
@@ -459,7 +502,7 @@ class ServeApp:
         """
         model = schemas.ChatCompletionRequest if chat else schemas.CompletionRequest
         request = schemas.parse_request(model, body)
-        self._check_model(request.model)
+        adapter = self._pick_adapter(request, self._check_model(request.model))
         try:
             self.model.require(GENERATE, asked="text generation")
         except LoomError as err:
@@ -528,7 +571,14 @@ class ServeApp:
             if index and seeded.get("seed") is not None:
                 # Each choice is its own sample: the same seed would repeat choice 0.
                 seeded["seed"] += index
-            job = Job(prompt=ids, max_tokens=max_tokens, stop=stop, sampling=seeded, **self.kv)
+            job = Job(
+                prompt=ids,
+                max_tokens=max_tokens,
+                stop=stop,
+                sampling=seeded,
+                adapter=adapter,
+                **self.kv,
+            )
             parser = (
                 output_parser(plan, self.chat_format, in_reasoning=in_reasoning) if chat else None
             )
@@ -537,7 +587,7 @@ class ServeApp:
             chat=chat,
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             created=int(time.time()),
-            model=self.model_id,
+            model=self._served_id(adapter),
             choices=choices,
             stream=request.stream,
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
