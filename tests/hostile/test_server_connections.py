@@ -282,6 +282,11 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_its_generation_stop
         # buffers are full; the write deadline then ends the connection,
         # and with it the generation.
         whole_run = 4000 * seconds_per_token
+        worker = bounded.server.app.worker
+        deadline = time.monotonic() + SLACK + whole_run
+        while not worker.busy:  # its generation has started (after preparation)
+            assert time.monotonic() < deadline, "the stream's generation never started"
+            time.sleep(0.01)
         bounded.wait_idle(seconds=whole_run)
         elapsed = time.monotonic() - started
         assert elapsed < whole_run / 2, (elapsed, whole_run)
