@@ -93,6 +93,7 @@ def stream_generate(
     logits_processors: Sequence[Callable[[mx.array, mx.array], mx.array]] | None = None,
     draft_model: Model | None = None,
     num_draft_tokens: int = 3,
+    adapter: str | None = None,
     **sampling: Any,
 ) -> Iterator[GenerationResponse]:
     """Generate from ``prompt``, yielding a :class:`GenerationResponse` per token.
@@ -107,8 +108,11 @@ def stream_generate(
     the longest usable prefix of an earlier call's caches (one generation at
     a time per cache). ``draft_model`` turns on speculative decoding
     (``num_draft_tokens`` proposals per step; the draft must share the
-    tokenizer). The last response carries ``finish_reason``: ``"stop"`` (EOS
-    or a stop string) or ``"length"`` (``max_tokens``, or the context).
+    tokenizer). ``adapter`` names one of the adapters registered on the model
+    (:class:`~mlx_loom.adapters.AdapterSet`) to run this request with, batched
+    with requests that use others. The last response carries
+    ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"``
+    (``max_tokens``, or the context).
     """
     params = sampling_params(sampling)
     ids = encode_prompt(tokenizer, prompt)
@@ -125,6 +129,7 @@ def stream_generate(
         sampler=sampler,
         logits_processors=logits_processors,
         logprobs_vector=True,
+        adapter=adapter,
     )
     if draft_model is not None:
         options["speculation"] = Speculation(draft_model, num_draft_tokens)

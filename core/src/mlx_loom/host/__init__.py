@@ -26,6 +26,7 @@ from ._kernels import BACKENDS, Backend, Kernel, Provider, active_backend, runna
 from ._loading import build_model, default_host, load, resolve_model
 from ._policy import POLICY_ENV, PluginPolicy
 from ._profiles import (
+    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
@@ -40,6 +41,7 @@ from ._registry import Binding, BuildContext, Implementation, ModelType, Registr
 from ._resolution import Resolution, Resolved
 
 __all__ = [
+    "ADAPTERS",
     "BACKENDS",
     "BATCH",
     "GENERATE",

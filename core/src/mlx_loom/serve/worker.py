@@ -89,6 +89,8 @@ class Job:
     kv_group_size: int = 64
     quantized_kv_start: int = 0
     kv_codec: str | None = None
+    #: The registered adapter this job runs with (``None``: the base model).
+    adapter: str | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
     _handle: Handle | None = None
@@ -143,6 +145,7 @@ class GenerationWorker:
             kv_group_size=job.kv_group_size,
             quantized_kv_start=job.quantized_kv_start,
             kv_codec=job.kv_codec,
+            adapter=job.adapter,
         )
         if self.model.parallel is None:
             job._handle = self.service.submit(request, sink=job._sink)
