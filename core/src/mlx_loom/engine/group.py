@@ -22,12 +22,9 @@ One step (:meth:`DecodeGroup.step`), in ``generate_step``'s order:
 5. the current tokens are read and handed to their rows (text, stops,
    finish); rows that finished by content (EOS, a stop string) leave.
 
-Growing to speculative verification: a step feeds one token per row today.
-Verifying ``k`` draft tokens per row is the same step with ``inputs`` of
-shape ``[B, k+1]``, a per-row ``keep`` count after sampling, and the caches
-rolled back per row (``trim`` for KV kinds, ``begin_round``/``commit(keep)``
-for recurrent state, which already takes per-row counts); the stacked
-window kind then needs multi-token appends.
+A speculative row decodes in a group of its own kind
+(:class:`~mlx_loom.engine.speculative.SpeculativeGroup`), whose step feeds
+a window of draft tokens and keeps, per row, what was accepted.
 """
 
 from __future__ import annotations
@@ -68,6 +65,9 @@ class _Extras:
 class StepResult:
     events: list[TokenEvent] = field(default_factory=list)
     left: list[Left] = field(default_factory=list)
+    #: Draft tokens proposed and accepted in this step (speculative groups).
+    drafted: int = 0
+    accepted: int = 0
 
 
 class DecodeGroup:

@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..engine.request import Speculation, encode_prompt, make_request
+from ..engine.request import encode_prompt, make_request, speculation
 from ..errors import RequestError
 from ..model import Model
 from ..text import Tokenizer
@@ -90,8 +90,9 @@ def stream_generate(
     max_kv_size: int | None = None,
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: Sequence[Callable[[mx.array, mx.array], mx.array]] | None = None,
-    draft_model: Model | None = None,
+    draft_model: Model | str | None = None,
     num_draft_tokens: int = 3,
+    draft: str | None = None,
     **sampling: Any,
 ) -> Iterator[GenerationResponse]:
     """Generate from ``prompt``, yielding a :class:`GenerationResponse` per token.
@@ -104,9 +105,10 @@ def stream_generate(
     mlx-lm's samplers draw from). ``max_kv_size`` bounds each attention layer's cache to a
     sliding window of that many tokens. Pass a :class:`PromptCache` to reuse
     the longest usable prefix of an earlier call's caches (one generation at
-    a time per cache). ``draft_model`` turns on speculative decoding
-    (``num_draft_tokens`` proposals per step; the draft must share the
-    tokenizer). The last response carries ``finish_reason``: ``"stop"`` (EOS
+    a time per cache). ``draft_model`` (a loaded model sharing the tokenizer)
+    or ``draft="ngram"`` (prompt lookup, no second model) turns on speculative
+    decoding with ``num_draft_tokens`` proposals per step; it combines with
+    every other option, and greedy output is the same as without it. The last response carries ``finish_reason``: ``"stop"`` (EOS
     or a stop string) or ``"length"`` (``max_tokens``, or the context).
     """
     params = sampling_params(sampling)
@@ -124,8 +126,7 @@ def stream_generate(
         logits_processors=logits_processors,
         logprobs_vector=True,
     )
-    if draft_model is not None:
-        options["speculation"] = Speculation(draft_model, num_draft_tokens)
+    options["speculation"] = _speculation(draft_model, draft, num_draft_tokens)
     if prompt_cache is None:
         request = make_request(model, tokenizer, ids, **options)
         handle = model.engine.submit(request)
@@ -158,6 +159,15 @@ def stream_generate(
             handle.cancel()
             done = handle.wait()
             prompt_cache.finish(done)
+
+
+def _speculation(draft_model: Any, draft: str | None, num_draft_tokens: int) -> Any:
+    if draft is not None and draft_model is not None:
+        raise RequestError(
+            "Both draft_model= and draft= were given; a request has one drafter.",
+            fix="Pass draft_model=<a loaded model> or draft='ngram', not both.",
+        )
+    return speculation(draft_model if draft is None else draft, num_draft_tokens)
 
 
 def _responses(handle: Any) -> Iterator[GenerationResponse]:
