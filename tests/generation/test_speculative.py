@@ -39,7 +39,9 @@ def models(tmp_path_factory):
                 "qwen3_next": (TINY_QWEN3_NEXT, qwen_tensors),
                 "gemma4": (TINY_TEXT_CONFIG, gemma_tensors),
             }[name]
-            paths = [write_checkpoint(root / f"{name}{s}", cfg, tensors(cfg), seed=s) for s in (0, 5)]
+            paths = [
+                write_checkpoint(root / f"{name}{s}", cfg, tensors(cfg), seed=s) for s in (0, 5)
+            ]
         out[name] = tuple(mlx_loom.load(p)[0] for p in paths)
     return out
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from mlx_loom.engine.caches import fresh_caches
-from mlx_loom.engine.events import Done, Event, TokenEvent
+from mlx_loom.engine.events import Done, Event
 from mlx_loom.engine.group import DecodeGroup, Left
 from mlx_loom.engine.prefill import prefill_step
 from mlx_loom.engine.prefix import PrefixStore

@@ -79,9 +79,7 @@ class Speculation:
         return "model" if self.draft is not None else "ngram"
 
 
-def speculation(
-    draft_model: Model | str | None, num_draft_tokens: int = 3
-) -> Speculation | None:
+def speculation(draft_model: Model | str | None, num_draft_tokens: int = 3) -> Speculation | None:
     """The :class:`Speculation` a door's options ask for (``None``: no speculation).
 
     ``draft_model`` is a loaded draft :class:`~mlx_loom.model.Model` or the

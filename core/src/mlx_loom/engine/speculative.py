@@ -248,9 +248,7 @@ class SpeculativeGroup:
             if top is not None:
                 alts = list(zip(top[0][j].tolist(), top[1][j].tolist(), strict=True))
             vector = logprobs[j] if row.request.logprobs_vector else None
-            out.events.append(
-                row.accept(token, values[j], alts, vector, from_draft=j < accepted)
-            )
+            out.events.append(row.accept(token, values[j], alts, vector, from_draft=j < accepted))
             emitted += 1
             if row.finished:
                 break

@@ -108,8 +108,9 @@ def stream_generate(
     a time per cache). ``draft_model`` (a loaded model sharing the tokenizer)
     or ``draft="ngram"`` (prompt lookup, no second model) turns on speculative
     decoding with ``num_draft_tokens`` proposals per step; it combines with
-    every other option, and greedy output is the same as without it. The last response carries ``finish_reason``: ``"stop"`` (EOS
-    or a stop string) or ``"length"`` (``max_tokens``, or the context).
+    every other option, and greedy output is the same as without it. The
+    last response carries ``finish_reason``: ``"stop"`` (EOS or a stop
+    string) or ``"length"`` (``max_tokens``, or the context).
     """
     params = sampling_params(sampling)
     ids = encode_prompt(tokenizer, prompt)
