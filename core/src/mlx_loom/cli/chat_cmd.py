@@ -19,6 +19,7 @@ from .chat_session import COMMANDS, ChatSession
 from .flags import usage_error
 from .generate_cmd import add_model_options, add_sampling_options, load_from_args, sampling_kwargs
 from .repl import HISTORY_ENV, EndOfInput, LineReader, default_history_path
+from .speculation import add_speculation_options, speculation_kwargs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     history.add_argument(
         "--no-history", action="store_true", help="do not read or write a history file"
     )
+    add_speculation_options(parser)
     add_sampling_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
 
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     session = ChatSession(
         model,
         tokenizer,
-        options=sampling_kwargs(args, model),
+        options={**sampling_kwargs(args, model), **speculation_kwargs(args)},
         budget=budget,
         name=name,
         system=args.system,

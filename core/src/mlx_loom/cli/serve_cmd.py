@@ -18,6 +18,7 @@ from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from ..serve.app import DEFAULT_MAX_QUEUED, server_engine_settings
 from . import flags
 from .generate_cmd import add_model_options, load_from_args
+from .speculation import add_speculation_options, speculation_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--log-requests", action="store_true", help="log each request to stderr")
     add_engine_options(parser)
+    add_speculation_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
 
 
@@ -158,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         model_id=args.model or BUNDLED_MODEL_NAME,
         max_tokens_limit=args.max_tokens_limit,
         engine=engine_settings(args),
+        speculation=speculation_from_args(args),
     )
     if not server.loopback_only:
         print(

@@ -14,7 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import EngineSettings
+from ..engine import EngineSettings, Speculation
+from ..engine.request import MAX_DRAFT
 from ..errors import LoomError, RequestError
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
@@ -68,6 +69,7 @@ class ServeApp:
         model_id: str | None = None,
         max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
         engine: EngineSettings | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         if (
             isinstance(max_tokens_limit, bool)
@@ -85,6 +87,8 @@ class ServeApp:
         self.default_max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
         self.created = int(time.time())
         self.worker = GenerationWorker(model, tokenizer, engine or server_engine_settings())
+        #: Every request's speculation unless it asks otherwise (``draft`` field).
+        self.speculation = speculation
 
     def close(self) -> None:
         self.worker.close()
@@ -347,16 +351,71 @@ class ServeApp:
 
         ids = self._chat_prompt(request) if chat else self._text_prompt(request)
         sampling = params.model_dump()
+        speculation = self._speculation(request.draft, request.num_draft_tokens)
         return Prepared(
             chat=chat,
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=self.model_id,
-            job=Job(prompt=ids, max_tokens=max_tokens, stop=stop, sampling=sampling),
+            job=Job(
+                prompt=ids,
+                max_tokens=max_tokens,
+                stop=stop,
+                sampling=sampling,
+                speculation=speculation,
+            ),
             stream=request.stream,
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
             report_logprobs=report,
             top_logprobs=params.logprobs,
+        )
+
+    def _speculation(self, draft: str | None, count: int | None) -> Speculation | None:
+        """A request's speculation: the server's default unless ``draft`` names another."""
+        default = self.speculation
+        if count is not None and not 1 <= count <= MAX_DRAFT:
+            raise HttpError(
+                400,
+                f"Invalid parameter num_draft_tokens={count}: it must be from 1 to {MAX_DRAFT}.",
+                fix=f"send num_draft_tokens from 1 to {MAX_DRAFT} (3 is a good start), or omit it",
+                param="num_draft_tokens",
+                code="invalid_parameter",
+            )
+        n = count or (default.num_draft if default is not None else 3)
+        if draft is None:
+            if default is None:
+                if count is not None:
+                    raise HttpError(
+                        400,
+                        "num_draft_tokens was given but this request does not speculate.",
+                        fix='add "draft": "ngram" (or start the server with a draft), or drop '
+                        "num_draft_tokens",
+                        param="num_draft_tokens",
+                        code="invalid_parameter",
+                    )
+                return None
+            return Speculation(default.draft, n)
+        if draft == "none":
+            return None
+        if draft == "ngram":
+            return Speculation(None, n)
+        if draft == "model":
+            if default is None or default.draft is None:
+                raise HttpError(
+                    400,
+                    'This server has no draft model, so "draft": "model" cannot be honoured.',
+                    fix='start the server with --draft-model MODEL, or send "draft": "ngram"',
+                    param="draft",
+                    code="invalid_parameter",
+                )
+            return Speculation(default.draft, n)
+        raise HttpError(
+            400,
+            f"Invalid parameter draft={draft!r}: it must be 'ngram', 'model' or 'none'.",
+            fix='send "draft": "ngram" for prompt lookup, "model" for the server\'s draft '
+            'model, or "none"',
+            param="draft",
+            code="invalid_parameter",
         )
 
     # --- answers ------------------------------------------------------------------

@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..engine import EngineSettings
+from ..engine import EngineSettings, Speculation
 from ..errors import EngineBusy, LoomError
 from .app import ServeApp
 from .errors import NOT_FOUND, SERVER_ERROR, HttpError, ServerStartError, from_loom_error
@@ -393,14 +393,19 @@ def make_server(
     model_id: str | None = None,
     max_tokens_limit: int | None = None,
     engine: EngineSettings | None = None,
+    speculation: Speculation | None = None,
 ) -> LoomServer:
     """A server for a loaded ``(model, tokenizer)``, bound but not yet serving.
 
     ``engine`` sets how requests are batched (default:
-    :func:`~mlx_loom.serve.app.server_engine_settings`).
+    :func:`~mlx_loom.serve.app.server_engine_settings`); ``speculation`` is
+    every request's speculative decoding unless a request's ``draft`` field
+    asks otherwise (speculative rows batch with every other request).
     """
     options = {} if max_tokens_limit is None else {"max_tokens_limit": max_tokens_limit}
-    app = ServeApp(model, tokenizer, model_id=model_id, engine=engine, **options)
+    app = ServeApp(
+        model, tokenizer, model_id=model_id, engine=engine, speculation=speculation, **options
+    )
     try:
         return LoomServer(app, host, port)
     except BaseException:

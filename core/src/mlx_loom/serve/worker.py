@@ -22,7 +22,15 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import Done, EngineSettings, Handle, ServiceStats, TokenEvent, make_request
+from ..engine import (
+    Done,
+    EngineSettings,
+    Handle,
+    ServiceStats,
+    Speculation,
+    TokenEvent,
+    make_request,
+)
 from ..generate import SamplingParams
 from ..host import PROMPT_CACHE
 from ..model import Model
@@ -75,6 +83,7 @@ class Job:
     max_tokens: int
     stop: list[str] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)
+    speculation: Speculation | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
     _handle: Handle | None = None
@@ -125,6 +134,7 @@ class GenerationWorker:
             max_tokens=job.max_tokens,
             params=SamplingParams(**job.sampling),
             stop=job.stop,
+            speculation=job.speculation,
         )
         job._handle = self.service.submit(request, sink=job._sink)
         if job.cancelled:
