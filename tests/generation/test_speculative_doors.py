@@ -67,7 +67,8 @@ def chat_cli(capsys, monkeypatch, checkpoint, *extra):
 def test_loom_chat_speculates_to_the_same_replies(family_checkpoint, capsys, monkeypatch):
     """Two turns: the second reuses the conversation's prompt cache, speculating."""
     plain = chat_cli(capsys, monkeypatch, family_checkpoint)
-    drafted = chat_cli(capsys, monkeypatch, family_checkpoint, "--draft-model", str(family_checkpoint))
+    self_draft = ["--draft-model", str(family_checkpoint)]
+    drafted = chat_cli(capsys, monkeypatch, family_checkpoint, *self_draft)
     ngram = chat_cli(capsys, monkeypatch, family_checkpoint, "--draft", "ngram")
     assert drafted == plain == ngram
 
