@@ -237,17 +237,20 @@ class SpeculativeGroup:
         chosen = mx.take_along_axis(logprobs[: len(tokens)], ids[:, None], axis=-1)[:, 0]
         top_k = row.request.params.logprobs
         top = logprobs_top_k(logprobs[: len(tokens)], top_k) if top_k else None
-        pending: list[Any] = [chosen, *(top or ())]
-        if row.request.logprobs_vector:
-            pending.append(logprobs)
-        mx.eval(*pending)
+        # Events cross threads: every array they carry is evaluated here.
+        vectors = (
+            [mx.contiguous(logprobs[j]) for j in range(len(tokens))]
+            if row.request.logprobs_vector
+            else None
+        )
+        mx.eval(chosen, *(top or ()), *(vectors or ()))
         values = chosen.tolist()
         emitted = 0
         for j, token in enumerate(tokens):
             alts: list[tuple[int, float]] = []
             if top is not None:
                 alts = list(zip(top[0][j].tolist(), top[1][j].tolist(), strict=True))
-            vector = logprobs[j] if row.request.logprobs_vector else None
+            vector = vectors[j] if vectors is not None else None
             out.events.append(row.accept(token, values[j], alts, vector, from_draft=j < accepted))
             emitted += 1
             if row.finished:
@@ -288,15 +291,37 @@ def _choose(
 ) -> tuple[list[int], int]:
     """The tokens this step emits (accepted drafts, then one of the target's) and how
     many of them are drafts."""
-    k = len(drafts)
     if row.greedy:
-        target = mx.argmax(logprobs, axis=-1).tolist()
-        a = 0
-        while a < k and drafts[a] == target[a]:
-            a += 1
-        return [*drafts[:a], target[a]], a
+        return accept_greedy(logprobs, drafts)
     sampler = row.sampler
     assert isinstance(sampler, Sampler)
+    return accept_sampled(sampler, logprobs, drafts, q)
+
+
+def accept_greedy(logprobs: mx.array, drafts: list[int]) -> tuple[list[int], int]:
+    """Keep the drafts that equal the target's argmax; then the target's own token."""
+    k = len(drafts)
+    target = mx.argmax(logprobs, axis=-1).tolist()
+    a = 0
+    while a < k and drafts[a] == target[a]:
+        a += 1
+    return [*drafts[:a], target[a]], a
+
+
+def accept_sampled(
+    sampler: Sampler, logprobs: mx.array, drafts: list[int], q: mx.array | None
+) -> tuple[list[int], int]:
+    """The standard accept/reject rule, so the tokens are distributed as the target's.
+
+    ``logprobs`` ``[k+1, V]`` are the target's (after processors); the target
+    distribution ``p`` is what the sampler would draw from (its filters and
+    temperature applied). ``q`` ``[k, V]`` is the draft's distribution, or
+    ``None`` for deterministic drafts (prompt lookup: ``q`` is one-hot).
+    Draft ``j`` is accepted with probability ``min(1, p(d)/q(d))``; the first
+    rejection is replaced by a draw from ``max(0, p - q)`` renormalised; if
+    every draft is accepted, one more token is drawn from ``p``.
+    """
+    k = len(drafts)
     if k == 0:
         return [int(sampler(logprobs[:1]).item())], 0
     p = mx.softmax(sampler.sampling_logits(logprobs), axis=-1)
