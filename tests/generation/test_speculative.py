@@ -12,38 +12,10 @@ import pytest
 
 import mlx_loom
 from mlx_loom.errors import RequestError
-from mlx_loom.testing.checkpoints import write_checkpoint
-from mlx_loom_gemma4.manifest import TINY_TEXT_CONFIG
-from mlx_loom_gemma4.manifest import checkpoint_tensors as gemma_tensors
-from mlx_loom_qwen3_next.manifest import TINY_QWEN3_NEXT
-from mlx_loom_qwen3_next.manifest import checkpoint_tensors as qwen_tensors
 
+from .conftest import SPEC_FAMILIES as FAMILIES
+from .conftest import SPEC_PROMPT as PROMPT
 from .conftest import make_llama
-
-#: 27 tokens: longer than every window of the tiny checkpoints.
-PROMPT = [5, 17, 42, 9, 100, 3, 77, 12, 31] * 3
-FAMILIES = ["llama-sliding", "qwen3_next", "gemma4"]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(target, other draft) per family, loaded once."""
-    root = tmp_path_factory.mktemp("spec")
-    out = {}
-    for name in FAMILIES:
-        if name == "llama-sliding":
-            sliding = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
-            paths = [make_llama(root / f"l{s}", seed=s, **sliding) for s in (0, 3)]
-        else:
-            cfg, tensors = {
-                "qwen3_next": (TINY_QWEN3_NEXT, qwen_tensors),
-                "gemma4": (TINY_TEXT_CONFIG, gemma_tensors),
-            }[name]
-            paths = [
-                write_checkpoint(root / f"{name}{s}", cfg, tensors(cfg), seed=s) for s in (0, 5)
-            ]
-        out[name] = tuple(mlx_loom.load(p)[0] for p in paths)
-    return out
 
 
 def tokens(model, prompt=PROMPT, n=20, **options):
@@ -56,65 +28,65 @@ def responses(model, prompt=PROMPT, n=20, **options):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("k", [1, 4])
-def test_a_different_draft_model_gives_the_greedy_tokens_past_the_window(models, family, k):
-    model, other = models[family]
+def test_a_different_draft_model_gives_the_greedy_tokens_past_the_window(spec_models, family, k):
+    model, other = spec_models[family]
     assert tokens(model, draft_model=other, num_draft_tokens=k) == tokens(model)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_model_as_its_own_draft_is_accepted_and_gives_the_greedy_tokens(models, family):
-    model, _ = models[family]
+def test_the_model_as_its_own_draft_is_accepted_and_gives_the_greedy_tokens(spec_models, family):
+    model, _ = spec_models[family]
     out = responses(model, draft_model=model, num_draft_tokens=3)
     assert [r.token for r in out] == tokens(model)
     assert sum(r.from_draft for r in out) == 15  # 5 windows of 3 accepted drafts + 1
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_ngram_drafting_gives_the_greedy_tokens(models, family):
-    model, _ = models[family]
+def test_ngram_drafting_gives_the_greedy_tokens(spec_models, family):
+    model, _ = spec_models[family]
     before = model.engine.stats().engine.draft_tokens
     assert tokens(model, n=24, draft="ngram", num_draft_tokens=4) == tokens(model, n=24)
     assert model.engine.stats().engine.draft_tokens > before  # the repeated prompt is looked up
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_ngram_drafts_of_repeating_text_are_accepted(models, family):
+def test_ngram_drafts_of_repeating_text_are_accepted(spec_models, family):
     """A logit bias makes the text repeat one token; prompt lookup then drafts it."""
-    model, _ = models[family]
+    model, _ = spec_models[family]
     bias = {"logit_bias": {200: 100.0}}
     out = responses(model, n=16, draft="ngram", num_draft_tokens=4, **bias)
     assert [r.token for r in out] == tokens(model, n=16, **bias) == [200] * 16
     assert sum(r.from_draft for r in out) >= 6  # lookups grow as the repeat does
 
 
-def test_a_one_token_prompt_speculates_from_empty_caches(models):
-    model, other = models["qwen3_next"]
+def test_a_one_token_prompt_speculates_from_empty_caches(spec_models):
+    model, other = spec_models["qwen3_next"]
     assert tokens(model, [7], 12, draft_model=other) == tokens(model, [7], 12)
 
 
-def test_an_unknown_drafting_mode_is_refused_by_name(models):
-    model, _ = models["llama-sliding"]
+def test_an_unknown_drafting_mode_is_refused_by_name(spec_models):
+    model, _ = spec_models["llama-sliding"]
     with pytest.raises(RequestError, match="'lookahead' is not a drafting mode"):
         tokens(model, draft="lookahead")
 
 
-def test_draft_model_and_draft_mode_together_are_refused(models):
-    model, other = models["llama-sliding"]
+def test_draft_model_and_draft_mode_together_are_refused(spec_models):
+    model, other = spec_models["llama-sliding"]
     with pytest.raises(RequestError, match="Both draft_model= and draft="):
         tokens(model, draft_model=other, draft="ngram")
 
 
 @pytest.mark.parametrize("bad", [0, 33, True, 2.0])
-def test_an_invalid_draft_count_is_refused(models, bad):
-    model, _ = models["llama-sliding"]
+def test_an_invalid_draft_count_is_refused(spec_models, bad):
+    model, _ = spec_models["llama-sliding"]
     with pytest.raises(RequestError, match="num_draft_tokens"):
         tokens(model, draft="ngram", num_draft_tokens=bad)
 
 
-def test_a_custom_sampler_is_refused_with_the_reason(models):
+def test_a_custom_sampler_is_refused_with_the_reason(spec_models):
     import mlx.core as mx
 
-    model, _ = models["llama-sliding"]
+    model, _ = spec_models["llama-sliding"]
     with pytest.raises(RequestError, match="custom sampler"):
         tokens(model, draft="ngram", sampler=lambda lp: mx.argmax(lp, axis=-1))
 

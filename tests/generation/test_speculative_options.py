@@ -21,35 +21,38 @@ from mlx_loom.host import build_model, resolve_model
 from mlx_loom.testing.checkpoints import write_checkpoint
 from mlx_loom_minicpm5.plugin import TINY_CONFIG, checkpoint_tensors
 
-from .test_speculative import FAMILIES, PROMPT, models, responses, tokens  # noqa: F401
+from .conftest import SPEC_FAMILIES as FAMILIES
+from .conftest import SPEC_PROMPT as PROMPT
+from .test_speculative import responses, tokens
 
 DRAFTERS = {"model": lambda other: {"draft_model": other}, "ngram": lambda _: {"draft": "ngram"}}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
-def test_logprobs_are_the_targets_bit_for_bit(models, family, drafter):
-    model, other = models[family]
+def test_logprobs_are_the_targets_bit_for_bit(spec_models, family, drafter):
+    model, other = spec_models[family]
     plain = responses(model, n=12, logprobs=3)
     spec = responses(model, n=12, logprobs=3, **DRAFTERS[drafter](other))
     assert [r.token for r in spec] == [r.token for r in plain]
     assert [r.logprob for r in spec] == [r.logprob for r in plain]
     assert [r.top_logprobs for r in spec] == [r.top_logprobs for r in plain]
-    assert all(mx.array_equal(a.logprobs, b.logprobs).item() for a, b in zip(spec, plain))
+    pairs = zip(spec, plain, strict=True)
+    assert all(mx.array_equal(a.logprobs, b.logprobs).item() for a, b in pairs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
-def test_penalties_see_each_positions_own_history(models, family, drafter):
-    model, other = models[family]
+def test_penalties_see_each_positions_own_history(spec_models, family, drafter):
+    model, other = spec_models[family]
     options = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
     want = tokens(model, n=16, **options)
     assert tokens(model, n=16, **options, **DRAFTERS[drafter](other)) == want
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_kv_quantization_speculates_to_the_quantized_greedy_tokens(models, family):
-    model, _ = models[family]
+def test_kv_quantization_speculates_to_the_quantized_greedy_tokens(spec_models, family):
+    model, _ = spec_models[family]
     options = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=10)
     want = tokens(model, n=16, **options)
     assert tokens(model, n=16, draft_model=model, **options) == want
@@ -57,15 +60,15 @@ def test_kv_quantization_speculates_to_the_quantized_greedy_tokens(models, famil
 
 
 @pytest.mark.parametrize("family", ["llama-sliding", "gemma4"])
-def test_max_kv_size_windows_roll_back_past_the_window(models, family):
-    model, other = models[family]
+def test_max_kv_size_windows_roll_back_past_the_window(spec_models, family):
+    model, other = spec_models[family]
     want = tokens(model, n=16, max_kv_size=10)
     assert tokens(model, n=16, max_kv_size=10, draft_model=other) == want
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_prompt_cache_continues_across_speculative_turns(models, family):
-    model, other = models[family]
+def test_a_prompt_cache_continues_across_speculative_turns(spec_models, family):
+    model, other = spec_models[family]
     results = []
     for options in ({}, {"draft_model": other}, {"draft": "ngram"}):
         cache = PromptCache(model)
