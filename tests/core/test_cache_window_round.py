@@ -137,3 +137,86 @@ def test_a_second_begin_round_is_refused():
     cache.begin_round()
     with pytest.raises(CacheError, match="already|open"):
         cache.begin_round()
+
+
+# --- batches: each row keeps its own count -------------------------------------------
+
+
+def stacked_rows(histories, maker):
+    singles = [primed(maker, h) for h in histories]
+    twins = [primed(maker, h) for h in histories]
+    return singles, type(singles[0]).stack(twins)
+
+
+@pytest.mark.parametrize("kind", ["plain", "quantized"])
+def test_a_stacked_window_verifies_every_row_in_its_own_decode_order(kind):
+    histories = [[3], [12], [5, 1, 1, 1, 1], [20, 1, 1, 1]]
+    singles, batch = stacked_rows(histories, MAKERS[kind])
+    width = 4
+    new_k, new_v = kv(31, width)
+    new_k, new_v = mx.repeat(new_k, 4, axis=0), mx.repeat(new_v, 4, axis=0)
+    q = mx.random.normal((4, H, width, D), key=mx.random.key(8))
+    batch.begin_round()
+    mask = batch.make_mask(width)
+    k, v = batch.update_and_fetch(new_k, new_v)
+    got = scaled_dot_product_attention(q, k, v, cache=batch, scale=0.2, mask=mask)
+    for i, single in enumerate(singles):
+        for t in range(width):
+            sl = slice(t, t + 1)
+            want = decode_step(single, q[i : i + 1, :, sl], new_k[:1, :, sl], new_v[:1, :, sl])
+            assert mx.array_equal(got[i : i + 1, :, sl], want).item(), (i, t)
+
+
+@pytest.mark.parametrize("kind", ["plain", "quantized"])
+def test_a_stacked_commit_keeps_each_rows_own_count(kind):
+    histories = [[3], [12], [5, 1, 1, 1, 1], [20, 1, 1, 1]]
+    keeps = [0, 3, 1, 4]
+    singles, batch = stacked_rows(histories, MAKERS[kind])
+    new_k, new_v = kv(41, 4)
+    batch.begin_round()
+    batch.update_and_fetch(mx.repeat(new_k, 4, axis=0), mx.repeat(new_v, 4, axis=0))
+    batch.commit(keeps)
+    for i, (single, keep) in enumerate(zip(singles, keeps, strict=True)):
+        for t in range(keep):
+            single.update_and_fetch(new_k[:, :, t : t + 1], new_v[:, :, t : t + 1])
+        row = batch.extract(i)
+        assert (row.offset, row._idx) == (single.offset, single._idx % MAX or MAX)
+        nxt = kv(90 + i, 1)
+        a, b = row.update_and_fetch(*nxt), single.update_and_fetch(*nxt)
+        assert all(mx.array_equal(x, y).item() for x, y in zip(buf_leaves(a), buf_leaves(b)))
+
+
+def buf_leaves(pair):
+    out = []
+    for x in pair:
+        out.extend(x if isinstance(x, tuple) else [x])
+    return out
+
+
+def test_a_batch_kv_commit_keeps_each_rows_own_count():
+    from mlx_loom.cache import BatchKVCache, KVCache
+
+    lengths, keeps = [5, 9, 2], [4, 0, 2]
+    singles = []
+    for i, n in enumerate(lengths):
+        c = KVCache()
+        c.update_and_fetch(*kv(i, n))
+        singles.append(c)
+    twins = [KVCache.from_state([a[...] for a in c.state], ()) for c in singles]
+    batch = KVCache.stack(twins)
+    new_k, new_v = kv(60, 4)
+    batch.begin_round()
+    batch.update_and_fetch(mx.repeat(new_k, 3, axis=0), mx.repeat(new_v, 3, axis=0))
+    batch.commit(keeps)
+    q = mx.random.normal((3, H, 1, D), key=mx.random.key(4))
+    nk, nv = kv(70, 1)
+    mask = batch.make_mask(1)
+    k, v = batch.update_and_fetch(mx.repeat(nk, 3, axis=0), mx.repeat(nv, 3, axis=0))
+    got = scaled_dot_product_attention(q, k, v, cache=batch, scale=0.2, mask=mask)
+    for i, (single, keep) in enumerate(zip(singles, keeps, strict=True)):
+        if keep:
+            single.update_and_fetch(new_k[:, :, :keep], new_v[:, :, :keep])
+        assert batch.offset[i].item() == single.offset + 1
+        sk, sv = single.update_and_fetch(nk, nv)
+        want = scaled_dot_product_attention(q[i : i + 1], sk, sv, cache=single, scale=0.2, mask=None)
+        assert mx.array_equal(got[i : i + 1], want).item(), i

@@ -101,12 +101,17 @@ def decode_layout(
     return Layout(tuple(slots), tuple(seen), L, positions)
 
 
-def combined_order(layout: Layout, old_slots: int) -> tuple[list[int], list[tuple[int, int]]]:
+def combined_order(
+    layout: Layout, old_slots: int, source_slots: int | None = None
+) -> tuple[list[int], list[tuple[int, int]]]:
     """Source indices of the combined key sequence, and ``(slot, time)`` of each entry.
 
-    The source is ``old buffer (old_slots) ++ the round's tokens``; time ``-1``
-    is the token a slot held before the round, ``t >= 0`` the round's ``t``-th.
+    The source is ``old buffer ++ the round's tokens``: the buffer has
+    ``source_slots`` slots (default ``old_slots``) of which the first
+    ``old_slots`` may hold tokens. Time ``-1`` is the token a slot held
+    before the round, ``t >= 0`` the round's ``t``-th.
     """
+    base = old_slots if source_slots is None else source_slots
     writes: dict[int, list[int]] = {}
     for t, s in enumerate(layout.slots):
         writes.setdefault(s, []).append(t)
@@ -116,7 +121,7 @@ def combined_order(layout: Layout, old_slots: int) -> tuple[list[int], list[tupl
             index.append(p)
             entries.append((p, -1))
         for t in writes.get(p, ()):
-            index.append(old_slots + t)
+            index.append(base + t)
             entries.append((p, t))
     return index, entries
 
