@@ -183,7 +183,7 @@ def test_a_stacked_commit_keeps_each_rows_own_count(kind):
         assert (row.offset, row._idx) == (single.offset, single._idx % MAX or MAX)
         nxt = kv(90 + i, 1)
         a, b = row.update_and_fetch(*nxt), single.update_and_fetch(*nxt)
-        assert all(mx.array_equal(x, y).item() for x, y in zip(buf_leaves(a), buf_leaves(b)))
+        assert all(mx.array_equal(x, y).item() for x, y in zip(buf_leaves(a), buf_leaves(b), strict=True))
 
 
 def buf_leaves(pair):
@@ -194,7 +194,7 @@ def buf_leaves(pair):
 
 
 def test_a_batch_kv_commit_keeps_each_rows_own_count():
-    from mlx_loom.cache import BatchKVCache, KVCache
+    from mlx_loom.cache import KVCache
 
     lengths, keeps = [5, 9, 2], [4, 0, 2]
     singles = []
@@ -218,5 +218,6 @@ def test_a_batch_kv_commit_keeps_each_rows_own_count():
             single.update_and_fetch(new_k[:, :, :keep], new_v[:, :, :keep])
         assert batch.offset[i].item() == single.offset + 1
         sk, sv = single.update_and_fetch(nk, nv)
-        want = scaled_dot_product_attention(q[i : i + 1], sk, sv, cache=single, scale=0.2, mask=None)
+        qi = q[i : i + 1]
+        want = scaled_dot_product_attention(qi, sk, sv, cache=single, scale=0.2, mask=None)
         assert mx.array_equal(got[i : i + 1], want).item(), i

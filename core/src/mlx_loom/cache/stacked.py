@@ -205,7 +205,8 @@ class StackedRotatingKVCache:
             first = self._pending()
             orders = self._round_orders(first + N)
             width = max(len(index) for _, index, _ in orders)
-            window = window_size if window_size is not None and window_size < self.max_size else None
+            narrower = window_size is not None and window_size < self.max_size
+            window = window_size if narrower else None
             rows = []
             for i, (layout, _, entries) in enumerate(orders):
                 m = rnd.combined_mask(
