@@ -183,7 +183,8 @@ def test_a_stacked_commit_keeps_each_rows_own_count(kind):
         assert (row.offset, row._idx) == (single.offset, single._idx % MAX or MAX)
         nxt = kv(90 + i, 1)
         a, b = row.update_and_fetch(*nxt), single.update_and_fetch(*nxt)
-        assert all(mx.array_equal(x, y).item() for x, y in zip(buf_leaves(a), buf_leaves(b), strict=True))
+        pairs = zip(buf_leaves(a), buf_leaves(b), strict=True)
+        assert all(mx.array_equal(x, y).item() for x, y in pairs)
 
 
 def buf_leaves(pair):
