@@ -22,9 +22,10 @@ One step (:meth:`DecodeGroup.step`), in ``generate_step``'s order:
 5. the current tokens are read and handed to their rows (text, stops,
    finish); rows that finished by content (EOS, a stop string) leave.
 
-A speculative row decodes in a group of its own kind
-(:class:`~mlx_loom.engine.speculative.SpeculativeGroup`), whose step feeds
-a window of draft tokens and keeps, per row, what was accepted.
+Speculative rows decode in groups of their own kind
+(:class:`~mlx_loom.engine.speculative.SpeculativeGroup`, which reuses this
+class's joining and leaving), whose step feeds each row a window of draft
+tokens and keeps, per row, what was accepted.
 """
 
 from __future__ import annotations
@@ -97,11 +98,7 @@ class DecodeGroup:
         if self.stacked:
             return self._key
         row = self.rows[0]
-        if (
-            row.request.speculation is not None
-            or not stackable(self.caches)
-            or quantization_pending(self.caches, row.request.kv.bits)
-        ):
+        if not stackable(self.caches) or quantization_pending(self.caches, row.request.kv.bits):
             return None
         return layout(self.caches)
 

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_loom.cache.protocol import SpeculativeRounds
-from mlx_loom.engine.group import Left, StepResult
+from mlx_loom.engine.caches import layout, quantization_pending, stackable
+from mlx_loom.engine.group import DecodeGroup, Left, StepResult
 from mlx_loom.engine.row import Row
 from mlx_loom.errors import CacheNotTrimmable
 from mlx_loom.generate.sampling import (
@@ -184,55 +185,130 @@ class RowSpeculation:
 # --- the group -------------------------------------------------------------------------------
 
 
-class SpeculativeGroup:
-    """A speculative row decoding through its own caches (see the module docstring)."""
+class SpeculativeGroup(DecodeGroup):
+    """Speculative rows decoding together: one verify forward of every row's window.
 
-    stacked = False
+    A lone row decodes through its own caches; rows whose caches share a
+    layout are stacked, as plain rows are (:class:`DecodeGroup` does the
+    joining and leaving), and each row keeps its own number of tokens per
+    step (every batch cache kind commits a count per row). A row equals its
+    solo speculative run: rows are computed independently and a row's
+    shorter window is padded after its last draft, where causal attention
+    never looks back from its real positions.
+    """
 
     def __init__(self, model: Model, row: Row, caches: list[Any], prefill_step: int) -> None:
-        self.model = model
-        self.rows = [row]
-        self.caches = caches
         check_rollback(caches, owner="model")
+        super().__init__(model, row, caches)
         self.policy = VERIFY_POLICIES.for_backend()
-        self.state = RowSpeculation(model, row, prefill_step)
-
-    def __len__(self) -> int:
-        return len(self.rows)
+        row.speculation = RowSpeculation(model, row, prefill_step)
 
     @property
     def key(self) -> Hashable | None:
-        return None
+        if self.stacked:
+            return self._key
+        row = self.rows[0]
+        if not stackable(self.caches) or quantization_pending(self.caches, row.request.kv.bits):
+            return None
+        return ("speculative", layout(self.caches))
 
-    def remove(self, uid: int) -> Left | None:
-        if self.rows and self.rows[0].uid == uid:
-            row = self.rows.pop()
-            return Left(row, self.caches)
-        return None
+    def absorb(self, others: list[DecodeGroup]) -> None:
+        was_stacked = self.stacked
+        super().absorb(others)
+        if not was_stacked:
+            self._key = ("speculative", self._key)
 
     def step(self) -> StepResult:
         out = StepResult()
-        row = self.rows[0]
-        st = self.state
-        sequence = st.sequence
+        failed: dict[int, BaseException] = {}
+        plans = [self._plan(j, row, failed) for j, row in enumerate(self.rows)]
+        if failed:
+            self._drop(failed, out)
+            plans = [p for j, p in enumerate(plans) if j not in failed]
+            failed = {}
+        rows = self.rows
+        if not rows:
+            return out
+        N = 1 + max(len(drafts) for drafts, _ in plans)
+        inputs = []
+        for row, (drafts, _) in zip(rows, plans, strict=True):
+            window = [row.speculation.sequence[-1], *drafts]
+            inputs.append(window + [window[-1]] * (N - len(window)))
+        if N > 1:
+            begin_rounds(self.caches)
+        logits = self.model(mx.array(inputs, mx.uint32), self.caches)
+        choices = []
+        for j, (row, (drafts, q)) in enumerate(zip(rows, plans, strict=True)):
+            width = 1 + len(drafts)
+            try:
+                row_logits = self._process(row, logits[j, :width], drafts)
+                logprobs = logprobs_from_logits(row_logits)
+                choices.append((logprobs, *_choose(row, logprobs, drafts, q)))
+            except BaseException as err:  # a user's processor: this row fails alone
+                failed[j] = err
+                choices.append(None)
+        keeps = []
+        for j, row in enumerate(rows):
+            choice = choices[j]
+            if choice is None:
+                keeps.append(0)
+                continue
+            emitted = self._emit(row, *choice, out)
+            keeps.append(emitted)
+            drafts = plans[j][0]
+            row.fed.extend(inputs[j][:emitted])
+            row.speculation.sequence.extend(choice[1][:emitted])
+            out.drafted += len(drafts)
+            out.accepted += min(choice[2], emitted)
+            drafter = row.speculation.drafter
+            if drafter is not None and not row.finished:
+                if drafts:
+                    drafter.settle(choice[2])
+                else:
+                    drafter.skip(inputs[j][0])
+        if N > 1:
+            self._commit(N, keeps)
+        if not self.stacked:
+            rows[0].request.kv.apply(self.caches)
+        done = {j: failed.get(j) for j, row in enumerate(rows) if row.finished or j in failed}
+        if done:
+            self._drop(done, out)
+        return out
+
+    def _plan(
+        self, j: int, row: Row, failed: dict[int, BaseException]
+    ) -> tuple[list[int], mx.array | None]:
+        """Row ``row``'s drafts for this step (none when its budget or the policy allows none)."""
+        st = row.speculation
         budget = row.request.limit - row.produced
         k = min(st.spec.num_draft, budget - 1)
         if k > 0:
-            k = self.policy.window(len(sequence) - 1, k + 1) - 1
-        drafts, q = st.propose(k)
-        window = [sequence[-1], *drafts]
-        N = len(window)
-        if N > 1:
-            begin_rounds(self.caches)
-        logits = self.model(mx.array(window, mx.uint32)[None], self.caches)[0]
+            k = self.policy.window(len(st.sequence) - 1, k + 1) - 1
         try:
-            logits = self._process(row, logits, sequence, drafts)
-        except BaseException as err:  # a user's processor: this row fails alone
-            out.left.append(Left(row, None, err))
-            self.rows = []
-            return out
-        logprobs = logprobs_from_logits(logits)
-        tokens, accepted = _choose(row, logprobs, drafts, q)
+            return st.propose(k)
+        except BaseException as err:  # a draft model may raise anything: this row fails
+            failed[j] = err
+            return [], None
+
+    def _commit(self, fed: int, keeps: list[int]) -> None:
+        for c in self.caches:
+            if isinstance(c, SpeculativeRounds):
+                c.commit(keeps if self.stacked else keeps[0])
+            elif fed > keeps[0]:
+                c.trim(fed - keeps[0])  # a lone row's trimmable cache
+
+    def _drop(self, leaving: dict[int, BaseException | None], out: StepResult) -> None:
+        for j, err in leaving.items():
+            row = self.rows[j]
+            caches = None if err is not None else self._row_caches(j)
+            out.left.append(Left(row, caches, err))
+        self._keep([j for j in range(len(self.rows)) if j not in leaving])
+
+    @staticmethod
+    def _emit(
+        row: Row, logprobs: mx.array, tokens: list[int], accepted: int, out: StepResult
+    ) -> int:
+        """Hand ``tokens`` to the row until it finishes; how many it took."""
         ids = mx.array(tokens, mx.int32)
         chosen = mx.take_along_axis(logprobs[: len(tokens)], ids[:, None], axis=-1)[:, 0]
         top_k = row.request.params.logprobs
@@ -255,27 +331,14 @@ class SpeculativeGroup:
             emitted += 1
             if row.finished:
                 break
-        if N > 1:
-            keep_rounds(self.caches, N, emitted)
-        row.fed.extend(window[:emitted])
-        sequence.extend(tokens[:emitted])
-        out.drafted, out.accepted = len(drafts), min(accepted, emitted)
-        if st.drafter is not None and not row.finished:
-            if k > 0:
-                st.drafter.settle(accepted)
-            else:
-                st.drafter.skip(window[0])
-        row.request.kv.apply(self.caches)
-        if row.finished:
-            out.left.append(Left(row, self.caches))
-            self.rows = []
-        return out
+        return emitted
 
     @staticmethod
-    def _process(row: Row, logits: mx.array, sequence: list[int], drafts: list[int]) -> mx.array:
+    def _process(row: Row, logits: mx.array, drafts: list[int]) -> mx.array:
         """Each position's logits through the row's processors, over its own history."""
         if not row.processors:
             return logits
+        sequence = row.speculation.sequence
         parts = []
         for j in range(logits.shape[0]):
             part = logits[j : j + 1]

@@ -24,7 +24,7 @@ from ..host import BATCH
 from ..model import Model
 from ..text import Tokenizer
 from .params import SamplingParams
-from .stream import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, sampling_params
+from .stream import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, sampling_params, speculation_for
 
 __all__ = ["BatchResponse", "BatchResult", "BatchStats", "batch_generate", "batch_generate_tokens"]
 
@@ -179,6 +179,9 @@ def batch_generate(
     max_kv_size: int | None = None,
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: Sequence[Callable[[mx.array, mx.array], mx.array]] | None = None,
+    draft_model: Model | str | None = None,
+    num_draft_tokens: int = 3,
+    draft: str | None = None,
     verbose: bool = False,
     **sampling: Any,
 ) -> BatchResponse:
@@ -187,8 +190,11 @@ def batch_generate(
     Takes what :func:`~mlx_loom.generate.stream_generate` takes, applied to
     every prompt (``max_tokens`` may also be one per prompt). A row's text
     excludes the EOS token and any stop string, exactly as its stream would.
+    With ``draft_model`` or ``draft="ngram"`` every row speculates, and the
+    speculative rows still decode as one batch (each keeps its own drafts).
     """
     params = sampling_params(sampling)
+    spec = speculation_for(draft_model, draft, num_draft_tokens)
     started = time.perf_counter()
     rows = _run_rows(
         model,
@@ -205,6 +211,7 @@ def batch_generate(
             max_kv_size=max_kv_size,
             sampler=sampler,
             logits_processors=logits_processors,
+            speculation=spec,
         ),
     )
     eos = tokenizer.eos_token_ids

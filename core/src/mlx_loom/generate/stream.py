@@ -127,7 +127,7 @@ def stream_generate(
         logits_processors=logits_processors,
         logprobs_vector=True,
     )
-    options["speculation"] = _speculation(draft_model, draft, num_draft_tokens)
+    options["speculation"] = speculation_for(draft_model, draft, num_draft_tokens)
     if prompt_cache is None:
         request = make_request(model, tokenizer, ids, **options)
         handle = model.engine.submit(request)
@@ -162,7 +162,8 @@ def stream_generate(
             prompt_cache.finish(done)
 
 
-def _speculation(draft_model: Any, draft: str | None, num_draft_tokens: int) -> Any:
+def speculation_for(draft_model: Any, draft: str | None, num_draft_tokens: int) -> Any:
+    """The request's :class:`~mlx_loom.engine.Speculation` from the API's keywords."""
     if draft is not None and draft_model is not None:
         raise RequestError(
             "Both draft_model= and draft= were given; a request has one drafter.",
