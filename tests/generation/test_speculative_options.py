@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import mlx_loom
+from mlx_loom.engine import Speculation, make_request
 from mlx_loom.engine.speculative import accept_sampled
 from mlx_loom.generate import PromptCache, SamplingParams, make_sampler
 from mlx_loom.host import build_model, resolve_model
@@ -111,13 +112,13 @@ def test_the_accept_reject_rule_samples_the_target_distribution(deterministic):
     logprobs = mx.array(np.log(np.stack([p, p])), mx.float32)
     sampler = make_sampler(SamplingParams(temperature=1.0, seed=3))
     rng = np.random.default_rng(0)
-    n, first = 3000, collections.Counter()
+    n, first = 1500, collections.Counter()
     for _ in range(n):
         draft = 0 if deterministic else int(rng.choice(6, p=q))
         dist = None if deterministic else mx.array(q[None], mx.float32)
         out, _ = accept_sampled(sampler, logprobs, [draft], dist)
         first[out[0]] += 1
-    assert tv(first, n, p.tolist()) < 0.03
+    assert tv(first, n, p.tolist()) < 0.05
     # A rule that kept every draft would give the draft's distribution: far off.
     kept = np.eye(6)[0] if deterministic else q
     assert np.abs(kept - p).sum() / 2 > 0.3
@@ -150,17 +151,18 @@ def test_sampled_speculation_draws_the_targets_first_two_tokens(tiny_vocab, draf
     for a in range(12):
         for b, pb in enumerate(dist([*prompt, a])):
             p2[b] += p1[a] * pb
+    # Submitted at once, so the seeded rows also exercise batched sampling.
+    spec = Speculation(other if drafter == "model" else None, num_draft=2)
     n, c1, c2 = 200, collections.Counter(), collections.Counter()
-    for seed in range(n):
-        out = tokens(
-            model,
-            prompt,
-            2,
-            temperature=1.0,
-            seed=seed,
-            num_draft_tokens=2,
-            **DRAFTERS[drafter](other),
+    params = [SamplingParams(temperature=1.0, seed=seed) for seed in range(n)]
+    handles = [
+        model.engine.submit(
+            make_request(model, None, prompt, max_tokens=2, params=p, speculation=spec)
         )
+        for p in params
+    ]
+    for handle in handles:
+        out = [e.token for e in handle]
         c1[out[0]] += 1
         c2[out[1]] += 1
     assert tv(c1, n, p1) < 0.15 and tv(c2, n, p2) < 0.15
