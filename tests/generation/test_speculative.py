@@ -64,6 +64,18 @@ def test_a_one_token_prompt_speculates_from_empty_caches(spec_models):
     assert tokens(model, [7], 12, draft_model=other) == tokens(model, [7], 12)
 
 
+def test_a_cache_that_can_neither_trim_nor_open_a_round_is_refused_before_any_work():
+    from mlx_loom.engine.speculative import check_rollback
+    from mlx_loom.errors import CacheNotTrimmable
+
+    class Summary:  # a cache kind that only moves forward
+        def is_trimmable(self):
+            return False
+
+    with pytest.raises(CacheNotTrimmable, match="Summary can neither open a speculative round"):
+        check_rollback([Summary()], owner="model")
+
+
 def test_an_unknown_drafting_mode_is_refused_by_name(spec_models):
     model, _ = spec_models["llama-sliding"]
     with pytest.raises(RequestError, match="'lookahead' is not a drafting mode"):

@@ -18,9 +18,10 @@ Measured values:
 * ``cpu`` — none. MLX 0.32.4's CPU backend runs attention as plain ops
   (matmul, masked softmax, matmul) whose per-query sums are sequential: a
   verify window of 2..5 queries over any KV length 0..2047 gives each query
-  its one-token step's output bit for bit (fp32, 8 query / 2 KV heads of
-  64; ``benchmarks/verify_boundaries.py`` re-measures it), and the families'
-  verify logits equal their decode logits bit for bit (tested).
+  its one-token step's output bit for bit (fp32; bf16 over 0..1099; 8 query
+  / 2 KV heads of 64; ``benchmarks/verify_boundaries.py`` re-measures it),
+  and the families' verify logits equal their decode logits bit for bit
+  (tested).
 * ``metal`` — 1023, 1024, 8192, 32768, 65536: where MLX 0.32.x's Metal
   scaled-dot-product attention changes regime (measured for a Qwen geometry
   on Apple silicon; not measurable on this project's CI machines).
