@@ -107,7 +107,16 @@ def test_load_accepts_a_bare_list_of_openai_style_messages(tmp_path):
     ("text", "match"),
     [
         ("not json", "not valid JSON"),
-        ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "deeper than the limit"),
+        (
+            '{"messages": [{"role": "user", "content": "'
+            + "9" * 5000
+            + '"}], "n": '
+            + "9" * 5000
+            + "}",
+            "5000 digits",
+        ),
+        ('[{"role": "user", "content": "a \\ud800"}]', "lone UTF-16 surrogate"),
         ('"a string"', "holds a JSON str"),
         ('{"messages": [{"role": "user"}]}', "messages.0.content"),
         ('{"messages": [{"role": "assistant", "content": "x"}]}', "message 1"),
@@ -130,7 +139,7 @@ def test_an_oversized_conversation_file_is_refused_before_parsing(tmp_path):
     path = tmp_path / "c.json"
     with path.open("wb") as f:
         f.truncate(MAX_CONVERSATION_BYTES + 1)
-    with pytest.raises(RequestError, match="at most"):
+    with pytest.raises(RequestError, match="limit for this file"):
         Conversation.load(path)
 
 

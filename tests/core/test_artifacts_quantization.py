@@ -265,6 +265,15 @@ def test_every_disagreeing_module_is_listed_in_one_error():
         apply_quantization(Tiny(), q, weights)
 
 
+def test_a_quantization_claim_over_float_weights_is_an_error_naming_the_field():
+    q = QuantizationConfig(default=QuantSpec(group_size=64, bits=4), source_key="quantization")
+    with pytest.raises(WeightsError) as info:
+        apply_quantization(Tiny(), q, quantized_checkpoint({}))
+    message = info.value.message
+    assert "'quantization' declares 4-bit, group 64" in message and "no module" in message
+    assert "remove 'quantization'" in info.value.fix
+
+
 def test_unquantized_checkpoint_with_no_quantization_changes_nothing():
     model = Tiny()
     assert apply_quantization(model, None, quantized_checkpoint({})) == []

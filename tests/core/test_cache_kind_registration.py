@@ -29,6 +29,10 @@ class TallyCache:
         self.seen = seen
 
     @property
+    def offset(self) -> int:
+        return self.seen
+
+    @property
     def state(self) -> list[mx.array]:
         return [mx.array([self.seen])]
 
@@ -93,11 +97,11 @@ def test_a_registered_cache_kind_round_trips_through_prompt_cache_files(plugin, 
     model = model_of(plugin, tmp_path)
     assert model.binding.cache_kinds["TallyCache"] is TallyCache
     cache = PromptCache(model)
-    cache.cache[0].seen = 7
+    cache.cache[0].seen = 3
     cache.record([1, 2, 3])
     cache.save(tmp_path / "turn.safetensors")
     restored = PromptCache.load(tmp_path / "turn.safetensors", model)
-    assert (restored.cache[0].seen, restored.tokens) == (7, [1, 2, 3])
+    assert (restored.cache[0].seen, restored.tokens) == (3, [1, 2, 3])
 
 
 def test_an_unregistered_cache_kind_cannot_be_saved(tmp_path):

@@ -17,6 +17,7 @@ from mlx_loom.cache import (
     RotatingKVCache,
     kind_table,
     load_prompt_cache,
+    persist,
     save_prompt_cache,
 )
 from mlx_loom.cache.persist import HEADER_KEY
@@ -80,15 +81,22 @@ def test_loaded_caches_continue_exactly_like_the_originals(tmp_path):
         assert all(mx.array_equal(x, y).item() for x, y in zip(flat(ka), flat(kb), strict=True))
 
 
+def write_cache_file(path, layers: list[dict], arrays: dict, metadata=None) -> None:
+    """A prompt-cache file with exactly these layers and tensors, and a correct checksum."""
+    header = persist._Header(
+        format=persist.FORMAT,
+        version=persist.FORMAT_VERSION,
+        layers=layers,
+        metadata=metadata or {},
+        checksum="sha256:" + "0" * 64,
+    )
+    header = header.model_copy(update={"checksum": persist.array_checksum(header, arrays)})
+    mx.save_safetensors(str(path), arrays, {HEADER_KEY: header.model_dump_json()})
+
+
 def write_hostile(path, kind: str) -> None:
-    header = {
-        "format": "mlx-loom-prompt-cache",
-        "version": 1,
-        "layers": [{"kind": kind, "meta_state": [], "n_arrays": 2}],
-        "metadata": {},
-    }
     arrays = {"0.0": mx.zeros((1, 1, 1, 4)), "0.1": mx.zeros((1, 1, 1, 4))}
-    mx.save_safetensors(str(path), arrays, {HEADER_KEY: json.dumps(header)})
+    write_cache_file(path, [{"kind": kind, "meta_state": [], "n_arrays": 2}], arrays)
 
 
 @pytest.mark.parametrize("kind", ["os.system", "ArraysCache", "__class__", "_BaseCache"])
@@ -118,9 +126,10 @@ def test_tensors_that_do_not_match_the_header_are_refused(tmp_path):
     path = tmp_path / "altered.safetensors"
     header = {
         "format": "mlx-loom-prompt-cache",
-        "version": 1,
+        "version": 2,
         "layers": [{"kind": "KVCache", "meta_state": [], "n_arrays": 2}],
         "metadata": {},
+        "checksum": "sha256:" + "0" * 64,
     }
     arrays = {"0.0": mx.zeros((1, 1, 1, 4))}
     mx.save_safetensors(str(path), arrays, {HEADER_KEY: json.dumps(header)})
@@ -176,3 +185,131 @@ def test_the_package_table_is_immutable_and_lists_the_standard_kinds():
     }
     with pytest.raises(TypeError):
         CACHE_KINDS["Evil"] = object  # type: ignore[index]
+
+
+# --- verification: checksum, counts, old files, atomic saves ----------------------------
+
+
+def saved(tmp_path, name="c.safetensors"):
+    path = tmp_path / name
+    save_prompt_cache(path, filled_caches()[:4], {"tokens": "[1, 2]"})
+    return path
+
+
+def flip_byte(path, offset_from_end: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_saved_file_carries_a_sha256_checksum(tmp_path):
+    header = persist.read_safetensors_header(saved(tmp_path))
+    doc = json.loads(header.metadata[HEADER_KEY])
+    assert doc["version"] == 2 and doc["checksum"].startswith("sha256:")
+    assert len(doc["checksum"]) == len("sha256:") + 64
+
+
+@pytest.mark.parametrize("offset_from_end", [1, 100, 2000])
+def test_a_flipped_bit_in_the_body_is_detected(tmp_path, offset_from_end):
+    path = saved(tmp_path)
+    flip_byte(path, offset_from_end)
+    with pytest.raises(CacheError, match="do not match the checksum") as info:
+        load_prompt_cache(path)
+    assert str(path) in info.value.message and "rebuild" in info.value.fix
+
+
+def test_edited_metadata_is_detected_by_the_checksum(tmp_path):
+    path = saved(tmp_path)
+    header = persist.read_safetensors_header(path)
+    doc = json.loads(header.metadata[HEADER_KEY])
+    doc["metadata"]["tokens"] = "[9, 9]"
+    arrays = mx.load(str(path))
+    mx.save_safetensors(str(path), arrays, {HEADER_KEY: json.dumps(doc)})
+    with pytest.raises(CacheError, match="do not match the checksum"):
+        load_prompt_cache(path)
+
+
+def test_a_version_1_file_is_refused_with_the_fix_to_rebuild(tmp_path):
+    path = tmp_path / "old.safetensors"
+    header = {
+        "format": "mlx-loom-prompt-cache",
+        "version": 1,
+        "layers": [{"kind": "KVCache", "meta_state": [], "n_arrays": 0}],
+        "metadata": {},
+    }
+    mx.save_safetensors(str(path), {}, {HEADER_KEY: json.dumps(header)})
+    with pytest.raises(CacheError, match="version 1 prompt cache") as info:
+        load_prompt_cache(path)
+    assert "rebuild" in info.value.fix
+
+
+def test_an_array_count_past_the_file_is_refused_before_anything_is_built(tmp_path):
+    path = tmp_path / "bomb.safetensors"
+    header = {
+        "format": "mlx-loom-prompt-cache",
+        "version": 2,
+        "layers": [{"kind": "KVCache", "meta_state": [], "n_arrays": 10**9}],
+        "metadata": {},
+        "checksum": "sha256:" + "0" * 64,
+    }
+    mx.save_safetensors(str(path), {"0.0": mx.zeros((1,))}, {HEADER_KEY: json.dumps(header)})
+    with pytest.raises(CacheError, match="n_arrays"):
+        load_prompt_cache(path)
+
+
+def test_more_layers_than_the_limit_are_refused(tmp_path):
+    path = tmp_path / "wide.safetensors"
+    layer = {"kind": "KVCache", "meta_state": [], "n_arrays": 0}
+    header = {
+        "format": "mlx-loom-prompt-cache",
+        "version": 2,
+        "layers": [layer] * (persist.MAX_LAYERS + 1),
+        "metadata": {},
+        "checksum": "sha256:" + "0" * 64,
+    }
+    mx.save_safetensors(str(path), {}, {HEADER_KEY: json.dumps(header)})
+    with pytest.raises(CacheError, match="layers"):
+        load_prompt_cache(path)
+
+
+def test_deeply_nested_header_json_is_a_cache_error(tmp_path):
+    path = tmp_path / "deep.safetensors"
+    mx.save_safetensors(str(path), {}, {HEADER_KEY: "[" * 100_000 + "]" * 100_000})
+    with pytest.raises(CacheError, match="deeper than the limit"):
+        load_prompt_cache(path)
+
+
+def test_a_huge_integer_in_the_header_is_a_cache_error(tmp_path):
+    path = tmp_path / "int.safetensors"
+    mx.save_safetensors(str(path), {}, {HEADER_KEY: '{"version": ' + "9" * 5000 + "}"})
+    with pytest.raises(CacheError, match="5000 digits"):
+        load_prompt_cache(path)
+
+
+@pytest.mark.parametrize("bad", ["-1", "1e3", " 5", "9" * 30, "0x10"])
+def test_meta_state_counts_must_be_plain_non_negative_integers(tmp_path, bad):
+    k, v = kv(0, 2)
+    arrays = {"0.0": k, "0.1": v}
+    layer = {"kind": "RotatingKVCache", "meta_state": ["0", "4", bad, "2"], "n_arrays": 2}
+    path = tmp_path / "meta.safetensors"
+    write_cache_file(path, [layer], arrays)
+    with pytest.raises(CacheError, match="not a non-negative integer"):
+        load_prompt_cache(path)
+
+
+def test_window_positions_that_no_window_can_have_are_refused(tmp_path):
+    k, v = kv(0, 3)
+    arrays = {"0.0": k, "0.1": v}
+    # three slots in use but only two tokens seen, write index past the slots
+    layer = {"kind": "RotatingKVCache", "meta_state": ["0", "4", "2", "9"], "n_arrays": 2}
+    path = tmp_path / "window.safetensors"
+    write_cache_file(path, [layer], arrays)
+    with pytest.raises(CacheError, match="do not describe a window"):
+        load_prompt_cache(path)
+
+
+def test_saving_replaces_the_file_atomically_and_leaves_no_temporary(tmp_path):
+    path = saved(tmp_path)
+    save_prompt_cache(path, filled_caches()[:1])
+    assert load_prompt_cache(path)[0][0].offset == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]

@@ -196,3 +196,14 @@ def test_apply_chat_template_tokenize_true_returns_mlx_lms_ids(family, add_gener
 def test_apply_chat_template_refuses_a_non_bool_tokenize(fixture_dirs):  # noqa: F811
     with pytest.raises(TokenizerError, match="tokenize='yes'"):
         Tokenizer.from_dir(fixture_dirs["byte_bpe"]).apply_chat_template(CHAT, tokenize="yes")
+
+
+def test_text_with_a_lone_surrogate_is_a_request_error_not_a_type_error(tmp_path):
+    from mlx_loom.errors import RequestError
+    from mlx_loom.testing.tokenizer import write_tokenizer
+
+    write_tokenizer(tmp_path, 256)
+    tok = Tokenizer.from_dir(tmp_path)
+    with pytest.raises(RequestError, match="lone UTF-16 surrogate") as info:
+        tok.encode("hi \ud800 there")
+    assert "character 3" in info.value.message and info.value.fix

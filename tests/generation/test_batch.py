@@ -33,7 +33,7 @@ def test_each_row_equals_the_prompt_run_alone(fixture, request):
 
 def test_batched_prefill_logits_match_mlx_lm_batch_cache(llama_f32):
     """Our left-padded batch forward against mlx-lm's BatchKVCache on the same weights."""
-    model, _ = mlx_loom.load(llama_f32)
+    model, _ = mlx_loom.load(llama_f32, compute_dtype="checkpoint", cpu_kernels="cpu-ops")
     oracle, _ = load_model(llama_f32)
     width = max(map(len, PROMPTS))
     padding = [width - len(p) for p in PROMPTS]

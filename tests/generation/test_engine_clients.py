@@ -21,7 +21,8 @@ PROMPTS = ["the model reads a token", "hello world, this is", "a b c"]
 
 @pytest.fixture(scope="module")
 def llama(llama_f32):
-    return mlx_loom.load(llama_f32)
+    # Compared with mlx-lm: the checkpoint's dtype and MLX's own ops, as mlx-lm runs.
+    return mlx_loom.load(llama_f32, compute_dtype="checkpoint", cpu_kernels="cpu-ops")
 
 
 def prompt_ids(n: int, seed: int = 7) -> list[int]:

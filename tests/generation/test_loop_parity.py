@@ -26,7 +26,8 @@ def prompt_ids(n: int, vocab: int = 256, seed: int = 7) -> list[int]:
 
 def run_ours(path, prompt, *, params=None, steps=STEPS, **loop):
     params = params or SamplingParams()
-    model, _ = mlx_loom.load(path)
+    # The oracle's own arithmetic (checkpoint dtype, MLX operations): bit-equal.
+    model, _ = mlx_loom.load(path, compute_dtype="checkpoint", cpu_kernels="cpu-ops")
     out = generate_tokens(
         model,
         prompt,

@@ -1,9 +1,11 @@
 """Verification uses the decode arithmetic: a verify window's logits equal one-token steps'.
 
-For every family, past every sliding window: the logits of a window of
-``k + 1`` tokens verified in one forward (inside a speculative round) equal,
-bit for bit, the logits of feeding the same tokens one at a time; and after
-keeping a prefix, the caches continue exactly as plain decoding's.
+For every family, past every sliding window, with both CPU kernel sets
+(``cpu-native``, the compiled kernels, and ``cpu-ops``, plain MLX ops): the
+logits of a window of ``k + 1`` tokens verified in one forward (inside a
+speculative round) equal, bit for bit, the logits of feeding the same tokens
+one at a time; and after keeping a prefix, the caches continue exactly as
+plain decoding's.
 """
 
 from __future__ import annotations
@@ -11,10 +13,24 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+import mlx_loom
 from mlx_loom.engine.speculative import begin_rounds, keep_rounds
 from mlx_loom.host import VERIFY_POLICIES, VerifyPolicy
 
 from .conftest import SPEC_FAMILIES, SPEC_PROMPT
+
+
+KERNELS = ["cpu-native", "cpu-ops"]
+
+
+@pytest.fixture(scope="module")
+def kernel_models(spec_models):
+    """Each family's target loaded with each CPU kernel set."""
+    return {
+        (family, kernels): mlx_loom.load(pair[0].model_dir, cpu_kernels=kernels)[0]
+        for family, pair in spec_models.items()
+        for kernels in KERNELS
+    }
 
 
 def primed(model, decode_steps):
@@ -26,10 +42,13 @@ def primed(model, decode_steps):
 
 
 @pytest.mark.parametrize("family", SPEC_FAMILIES)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("width", [2, 5])
 @pytest.mark.parametrize("decode_steps", [0, 3])
-def test_verify_logits_equal_step_by_step_decode_logits(spec_models, family, width, decode_steps):
-    model, _ = spec_models[family]
+def test_verify_logits_equal_step_by_step_decode_logits(
+    kernel_models, family, kernels, width, decode_steps
+):
+    model = kernel_models[family, kernels]
     window = [11, 23, 5, 170, 42][:width]
     stepped, verified = primed(model, decode_steps), primed(model, decode_steps)
     want = [model(mx.array([[t]]), stepped)[0, -1] for t in window]
@@ -39,9 +58,10 @@ def test_verify_logits_equal_step_by_step_decode_logits(spec_models, family, wid
 
 
 @pytest.mark.parametrize("family", SPEC_FAMILIES)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("keep", [1, 3])
-def test_kept_prefix_continues_as_plain_decoding(spec_models, family, keep):
-    model, _ = spec_models[family]
+def test_kept_prefix_continues_as_plain_decoding(kernel_models, family, kernels, keep):
+    model = kernel_models[family, kernels]
     window = [11, 23, 5, 170]
     plain, spec = primed(model, 2), primed(model, 2)
     for t in window[:keep]:

@@ -123,3 +123,12 @@ def serve(model, tokenizer, **options) -> Iterator[Client]:
 def client(checkpoint) -> Iterator[Client]:
     model, tokenizer = mlx_loom.load(checkpoint)
     yield from serve(model, tokenizer, model_id=MODEL_ID)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Record each phase's report on the test item, so fixtures can tell a failed test
+    (the chat-page tests keep a screenshot of one)."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report

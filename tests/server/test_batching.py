@@ -7,6 +7,8 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -119,24 +121,39 @@ def open_stream(client: Client, payload: dict) -> socket.socket:
     return sock
 
 
-def test_a_full_queue_is_answered_503_with_retry_after(checkpoint):
+@contextmanager
+def busy_server(checkpoint, *, waiting: int) -> Iterator[Client]:
+    """A server with one row (held by a long stream), a queue of one, ``waiting`` queued."""
     model, tokenizer = mlx_loom.load(checkpoint)
     settings = EngineSettings(decode_concurrency=1, prompt_concurrency=1, max_queued=1)
     gen = serve(model, tokenizer, engine=settings)
     client = next(gen)
     worker = client.server.app.worker
     running = open_stream(client, body(tokenizer, "the model reads a token", 3000, True))
-    waiting = None
-    try:
-        # One more request may wait for the running row; the one after it is refused.
-        waiting = threading.Thread(
+    threads = [
+        threading.Thread(
             target=lambda: client.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
         )
-        waiting.start()
+        for _ in range(waiting)
+    ]
+    try:
+        for t in threads:
+            t.start()
         deadline = time.monotonic() + 10
-        while worker.queued < 1:
-            assert time.monotonic() < deadline, "the second request never queued"
+        while worker.queued < waiting:
+            assert time.monotonic() < deadline, "the waiting request never queued"
             time.sleep(0.01)
+        yield client
+    finally:
+        running.close()  # frees the row: a waiting request runs and completes
+        for t in threads:
+            t.join(30)
+        gen.close()
+
+
+def test_a_full_queue_is_answered_503_with_retry_after(checkpoint):
+    with busy_server(checkpoint, waiting=1) as client:
+        # One request may wait for the running row; the one after it is refused.
         reply = client.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert reply.status == 503
         assert reply.headers.get("Retry-After") == "1"
@@ -146,11 +163,31 @@ def test_a_full_queue_is_answered_503_with_retry_after(checkpoint):
         )
         health = client.get("/health").json
         assert health["queued"] == 1 and health["active_rows"] == 1
-    finally:
-        running.close()  # frees the row: the waiting request runs and completes
-        if waiting is not None:
-            waiting.join(30)
-        gen.close()
+
+
+def test_a_full_queue_answers_the_messages_api_503_in_its_own_shape(checkpoint):
+    with busy_server(checkpoint, waiting=1) as client:
+        reply = client.post(
+            "/v1/messages",
+            {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert reply.status == 503
+        assert reply.headers.get("Retry-After") == "1"
+        assert reply.json["type"] == "error"
+        assert reply.json["error"]["type"] == "overloaded_error"
+
+
+def test_a_request_for_more_choices_than_the_queue_holds_queues_none_of_them(checkpoint):
+    with busy_server(checkpoint, waiting=0) as client:
+        # n=2 with room for one: the first choice was queued, the second refused.
+        reply = client.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 2})
+        assert reply.status == 503 and reply.headers.get("Retry-After") == "1"
+        worker = client.server.app.worker
+        deadline = time.monotonic() + 10
+        while worker.queued:  # the queued choice is cancelled, not left to run
+            assert time.monotonic() < deadline, "the first choice stayed queued"
+            time.sleep(0.01)
+        assert client.get("/health").json["active_rows"] == 1
 
 
 def test_health_reports_the_engine_settings(client):

@@ -115,8 +115,10 @@ def test_empty_stop_string_is_a_400(client):
     assert_error_body(reply, 400, param="stop")
 
 
-def test_more_than_one_choice_is_a_400(client):
-    assert_error_body(client.post("/v1/completions", {"prompt": PROMPT, "n": 2}), 400, param="n")
+@pytest.mark.parametrize("n", [0, 17])
+def test_a_choice_count_outside_1_to_16_is_a_400(client, n):
+    reply = client.post("/v1/completions", {"prompt": PROMPT, "n": n})
+    assert "[1, 16]" in assert_error_body(reply, 400, param="n")["message"]
 
 
 def test_top_logprobs_without_logprobs_is_a_400(client):

@@ -16,68 +16,106 @@ An application that embeds the engine and chooses its composition uses
 :class:`PluginHost`, :class:`PluginPolicy` and :class:`Registry` (more in
 :mod:`mlx_loom.host`). Family authors import from :mod:`mlx_loom.plugin`.
 Every error is in :mod:`mlx_loom.errors`.
+
+The names below are imported on first use (PEP 562): importing the package,
+or a light submodule such as the CLI's argument parser, does not pull in
+MLX, pydantic models, the tokenizer or the Hub client until something needs
+them, so ``loom --help`` stays a fraction of a second.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from __future__ import annotations
 
-try:
-    __version__ = version("mlx-loom")
-except PackageNotFoundError:  # running from a source tree without installing
-    __version__ = "0.0.0+unknown"
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
-from . import errors  # noqa: E402
-from .assets import BUNDLED_MODEL  # noqa: E402
-from .errors import LoomError, Refusal  # noqa: E402
-from .generate import (  # noqa: E402
-    BatchResponse,
-    BatchResult,
-    GenerationResponse,
-    PromptCache,
-    SamplingParams,
-    batch_generate,
-    generate,
-    stream_generate,
-)
+from . import errors
+from .assets import BUNDLED_MODEL
+from .errors import LoomError, Refusal
 
-# isort: split
-# After .generate: the engine uses the sampling modules of mlx_loom.generate,
-# whose package imports the engine's clients; importing .generate first keeps
-# that cycle resolvable whichever module a program imports first.
-from .engine import Engine, EngineSettings, make_request  # noqa: E402
-from .host import (  # noqa: E402
-    PluginHost,
-    PluginPolicy,
-    Registry,
-    default_host,
-    load,
-    resolve_model,
-)
-from .model import Model  # noqa: E402
-from .text import Tokenizer  # noqa: E402
+#: public name -> the submodule that defines it
+_LAZY = {
+    "BatchResponse": "generate",
+    "BatchResult": "generate",
+    "GenerationResponse": "generate",
+    "PromptCache": "generate",
+    "SamplingParams": "generate",
+    "batch_generate": "generate",
+    "generate": "generate",
+    "stream_generate": "generate",
+    "PluginHost": "host",
+    "PluginPolicy": "host",
+    "Registry": "host",
+    "default_host": "host",
+    "load": "host",
+    "resolve_model": "host",
+    "Model": "model",
+    "Tokenizer": "text",
+    "Engine": "engine",
+    "EngineSettings": "engine",
+    "make_request": "engine",
+}
 
-__all__ = [
-    "BUNDLED_MODEL",
-    "BatchResponse",
-    "BatchResult",
-    "Engine",
-    "EngineSettings",
-    "GenerationResponse",
-    "LoomError",
-    "Model",
-    "PluginHost",
-    "PluginPolicy",
-    "PromptCache",
-    "Refusal",
-    "Registry",
-    "SamplingParams",
-    "Tokenizer",
-    "__version__",
-    "batch_generate",
-    "default_host",
-    "errors",
-    "generate",
-    "load",
-    "make_request",
-    "resolve_model",
-    "stream_generate",
-]
+__all__ = ["BUNDLED_MODEL", "LoomError", "Refusal", "__version__", "errors", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            value = version("mlx-loom")
+        except PackageNotFoundError:  # running from a source tree without installing
+            value = "0.0.0+unknown"
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Keeps ``mlx_loom.generate`` the function when the submodule of that name loads.
+
+    Loading a submodule sets it as an attribute of its package; with eager
+    imports the function then overwrote it again. Lazily, the submodule may
+    load at any time, so the package declines to let it shadow the function
+    (the submodule stays importable: ``from mlx_loom.generate import ...``).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "generate" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+if TYPE_CHECKING:  # the same names, for type checkers and editors
+    from .engine import Engine, EngineSettings, make_request  # noqa: F401
+    from .generate import (  # noqa: F401
+        BatchResponse,
+        BatchResult,
+        GenerationResponse,
+        PromptCache,
+        SamplingParams,
+        batch_generate,
+        generate,
+        stream_generate,
+    )
+    from .host import (  # noqa: F401
+        PluginHost,
+        PluginPolicy,
+        Registry,
+        default_host,
+        load,
+        resolve_model,
+    )
+    from .model import Model  # noqa: F401
+    from .text import Tokenizer  # noqa: F401

@@ -19,12 +19,16 @@ The plugin policy's fix likewise depends on the policy's form: a deny list
 
 from __future__ import annotations
 
-import json
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-from .host._policy import POLICY_ENV, PluginPolicy
+from .bounded_json import parse_json
+from .errors import LoomError
+
+if TYPE_CHECKING:  # the host imports this module; importing the host here is a cycle
+    from .host._policy import PluginPolicy
 
 __all__ = ["allow_plugin_fix", "install_command"]
 
@@ -39,9 +43,11 @@ def _core_origin() -> tuple[Path, bool] | None:
         return None
     if not text:
         return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
+    try:  # pip wrote it, but it is a file on disk like any other: parse it bounded
+        data = parse_json(text, source="direct_url.json", error=LoomError, fix="")
+    except LoomError:
+        return None
+    if not isinstance(data, dict):
         return None
     url = urlparse(str(data.get("url", "")))
     if url.scheme != "file":
@@ -73,6 +79,8 @@ def install_command(plugin: str, distribution: str) -> str:
 
 
 def allow_plugin_fix(name: str, policy: PluginPolicy) -> str:
+    from .host._policy import POLICY_ENV
+
     """How to let ``policy`` load plugin ``name`` (which it currently blocks)."""
     if policy.mode == "deny":
         rest = ",".join(f"-{n}" for n in sorted(policy.names - {name}))

@@ -56,6 +56,10 @@ class TokenizerError(ArtifactError):
     """The tokenizer files are missing or unusable, or a chat template fails."""
 
 
+class TemplateBudgetExceeded(TokenizerError):
+    """A chat template ran past its time budget or tried to build too much text."""
+
+
 # --- bad input: requests ---------------------------------------------------
 
 
@@ -146,3 +150,8 @@ class KernelUnavailable(Refusal):
 
 class CapabilityRefused(Refusal):
     """A request method (KV quantization, batching, speculation ...) is not supported."""
+
+
+class ToolParserUnavailable(Refusal):
+    """A tool-call parser was asked for by name and none is registered under it,
+    or tools were sent to a model for which no tool-call format is known."""

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import mlx.nn as nn
 
     from .artifacts import ArtifactConfig
+    from .cpu.path import CpuPath
     from .engine import EngineService
     from .host import Binding, Implementation, Profile
 
@@ -87,6 +88,7 @@ class Model:
         config: ArtifactConfig,
         model_dir: Path,
         profile_reason: str = "",
+        cpu_path: CpuPath | None = None,
     ) -> None:
         if not isinstance(module, CausalLM):
             raise TypeError(
@@ -98,6 +100,9 @@ class Model:
         self.config = config
         self.model_dir = model_dir
         self.profile_reason = profile_reason
+        #: The compute dtype and CPU kernel set it runs with (``None`` when
+        #: built outside :func:`mlx_loom.load`).
+        self.cpu_path = cpu_path
         mx.eval(_arrays(module, constants_only=True))
         self._engine_lock = threading.Lock()
         self._engine: Any = None
@@ -175,5 +180,11 @@ class Model:
     def __repr__(self) -> str:
         return (
             f"Model(model_type={self.model_type!r}, profile={self.profile.id!r}, "
-            f"implementation={self.implementation.id!r}, backend={self.backend!r})"
+            f"implementation={self.implementation.id!r}, backend={self.backend!r}"
+            + (
+                f", compute_dtype={self.cpu_path.compute_dtype!r}, "
+                f"cpu_kernels={self.cpu_path.kernel_set!r})"
+                if self.cpu_path is not None
+                else ")"
+            )
         )

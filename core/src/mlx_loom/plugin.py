@@ -28,7 +28,10 @@ else in the core is a contract for plugins. A whole plugin module reads::
 
 The core derives the implementation (id = graph id) and the family profile
 (``"mydecoder/decoder"``) from the declaration. :class:`Implementation` and
-exact-artifact :class:`Profile` values tune one published artifact.
+exact-artifact :class:`Profile` values tune one published artifact. A plugin
+whose models write tool calls in markup the core does not know registers a
+:class:`ToolParser` (``loom_tool_parsers``); a :class:`ModelType` names its
+format with ``tool_parser``.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from .host import (
     hookimpl,
 )
 from .model import CausalLM
+from .text.tool_calls import MalformedToolCall, ToolCall, ToolParser
 
 __all__ = [
     "BATCH",
@@ -93,11 +97,14 @@ __all__ = [
     "Implementation",
     "Kernel",
     "LayerCount",
+    "MalformedToolCall",
     "ModelType",
     "PositiveFloat",
     "Profile",
     "RequestError",
     "Size",
+    "ToolCall",
+    "ToolParser",
     "UnitFloat",
     "WeightsError",
     "hookimpl",

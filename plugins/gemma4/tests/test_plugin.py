@@ -42,7 +42,8 @@ def test_the_cuda_registration_is_the_ops_kernel_that_runs_here():
 def _core_forward(path, prompt):
     from mlx_loom.host import build_model, resolve_model
 
-    resolved = resolve_model(path)
+    # MLX operations in the checkpoint's dtype: the plugin's own arithmetic, bit for bit.
+    resolved = resolve_model(path, compute_dtype="checkpoint", cpu_kernels="cpu-ops")
     assert resolved.summary.implementation == "gemma4.text"
     model = build_model(resolved)
     return model(prompt, cache=model.make_cache())

@@ -93,7 +93,9 @@ def write_checkpoint(directory: Path, cfg: dict[str, Any], tensors: dict[str, mx
 
 
 def load_ours(path: Path) -> Any:
-    return build_model(resolve_model(path))
+    # The checkpoint's dtype on MLX operations: the oracle's own arithmetic,
+    # so parity is bit-equal (the CPU paths have their own parity tests).
+    return build_model(resolve_model(path, compute_dtype="checkpoint", cpu_kernels="cpu-ops"))
 
 
 def load_oracle(path: Path) -> Any:

@@ -171,7 +171,11 @@ def write_checkpoint(
 
 def load_ours(path: Path) -> Model:
     """The plugin's graph as ``mlx_loom.load`` builds it (core resolution, kernels, loader)."""
-    return build_model(resolve_model(path)).module
+    # The checkpoint's dtype on MLX operations: the oracle's own arithmetic, so
+    # parity is bit-equal (the CPU compute paths have their own parity tests).
+    return build_model(
+        resolve_model(path, compute_dtype="checkpoint", cpu_kernels="cpu-ops")
+    ).module
 
 
 def load_reference(path: Path):

@@ -19,7 +19,6 @@ learns which layout it was given.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -39,6 +38,7 @@ from pydantic import (
 
 from mlx_loom.artifacts.fields import FieldError
 from mlx_loom.artifacts.quantization import QuantizationConfig, parse_quantization
+from mlx_loom.bounded_json import CONFIG_JSON, read_json_file
 from mlx_loom.errors import ConfigError
 
 __all__ = [
@@ -218,27 +218,22 @@ def read_config(model_dir: str | os.PathLike[str]) -> ArtifactConfig:
     """Read and check ``model_dir/config.json``.
 
     Raises :class:`ConfigError` naming the file and, for a malformed file, the
-    line and column; for a bad field, the field.
+    line and column; for a bad field, the field. The JSON is parsed within
+    :data:`~mlx_loom.bounded_json.CONFIG_JSON` (size, nesting, integer length).
     """
     path = Path(model_dir) / CONFIG_FILE
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = read_json_file(
+            path,
+            error=ConfigError,
+            fix=f"repair {CONFIG_FILE} (or re-download the checkpoint)",
+            limits=CONFIG_JSON,
+        )
     except FileNotFoundError:
         raise ConfigError(
             f"{path} does not exist",
             fix=f"point at a model directory that contains {CONFIG_FILE}",
         ) from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(
-            f"{path} cannot be read: {err}", fix="re-download the checkpoint"
-        ) from err
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError(
-            f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}",
-            fix=f"repair {CONFIG_FILE} (or re-download the checkpoint)",
-        ) from err
     if not isinstance(raw, dict):
         raise ConfigError(
             f"{path}: the top level is a JSON {type(raw).__name__}, not an object",

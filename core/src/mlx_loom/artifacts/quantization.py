@@ -198,7 +198,8 @@ def apply_quantization(
     installs the checkpoint's arrays in the dtype they were stored in.
 
     Returns the paths of the swapped modules. Raises :class:`WeightsError`
-    listing every module where checkpoint and config disagree.
+    listing every module where checkpoint and config disagree, and when the
+    config declares quantization but no module has scales at all.
     """
     plan: dict[str, QuantSpec] = {}
     problems: list[str] = []
@@ -239,6 +240,18 @@ def apply_quantization(
             continue
         plan[path] = spec
 
+    if qconfig is not None and not plan and not problems:
+        # A quantization claim with nothing quantized behind it: a float
+        # checkpoint whose config was copied from a quantized one (or the
+        # reverse). Loading it would run a different model than its config says.
+        spec = qconfig.default
+        raise WeightsError(
+            f"config.json's {qconfig.source_key!r} declares {spec.bits}-bit, group "
+            f"{spec.group_size} quantization, but no module of the checkpoint has scales: "
+            "its weights are not quantized",
+            fix=f"remove {qconfig.source_key!r} from config.json if this is an unquantized "
+            "checkpoint, or use the quantized checkpoint the config describes",
+        )
     if problems:
         raise WeightsError(
             f"quantized tensors and the config's quantization disagree "

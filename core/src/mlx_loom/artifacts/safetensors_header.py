@@ -17,7 +17,9 @@ tensor and the rule):
 
 * the file holds at least the 8-byte prefix; ``2 <= N <= min(file_size - 8,
   100 MiB)``;
-* the header is UTF-8, a JSON object, without duplicate keys;
+* the header is UTF-8, a JSON object, without duplicate keys, parsed within
+  the nesting and integer-length bounds of :mod:`mlx_loom.bounded_json` (so
+  MLX's own parser, which reads the header again, never sees deep JSON);
 * every tensor has a dtype MLX can load, a shape of non-negative integers and
   ``data_offsets = [begin, end]`` with ``0 <= begin <= end`` and
   ``end - begin == numel * itemsize``;
@@ -33,7 +35,6 @@ tensor and the rule):
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -44,6 +45,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_loom.bounded_json import JsonLimits, parse_json
 from mlx_loom.errors import SafetensorsHeaderError
 
 __all__ = [
@@ -58,6 +60,11 @@ __all__ = [
 #: tensor (a 1,000-tensor shard is ~150 KB); the reference implementation uses
 #: the same 100 MB-scale cap. Anything larger is refused before it is read.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+#: The header's JSON: bounded in size by :data:`MAX_HEADER_BYTES` (checked
+#: before it is read); a header is three levels deep (entry, field, list), so
+#: the nesting and integer bounds are the standard ones.
+HEADER_JSON = JsonLimits(max_bytes=MAX_HEADER_BYTES)
 
 _FIX = "the file is truncated or corrupt; re-download it (or re-convert the checkpoint)"
 
@@ -194,17 +201,16 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         raise fail(f"header is truncated: read {len(raw)} of {header_len} bytes")
 
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise fail(f"header is not valid UTF-8 (byte {err.start})") from err
-    try:
-        header = json.loads(text, object_pairs_hook=_no_duplicates)
+        header = parse_json(
+            raw,
+            source=f"{path}: header",
+            error=SafetensorsHeaderError,
+            fix=_FIX,
+            limits=HEADER_JSON,
+            object_pairs_hook=_no_duplicates,
+        )
     except _DuplicateKey as dup:
         raise fail(f"header repeats the key {dup.key!r}; keys must be unique") from None
-    except json.JSONDecodeError as err:
-        raise fail(
-            f"header is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})"
-        ) from err
     if not isinstance(header, dict):
         raise fail(f"header is a JSON {type(header).__name__}, not an object")
 

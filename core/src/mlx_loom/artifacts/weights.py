@@ -8,7 +8,6 @@ its data. :func:`load_weights` validates every header first and only then asks
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from mlx_loom.artifacts.safetensors_header import (
     TensorInfo,
     read_safetensors_header,
 )
+from mlx_loom.bounded_json import read_json_file
 from mlx_loom.errors import WeightsError
 
 __all__ = [
@@ -59,17 +59,12 @@ def _capped(items: list[str]) -> str:
 
 def _read_index(model_dir: Path) -> dict[str, str] | None:
     index_path = model_dir / INDEX_FILE
-    if not index_path.exists():
-        return None
     try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise WeightsError(
-            f"{index_path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}",
-            fix="re-download the checkpoint's index file",
-        ) from err
-    except (OSError, UnicodeDecodeError) as err:
-        raise WeightsError(f"{index_path} cannot be read: {err}", fix="re-download it") from err
+        index = read_json_file(
+            index_path, error=WeightsError, fix="re-download the checkpoint's index file"
+        )
+    except FileNotFoundError:  # an unsharded checkpoint has no index
+        return None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()

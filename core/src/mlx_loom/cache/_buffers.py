@@ -11,6 +11,7 @@ a quantized cache's output equals the plain cache's output quantized.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -149,16 +150,22 @@ def parse_meta(meta_state: Any, names: Sequence[str], *, owner: str) -> list[int
             f"({', '.join(names)}); found {meta_state!r}",
             fix="recreate the cache state with this version of mlx-loom",
         )
-    out = []
-    for name, raw in zip(names, meta_state, strict=True):
-        try:
-            out.append(int(raw))
-        except (TypeError, ValueError):
-            raise CacheError(
-                f"{owner}.from_state: meta_state field {name!r} is {raw!r}, not an integer",
-                fix="recreate the cache state with this version of mlx-loom",
-            ) from None
-    return out
+    return [
+        parse_count(raw, name=name, owner=owner)
+        for name, raw in zip(names, meta_state, strict=True)
+    ]
+
+
+def parse_count(raw: Any, *, name: str, owner: str) -> int:
+    """A ``meta_state`` count: 1-18 ASCII digits (so it fits int64; no sign, no spaces)."""
+    if not isinstance(raw, str) or not re.fullmatch(r"[0-9]{1,18}", raw):
+        shown = raw if not isinstance(raw, str) or len(raw) <= 40 else raw[:37] + "..."
+        raise CacheError(
+            f"{owner}.from_state: meta_state field {name!r} is {shown!r}, not a "
+            "non-negative integer",
+            fix="recreate the cache state with this version of mlx-loom",
+        )
+    return int(raw)
 
 
 def check_state_len(state: Any, allowed: Sequence[int], *, owner: str) -> tuple[mx.array, ...]:

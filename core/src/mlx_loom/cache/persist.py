@@ -1,9 +1,10 @@
-"""Saving and loading prompt caches as ``.safetensors`` files.
+"""Saving and loading prompt caches as ``.safetensors`` files, verified before use.
 
 The arrays of each layer's cache ``state`` are stored as tensors named
 ``"<layer>.<i>"``; everything else (the cache kind, its ``meta_state``
-strings, the array count, the caller's metadata) is one JSON document in the
-file's metadata, validated with a pydantic model on load.
+strings, the array count, the caller's metadata, a checksum) is one JSON
+document in the file's metadata, validated with a bounded pydantic model on
+load.
 
 Unlike mlx-lm, which turns a class name from the file into code through
 ``globals()``, a file may only name a cache kind from a fixed table of
@@ -12,42 +13,122 @@ caller passes — :class:`mlx_loom.PromptCache` passes its model's registry
 table, which adds the kinds plugins registered); any other name is a
 :class:`~mlx_loom.errors.CacheError`. A hostile file therefore cannot choose
 what code runs on load.
+
+Loading checks, in this order, each failure a ``CacheError`` naming the file:
+
+1. the safetensors header (size, nesting, tensors tiling the file exactly),
+   so nothing past the end of the file is ever allocated;
+2. our header: bounded JSON, then bounded fields (at most
+   :data:`MAX_LAYERS` layers, :data:`MAX_ARRAYS_PER_LAYER` arrays each, short
+   ``meta_state`` strings), and the array counts against the tensors the file
+   really holds — a header claiming ``n_arrays = 10**9`` fails here, before
+   anything is built;
+3. the checksum: SHA-256 over our header and every tensor's name, dtype,
+   shape and bytes, written by :func:`save_prompt_cache`. A bit flip or a
+   truncated write anywhere in the body is caught. (It detects corruption, not
+   forgery: anyone can write a consistent file, which is why checks 1-2 and the
+   kind table do not trust it.)
+
+Files of format version 1 (before the checksum) are refused with the fix
+"rebuild the cache": without a checksum their body cannot be verified, and a
+prompt cache is cheap to rebuild. Saving writes a temporary file beside the
+target and renames it into place, so an interrupted save never leaves a
+half-written cache.
+
+Whether the caches fit a particular model (layers, kinds, heads, head_dim,
+dtype, window) is checked by :mod:`mlx_loom.cache.geometry` when a
+:class:`~mlx_loom.generate.PromptCache` is loaded for that model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import mlx.core as mx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from mlx_loom.errors import CacheError
+from mlx_loom.artifacts.safetensors_header import (
+    SafetensorsHeader,
+    read_safetensors_header,
+)
+from mlx_loom.artifacts.weights import tensor_signature
+from mlx_loom.bounded_json import JsonLimits, parse_json
+from mlx_loom.errors import CacheError, SafetensorsHeaderError
 
 __all__ = ["kind_table", "load_prompt_cache", "save_prompt_cache"]
 
 HEADER_KEY = "mlx_loom.prompt_cache"
-FORMAT_VERSION = 1
+FORMAT = "mlx-loom-prompt-cache"
+FORMAT_VERSION = 2
+
+#: More layers than any published model has (the deepest have ~120).
+MAX_LAYERS = 4096
+#: A cache kind's state holds a handful of arrays (a quantized window: six).
+MAX_ARRAYS_PER_LAYER = 16
+_MAX_META = 16  # meta_state strings per layer
+_MAX_META_CHARS = 64
+_MAX_KIND_CHARS = 128
+_CHECKSUM_PREFIX = "sha256:"
+_READ_CHUNK = 1 << 20
+# The header is a few levels deep; its size is bounded by the safetensors header's.
+_HEADER_JSON = JsonLimits(max_bytes=None)
+_REBUILD = "rebuild the prompt cache (save it again from a live PromptCache)"
+
+_MetaString = Annotated[str, StringConstraints(max_length=_MAX_META_CHARS)]
 
 
 class _Layer(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    kind: str
-    meta_state: list[str]
-    n_arrays: int = Field(ge=0)
+    kind: Annotated[str, StringConstraints(min_length=1, max_length=_MAX_KIND_CHARS)]
+    meta_state: list[_MetaString] = Field(max_length=_MAX_META)
+    n_arrays: int = Field(ge=0, le=MAX_ARRAYS_PER_LAYER)
 
 
 class _Header(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     format: Literal["mlx-loom-prompt-cache"]
-    version: Literal[1]
-    layers: list[_Layer]
+    version: Literal[2]
+    layers: list[_Layer] = Field(max_length=MAX_LAYERS)
     metadata: dict[str, str]
+    checksum: Annotated[str, StringConstraints(pattern=r"^sha256:[0-9a-f]{64}$")]
+
+    def tensor_names(self) -> list[str]:
+        """The tensors this header describes, in checksum order."""
+        return [f"{i}.{j}" for i, layer in enumerate(self.layers) for j in range(layer.n_arrays)]
+
+
+def _canonical(header: _Header) -> bytes:
+    body = header.model_dump(exclude={"checksum"})
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _tensor_line(name: str, dtype: str, shape: Sequence[int]) -> bytes:
+    return f"\n{name} {dtype} {list(shape)}\n".encode()
+
+
+def array_checksum(header: _Header, arrays: Mapping[str, mx.array]) -> str:
+    """The checksum a file with ``header`` and ``arrays`` carries (``"sha256:<hex>"``).
+
+    The same digest :func:`load_prompt_cache` computes from the file's bytes:
+    our header (without the checksum), then per tensor in header order its
+    name, safetensors dtype, shape and raw bytes.
+    """
+    digest = hashlib.sha256(_canonical(header))
+    for name in header.tensor_names():
+        array = mx.contiguous(arrays[name])
+        mx.eval(array)
+        shape, code = tensor_signature(array)
+        digest.update(_tensor_line(name, code, shape))
+        digest.update(memoryview(array))
+    return _CHECKSUM_PREFIX + digest.hexdigest()
 
 
 def kind_table(*classes: type) -> Mapping[str, type]:
@@ -100,7 +181,7 @@ def save_prompt_cache(
     *,
     kinds: Mapping[str, type] | None = None,
 ) -> None:
-    """Write ``caches`` (one per layer) and string ``metadata`` to ``path``.
+    """Write ``caches`` (one per layer) and string ``metadata`` to ``path``, with a checksum.
 
     Only registered kinds are written, so every saved file can be loaded.
     """
@@ -132,75 +213,161 @@ def save_prompt_cache(
                     f"{type(a).__name__}, not an mx.array",
                     fix="a cache's state must hold only arrays (strings go in meta_state)",
                 )
-            arrays[f"{i}.{j}"] = a
+            arrays[f"{i}.{j}"] = mx.contiguous(a)
         layers.append(_Layer(kind=kind, meta_state=list(cache.meta_state), n_arrays=len(state)))
-    header = _Header(
-        format="mlx-loom-prompt-cache", version=FORMAT_VERSION, layers=layers, metadata=meta
-    )
-    mx.save_safetensors(str(path), arrays, {HEADER_KEY: header.model_dump_json()})
+    try:
+        header = _Header(
+            format=FORMAT,
+            version=FORMAT_VERSION,
+            layers=layers,
+            metadata=meta,
+            checksum=_CHECKSUM_PREFIX + "0" * 64,
+        )
+    except ValidationError as err:
+        raise CacheError(
+            f"save_prompt_cache: the caches cannot be described in a prompt-cache file: "
+            f"{_first_error(err)}",
+            fix=f"save at most {MAX_LAYERS} layers of registered kinds",
+        ) from None
+    header = header.model_copy(update={"checksum": array_checksum(header, arrays)})
+    # mx.save_safetensors appends ".safetensors" to names without it, so the
+    # temporary name keeps the suffix.
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
+    try:
+        mx.save_safetensors(str(tmp), arrays, {HEADER_KEY: header.model_dump_json()})
+        os.replace(tmp, path)
+    except OSError as err:
+        raise CacheError(
+            f"save_prompt_cache: cannot write {str(path)!r}: {err.strerror or err}",
+            fix="choose a writable path with enough free space",
+        ) from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_prompt_cache(
     path: str | Path, *, kinds: Mapping[str, type] | None = None
 ) -> tuple[list[Any], dict[str, str]]:
-    """Read a file written by :func:`save_prompt_cache`: ``(caches, metadata)``."""
+    """Read and verify a file written by :func:`save_prompt_cache`: ``(caches, metadata)``."""
     path = _check_path(path, what="load_prompt_cache")
     table = _default_kinds(kinds)
+    where = f"load_prompt_cache: {str(path)!r}"
     if not path.is_file():
         raise CacheError(
-            f"load_prompt_cache: {str(path)!r} does not exist",
+            f"{where} does not exist",
             fix="pass the path of a prompt cache saved with save_prompt_cache",
         )
-    # Validate the header ourselves first: a hostile length or offset must fail
-    # before MLX allocates anything.
-    from mlx_loom.artifacts.safetensors_header import read_safetensors_header
-    from mlx_loom.errors import SafetensorsHeaderError
-
+    # Validate the safetensors header ourselves first: a hostile length or
+    # offset must fail before MLX allocates anything.
     try:
-        read_safetensors_header(path)
+        file_header = read_safetensors_header(path)
     except SafetensorsHeaderError as err:
+        raise CacheError(f"load_prompt_cache: {err.message}", fix=_REBUILD) from None
+    header = _read_header(file_header, where)
+    names = header.tensor_names()  # bounded: MAX_LAYERS * MAX_ARRAYS_PER_LAYER
+    if set(names) != set(file_header.tensors):
+        missing = sorted(set(names) - set(file_header.tensors))
+        extra = sorted(set(file_header.tensors) - set(names))
         raise CacheError(
-            f"load_prompt_cache: {err.message}", fix="re-save the prompt cache"
-        ) from None
+            f"{where}: its tensors do not match its header "
+            f"(missing {missing[:5]}, unexpected {extra[:5]})",
+            fix="the file was altered or truncated; " + _REBUILD,
+        )
+    _verify_checksum(path, file_header, header, names, where)
     try:
-        arrays, file_meta = mx.load(str(path), return_metadata=True)
+        arrays = mx.load(str(path), format="safetensors")
     except (RuntimeError, ValueError, OSError) as err:
         raise CacheError(
-            f"load_prompt_cache: {str(path)!r} is not a readable .safetensors file ({err})",
-            fix="re-save the prompt cache; the file is truncated or corrupt",
+            f"{where} is not a readable .safetensors file ({err})",
+            fix="the file is truncated or corrupt; " + _REBUILD,
         ) from None
-    raw = file_meta.get(HEADER_KEY)
-    if raw is None:
-        raise CacheError(
-            f"load_prompt_cache: {str(path)!r} has no {HEADER_KEY!r} metadata entry, so it "
-            "is not an mlx-loom prompt cache",
-            fix="save prompt caches with mlx_loom.cache.save_prompt_cache",
-        )
-    try:
-        header = _Header.model_validate(json.loads(raw))
-    except (json.JSONDecodeError, ValidationError) as err:
-        raise CacheError(
-            f"load_prompt_cache: the {HEADER_KEY!r} metadata of {str(path)!r} is malformed: {err}",
-            fix="re-save the prompt cache with this version of mlx-loom",
-        ) from None
-    expected = {f"{i}.{j}" for i, layer in enumerate(header.layers) for j in range(layer.n_arrays)}
-    if set(arrays) != expected:
-        missing = sorted(expected - set(arrays))
-        extra = sorted(set(arrays) - expected)
-        raise CacheError(
-            f"load_prompt_cache: tensors of {str(path)!r} do not match its header "
-            f"(missing {missing[:5]}, unexpected {extra[:5]})",
-            fix="re-save the prompt cache; the file was altered or truncated",
-        )
     caches = []
     for i, layer in enumerate(header.layers):
         cls = table.get(layer.kind)
         if cls is None:
             raise CacheError(
-                f"load_prompt_cache: layer {i} of {str(path)!r} names cache kind "
-                f"{layer.kind!r}, which is not registered ({', '.join(sorted(table))})",
+                f"{where}: layer {i} names cache kind {layer.kind!r}, which is not "
+                f"registered ({', '.join(sorted(table))})",
                 fix="install the package that provides this cache kind, or re-create the cache",
             )
         state = [arrays[f"{i}.{j}"] for j in range(layer.n_arrays)]
-        caches.append(cls.from_state(state, layer.meta_state))
+        try:
+            caches.append(cls.from_state(state, layer.meta_state))
+        except CacheError as err:
+            raise CacheError(f"{where}: layer {i}: {err.message}", fix=_REBUILD) from None
+        except (ValueError, TypeError, IndexError, RuntimeError) as err:
+            raise CacheError(
+                f"{where}: layer {i} ({layer.kind}) cannot be restored from its state: "
+                f"{type(err).__name__}: {err}",
+                fix=_REBUILD,
+            ) from None
     return caches, dict(header.metadata)
+
+
+def _first_error(err: ValidationError) -> str:
+    item = err.errors()[0]
+    loc = ".".join(str(p) for p in item["loc"]) or "<root>"
+    return f"{loc}: {item['msg']}"
+
+
+def _read_header(file_header: SafetensorsHeader, where: str) -> _Header:
+    raw = file_header.metadata.get(HEADER_KEY)
+    if raw is None:
+        raise CacheError(
+            f"{where} has no {HEADER_KEY!r} metadata entry, so it is not an mlx-loom prompt cache",
+            fix="save prompt caches with mlx_loom.cache.save_prompt_cache",
+        )
+    fix = "the file was altered or written by another program; " + _REBUILD
+    doc = parse_json(
+        raw,
+        source=f"{where}: the {HEADER_KEY!r} metadata",
+        error=CacheError,
+        fix=fix,
+        limits=_HEADER_JSON,
+    )
+    if isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("version") == 1:
+        raise CacheError(
+            f"{where} is a version 1 prompt cache, written before prompt-cache files "
+            "carried a checksum, so its contents cannot be verified",
+            fix=_REBUILD,
+        )
+    try:
+        return _Header.model_validate(doc)
+    except ValidationError as err:
+        raise CacheError(
+            f"{where}: the {HEADER_KEY!r} metadata is malformed "
+            f"({err.error_count()} problem(s); first: {_first_error(err)})",
+            fix=fix,
+        ) from None
+
+
+def _verify_checksum(
+    path: Path, file_header: SafetensorsHeader, header: _Header, names: list[str], where: str
+) -> None:
+    """Hash the body straight from the file (bounded reads) and compare with the header."""
+    digest = hashlib.sha256(_canonical(header))
+    try:
+        with open(path, "rb") as fh:
+            for name in names:
+                info = file_header.tensors[name]
+                begin, end = info.data_offsets  # type: ignore[misc]
+                digest.update(_tensor_line(name, info.dtype, info.shape))
+                fh.seek(file_header.data_start + begin)
+                left = end - begin
+                while left:
+                    chunk = fh.read(min(left, _READ_CHUNK))
+                    if not chunk:
+                        raise CacheError(
+                            f"{where} ends inside tensor {name!r}",
+                            fix="the file is truncated; " + _REBUILD,
+                        )
+                    digest.update(chunk)
+                    left -= len(chunk)
+    except OSError as err:
+        raise CacheError(f"{where} cannot be read: {err.strerror or err}", fix=_REBUILD) from None
+    if _CHECKSUM_PREFIX + digest.hexdigest() != header.checksum:
+        raise CacheError(
+            f"{where}: its contents do not match the checksum it was saved with; the file "
+            "is corrupt (a flipped bit, a partial copy) or was edited",
+            fix=_REBUILD,
+        )

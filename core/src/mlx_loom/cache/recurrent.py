@@ -46,6 +46,7 @@ from typing import ClassVar
 
 import mlx.core as mx
 
+from mlx_loom.cache._buffers import parse_count
 from mlx_loom.errors import CacheError, CacheNotTrimmable
 
 __all__ = ["RecurrentCache", "ReplayFn"]
@@ -536,13 +537,7 @@ class RecurrentCache:
         if rows:
             cache._offset = arrays[2].astype(mx.int32)
         else:
-            try:
-                cache._offset = int(meta[0])
-            except ValueError:
-                raise CacheError(
-                    f"{cls.kind}.from_state: meta_state offset {meta[0]!r} is not an integer",
-                    fix="pass the meta_state of a saved RecurrentCache unchanged",
-                ) from None
+            cache._offset = parse_count(meta[0], name="offset", owner=cls.kind)
         return cache
 
     def __repr__(self) -> str:

@@ -325,6 +325,17 @@ class RotatingBase:
         return (str(self.keep), str(self.max_size), str(self.offset), str(self._idx))
 
     def _restore_window(self, arrays: tuple[mx.array, ...], offset: int, idx: int) -> None:
+        # Positions that no saved window can have would index past the buffer
+        # on the next write: slots in use never exceed tokens seen, and the
+        # write index never passes the slots in use.
+        slots = arrays[0].shape[2] if arrays and arrays[0].ndim == 4 else 0
+        if not idx <= slots <= offset or any(a.ndim != 4 or a.shape[2] != slots for a in arrays):
+            raise CacheError(
+                f"{self.kind}.from_state: offset={offset}, idx={idx} and arrays of shapes "
+                f"{[tuple(a.shape) for a in arrays]} do not describe a window "
+                "(need idx <= slots <= offset, every array [B, H, slots, D])",
+                fix="recreate the cache state with this version of mlx-loom",
+            )
         if arrays:
             half = len(arrays) // 2
             k, v = arrays[:half], arrays[half:]

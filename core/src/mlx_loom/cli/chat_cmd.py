@@ -17,7 +17,13 @@ from ..model import Model
 from . import flags
 from .chat_session import COMMANDS, ChatSession
 from .flags import usage_error
-from .generate_cmd import add_model_options, add_sampling_options, load_from_args, sampling_kwargs
+from .generate_cmd import (
+    add_model_options,
+    add_sampling_options,
+    load_from_args,
+    sampling_kwargs,
+    template_budget_from_args,
+)
 from .repl import HISTORY_ENV, EndOfInput, LineReader, default_history_path
 from .speculation import add_speculation_options, speculation_kwargs
 
@@ -79,6 +85,7 @@ def context_budget(args: argparse.Namespace, model: Model) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    template_budget = template_budget_from_args(args)
     model, tokenizer = load_from_args(args)
     if not tokenizer.has_chat_template:
         raise TokenizerError(
@@ -96,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         name=name,
         system=args.system,
         stats=args.stats,
+        template_budget=template_budget,
     )
     interactive = sys.stdin.isatty()
     history = None if args.no_history else (args.history_file or default_history_path())

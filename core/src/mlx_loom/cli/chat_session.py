@@ -14,6 +14,7 @@ afresh. Either way the partial answer is kept: it is what the user saw.
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from typing import Any, TextIO
 from ..errors import LoomError
 from ..generate import PromptCache, stream_generate
 from ..model import Model
-from ..text import Tokenizer
+from ..text import TemplateBudget, Tokenizer
 from .conversation import Conversation
 from .flags import speak_flags
 from .generate_cmd import print_stats
@@ -73,9 +74,15 @@ class ChatSession:
         stats: bool = False,
         out: TextIO | None = None,
         err: TextIO | None = None,
+        template_budget: TemplateBudget | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        # Each turn renders the whole conversation: under this budget (a turn
+        # past it is reported and dropped, like any other refused turn).
+        self.encode_chat = functools.partial(
+            tokenizer.encode_chat, template_budget=template_budget or TemplateBudget.from_env()
+        )
         self.options = options
         self.budget = budget
         self.name = name
@@ -113,9 +120,7 @@ class ChatSession:
         conversation.add("user", text)
         asked = self.options["max_tokens"]
         try:
-            plan = conversation.plan(
-                self.tokenizer.encode_chat, budget=self.budget, max_tokens=asked
-            )
+            plan = conversation.plan(self.encode_chat, budget=self.budget, max_tokens=asked)
             stream = stream_generate(
                 self.model,
                 self.tokenizer,

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..bounded_json import JsonLimits, read_json_file
 from ..errors import RequestError
 
 __all__ = [
@@ -192,22 +193,15 @@ class Conversation:
 
 def _read_saved(path: Path) -> SavedConversation:
     fix = "Pass a file written by /save: JSON with a 'messages' list of {role, content}."
+    # Bounded like every JSON the engine reads: size before reading, nesting,
+    # containers and integer length before parsing, text that is valid Unicode.
+    limits = JsonLimits(max_bytes=MAX_CONVERSATION_BYTES, allow_lone_surrogates=False)
     try:
-        size = path.stat().st_size
-        if size > MAX_CONVERSATION_BYTES:
-            raise RequestError(
-                f"{path} is {size} bytes; a conversation file may be at most "
-                f"{MAX_CONVERSATION_BYTES} bytes.",
-                fix=fix,
-            )
-        data: Any = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as err:
+        data: Any = read_json_file(path, error=RequestError, fix=fix, limits=limits)
+    except FileNotFoundError as err:
         raise RequestError(
             f"Cannot read {path}: {err.strerror or err}.", fix="Check the path."
         ) from err
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
-        raise RequestError(f"{path} is not valid JSON ({reason}).", fix=fix) from None
     if isinstance(data, list):
         data = {"messages": data}
     if not isinstance(data, dict):

@@ -7,6 +7,7 @@ import json
 
 from ..artifacts.summary import summarize_artifact
 from ..host import PluginHost, resolve_model
+from .generate_cmd import add_cpu_path_options
 from .models_cmd import human_bytes, human_count
 
 
@@ -25,12 +26,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--kernel-backend", choices=["metal", "cuda", "cpu"], help="pin the kernel backend"
     )
+    add_cpu_path_options(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(handler=run, _parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    resolved = resolve_model(args.model, host=PluginHost(), kernel_backend=args.kernel_backend)
+    resolved = resolve_model(
+        args.model,
+        host=PluginHost(),
+        kernel_backend=args.kernel_backend,
+        compute_dtype=args.compute_dtype,
+        cpu_kernels=args.cpu_kernels,
+    )
     summary = resolved.summary
     weights = summarize_artifact(resolved.model_dir, resolved.config)
     if args.json:
@@ -50,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         ("implementation", summary.implementation),
         ("graph / loader / loop", f"{summary.graph} / {summary.loader} / {summary.loop}"),
         ("kernel backend", summary.backend),
+        ("compute dtype", f"{summary.cpu.compute_dtype}  ({summary.cpu.compute_dtype_reason})"),
+        ("cpu kernels", summary.cpu.describe_kernels()),
         ("capabilities", ", ".join(summary.capabilities) or "-"),
         ("config fingerprint", summary.config_fingerprint),
         ("artifact fingerprint", summary.artifact_fingerprint),

@@ -23,8 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ..cache._buffers import KV_BITS, KV_GROUP_SIZES
 from ..errors import UsageError
+
+#: mlx_loom.cache's KV_BITS and KV_GROUP_SIZES, restated so that building the
+#: parser does not import MLX (a test keeps them equal).
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
 
 __all__ = [
     "API_FLAGS",
@@ -227,6 +231,8 @@ API_FLAGS: dict[str, str] = {
     "draft": "--draft",
     "num_draft_tokens": "--num-draft-tokens",
     "kernel_backend": "--kernel-backend",
+    "compute_dtype": "--compute-dtype",
+    "cpu_kernels": "--cpu-kernels",
     "max_kv_size": "--max-kv-size",
     "max_tokens_limit": "--max-tokens-limit",
 }

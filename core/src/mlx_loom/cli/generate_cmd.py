@@ -14,11 +14,25 @@ from ..assets import BUNDLED_MODEL_ALIAS
 from ..generate import stream_generate
 from ..host import load
 from ..model import Model
+from ..text.template_budget import ENV_MAX_OUTPUT, ENV_TIMEOUT, TemplateBudget
 from . import flags
 from .flags import usage_error
 from .speculation import add_speculation_options, speculation_kwargs
 
 DEFAULT_PROMPT = "Once upon a time"
+TEMPLATE_TIMEOUT = flags.finite(
+    "--template-timeout",
+    check=lambda v: 0 < v <= 3600,
+    valid="a number of seconds in (0, 3600]",
+    fix="pass a time such as {flag} 5",
+)
+TEMPLATE_MAX_OUTPUT = flags.integer(
+    "--template-max-output",
+    low=1,
+    high=1 << 31,
+    valid="a number of characters >= 1",
+    fix="pass a size such as {flag} 4194304",
+)
 #: The group size mlx-lm and the API default to; the CLI prefers it when it fits.
 PREFERRED_KV_GROUP_SIZE = 64
 
@@ -33,6 +47,41 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kernel-backend", choices=["metal", "cuda", "cpu"], help="pin the kernel backend"
+    )
+    add_cpu_path_options(parser)
+    group = parser.add_argument_group("chat template budget")
+    group.add_argument(
+        "--template-timeout",
+        type=TEMPLATE_TIMEOUT,
+        metavar="SECONDS",
+        help=f"time one chat-template render may take (default: {ENV_TIMEOUT} or 1)",
+    )
+    group.add_argument(
+        "--template-max-output",
+        type=TEMPLATE_MAX_OUTPUT,
+        metavar="CHARS",
+        help=f"longest prompt text a chat template may render (default: {ENV_MAX_OUTPUT} or 2Mi)",
+    )
+
+
+def template_budget_from_args(args: argparse.Namespace) -> TemplateBudget:
+    """The chat-template budget: the flags, else the environment, else the defaults."""
+    return TemplateBudget.from_env().replaced(
+        {"timeout_s": args.template_timeout, "max_output_chars": args.template_max_output},
+        names={"timeout_s": "--template-timeout", "max_output_chars": "--template-max-output"},
+    )
+
+
+def add_cpu_path_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compute-dtype",
+        choices=["checkpoint", "float32", "bfloat16", "float16"],
+        help="dtype activations run in (default on the CPU: float32; elsewhere: checkpoint)",
+    )
+    parser.add_argument(
+        "--cpu-kernels",
+        choices=["cpu-native", "cpu-ops"],
+        help="kernel set for the matrix products on the CPU (default: cpu-native where it runs)",
     )
 
 
@@ -174,7 +223,12 @@ def sampling_kwargs(args: argparse.Namespace, model: Model) -> dict[str, Any]:
 
 
 def load_from_args(args: argparse.Namespace):
-    return load(args.model or BUNDLED_MODEL_ALIAS, kernel_backend=args.kernel_backend)
+    return load(
+        args.model or BUNDLED_MODEL_ALIAS,
+        kernel_backend=args.kernel_backend,
+        compute_dtype=args.compute_dtype,
+        cpu_kernels=args.cpu_kernels,
+    )
 
 
 def print_stats(last, out=None) -> None:
@@ -246,6 +300,7 @@ def prompt_from_args(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     prompt = prompt_from_args(args)
+    template_budget = template_budget_from_args(args)
     model, tokenizer = load_from_args(args)
     options = sampling_kwargs(args, model)
     if args.verbose:
@@ -261,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         if args.system:
             messages.append({"role": "system", "content": args.system})
         messages.append({"role": "user", "content": prompt})
-        ids = tokenizer.encode_chat(messages)
+        ids = tokenizer.encode_chat(messages, template_budget=template_budget)
     else:
         ids = prompt
     options.update(speculation_kwargs(args))

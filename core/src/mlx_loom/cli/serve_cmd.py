@@ -1,12 +1,15 @@
-"""``loom serve``: serve one model over an OpenAI-compatible HTTP API."""
+"""``loom serve``: serve one model over OpenAI- and Anthropic-compatible HTTP APIs."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from typing import Any
 
 from ..assets import BUNDLED_MODEL_NAME
+from ..bounded_json import REQUEST_JSON, parse_json
 from ..engine import EngineSettings
 from ..engine.settings import (
     DEFAULT_DECODE_CONCURRENCY,
@@ -14,20 +17,54 @@ from ..engine.settings import (
     DEFAULT_PROMPT_CACHE_SIZE,
     DEFAULT_PROMPT_CONCURRENCY,
 )
+from ..errors import RequestError
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from ..serve.app import DEFAULT_MAX_QUEUED, server_engine_settings
 from . import flags
-from .generate_cmd import add_model_options, load_from_args
+from .generate_cmd import (
+    add_model_options,
+    kv_group_size,
+    load_from_args,
+    template_budget_from_args,
+)
 from .speculation import add_speculation_options, speculation_from_args
+
+#: Read when ``--api-key`` is not given, so the key need not appear in the process list.
+API_KEY_ENV = "MLX_LOOM_API_KEY"
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    fix = """fix: pass a JSON object, e.g. --chat-template-args '{"enable_thinking": false}'"""
+    try:
+        value = parse_json(
+            text, source="--chat-template-args", error=RequestError, fix=fix, limits=REQUEST_JSON
+        )
+    except RequestError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc.message}\n{fix}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object, not a {type(value).__name__}\n{fix}"
+        )
+    return value
+
+
+class _Origins(argparse.Action):
+    """One or more origins, separated by spaces or commas (mlx_lm.server's spelling)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        found = list(getattr(namespace, self.dest) or [])
+        found += [o.strip() for value in values for o in value.split(",") if o.strip()]
+        setattr(namespace, self.dest, found)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "serve",
-        help="serve a model over an OpenAI-compatible HTTP API",
-        description="Load a model once and serve /v1/completions, /v1/chat/completions, "
-        "/v1/models and /health. Concurrent requests are batched together (continuous "
-        "batching); prompt caches are kept across requests in a shared prefix store.",
+        help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs",
+        description="Load a model once and serve /v1/chat/completions, /v1/completions, "
+        "/v1/messages, /v1/models, /health and a chat page at /. Concurrent requests are "
+        "batched together (continuous batching); prompt caches are kept across requests in "
+        "a shared prefix store.",
     )
     add_model_options(parser)
     parser.add_argument(
@@ -50,6 +87,58 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_LIMIT})",
     )
     parser.add_argument("--log-requests", action="store_true", help="log each request to stderr")
+    chat = parser.add_argument_group("chat")
+    chat.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help="the model's tool-call format (default: tokenizer_config.json's "
+        "tool_parser_type, else the chat template's markers, else the family's default); "
+        "an unknown name is refused, listing the registered ones",
+    )
+    chat.add_argument(
+        "--chat-template-args",
+        type=_json_object,
+        metavar="JSON",
+        help="template variables for every request, under each request's "
+        """chat_template_kwargs, e.g. '{"enable_thinking": false}'""",
+    )
+    cache = parser.add_argument_group("KV cache")
+    cache.add_argument(
+        "--kv-bits",
+        type=flags.KV_BITS_FLAG,
+        metavar="{2,3,4,5,6,8}",
+        help="quantize every request's KV cache to this many bits (4 and 8 are the usual "
+        "choices; default: not quantized)",
+    )
+    cache.add_argument(
+        "--kv-group-size",
+        type=flags.KV_GROUP_SIZE,
+        metavar="{32,64,128}",
+        help="elements per quantization group; must divide the head dimension "
+        "(default: 64, or 32 when 64 does not divide it)",
+    )
+    cache.add_argument(
+        "--quantized-kv-start",
+        type=flags.QUANTIZED_KV_START,
+        default=0,
+        metavar="N",
+        help="quantize once the cache holds this many tokens (default: 0)",
+    )
+    access = parser.add_argument_group("access")
+    access.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        action=_Origins,
+        default=[],
+        metavar="ORIGIN",
+        help="web origins whose pages may call the API (CORS), e.g. http://localhost:3000, "
+        "or '*' for any (default: none; the chat page at / needs none)",
+    )
+    access.add_argument(
+        "--api-key",
+        help=f"require 'Authorization: Bearer KEY' (or x-api-key) on the API "
+        f"(default: ${API_KEY_ENV}, else no key)",
+    )
     add_engine_options(parser)
     add_speculation_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
@@ -151,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO if args.log_requests else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",
     )
+    template_budget = template_budget_from_args(args)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     model, tokenizer = load_from_args(args)
     server = make_server(
         model,
@@ -160,16 +251,32 @@ def run(args: argparse.Namespace) -> int:
         model_id=args.model or BUNDLED_MODEL_NAME,
         max_tokens_limit=args.max_tokens_limit,
         engine=engine_settings(args),
+        template_budget=template_budget,
+        allowed_origins=args.allowed_origins,
+        api_key=api_key,
+        tool_call_parser=args.tool_call_parser,
+        chat_template_args=args.chat_template_args,
+        kv_bits=args.kv_bits,
+        kv_group_size=kv_group_size(args, model),
+        quantized_kv_start=args.quantized_kv_start,
         speculation=speculation_from_args(args),
     )
-    if not server.loopback_only:
+    if not server.loopback_only and server.api_key is None:
         print(
             f"loom: warning: listening on {server.host}, reachable from other machines; "
-            "the server has no authentication.",
+            "the server has no API key (--api-key).",
             file=sys.stderr,
         )
     print(
-        f"loom: serving {server.app.model_id} at {server.url}/v1 (Ctrl-C to stop)",
+        f"loom: serving {server.app.model_id} at {server.url}/v1 (chat page: {server.url}/; "
+        "Ctrl-C to stop)",
+        file=sys.stderr,
+    )
+    fmt = server.app.chat_format
+    tools = fmt.tool_parser.name if fmt.tool_parser is not None else "none"
+    reasoning = fmt.reasoning.name if fmt.reasoning is not None else "none"
+    print(
+        f"loom: tool calls: {tools} ({fmt.tool_parser_reason}); reasoning: {reasoning}",
         file=sys.stderr,
     )
     try:

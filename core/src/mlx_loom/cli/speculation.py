@@ -48,7 +48,13 @@ def speculation_from_args(args: argparse.Namespace) -> Speculation | None:
             "pass --draft-model MODEL to draft with a model, or --draft ngram, not both",
         )
     if args.draft_model:
-        draft, _ = load(args.draft_model, kernel_backend=args.kernel_backend)
+        # The draft runs on the same backend, compute dtype and CPU kernels as the model.
+        draft, _ = load(
+            args.draft_model,
+            kernel_backend=args.kernel_backend,
+            compute_dtype=args.compute_dtype,
+            cpu_kernels=args.cpu_kernels,
+        )
         return Speculation(draft, args.num_draft_tokens)
     if args.draft:
         return Speculation(None, args.num_draft_tokens)

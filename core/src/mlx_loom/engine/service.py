@@ -280,21 +280,30 @@ class EngineService:
                         return False
                 return True
         self._drain(commands, gather=idle)
-        for kind, item in commands:
-            if kind == "stop":
-                return False
-            if kind == "configure":
-                engine.configure(item)
-            elif kind == "submit":
-                with self._lock:
-                    self._submitted -= 1
-                (uid,) = engine.insert([item.request])
-                item.uid = uid
-                handles[uid] = item
-                if item.cancelled:
-                    self._dispatch(engine.remove([uid]), handles)
-            elif kind == "cancel" and item.uid is not None:
-                self._dispatch(engine.remove([item.uid]), handles)
+        taken = 0
+        try:
+            for kind, item in commands:
+                if kind == "stop":
+                    return False
+                if kind == "configure":
+                    engine.configure(item)
+                elif kind == "submit":
+                    taken += 1
+                    (uid,) = engine.insert([item.request])
+                    item.uid = uid
+                    handles[uid] = item
+                    if item.cancelled:
+                        self._dispatch(engine.remove([uid]), handles)
+                elif kind == "cancel" and item.uid is not None:
+                    self._dispatch(engine.remove([item.uid]), handles)
+        finally:
+            # One update, under the lock: a request moves from "submitted" to
+            # the engine's waiting count at once. Decremented before the stats
+            # were refreshed, it would count nowhere for a whole step, and
+            # the queue bound (and /health) would miss it.
+            with self._lock:
+                self._submitted -= taken
+                self._stats = engine.stats()
         if engine.has_work:
             try:
                 events = engine.step()

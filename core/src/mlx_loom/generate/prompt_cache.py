@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from ..bounded_json import parse_json
 from ..cache import load_prompt_cache, save_prompt_cache
+from ..cache.geometry import check_caches_fit
 from ..engine.caches import fresh_caches
 from ..errors import CacheError, RequestError
 from ..model import Model
@@ -142,38 +144,45 @@ class PromptCache:
     def load(cls, path: str | Path, model: Model) -> PromptCache:
         """Read a cache saved by :meth:`save` for ``model`` (the same implementation).
 
-        Only the cache kinds ``model``'s registry knows (the core's and those
+        The file is verified before anything is used (see
+        :mod:`mlx_loom.cache.persist`): checksum, token list, and the caches'
+        geometry against this model (:mod:`mlx_loom.cache.geometry`). Only
+        the cache kinds ``model``'s registry knows (the core's and those
         plugins registered) can be restored.
         """
         caches, meta = load_prompt_cache(path, kinds=model.binding.cache_kinds)
+        source = f"The prompt cache {str(path)!r}"
         # A cache is only meaningful with the weights that produced it: the same
         # implementation and the same model directory.
         want = {"implementation": model.implementation.id, "model": str(model.model_dir.resolve())}
         for key, value in want.items():
             if meta.get(key) != value:
                 raise CacheError(
-                    f"The prompt cache {str(path)!r} was saved for {key} {meta.get(key)!r}; "
-                    f"this model's is {value!r}.",
+                    f"{source} was saved for {key} {meta.get(key)!r}; this model's is {value!r}.",
                     fix="Load it with the model it was saved for, or rebuild the cache.",
                 )
-        fresh = model.make_cache()
-        if [type(c).__name__ for c in caches] != [type(c).__name__ for c in fresh]:
-            raise CacheError(
-                f"The prompt cache {str(path)!r} holds caches "
-                f"{[type(c).__name__ for c in caches]}; this model uses "
-                f"{[type(c).__name__ for c in fresh]}.",
-                fix="Rebuild the cache for this model.",
-            )
-        try:
-            tokens = [int(t) for t in json.loads(meta.get("tokens", "[]"))]
-        except (ValueError, TypeError):
-            raise CacheError(
-                f"The prompt cache {str(path)!r} has malformed token metadata.",
-                fix="Rebuild the cache.",
-            ) from None
+        tokens = _saved_tokens(meta.get("tokens"), source=source, vocab=model.vocab_size)
+        check_caches_fit(caches, model, tokens=len(tokens), source=source)
         # Evaluate on this (the loading) thread: the arrays are lazy reads, and
         # a lazy graph can only be evaluated on the thread that built it.
         mx.eval([c.state for c in caches])
         out = cls(model)
         out.cache, out.tokens = caches, tokens
         return out
+
+
+def _saved_tokens(raw: str | None, *, source: str, vocab: int | None) -> list[int]:
+    """The token list a saved cache holds: bounded JSON, ints, inside the vocabulary."""
+    fix = "Rebuild the cache."
+    if raw is None:
+        raise CacheError(f"{source} has no token list in its metadata.", fix=fix)
+    tokens = parse_json(raw, source=f"{source}: the token list", error=CacheError, fix=fix)
+    if not isinstance(tokens, list) or not all(
+        type(t) is int and t >= 0 and (vocab is None or t < vocab) for t in tokens
+    ):
+        limit = f" below the vocabulary size {vocab}" if vocab is not None else ""
+        raise CacheError(
+            f"{source}: the token list is not a list of token ids (integers >= 0{limit}).",
+            fix=fix,
+        )
+    return tokens

@@ -46,6 +46,7 @@ from ..errors import (
     PolicyError,
     RegistrationError,
 )
+from ..text.tool_calls import ToolParser, parser_table
 from . import _hookspecs as hookspecs
 from ._bounded import PluginFault, describe, import_plugin, timeout_from_env
 from ._bounded import call as bounded_call
@@ -100,6 +101,7 @@ _EXPECTED: dict[str, type] = {
     "loom_implementations": Implementation,
     "loom_profiles": Profile,
     "loom_cache_kinds": type,
+    "loom_tool_parsers": ToolParser,
 }
 
 
@@ -368,6 +370,10 @@ def _admit(hook: str, item: Any, provider: Provider) -> Registrations:
         )
     if hook == "loom_cache_kinds":
         return Registrations(cache_kinds=(check_cache_kind(item),))
+    if hook == "loom_tool_parsers":
+        tagged = _tag(item, provider)
+        parser_table([tagged])  # a built-in's name is refused here, naming both
+        return Registrations(tool_parsers=(tagged,))
     tagged = _tag(item, provider)
     field_name = hook.removeprefix("loom_")
     return Registrations(**{field_name: (tagged,)})
@@ -404,6 +410,7 @@ def _registry_of(found: Registrations) -> Registry:
         profiles=found.profiles,
         kernels=found.kernels,
         cache_kinds=found.cache_kinds,
+        tool_parsers=found.tool_parsers,
     )
 
 
@@ -414,6 +421,7 @@ def _ids(found: Registrations) -> set[tuple[str, str]]:
         *(("profile", p.id) for p in found.profiles),
         *(("kernel", f"{k.name}[{k.backend}]") for k in found.kernels),
         *(("cache kind", c.kind) for c in found.cache_kinds),
+        *(("tool parser", t.name) for t in found.tool_parsers),
     }
 
 
@@ -424,6 +432,7 @@ def _summary(found: Registrations) -> dict[str, tuple[str, ...]]:
         "profiles": tuple(p.id for p in found.profiles),
         "kernels": tuple(f"{k.name}[{k.backend}]" for k in found.kernels),
         "cache_kinds": tuple(c.kind for c in found.cache_kinds),
+        "tool_parsers": tuple(t.name for t in found.tool_parsers),
     }
 
 

@@ -9,9 +9,9 @@ Call order at discovery: :func:`loom_plugin_api_version` first (an
 incompatible answer quarantines the plugin before anything else is called),
 then :func:`loom_families`, :func:`loom_model_types`, :func:`loom_kernels`,
 :func:`loom_implementations`, :func:`loom_profiles`,
-:func:`loom_cache_kinds`. A plugin implements only the hooks it needs; a
-hook implementation whose name matches no spec below (a misspelling) makes
-the plugin fail validation.
+:func:`loom_cache_kinds`, :func:`loom_tool_parsers`. A plugin implements
+only the hooks it needs; a hook implementation whose name matches no spec
+below (a misspelling) makes the plugin fail validation.
 
 Every call runs on a host worker thread under a time limit (see
 :mod:`mlx_loom.host._bounded`): anything a hook raises — ``SystemExit`` and
@@ -20,7 +20,8 @@ quarantines the plugin. Return plain registrations; build MLX arrays inside
 factories, not in hooks.
 
 Versions: 1.0 had the four registration hooks; 1.1 added
-:func:`loom_families` (the declarative family) and :func:`loom_cache_kinds`.
+:func:`loom_families` (the declarative family), :func:`loom_cache_kinds`
+and :func:`loom_tool_parsers`.
 A 1.0 plugin runs unchanged on a 1.1 core.
 """
 
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from ..text.tool_calls import ToolParser
     from ._kernels import Kernel
     from ._profiles import Profile
     from ._registrations import Family, Implementation, ModelType
@@ -94,6 +96,17 @@ def loom_cache_kinds() -> Sequence[type]:
     """
 
 
+@hookspec
+def loom_tool_parsers() -> Sequence[ToolParser]:
+    """Tool-call formats this plugin provides, beyond the core's built-in ones (plugin API 1.1).
+
+    Each is a :class:`~mlx_loom.text.tool_calls.ToolParser`; its ``name`` is
+    what ``tool_parser_type``, ``--tool-call-parser`` and a model type's
+    ``tool_parser`` refer to, and may not be a built-in name. Plugin parsers
+    are tried before the built-ins when a chat template's markers are matched.
+    """
+
+
 REGISTRATION_HOOKS: tuple[str, ...] = (
     "loom_families",
     "loom_model_types",
@@ -101,4 +114,5 @@ REGISTRATION_HOOKS: tuple[str, ...] = (
     "loom_implementations",
     "loom_profiles",
     "loom_cache_kinds",
+    "loom_tool_parsers",
 )

@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..cpu.path import apply_cpu_path
 from ..errors import ImplementationFailed, LoomError, WeightsError
 from ..model import CausalLM, Model
 from ..text import Tokenizer
@@ -63,13 +64,21 @@ def resolve_model(
     host: PluginHost | None = None,
     registry: Registry | None = None,
     kernel_backend: Backend | None = None,
+    compute_dtype: str | None = None,
+    cpu_kernels: str | None = None,
 ) -> Resolved:
     """Resolve without loading weights (what ``loom explain`` shows)."""
     host = host if host is not None else make_host(policy)
     registry = registry if registry is not None else host.registry
     if kernel_backend is not None:
         registry = registry.with_(kernel_backend=kernel_backend)
-    return resolve(model_ref, host=host, registry=registry)
+    return resolve(
+        model_ref,
+        host=host,
+        registry=registry,
+        compute_dtype=compute_dtype,
+        cpu_kernels=cpu_kernels,
+    )
 
 
 def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
@@ -107,8 +116,15 @@ def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
             "__call__(inputs, cache) and make_cache().",
             fix="This is a fault in the plugin: its factory must return the model graph.",
         )
+    apply_cpu_path(module, resolved.summary.cpu)
     if not lazy:
         _evaluate(module)
+        # Buffers (arrays a module keeps beside its parameters, such as RoPE
+        # frequency tables) too: MLX ties an unevaluated array to the stream of
+        # the thread that built it, so a model built on one thread and run on
+        # another (the server's generation thread) would fail with "There is
+        # no Stream(cpu, 0) in current thread".
+        mx.eval(_buffers(module))
     module.eval()
     return Model(
         module,
@@ -116,6 +132,7 @@ def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
         config=resolved.config,
         model_dir=resolved.model_dir,
         profile_reason=resolved.summary.profile_reason,
+        cpu_path=resolved.summary.cpu,
     )
 
 
@@ -158,6 +175,18 @@ def _screen(a: mx.array) -> mx.array:
     return mx.sum(mx.sum(rows, axis=0)).astype(mx.float32)
 
 
+def _buffers(module: nn.Module) -> list[mx.array]:
+    """Arrays the module tree holds under ``_``-prefixed keys (not parameters)."""
+    return [
+        leaf
+        for m in module.modules()
+        for key, value in m.items()
+        if key.startswith("_")
+        for _, leaf in tree_flatten(value)
+        if isinstance(leaf, mx.array)
+    ]
+
+
 def load(
     model_ref: str | Path,
     *,
@@ -165,6 +194,8 @@ def load(
     host: PluginHost | None = None,
     registry: Registry | None = None,
     kernel_backend: Backend | None = None,
+    compute_dtype: str | None = None,
+    cpu_kernels: str | None = None,
     lazy: bool = False,
 ) -> tuple[Model, Tokenizer]:
     """Load a model and its tokenizer, shaped like ``mlx_lm.load``.
@@ -172,10 +203,19 @@ def load(
     ``policy`` restricts which plugins may serve it; ``host``/``registry`` let
     an embedding application supply its own composition; ``kernel_backend``
     pins the backend kernels resolve on (a refusal, never a substitute, if it
-    cannot run here).
+    cannot run here). ``compute_dtype`` (``"checkpoint"``, ``"float32"``,
+    ``"bfloat16"``, ``"float16"``) and ``cpu_kernels`` (``"cpu-native"``,
+    ``"cpu-ops"``) choose the CPU compute path; the defaults and their
+    reasons are in :mod:`mlx_loom.cpu`.
     """
     resolved = resolve_model(
-        model_ref, policy=policy, host=host, registry=registry, kernel_backend=kernel_backend
+        model_ref,
+        policy=policy,
+        host=host,
+        registry=registry,
+        kernel_backend=kernel_backend,
+        compute_dtype=compute_dtype,
+        cpu_kernels=cpu_kernels,
     )
     model = build_model(resolved, lazy=lazy)
     tokenizer = Tokenizer.from_dir(resolved.model_dir, config_eos=resolved.config.eos_token_id)

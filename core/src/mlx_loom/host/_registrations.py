@@ -16,7 +16,7 @@ written, naming the class and the field.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ from ._checks import (
     check_id,
     check_ids,
     check_instance,
+    check_optional_id,
     check_text,
 )
 from ._kernels import Backend, Kernel, Provider
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     import mlx.nn as nn
 
     from ..artifacts import ArtifactConfig
+    from ..text.tool_calls import ToolParser
 
 #: ``config dict -> {hf tensor name: (shape, dtype name)}``
 CheckpointTensors = Callable[[Mapping[str, Any]], Mapping[str, tuple[tuple[int, ...], str]]]
@@ -66,10 +68,15 @@ class ModelType:
     #: layout. The conformance kit writes random weights from it and checks
     #: exact weight coverage. In a :class:`Family`, ``None`` means the family's.
     checkpoint_tensors: CheckpointTensors | None = None
+    #: The tool-call format (a registered parser's name) this model type's chat
+    #: templates teach, used when neither ``tokenizer_config.json`` nor the
+    #: template's markers say which (see :mod:`mlx_loom.text.tool_calls`).
+    tool_parser: str | None = None
     provider: Provider | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         check_id("ModelType", "name", self.name)
+        check_optional_id("ModelType", "tool_parser", self.tool_parser)
         if not (isinstance(self.schema, type) and issubclass(self.schema, BaseModel)):
             raise RegistrationError(
                 f"ModelType {self.name!r}: schema must be a pydantic model class, got "
@@ -196,6 +203,7 @@ class Registrations:
     implementations: tuple[Implementation, ...] = ()
     profiles: tuple[Profile, ...] = ()
     cache_kinds: tuple[type, ...] = ()
+    tool_parsers: tuple[ToolParser, ...] = ()
 
     def __add__(self, other: Registrations) -> Registrations:
         return Registrations(
@@ -310,15 +318,7 @@ class Family:
         model_types = tuple(
             m
             if m.checkpoint_tensors is not None or self.checkpoint_tensors is None
-            else ModelType(
-                name=m.name,
-                schema=m.schema,
-                fingerprint_fields=m.fingerprint_fields,
-                description=m.description,
-                tiny_config=m.tiny_config,
-                checkpoint_tensors=self.checkpoint_tensors,
-                provider=m.provider,
-            )
+            else replace(m, checkpoint_tensors=self.checkpoint_tensors)
             for m in self.model_types
         )
         all_types = frozenset(m.name for m in self.model_types)

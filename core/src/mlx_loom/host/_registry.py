@@ -45,6 +45,7 @@ from ..errors import (
     RegistrationError,
     UnknownModelType,
 )
+from ..text.tool_calls import ToolParser, parser_table
 from ._checks import check_instance
 from ._kernels import Backend, Kernel, KernelRegistry, Provider, active_backend, runnable_backends
 from ._profiles import Profile, validate_profile
@@ -125,6 +126,9 @@ class _Composition:
 
     allowed_implementations: frozenset[str] | None = None
     kernel_backend: Backend | None = None
+    #: The host's pins of the CPU compute path (see :mod:`mlx_loom.cpu`).
+    compute_dtype: str | None = None
+    cpu_kernels: str | None = None
 
 
 class Registry:
@@ -138,6 +142,7 @@ class Registry:
         profiles: Iterable[Profile] = (),
         kernels: Iterable[Kernel] = (),
         cache_kinds: Iterable[type] = (),
+        tool_parsers: Iterable[ToolParser] = (),
         _composition: _Composition | None = None,
     ) -> None:
         self._model_types = _unique("model type", model_types, ModelType, lambda m: m.name)
@@ -148,6 +153,8 @@ class Registry:
         self._kernels = KernelRegistry(kernels)
         self._extra_cache_kinds = tuple(cache_kinds)
         self._cache_kinds = _cache_table(self._extra_cache_kinds)
+        self._extra_tool_parsers = tuple(tool_parsers)
+        self._tool_parsers = parser_table(self._extra_tool_parsers)
         self._composition = _composition or _Composition()
 
     # --- read access -------------------------------------------------------
@@ -178,12 +185,27 @@ class Registry:
         return self._cache_kinds
 
     @property
+    def tool_parsers(self) -> Mapping[str, ToolParser]:
+        """Every tool-call parser by name: the plugins' first, then the core's."""
+        return dict(self._tool_parsers)
+
+    @property
     def kernel_backend(self) -> Backend | None:
         return self._composition.kernel_backend
 
     @property
     def allowed_implementations(self) -> frozenset[str] | None:
         return self._composition.allowed_implementations
+
+    @property
+    def compute_dtype(self) -> str | None:
+        """The compute dtype the host pins (``None``: the run or the default decides)."""
+        return self._composition.compute_dtype
+
+    @property
+    def cpu_kernels(self) -> str | None:
+        """The CPU kernel set the host pins (``None``: the run or the default decides)."""
+        return self._composition.cpu_kernels
 
     def model_type(self, name: str) -> ModelType:
         found = self._model_types.get(name)
@@ -209,6 +231,7 @@ class Registry:
             profiles=[q for p in parts for q in p._profiles.values()],
             kernels=[k for p in parts for k in p._kernels],
             cache_kinds=[c for p in parts for c in p._extra_cache_kinds],
+            tool_parsers=[t for p in parts for t in p._extra_tool_parsers],
         )
 
     def with_(
@@ -219,16 +242,20 @@ class Registry:
         kernels: Iterable[Kernel] = (),
         model_types: Iterable[ModelType] = (),
         cache_kinds: Iterable[type] = (),
+        tool_parsers: Iterable[ToolParser] = (),
         allow_implementations: Iterable[str] | None = None,
         kernel_backend: Backend | None = None,
+        compute_dtype: str | None = None,
+        cpu_kernels: str | None = None,
     ) -> Registry:
         """A new registry with extra registrations and/or narrowed host choices.
 
         Registrations added here belong to the embedding host (no plugin).
         ``allow_implementations`` restricts selection to those ids (each must
         exist): a profile whose implementation is not allowed is refused, never
-        given another. ``kernel_backend`` pins the backend kernels resolve on.
-        This registry is left unchanged.
+        given another. ``kernel_backend`` pins the backend kernels resolve on;
+        ``compute_dtype`` and ``cpu_kernels`` pin the CPU compute path
+        (:mod:`mlx_loom.cpu`). This registry is left unchanged.
         """
         implementations, profiles = tuple(implementations), tuple(profiles)
         composition = self._composition
@@ -245,12 +272,23 @@ class Registry:
             composition = replace(composition, allowed_implementations=allowed)
         if kernel_backend is not None:
             composition = replace(composition, kernel_backend=kernel_backend)
+        if compute_dtype is not None or cpu_kernels is not None:
+            from ..cpu.path import check_compute_dtype, check_kernel_set
+
+            check_compute_dtype(compute_dtype)
+            check_kernel_set(cpu_kernels)
+            composition = replace(
+                composition,
+                compute_dtype=compute_dtype or composition.compute_dtype,
+                cpu_kernels=cpu_kernels or composition.cpu_kernels,
+            )
         return Registry(
             model_types=[*self._model_types.values(), *model_types],
             implementations=[*self._implementations.values(), *implementations],
             profiles=[*self.profiles, *(p.model_copy(update={"provider": None}) for p in profiles)],
             kernels=[*self._kernels, *kernels],
             cache_kinds=[*self._extra_cache_kinds, *cache_kinds],
+            tool_parsers=[*self._extra_tool_parsers, *tool_parsers],
             _composition=composition,
         )
 

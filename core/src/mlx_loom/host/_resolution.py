@@ -15,7 +15,9 @@ its cause:
 6. the registry re-validates it against the config and both fingerprints,
    selects its implementation by id (the selection rule in
    :mod:`mlx_loom.host._registry`) and resolves each kernel it needs for this
-   device (or the host's pinned backend).
+   device (or the host's pinned backend);
+7. the compute dtype and, on the CPU, the kernel set for the model's matrix
+   products are chosen (:mod:`mlx_loom.cpu`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ..artifacts import (
     resolve_model_ref,
     validate_family_config,
 )
+from ..cpu.path import CpuPath, resolve_cpu_path
 from ..errors import PluginUnavailable, UnknownModelType
 from ._discovery import PluginHost, PluginRecord
 from ._policy import PluginPolicy
@@ -80,6 +83,7 @@ class Resolution(BaseModel):
     backend: str
     kernels: tuple[KernelChoice, ...]
     capabilities: tuple[str, ...]
+    cpu: CpuPath
     config_fingerprint: str
     artifact_fingerprint: str
 
@@ -130,9 +134,19 @@ def identify(model_ref: str | Path, *, host: PluginHost, registry: Registry) -> 
 
 
 def resolve(
-    model_ref: str | Path, *, host: PluginHost, registry: Registry | None = None
+    model_ref: str | Path,
+    *,
+    host: PluginHost,
+    registry: Registry | None = None,
+    compute_dtype: str | None = None,
+    cpu_kernels: str | None = None,
 ) -> Resolved:
-    """Resolve ``model_ref`` against the host's (or the given composed) registry."""
+    """Resolve ``model_ref`` against the host's (or the given composed) registry.
+
+    ``compute_dtype`` and ``cpu_kernels`` are this run's requests for the CPU
+    compute path (:mod:`mlx_loom.cpu`); the host's pins win, and a request
+    that contradicts one is refused.
+    """
     registry = registry if registry is not None else host.registry
     ident = identify(model_ref, host=host, registry=registry)
     model_dir, config, family_config, claim = (
@@ -150,6 +164,13 @@ def resolve(
     )
     binding = registry.select(
         name, choice.profile, config_fingerprint=config_fp, artifact_fingerprint=artifact_fp
+    )
+    cpu = resolve_cpu_path(
+        binding.backend,
+        compute_dtype=compute_dtype,
+        cpu_kernels=cpu_kernels,
+        host_compute_dtype=registry.compute_dtype,
+        host_cpu_kernels=registry.cpu_kernels,
     )
     impl = binding.implementation
     summary = Resolution(
@@ -171,6 +192,7 @@ def resolve(
             for k, kern in binding.kernels.items()
         ),
         capabilities=tuple(sorted(impl.capabilities & choice.profile.capabilities)),
+        cpu=cpu,
         config_fingerprint=config_fp,
         artifact_fingerprint=artifact_fp,
     )

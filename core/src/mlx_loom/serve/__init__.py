@@ -2,16 +2,19 @@
 
 ``make_server(model, tokenizer, host=..., port=...)`` binds a
 :class:`LoomServer`; ``serve_forever()`` (or ``start_in_background()``)
-serves ``GET /v1/models``, ``GET /health``, ``POST /v1/completions`` and
-``POST /v1/chat/completions``. See ``docs/serve.md``.
+serves the chat page (``GET /``), ``GET /v1/models``, ``GET /health``,
+``POST /v1/completions``, ``POST /v1/chat/completions`` and the Anthropic
+``POST /v1/messages``. See ``docs/serve.md``.
 """
 
 from .app import DEFAULT_MAX_TOKENS_LIMIT, ServeApp
 from .errors import HttpError, ServerStartError
 from .server import MAX_BODY_BYTES, LoomServer, make_server
+from .tools import ChatFormat
 
 __all__ = [
     "DEFAULT_MAX_TOKENS_LIMIT",
+    "ChatFormat",
     "MAX_BODY_BYTES",
     "HttpError",
     "LoomServer",

@@ -8,22 +8,27 @@ failure carries the request field at fault in ``param``.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cache import validate_kv_quantization
 from ..engine import EngineSettings, Speculation
 from ..engine.request import MAX_DRAFT
-from ..errors import LoomError, RequestError
+from ..errors import CapabilityRefused, LoomError, RequestError, TemplateBudgetExceeded
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
-from ..host import GENERATE
+from ..host import GENERATE, KV_QUANTIZATION, Registry
 from ..model import Model
-from ..text import StopStrings, Tokenizer
+from ..text import StopStrings, TemplateBudget, Tokenizer
+from ..text.output_parser import Content, OutputParser, Reasoning, ToolCallFound
+from ..text.tool_calls import ToolCall
 from . import schemas
 from .errors import NOT_FOUND, HttpError, from_loom_error
+from .tools import ChatFormat, ToolPlan, output_parser, plan_tools, prompt_suffix
 from .worker import GenerationWorker, Job, Piece
 
 #: The largest ``max_tokens`` a request may ask for unless the server is started
@@ -33,23 +38,70 @@ DEFAULT_MAX_TOKENS_LIMIT = 4096
 #: Requests that may wait for a free row before the server answers 503.
 DEFAULT_MAX_QUEUED = 64
 
+#: The most choices (``n``) one request may ask for: each is a full generation.
+MAX_CHOICES = 16
+
+#: ``chat_template_kwargs`` keys the server sets itself.
+_RESERVED_TEMPLATE_KEYS = frozenset(
+    {
+        "messages",
+        "tools",
+        "system",
+        "template_name",
+        "add_generation_prompt",
+        "continue_final_message",
+        "documents",
+        "special_tokens",
+        # the tokenizer's and the renderer's own arguments: a client setting one
+        # would collide with the server's (a 500) or override its template budget
+        "template_budget",
+        "budget",
+        "tokenize",
+        "self",
+    }
+)
+
+
+@dataclass
+class Choice:
+    """One of a request's ``n`` answers: its job, and what has been read of it so far."""
+
+    index: int
+    job: Job
+    #: Splits chat output into content, reasoning and tool calls (``None`` for completions).
+    parser: OutputParser | None = None
+    pieces: list[Piece] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[schemas.ToolCallOut] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass
 class Prepared:
-    """A validated request: the job to run plus how to shape its answer."""
+    """A validated request: the jobs to run plus how to shape their answer."""
 
     chat: bool
     id: str
     created: int
     model: str
-    job: Job
+    choices: list[Choice]
     stream: bool = False
     include_usage: bool = False
     #: Report per-token log-probabilities (chat ``logprobs: true``, or
     #: completions ``logprobs`` given as a count).
     report_logprobs: bool = False
     top_logprobs: int = 0
-    pieces: list[Piece] = field(default_factory=list)
+    #: ``parallel_tool_calls``: ``False`` ends each answer after its first call.
+    parallel_tool_calls: bool = True
+
+    @property
+    def jobs(self) -> list[Job]:
+        return [c.job for c in self.choices]
 
 
 class ServeApp:
@@ -57,8 +109,18 @@ class ServeApp:
 
     ``model_id`` is the id clients see in ``GET /v1/models`` and may send as
     ``model``; a request naming any other model is refused (404), never
-    silently answered by this one. ``engine`` sets how the model's engine
-    batches (concurrency, prefill chunking, the prefix store, the queue bound).
+    silently answered by this one.
+
+    Server-wide options, each validated here (a bad one fails start-up, not
+    the first request): ``engine`` sets how the model's engine batches
+    (concurrency, prefill chunking, the prefix store, the queue bound);
+    ``tool_call_parser`` names the tool-call format,
+    overriding what the model declares (``registry`` — by default the
+    default host's — holds the registered parsers and the model type's
+    default format);
+    ``chat_template_args`` are template variables under each request's
+    ``chat_template_kwargs``; ``kv_bits``/``kv_group_size``/
+    ``quantized_kv_start`` quantize every request's KV cache.
     """
 
     def __init__(
@@ -69,6 +131,13 @@ class ServeApp:
         model_id: str | None = None,
         max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
         engine: EngineSettings | None = None,
+        template_budget: TemplateBudget | None = None,
+        tool_call_parser: str | None = None,
+        registry: Registry | None = None,
+        chat_template_args: Mapping[str, Any] | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        quantized_kv_start: int = 0,
         speculation: Speculation | None = None,
     ) -> None:
         if (
@@ -84,8 +153,23 @@ class ServeApp:
         self.tokenizer = tokenizer
         self.model_id = model_id or model.model_dir.name
         self.max_tokens_limit = max_tokens_limit
+        self.template_budget = template_budget or TemplateBudget.from_env()
         self.default_max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
         self.created = int(time.time())
+        self.chat_template_args = _template_args(chat_template_args)
+        validate_kv_quantization(
+            kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start
+        )
+        if kv_bits is not None:
+            model.require(KV_QUANTIZATION, asked=f"--kv-bits {kv_bits}")
+        self.kv = {
+            "kv_bits": kv_bits,
+            "kv_group_size": kv_group_size,
+            "quantized_kv_start": quantized_kv_start,
+        }
+        self.chat_format = ChatFormat.for_model(
+            model, tokenizer, registry=registry, override=tool_call_parser
+        )
         self.worker = GenerationWorker(model, tokenizer, engine or server_engine_settings())
         #: Every request's speculation unless it asks otherwise (``draft`` field).
         self.speculation = speculation
@@ -118,6 +202,7 @@ class ServeApp:
         stats = worker.stats()
         engine = stats.engine
         settings = worker.service.settings
+        fmt = self.chat_format
         return (200 if ok else 503), {
             "status": "ok" if ok else "unavailable",
             "model": self.model_id,
@@ -129,6 +214,8 @@ class ServeApp:
             "decode_concurrency": settings.decode_concurrency,
             "max_queued": settings.max_queued,
             "prompt_cache": {"entries": engine.prefix_entries, "bytes": engine.prefix_bytes},
+            "tool_call_parser": fmt.tool_parser.name if fmt.tool_parser else None,
+            "reasoning": fmt.reasoning.name if fmt.reasoning else None,
         }
 
     # --- validation -------------------------------------------------------------
@@ -258,7 +345,10 @@ class ServeApp:
         self._check_prompt(ids, "prompt")
         return ids
 
-    def _chat_prompt(self, request: schemas.ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(
+        self, request: schemas.ChatCompletionRequest, plan: ToolPlan
+    ) -> tuple[list[int], bool]:
+        """The prompt ids, and whether the reply starts inside a thinking section."""
         if not self.tokenizer.has_chat_template:
             raise HttpError(
                 400,
@@ -270,8 +360,8 @@ class ServeApp:
                 code="no_chat_template",
             )
         messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
-        kwargs = dict(request.chat_template_kwargs or {})
-        reserved = {"messages", "tools", "system", "template_name"} & kwargs.keys()
+        asked = dict(request.chat_template_kwargs or {})
+        reserved = _RESERVED_TEMPLATE_KEYS & asked.keys()
         if reserved:
             raise HttpError(
                 400,
@@ -280,12 +370,23 @@ class ServeApp:
                 param="chat_template_kwargs",
                 code="invalid_parameter",
             )
+        kwargs = {**self.chat_template_args, **asked}
         try:
-            ids = self.tokenizer.encode_chat(messages, **kwargs)
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=plan.tools, template_budget=self.template_budget, **kwargs
+            )
+        except TemplateBudgetExceeded as err:
+            raise HttpError(
+                400, err.message, fix=err.fix, param="messages", code="template_budget_exceeded"
+            ) from None
         except LoomError as err:
             raise from_loom_error(err, param="messages") from None
+        reasoning = self.chat_format.reasoning
+        in_reasoning = reasoning is not None and reasoning.opens_inside(text)
+        text += prompt_suffix(plan, self.chat_format, in_reasoning=in_reasoning)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
         self._check_prompt(ids, "messages")
-        return ids
+        return ids, in_reasoning
 
     def prepare(self, body: Any, *, chat: bool) -> Prepared:
         """Validate a decoded JSON body for one of the completion endpoints.
@@ -300,11 +401,11 @@ class ServeApp:
             self.model.require(GENERATE, asked="text generation")
         except LoomError as err:
             raise from_loom_error(err) from None
-        if request.n != 1:
+        if not 1 <= request.n <= MAX_CHOICES:
             raise HttpError(
                 400,
-                f"Invalid parameter n={request.n}: this server returns one choice per request.",
-                fix="omit n, or send one request per choice",
+                f"Invalid parameter n={request.n}: it must be an integer in [1, {MAX_CHOICES}].",
+                fix=f"ask for between 1 and {MAX_CHOICES} choices",
                 param="n",
                 code="invalid_parameter",
             )
@@ -349,25 +450,54 @@ class ServeApp:
             options["logprobs"] = top
         params = self._sampling(options, renamed={"logprobs": count_field})
 
-        ids = self._chat_prompt(request) if chat else self._text_prompt(request)
+        plan = ToolPlan()
+        if chat:
+            self._check_response_format(request.response_format)
+            plan = plan_tools(request, self.chat_format)
+            ids, in_reasoning = self._chat_prompt(request, plan)
+        else:
+            ids, in_reasoning = self._text_prompt(request), False
         sampling = params.model_dump()
         speculation = self._speculation(request.draft, request.num_draft_tokens)
+        choices = []
+        for index in range(request.n):
+            seeded = dict(sampling)
+            if index and seeded.get("seed") is not None:
+                # Each choice is its own sample: the same seed would repeat choice 0.
+                seeded["seed"] += index
+            job = Job(
+                prompt=ids,
+                max_tokens=max_tokens,
+                stop=stop, sampling=seeded, speculation=speculation, **self.kv
+            )
+            parser = (
+                output_parser(plan, self.chat_format, in_reasoning=in_reasoning) if chat else None
+            )
+            choices.append(Choice(index=index, job=job, parser=parser))
         return Prepared(
             chat=chat,
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=self.model_id,
-            job=Job(
-                prompt=ids,
-                max_tokens=max_tokens,
-                stop=stop,
-                sampling=sampling,
-                speculation=speculation,
-            ),
+            choices=choices,
             stream=request.stream,
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
             report_logprobs=report,
             top_logprobs=params.logprobs,
+            parallel_tool_calls=plan.parallel,
+        )
+
+    def _check_response_format(self, fmt: schemas.ResponseFormat | None) -> None:
+        if fmt is None or fmt.type == "text":
+            return
+        raise from_loom_error(
+            CapabilityRefused(
+                f"response_format type {fmt.type!r} asks for output constrained to JSON; this "
+                "server does not constrain decoding, and would return unchecked text.",
+                fix='omit response_format (or send {"type": "text"}), and ask for JSON in the '
+                "messages or call a tool whose parameters carry the schema",
+            ),
+            param="response_format",
         )
 
     def _speculation(self, draft: str | None, count: int | None) -> Speculation | None:
@@ -423,15 +553,18 @@ class ServeApp:
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def _usage(self, last: Piece) -> schemas.Usage:
+    def _usage(self, prep: Prepared) -> schemas.Usage:
+        """Prompt counted once, completions summed over the choices (as OpenAI counts n > 1)."""
+        first = prep.choices[0].pieces[-1]
+        completion = sum(c.pieces[-1].generation_tokens for c in prep.choices if c.pieces)
         return schemas.Usage(
-            prompt_tokens=last.prompt_tokens,
-            completion_tokens=last.generation_tokens,
-            total_tokens=last.prompt_tokens + last.generation_tokens,
-            prompt_tokens_details={"cached_tokens": last.cached_tokens},
+            prompt_tokens=first.prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=first.prompt_tokens + completion,
+            prompt_tokens_details={"cached_tokens": first.cached_tokens},
         )
 
-    def _chat_logprobs(self, prep: Prepared, pieces: Iterable[Piece]) -> schemas.ChatLogprobs:
+    def _chat_logprobs(self, pieces: Iterable[Piece]) -> schemas.ChatLogprobs:
         def entry(token: int, logprob: float) -> dict[str, Any]:
             text = self._token_text(token)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
@@ -464,25 +597,90 @@ class ServeApp:
             text_offset=offsets,
         )
 
-    def response(self, prep: Prepared) -> dict[str, Any]:
-        """The whole (non-streamed) answer, from the pieces the job produced."""
-        pieces = prep.pieces
-        last = pieces[-1]
-        text = "".join(p.text for p in pieces)
-        envelope = dict(id=prep.id, created=prep.created, model=prep.model, usage=self._usage(last))
-        if prep.chat:
-            choice = schemas.ChatChoice(
-                message=schemas.ChatMessageOut(content=text),
-                logprobs=self._chat_logprobs(prep, pieces) if prep.report_logprobs else None,
-                finish_reason=last.finish_reason,
+    def absorb(self, prep: Prepared, choice: Choice, piece: Piece) -> list[dict[str, Any]]:
+        """Take one generated piece into ``choice``; return the chat deltas it completes.
+
+        Each delta is ``{"content": ...}``, ``{"reasoning_content": ...}`` or a
+        ``{"tool_calls": [...]}`` fragment (a call's id and name, then its
+        arguments). Sets ``choice.finish_reason`` when the choice is done:
+        the generation finished, or — with ``parallel_tool_calls`` false —
+        its first call is complete (the caller then cancels the job).
+        """
+        if choice.done:
+            return []
+        choice.pieces.append(piece)
+        if choice.parser is None:
+            choice.content.append(piece.text)
+            if piece.finish_reason is not None:
+                choice.finish_reason = piece.finish_reason
+            return []
+        final = piece.finish_reason is not None
+        events = choice.parser.feed(piece.text)
+        if final:
+            events += choice.parser.finish()
+        deltas: list[dict[str, Any]] = []
+        for event in events:
+            if isinstance(event, Content):
+                choice.content.append(event.text)
+                deltas.append({"content": event.text})
+            elif isinstance(event, Reasoning):
+                choice.reasoning.append(event.text)
+                deltas.append({"reasoning_content": event.text})
+            elif isinstance(event, ToolCallFound):
+                index = len(choice.tool_calls)
+                call = _tool_call_out(event.call)
+                choice.tool_calls.append(call)
+                head = {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": ""},
+                }
+                deltas.append({"tool_calls": [{"index": index, **head}]})
+                args = {"index": index, "function": {"arguments": call.function.arguments}}
+                deltas.append({"tool_calls": [args]})
+                if not prep.parallel_tool_calls:
+                    choice.finish_reason = "tool_calls"
+                    return deltas
+        if final:
+            reason = piece.finish_reason
+            choice.finish_reason = (
+                "tool_calls" if reason == "stop" and choice.tool_calls else reason
             )
-            return schemas.ChatCompletionResponse(choices=[choice], **envelope).model_dump()
-        choice = schemas.CompletionChoice(
-            text=text,
-            logprobs=self._completion_logprobs(prep, pieces) if prep.report_logprobs else None,
-            finish_reason=last.finish_reason,
-        )
-        return schemas.CompletionResponse(choices=[choice], **envelope).model_dump()
+        return deltas
+
+    def response(self, prep: Prepared) -> dict[str, Any]:
+        """The whole (non-streamed) answer, from what each choice's job produced."""
+        envelope = dict(id=prep.id, created=prep.created, model=prep.model, usage=self._usage(prep))
+        if prep.chat:
+            out = []
+            for c in prep.choices:
+                text = "".join(c.content)
+                message = schemas.ChatMessageOut(
+                    content=None if c.tool_calls and not text else text,
+                    reasoning_content="".join(c.reasoning) or None,
+                    tool_calls=c.tool_calls or None,
+                )
+                out.append(
+                    schemas.ChatChoice(
+                        index=c.index,
+                        message=message.wire(),
+                        logprobs=self._chat_logprobs(c.pieces) if prep.report_logprobs else None,
+                        finish_reason=c.finish_reason,
+                    )
+                )
+            return schemas.ChatCompletionResponse(choices=out, **envelope).model_dump()
+        texts = [
+            schemas.CompletionChoice(
+                index=c.index,
+                text="".join(c.content),
+                logprobs=self._completion_logprobs(prep, c.pieces)
+                if prep.report_logprobs
+                else None,
+                finish_reason=c.finish_reason,
+            )
+            for c in prep.choices
+        ]
+        return schemas.CompletionResponse(choices=texts, **envelope).model_dump()
 
     def _chunk(self, prep: Prepared, choices: list[Any], usage: schemas.Usage | None = None):
         cls = schemas.ChatCompletionChunk if prep.chat else schemas.CompletionResponse
@@ -492,38 +690,81 @@ class ServeApp:
         # OpenAI sends "usage" in chunks only when the client asked for it.
         return chunk.model_dump(exclude=None if prep.include_usage else {"usage"})
 
-    def first_chunks(self, prep: Prepared) -> list[dict[str, Any]]:
-        """What a chat stream opens with: the assistant role and empty content."""
+    def first_chunks(self, prep: Prepared, choice: Choice) -> list[dict[str, Any]]:
+        """What a chat stream opens each choice with: the assistant role and empty content."""
         if not prep.chat:
             return []
         delta = {"role": "assistant", "content": ""}
-        return [self._chunk(prep, [schemas.ChatChunkChoice(delta=delta)])]
+        return [self._chunk(prep, [schemas.ChatChunkChoice(index=choice.index, delta=delta)])]
 
-    def chunks(self, prep: Prepared, piece: Piece) -> list[dict[str, Any]]:
+    def chunks(self, prep: Prepared, choice: Choice, piece: Piece) -> list[dict[str, Any]]:
         """The stream chunks for one generated token (none while text is held back)."""
-        prep.pieces.append(piece)
+        if choice.done:
+            return []
         out: list[dict[str, Any]] = []
-        final = piece.finish_reason is not None
         if prep.chat:
-            if piece.text or prep.report_logprobs:
-                logprobs = self._chat_logprobs(prep, [piece]) if prep.report_logprobs else None
-                choice = schemas.ChatChunkChoice(delta={"content": piece.text}, logprobs=logprobs)
-                out.append(self._chunk(prep, [choice]))
-            if final:
-                choice = schemas.ChatChunkChoice(delta={}, finish_reason=piece.finish_reason)
-                out.append(self._chunk(prep, [choice]))
-        elif piece.text or final or prep.report_logprobs:
-            offset = sum(len(self._token_text(p.token)) for p in prep.pieces[:-1])
+            deltas = self.absorb(prep, choice, piece)
+            if prep.report_logprobs and not deltas:
+                deltas = [{"content": ""}]
+            for i, delta in enumerate(deltas):
+                logprobs = None
+                if prep.report_logprobs and i == 0:
+                    logprobs = self._chat_logprobs([piece])
+                item = schemas.ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs)
+                out.append(self._chunk(prep, [item]))
+            if choice.done:
+                item = schemas.ChatChunkChoice(
+                    index=choice.index, delta={}, finish_reason=choice.finish_reason
+                )
+                out.append(self._chunk(prep, [item]))
+            return out
+        offset = sum(len(self._token_text(p.token)) for p in choice.pieces)
+        self.absorb(prep, choice, piece)
+        if piece.text or choice.done or prep.report_logprobs:
             logprobs = (
                 self._completion_logprobs(prep, [piece], offset) if prep.report_logprobs else None
             )
-            choice = schemas.CompletionChoice(
-                text=piece.text, logprobs=logprobs, finish_reason=piece.finish_reason
+            item = schemas.CompletionChoice(
+                index=choice.index,
+                text=piece.text,
+                logprobs=logprobs,
+                finish_reason=choice.finish_reason,
             )
-            out.append(self._chunk(prep, [choice]))
-        if final and prep.include_usage:
-            out.append(self._chunk(prep, [], usage=self._usage(piece)))
+            out.append(self._chunk(prep, [item]))
         return out
+
+    def last_chunks(self, prep: Prepared) -> list[dict[str, Any]]:
+        """After every choice: the usage chunk, when the client asked for it."""
+        if not prep.include_usage:
+            return []
+        return [self._chunk(prep, [], usage=self._usage(prep))]
+
+
+def _tool_call_out(call: ToolCall) -> schemas.ToolCallOut:
+    return schemas.ToolCallOut(
+        id=call.id or f"call_{uuid.uuid4().hex[:24]}",
+        function=schemas.FunctionCall(
+            name=call.name, arguments=json.dumps(call.arguments, ensure_ascii=False)
+        ),
+    )
+
+
+def _template_args(args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Server-wide template variables, checked once (``--chat-template-args``)."""
+    if args is None:
+        return {}
+    if not isinstance(args, Mapping):
+        raise RequestError(
+            f"chat_template_args is a {type(args).__name__}; it must be a JSON object.",
+            fix="""pass --chat-template-args as an object, e.g. '{"enable_thinking": false}'""",
+        )
+    reserved = _RESERVED_TEMPLATE_KEYS & args.keys()
+    if reserved:
+        raise RequestError(
+            f"chat_template_args may not set {sorted(reserved)}; the server sets them.",
+            fix="remove those keys from --chat-template-args",
+        )
+    return dict(args)
 
 
 def server_engine_settings(**changes: Any) -> EngineSettings:

@@ -16,6 +16,7 @@ from ..errors import LoomError, Refusal, RequestError, TokenizerError
 
 #: ``type`` values, as the OpenAI API spells them (``refusal`` is ours).
 INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
 NOT_FOUND = "not_found_error"
 REFUSAL = "refusal"
 SERVER_ERROR = "server_error"
@@ -58,6 +59,28 @@ class HttpError(LoomError):
                 "fix": self.fix,
             }
         }
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """The same error in the Anthropic Messages API's shape (for ``/v1/messages``)."""
+        message = self.message if self.fix is None else f"{self.message} Fix: {self.fix}"
+        return {
+            "type": "error",
+            "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"), "message": message},
+        }
+
+
+#: Anthropic's error ``type`` per status (``api_error`` for anything else).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    411: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    503: "overloaded_error",
+}
 
 
 class ServerStartError(LoomError):

@@ -83,11 +83,26 @@ _EXPECTED: dict[str, tuple[str, str]] = {
         "pass logprobs as documented for the endpoint",
     ),
     "top_logprobs": ("an integer in [0, 20]", "pass top_logprobs as an integer such as 5"),
-    "n": ("1 (one choice per request)", "omit n, or send one request per choice"),
+    "n": ("an integer >= 1 (the number of choices)", "omit n, or pass a small count such as 2"),
     "user": ("a string", "omit user, or pass a string"),
     "chat_template_kwargs": (
         "an object of chat-template variables",
         'pass chat_template_kwargs like {"enable_thinking": false}',
+    ),
+    "tools": (
+        'a list of {"type": "function", "function": {"name": str, "description": str, '
+        '"parameters": {JSON schema}}}',
+        'pass tools like [{"type": "function", "function": {"name": "get_weather", '
+        '"parameters": {"type": "object", "properties": {}}}}]',
+    ),
+    "tool_choice": (
+        '"auto", "none", "required" or {"type": "function", "function": {"name": str}}',
+        'pass tool_choice as "auto", "none", "required" or a named function',
+    ),
+    "parallel_tool_calls": ("true or false", "pass parallel_tool_calls as a JSON boolean"),
+    "response_format": (
+        '{"type": "text"} (JSON-constrained output is not served)',
+        'omit response_format, or pass {"type": "text"}',
     ),
 }
 
@@ -160,6 +175,43 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[ContentPart] | None = None
 
 
+class FunctionDefinition(BaseModel):
+    """A function a tool offers. Keys beyond these reach the chat template as given."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Strict):
+    """One entry of ``tools``; only function tools exist in the chat completions API."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``; its other keys (``json_schema``) are read by the app."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
 
@@ -167,6 +219,10 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
 
 
 def _all_fields(model: type[BaseModel]) -> list[str]:
@@ -195,6 +251,12 @@ def _unknown_field(name: str, known: list[str]) -> HttpError:
     )
 
 
+# Keys of nested request objects that belong in an error's ``param`` path.
+_PATH_KEYS = frozenset(
+    {"role", "content", "type", "text", "include_usage", "function", "name", "parameters"}
+)
+
+
 def _param_path(loc: tuple[Any, ...], fields: list[str]) -> str:
     """``("messages", 0, "role")`` -> ``"messages[0].role"``; union-member tags are dropped."""
     out = ""
@@ -203,7 +265,7 @@ def _param_path(loc: tuple[Any, ...], fields: list[str]) -> str:
             out += f"[{part}]"
         elif i == 0:
             out = str(part)
-        elif part in ("role", "content", "type", "text", "include_usage"):
+        elif part in _PATH_KEYS:
             out += f".{part}"
         # Other string parts are pydantic's union-member labels (``str``,
         # ``list[int]``): not field names, so not part of the path.
@@ -299,7 +361,7 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionChoice(BaseModel):
@@ -309,22 +371,46 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    #: The arguments as a JSON-encoded object, as the OpenAI API sends them.
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
+    """The answer. ``content`` is ``None`` when the model only called tools;
+    ``reasoning_content`` and ``tool_calls`` are present only when there are some."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    def wire(self) -> dict[str, Any]:
+        data = self.model_dump(exclude_none=True)
+        data["content"] = self.content
+        return data
 
 
 class ChatChoice(BaseModel):
     index: int = 0
-    message: ChatMessageOut
+    #: :meth:`ChatMessageOut.wire`: keys that have no value are left out.
+    message: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    #: ``{"role": "assistant", "content": ""}`` first, then ``{"content": ...}``, ``{}`` last.
-    delta: dict[str, str]
+    #: ``{"role": "assistant", "content": ""}`` first, then ``{"content": ...}``,
+    #: ``{"reasoning_content": ...}`` or ``{"tool_calls": [...]}``; ``{}`` last.
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 

@@ -49,6 +49,8 @@ class Piece:
     generation_tokens: int
     cached_tokens: int
     finish_reason: str | None
+    #: The stop string that ended the generation, if one did.
+    stop: str | None = None
 
     @classmethod
     def of(cls, event: TokenEvent) -> Piece:
@@ -61,6 +63,7 @@ class Piece:
             generation_tokens=event.generation_tokens,
             cached_tokens=event.cached_tokens,
             finish_reason=event.finish_reason,
+            stop=event.stop,
         )
 
 
@@ -83,6 +86,10 @@ class Job:
     max_tokens: int
     stop: list[str] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)
+    #: KV-cache quantization (the server's ``--kv-bits`` ...), as ``make_request`` takes it.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
     speculation: Speculation | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
@@ -134,6 +141,9 @@ class GenerationWorker:
             max_tokens=job.max_tokens,
             params=SamplingParams(**job.sampling),
             stop=job.stop,
+            kv_bits=job.kv_bits,
+            kv_group_size=job.kv_group_size,
+            quantized_kv_start=job.quantized_kv_start,
             speculation=job.speculation,
         )
         job._handle = self.service.submit(request, sink=job._sink)

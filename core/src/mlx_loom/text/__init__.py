@@ -1,4 +1,5 @@
-"""Text in and out of a model: tokenizer, chat templates, streaming detokenizer, stops.
+"""Text in and out of a model: tokenizer, chat templates, streaming detokenizer, stops,
+and reading a reply's reasoning and tool calls (:class:`OutputParser`).
 
 Nothing here imports transformers or mlx-lm; the ``tokenizers`` library and a
 sandboxed jinja2 are all it needs. A generation loop uses it like this::
@@ -23,16 +24,26 @@ so their text is never produced.
 
 from mlx_loom.text.chat_template import ChatTemplate
 from mlx_loom.text.detokenizer import DecodePlan, StreamingDetokenizer
+from mlx_loom.text.output_parser import Content, OutputParser, Reasoning, ToolCallFound
+from mlx_loom.text.reasoning import ReasoningFormat, infer_reasoning
 from mlx_loom.text.stops import StopCheck, StopStrings, StopTokenSequences
+from mlx_loom.text.template_budget import TemplateBudget
 from mlx_loom.text.tokenizer import Tokenizer, TokenizerConfig
 
 __all__ = [
     "ChatTemplate",
+    "Content",
     "DecodePlan",
+    "OutputParser",
+    "Reasoning",
+    "ReasoningFormat",
     "StopCheck",
     "StopStrings",
     "StopTokenSequences",
     "StreamingDetokenizer",
+    "TemplateBudget",
     "Tokenizer",
     "TokenizerConfig",
+    "ToolCallFound",
+    "infer_reasoning",
 ]

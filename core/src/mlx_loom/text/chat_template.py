@@ -11,8 +11,9 @@ Rendering follows what transformers does for the same template so that prompts
 ``{% generation %}`` block, the ``raise_exception`` and ``strftime_now``
 globals, a ``tojson`` filter that does not HTML-escape, the special-token
 strings (``bos_token``, ``eos_token`` ...) as variables, messages whose
-``None`` fields are dropped, and reasoning aliased under
-``reasoning_content``/``thinking``.
+``None`` fields are dropped, reasoning aliased under
+``reasoning_content``/``thinking``, and tool-call arguments sent as JSON
+strings (as OpenAI clients send them) decoded to objects.
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from mlx_loom.errors import TokenizerError
+from mlx_loom.errors import TemplateBudgetExceeded, TokenizerError
+from mlx_loom.text.template_budget import (
+    BudgetedSandbox,
+    TemplateBudget,
+    check_source,
+    compile_within,
+    render_within,
+)
 
 NO_TEMPLATE_FIX = (
     "pass --no-chat-template to send the prompt as raw text, or add a chat_template.jinja "
@@ -45,7 +52,7 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-class _StrictSandbox(ImmutableSandboxedEnvironment):
+class _StrictSandbox(BudgetedSandbox):
     """Raise on the first unsafe attribute access instead of returning Undefined.
 
     The stock sandbox returns an ``Undefined`` that only raises when used, so
@@ -187,8 +194,30 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [_decoded_arguments(c) for c in message["tool_calls"]]
         out.append(message)
     return out
+
+
+def _decoded_arguments(call: Any) -> Any:
+    """An OpenAI tool call whose ``function.arguments`` JSON string is decoded to an object.
+
+    OpenAI clients send arguments as a JSON *string*; templates iterate them
+    as a mapping (``tool_call.arguments | items``) or print them with
+    ``tojson``, which would quote the string a second time. mlx-lm decodes
+    them the same way. A string that is not a JSON object stays a string.
+    """
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except (ValueError, RecursionError):
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatTemplate:
@@ -205,14 +234,23 @@ class ChatTemplate:
         A user who runs with ``--no-chat-template`` can still load the model.
         """
         if self._compiled is None:
+            check_source(self.source, self.origin)
+            fix = f"fix the template in {self.origin}, or pass --no-chat-template"
             try:
-                self._compiled = _environment().from_string(self.source)
+                self._compiled = compile_within(_environment(), self.source, TemplateBudget())
             except TemplateSyntaxError as exc:
                 raise TokenizerError(
                     f"chat template from {self.origin} does not compile: "
                     f"{exc.message} (line {exc.lineno})",
-                    fix=f"fix the template in {self.origin}, or pass --no-chat-template",
+                    fix=fix,
                 ) from exc
+            except (RecursionError, SyntaxError, MemoryError) as exc:
+                # Nesting too deep for jinja's parser or for Python's compiler.
+                raise TokenizerError(
+                    f"chat template from {self.origin} does not compile: "
+                    f"{type(exc).__name__}: {exc}",
+                    fix=fix,
+                ) from None
         return self._compiled
 
     def render(
@@ -224,12 +262,15 @@ class ChatTemplate:
         documents: Sequence[Any] | None = None,
         continue_final_message: bool = False,
         special_tokens: Mapping[str, str] | None = None,
+        budget: TemplateBudget | None = None,
         **template_kwargs: Any,
     ) -> str:
         """Render ``messages``; template failures become :class:`TokenizerError`.
 
         ``special_tokens`` (``bos_token`` ...) are visible to the template and
         are overridden by ``template_kwargs`` of the same name, as in transformers.
+        The render runs under ``budget`` (default: :meth:`TemplateBudget.from_env`);
+        running out raises :class:`~mlx_loom.errors.TemplateBudgetExceeded`.
         """
         chat = normalize_messages(messages)
         if continue_final_message:
@@ -248,34 +289,59 @@ class ChatTemplate:
         template = self.compile()
         variables = {**(special_tokens or {}), **plain_data(template_kwargs)}
         try:
-            text = template.render(
-                messages=chat,
-                tools=plain_data(list(tools)) if tools is not None else None,
-                documents=plain_data(list(documents)) if documents is not None else None,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
+            text = render_within(
+                template,
+                budget or TemplateBudget.from_env(),
+                dict(
+                    messages=chat,
+                    tools=plain_data(list(tools)) if tools is not None else None,
+                    documents=plain_data(list(documents)) if documents is not None else None,
+                    add_generation_prompt=add_generation_prompt,
+                    **variables,
+                ),
             )
+        except TemplateBudgetExceeded as exc:
+            raise TemplateBudgetExceeded(
+                f"{exc.message} (template from {self.origin})", fix=exc.fix
+            ) from None
+        except RecursionError as exc:  # a macro calling itself without end
+            raise TokenizerError(
+                f"chat template from {self.origin} recursed too deeply: {_clip(exc)}",
+                fix=f"fix the template in {self.origin}, or pass --no-chat-template",
+            ) from None
         except SecurityError as exc:
             raise TokenizerError(
-                f"chat template from {self.origin} was refused by the sandbox: {exc}",
+                f"chat template from {self.origin} was refused by the sandbox: {_clip(exc)}",
                 fix=f"replace the template in {self.origin} with one that only reads its "
                 "variables, or pass --no-chat-template",
             ) from exc
         except TemplateError as exc:
             raise TokenizerError(
-                f"chat template from {self.origin} raised: {exc}",
+                f"chat template from {self.origin} raised: {_clip(exc)}",
                 fix="check the messages against what the template accepts (roles, order, "
                 f"tools), fix the template in {self.origin}, or pass --no-chat-template",
             ) from exc
         except Exception as exc:  # a template calling e.g. .strip() on a list
             raise TokenizerError(
-                f"chat template from {self.origin} failed: {type(exc).__name__}: {exc}",
+                f"chat template from {self.origin} failed: {type(exc).__name__}: {_clip(exc)}",
                 fix=f"check the message fields the template reads, fix {self.origin}, "
                 "or pass --no-chat-template",
             ) from exc
         if continue_final_message:
             text = _cut_at_continue_tag(text, final, self.origin)
         return text
+
+
+def _clip(exc: BaseException, limit: int = 500) -> str:
+    """An exception's text for an error message, at most ``limit`` characters.
+
+    A template decides what it raises (``raise_exception(big_string)``, a
+    missing key of a megabyte): the message must stay readable and small.
+    """
+    text = str(exc)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def _cut_at_continue_tag(text: str, final: str, origin: str) -> str:

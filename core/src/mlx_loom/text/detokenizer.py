@@ -31,12 +31,12 @@ itself (prefix/read offsets), which is still amortised O(1) per token.
 from __future__ import annotations
 
 import codecs
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import tokenizers
 
+from mlx_loom.bounded_json import parse_json
 from mlx_loom.errors import TokenizerError
 
 REPLACEMENT = "\ufffd"
@@ -278,7 +278,14 @@ class DecodePlan:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
         decoder = backend.decoder
-        spec = json.loads(decoder.__getstate__()) if decoder is not None else None
+        spec = None
+        if decoder is not None:
+            spec = parse_json(
+                decoder.__getstate__(),
+                source="tokenizer.json's decoder",
+                error=TokenizerError,
+                fix="re-save the tokenizer with the tokenizers library",
+            )
         plan = cls(backend=backend, special_ids=special, stage_factory=None)
         try:
             plan.stage_factory = _stage_factory(spec, plan.token_bytes)

@@ -7,7 +7,8 @@ Files read from the model directory:
   ``tokenizer_config.json`` ``add_bos_token`` is read but not applied, as
   transformers (v5) also drops it when ``tokenizer.json`` exists.
 * ``tokenizer_config.json`` — special-token strings (plain or
-  ``{"content": ...}``), ``chat_template`` (a string or a list of named ones).
+  ``{"content": ...}``), ``chat_template`` (a string or a list of named ones),
+  ``tool_parser_type`` (the tool-call format's name, as mlx-lm spells it).
 * ``special_tokens_map.json`` — fills special tokens the config lacks.
 * ``chat_template.jinja`` and ``additional_chat_templates/*.jinja`` — when
   present they replace the config's templates, as in transformers.
@@ -16,7 +17,6 @@ Files read from the model directory:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -24,9 +24,11 @@ from typing import Any, Literal, overload
 import tokenizers
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from mlx_loom.errors import TokenizerError
+from mlx_loom.bounded_json import read_json_file
+from mlx_loom.errors import RequestError, TokenizerError
 from mlx_loom.text.chat_template import NO_TEMPLATE_FIX, ChatTemplate
 from mlx_loom.text.detokenizer import DecodePlan, StreamingDetokenizer
+from mlx_loom.text.template_budget import TemplateBudget
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -34,6 +36,10 @@ SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
 GENERATION_CONFIG_FILE = "generation_config.json"
+#: ``tokenizer.json`` is parsed by the tokenizers library (whose JSON parser
+#: stops at 128 levels of nesting); we bound its size before it reads it. The
+#: largest published ones are ~35 MB.
+MAX_TOKENIZER_BYTES = 512 * 1024 * 1024
 
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -81,6 +87,8 @@ class TokenizerConfig(BaseModel):
     mask_token: str | None = None
     add_bos_token: bool | None = None
     chat_template: str | dict[str, str] | None = None
+    #: The tool-call format, by parser name (mlx-lm's key; see ``mlx_loom.text.tool_calls``).
+    tool_parser_type: str | None = None
 
     @field_validator(*SPECIAL_TOKEN_NAMES, mode="before")
     @classmethod
@@ -100,13 +108,11 @@ class TokenizerConfig(BaseModel):
 
 
 def _read_json(path: Path) -> Any:
+    fix = f"restore {path.name} from the original model files"
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(
-            f"{path} could not be read as JSON: {exc}",
-            fix=f"restore {path.name} from the original model files",
-        ) from exc
+        return read_json_file(path, error=TokenizerError, fix=fix)
+    except FileNotFoundError:
+        raise TokenizerError(f"{path} could not be read: it does not exist", fix=fix) from None
 
 
 class Tokenizer:
@@ -233,8 +239,23 @@ class Tokenizer:
     # --- encode / decode -----------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; the post-processor adds BOS/EOS when asked."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; the post-processor adds BOS/EOS when asked.
+
+        Text holding a lone UTF-16 surrogate (possible in Python strings, e.g.
+        from JSON ``"\\ud800"``) is not valid Unicode; it is a
+        :class:`~mlx_loom.errors.RequestError` rather than the library's TypeError.
+        """
+        try:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
+            if not isinstance(text, str) or bad is None:
+                raise
+            raise RequestError(
+                f"the text to encode holds a lone UTF-16 surrogate "
+                f"({ascii(text[bad])}) at character {bad}, which is not valid Unicode",
+                fix="pass valid Unicode text: remove the surrogate or complete its pair",
+            ) from None
 
     def encode_prompt(self, text: str) -> list[int]:
         """Ids of a raw (un-templated) prompt, adding BOS unless the text already starts with it.
@@ -304,6 +325,7 @@ class Tokenizer:
         tools: Sequence[Any] | None = None,
         continue_final_message: bool = False,
         template_name: str | None = None,
+        template_budget: TemplateBudget | None = None,
         **template_kwargs: Any,
     ) -> str: ...
 
@@ -318,6 +340,7 @@ class Tokenizer:
         tools: Sequence[Any] | None = None,
         continue_final_message: bool = False,
         template_name: str | None = None,
+        template_budget: TemplateBudget | None = None,
         **template_kwargs: Any,
     ) -> list[int]: ...
 
@@ -331,6 +354,7 @@ class Tokenizer:
         tools: Sequence[Any] | None = None,
         continue_final_message: bool = False,
         template_name: str | None = None,
+        template_budget: TemplateBudget | None = None,
         **template_kwargs: Any,
     ) -> str | list[int]:
         """Render a conversation to prompt text, or with ``tokenize=True`` to its token ids.
@@ -344,7 +368,10 @@ class Tokenizer:
 
         ``system`` prepends a system message. ``template_kwargs`` are template
         variables (``enable_thinking=False`` ...), and may override the special
-        token strings the template sees.
+        token strings the template sees. The render runs under
+        ``template_budget`` (default: :meth:`TemplateBudget.from_env`, 1 s and
+        2 Mi characters); running out raises
+        :class:`~mlx_loom.errors.TemplateBudgetExceeded`.
         """
         if tokenize is not True and tokenize is not False:
             raise TokenizerError(
@@ -366,6 +393,7 @@ class Tokenizer:
             tools=tools,
             continue_final_message=continue_final_message,
             special_tokens=self.special_tokens,
+            budget=template_budget,
             **template_kwargs,
         )
         # A template that wants BOS writes ``{{ bos_token }}`` itself, so the
@@ -393,6 +421,12 @@ def _load_backend(path: Path) -> tokenizers.Tokenizer:
         raise TokenizerError(
             f"{path} is missing{hint}",
             fix=f"copy {TOKENIZER_FILE} from the original model into {path.parent}",
+        )
+    size = path.stat().st_size
+    if size > MAX_TOKENIZER_BYTES:
+        raise TokenizerError(
+            f"{path} is {size} bytes; the limit is {MAX_TOKENIZER_BYTES} bytes",
+            fix=f"restore {TOKENIZER_FILE} from the original model files",
         )
     try:
         return tokenizers.Tokenizer.from_file(str(path))

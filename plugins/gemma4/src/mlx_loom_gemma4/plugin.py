@@ -41,6 +41,7 @@ FAMILY = Family(
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Gemma 4 text model (flat config)",
             tiny_config=TINY_TEXT_CONFIG,
+            tool_parser="gemma4",
         ),
         ModelType(
             name="gemma4",
@@ -48,6 +49,7 @@ FAMILY = Family(
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Gemma 4 multimodal checkpoint; text tower only (vision/audio dropped)",
             tiny_config=TINY_WRAPPER_CONFIG,
+            tool_parser="gemma4",
         ),
     ),
     graphs=(

@@ -76,6 +76,7 @@ FAMILY = Family(
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Llama architecture (MiniCPM5 is published as model_type 'llama').",
             tiny_config=TINY_CONFIG,
+            tool_parser="minicpm5",
         ),
     ),
     graphs=(

@@ -42,6 +42,7 @@ FAMILY = Family(
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Qwen3-Next: gated delta nets + gated attention, sparse MoE",
             tiny_config=TINY_QWEN3_NEXT,
+            tool_parser="json_tools",
         ),
         ModelType(
             name="qwen3_5",
@@ -49,6 +50,7 @@ FAMILY = Family(
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Qwen3.5 (text): gated delta nets + gated attention",
             tiny_config=TINY_QWEN3_5,
+            tool_parser="qwen3_coder",
         ),
         ModelType(
             name="qwen3_5_text",
@@ -56,6 +58,7 @@ FAMILY = Family(
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Qwen3.5 text config",
             tiny_config=TINY_QWEN3_5_TEXT,
+            tool_parser="qwen3_coder",
         ),
     ),
     graphs=(

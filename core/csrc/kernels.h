@@ -1,0 +1,63 @@
+// Plain-data interface between the MLX primitive (built for any x86-64) and
+// the SIMD kernels (built for AVX2 + FMA + F16C, called only after the CPU
+// was checked at run time). Nothing here is a template or an inline function,
+// so no code compiled with AVX2 can be merged into the baseline objects.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace loom_cpu {
+
+// Storage dtypes the kernels read or write.
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// One product  out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]).
+//
+// x is row-major fp32 [M, K] (the caller upcasts bf16/fp16 activations once).
+// W is either dense ([N, K] in w_dtype) or affine-quantized: a little-endian
+// bit stream of `bits`-bit codes per row (K * bits / 8 bytes per row) with one
+// scale and one bias per `group_size` codes ([N, K / group_size] in
+// s_dtype), dequantized as  w = scale * q + bias  (one fused multiply-add).
+struct Product {
+  const float* x = nullptr;
+  int M = 0;
+  int N = 0;
+  int K = 0;
+  const void* w = nullptr;
+  int w_dtype = kF32;   // dense weights only
+  int bits = 0;         // 0 = dense; else 2, 3, 4, 5, 6 or 8
+  int group_size = 0;   // affine only: 32, 64 or 128
+  const void* scales = nullptr;
+  const void* biases = nullptr;
+  int s_dtype = kF32;   // scales and biases
+  const void* bias = nullptr;  // optional [N] in b_dtype
+  int b_dtype = kF32;
+  void* out = nullptr;  // [M, N] in out_dtype
+  int out_dtype = kF32;
+};
+
+// Rows [n0, n1) of the product by the matrix-vector kernel: each output row
+// is one fixed-order dot product per activation row, so row m of a call with
+// M rows is bit-identical to the same row computed alone.
+// For affine weights x must first go through prepare_affine_x; `xsum` holds
+// its per-group sums (M * K / group_size floats; unused for dense weights).
+void gemv_rows(const Product& p, const float* xsum, int n0, int n1);
+
+// Affine matrix-vector products need the per-group sums of x (xsum gets
+// M * K / group_size floats, each summed in column order) and, for 4-bit
+// codes, x reordered the way the codes unpack (x_out gets M * K floats).
+void prepare_affine_x(const Product& p, float* x_out, float* xsum);
+
+// Rows [n0, n1) of W against all M activation rows by the blocked GEMM
+// (weights dequantized/upcast once per block into fp32 panels, 6x16 FMA
+// micro-kernel). `scratch` must hold gemm_scratch_floats(M) floats.
+void gemm_rows(const Product& p, int n0, int n1, float* scratch);
+size_t gemm_scratch_floats(int M);
+// GEMM work is split across threads in blocks of this many weight rows.
+int gemm_block_rows();
+
+// Activations to fp32: rows [m0, m1) of a row-major [M, K] array.
+void to_f32(const void* src, int dtype, float* dst, size_t count);
+
+}  // namespace loom_cpu

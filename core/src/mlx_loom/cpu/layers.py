@@ -1,0 +1,124 @@
+"""Kernel-backed versions of MLX's matrix layers, swapped in after a family builds its graph.
+
+Family graphs use ``nn.Linear``, ``nn.QuantizedLinear``, ``nn.Embedding``
+and ``nn.QuantizedEmbedding`` (including ``embed_tokens.as_linear`` for tied
+heads). When the resolved CPU kernel set is ``cpu-native`` the core changes
+each such module, in place, into the subclass here: the parameters, their
+names and every attribute stay as the family built and loaded them (so the
+parameter tree, ``isinstance`` checks, ``bits``/``group_size`` and the
+weight-coverage checks are unaffected); only the product runs on the native
+kernel. Family code is not touched.
+
+Exactly these four classes are swapped (``type(m) is nn.Linear``, not
+subclasses: a subclass may compute something else), and only affine
+quantization (the only mode the loader accepts).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import native
+
+
+class NativeLinear(nn.Linear):
+    """``nn.Linear`` on the native dense kernel: fp32 arithmetic, weight read as stored."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return native.module().dense_matmul(x, self["weight"], self.get("bias"))
+
+
+class NativeQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` (affine) on the native kernel; scales read as stored."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return native.module().affine_matmul(
+            x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            self.bits,
+            self.group_size,
+            self.get("bias"),
+        )
+
+
+class NativeEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose lookups come out in the compute dtype and whose
+    ``as_linear`` (a tied output head) runs on the native dense kernel."""
+
+    compute_dtype: mx.Dtype | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = self["weight"][x]
+        return out if self.compute_dtype is None else out.astype(self.compute_dtype)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return native.module().dense_matmul(x, self["weight"])
+
+
+class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` (affine) with lookups in the compute dtype and
+    ``as_linear`` on the native kernel."""
+
+    compute_dtype: mx.Dtype | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        # Dequantize the looked-up rows in the compute dtype (not in the
+        # scales' stored dtype, then converted): the rows equal those of a
+        # model whose scales were converted at load, bit for bit.
+        scales, biases = self["scales"][x], self["biases"][x]
+        if self.compute_dtype is not None:
+            scales, biases = scales.astype(self.compute_dtype), biases.astype(self.compute_dtype)
+        return mx.dequantize(
+            self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits
+        )
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return native.module().affine_matmul(
+            x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size
+        )
+
+
+#: What each swapped class becomes.
+SWAPS: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Linear: NativeLinear,
+    nn.QuantizedLinear: NativeQuantizedLinear,
+    nn.Embedding: NativeEmbedding,
+    nn.QuantizedEmbedding: NativeQuantizedEmbedding,
+}
+
+#: Parameters each native class reads in their stored dtype: they keep the
+#: checkpoint's dtype, while every other floating parameter of the model
+#: follows the compute dtype.
+KEPT_AS_STORED: dict[type[nn.Module], frozenset[str]] = {
+    NativeLinear: frozenset({"weight"}),
+    NativeQuantizedLinear: frozenset({"weight", "scales", "biases"}),
+    NativeEmbedding: frozenset({"weight"}),
+    NativeQuantizedEmbedding: frozenset({"weight", "scales", "biases"}),
+}
+
+
+def swappable(module: nn.Module) -> bool:
+    return type(module) in SWAPS and getattr(module, "mode", "affine") == "affine"
+
+
+def swap_in(module: nn.Module, compute_dtype: mx.Dtype | None) -> None:
+    """Turn ``module`` (one of the four classes, affine) into its native subclass.
+
+    The class changes in place, so the module keeps its identity, its place
+    in the tree and everything the loader set on it.
+    """
+    module.__class__ = SWAPS[type(module)]
+    if isinstance(module, NativeEmbedding | NativeQuantizedEmbedding):
+        module.compute_dtype = compute_dtype
+
+
+def native_modules(model: nn.Module) -> dict[str, int]:
+    """How many modules of each native class ``model`` holds."""
+    counts: dict[str, int] = {}
+    for _, mod in model.named_modules():
+        if type(mod) in KEPT_AS_STORED:
+            counts[type(mod).__name__] = counts.get(type(mod).__name__, 0) + 1
+    return counts

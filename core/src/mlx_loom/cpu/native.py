@@ -1,0 +1,78 @@
+"""The compiled CPU kernels (``mlx_loom.cpu._native``), loaded on first use.
+
+The extension is built by ``pip install`` on x86-64 Linux only. Whether it
+can run here has two parts, both reported rather than guessed: was it built
+into this install, and does this CPU have the instructions it was compiled
+for (AVX2, FMA, F16C — detected at run time by the extension itself, which
+is built for baseline x86-64 so that importing it never faults).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import sys
+from types import ModuleType
+
+#: Instruction sets the native kernels need.
+REQUIRED_INSTRUCTIONS = ("avx2", "fma", "f16c")
+
+
+@functools.cache
+def _load() -> tuple[ModuleType | None, str]:
+    try:
+        import mlx.core  # noqa: F401  (registers mx.array for the extension's signatures)
+
+        from . import _native
+    except ImportError as err:
+        if sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64"):
+            why = (
+                f"the native CPU kernels are not built into this install ({err}); "
+                "reinstall mlx-loom with a C++ compiler available (MLX_LOOM_NATIVE=0 skips them)"
+            )
+        else:
+            why = (
+                "the native CPU kernels are x86-64 code and are not built on "
+                f"{sys.platform}/{platform.machine()}"
+            )
+        return None, why
+    return _native, ""
+
+
+def module() -> ModuleType:
+    """The extension module; raises ``ImportError`` (with the reason) when absent."""
+    mod, why = _load()
+    if mod is None:
+        raise ImportError(why)
+    return mod
+
+
+def cpu_features() -> dict[str, bool]:
+    """Instruction sets of this CPU as the extension detects them ({} without it)."""
+    mod, _ = _load()
+    return dict(mod.cpu_features()) if mod is not None else {}
+
+
+def unavailable_reason(features: dict[str, bool] | None = None) -> str | None:
+    """Why the native kernels cannot run here, or ``None`` when they can.
+
+    ``features`` overrides the detected instruction sets (how the refusal on
+    a CPU without AVX2 is tested on one that has it).
+    """
+    mod, why = _load()
+    if mod is None:
+        return why
+    found = dict(mod.cpu_features()) if features is None else features
+    missing = [name for name in REQUIRED_INSTRUCTIONS if not found.get(name, False)]
+    if missing:
+        return (
+            f"this CPU lacks {', '.join(missing).upper()}, which the native CPU kernels need "
+            f"(they need {', '.join(REQUIRED_INSTRUCTIONS).upper()})"
+        )
+    return None
+
+
+def threads() -> int | None:
+    """Threads one native product runs on (``MLX_LOOM_CPU_THREADS``, else every usable CPU)."""
+    mod, _ = _load()
+    return int(mod.threads()) if mod is not None else None

@@ -1,0 +1,289 @@
+"""The CPU compute path: which dtype activations run in, and which kernel set does the products.
+
+Two registered, named choices, resolved with the rest of a model (``loom
+explain`` prints them) and applied by the core after the family's factory
+has built the graph — family code is never touched:
+
+**Compute dtype** (``compute_dtype=`` / ``--compute-dtype``): ``checkpoint``
+runs in the dtype the weights are stored in, as mlx-lm does; ``float32``,
+``bfloat16`` and ``float16`` convert every floating-point parameter to that
+dtype at load (activations, norms, quantization scales, the KV cache
+follow), except the matrices the native kernels read as stored.
+
+The default on the CPU backend is ``float32``. MLX's CPU backend has no
+half-precision arithmetic: bf16 work is emulated element by element, and a
+quantized product with bf16 activations and scales is ~10x slower than with
+fp32 (measured: 4-bit, 896x4864, one row: 23.8 ms vs 2.8 ms); whole-model
+decode and prefill of a 4-bit checkpoint with bf16 scales are 8x and 10x
+faster in fp32 with MLX's own operations. fp32 is also never less accurate
+than the checkpoint's half precision. With the native kernels the weights
+stay as stored, so fp32 activations cost no weight memory; with ``cpu-ops``
+dense bf16/fp16 weights are converted too (twice their memory), which
+``compute_dtype="checkpoint"`` avoids. On Metal and CUDA the default is
+``checkpoint``.
+
+**CPU kernel set** (``cpu_kernels=`` / ``--cpu-kernels``), CPU backend only:
+``cpu-ops`` runs every product as MLX operations (the oracle's own
+arithmetic: with the same compute dtype, logits equal mlx-lm's bit for bit);
+``cpu-native`` runs ``Linear``/``QuantizedLinear``/``Embedding`` products on
+the compiled AVX2 kernels (multithreaded; fp32 accumulation; bounded, not
+bit-equal, difference from MLX's sums). The default is ``cpu-native`` where
+it can run and ``cpu-ops`` where it cannot — ``loom explain`` says which and
+why. Asking for ``cpu-native`` where it cannot run is a refusal naming the
+reason, never a quiet switch to ``cpu-ops``.
+
+A host pins either choice with :meth:`mlx_loom.Registry.with_`; a run may
+then only ask for the pinned value.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, get_args
+
+import mlx.core as mx
+import mlx.nn as nn
+from pydantic import BaseModel, ConfigDict
+
+from ..errors import KernelUnavailable, RequestError
+from . import layers, native
+
+if TYPE_CHECKING:
+    from ..host import Kernel
+
+ComputeDtype = Literal["checkpoint", "float32", "bfloat16", "float16"]
+KernelSetName = Literal["cpu-ops", "cpu-native"]
+COMPUTE_DTYPES: tuple[str, ...] = get_args(ComputeDtype)
+KERNEL_SETS: tuple[str, ...] = get_args(KernelSetName)
+DEFAULT_CPU_COMPUTE_DTYPE: ComputeDtype = "float32"
+
+_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def _ops_dense(x: mx.array, w: mx.array, bias: mx.array | None = None) -> mx.array:
+    return x @ w.T if bias is None else mx.addmm(bias, x, w.T)
+
+
+def _native_dense(x: mx.array, w: mx.array, bias: mx.array | None = None) -> mx.array:
+    return native.module().dense_matmul(x, w, bias)
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """A named set of CPU kernels for the model's matrix products.
+
+    ``kernels`` are the registrations the set consists of (the same
+    :class:`~mlx_loom.kernels.Kernel` records families register);
+    ``unavailable`` says why the set cannot run here, or ``None``.
+    """
+
+    name: KernelSetName
+    description: str
+    kernels: tuple[Kernel, ...]
+    unavailable: Callable[[], str | None]
+
+
+@functools.cache
+def cpu_kernel_sets() -> dict[str, KernelSet]:
+    """The kernel sets the core registers for the CPU backend, by name.
+
+    Built on first use: the host imports this module, so the host's
+    ``Kernel`` record is imported here only when the table is needed.
+    """
+    from ..host import Kernel, Provider
+
+    core = Provider("mlx-loom (core)")
+    return {
+        "cpu-ops": KernelSet(
+            "cpu-ops",
+            "MLX operations (matmul, quantized_matmul): the reference arithmetic",
+            (
+                Kernel(
+                    "matmul",
+                    "cpu",
+                    _ops_dense,
+                    description="x @ W.T and mx.quantized_matmul as the family's MLX layers "
+                    "run them",
+                    provider=core,
+                ),
+            ),
+            lambda: None,
+        ),
+        "cpu-native": KernelSet(
+            "cpu-native",
+            "compiled AVX2/FMA kernels: multithreaded matrix-vector and blocked GEMM products "
+            "for fp32/bf16/fp16 and affine 2-8 bit weights, fp32 accumulation",
+            (
+                Kernel(
+                    "matmul",
+                    "cpu",
+                    _native_dense,
+                    description="mlx_loom.cpu._native dense_matmul / affine_matmul",
+                    provider=core,
+                ),
+            ),
+            lambda: native.unavailable_reason(),
+        ),
+    }
+
+
+class CpuPath(BaseModel):
+    """The resolved compute dtype and kernel set, with the reason for each."""
+
+    model_config = ConfigDict(frozen=True)
+
+    backend: str
+    compute_dtype: ComputeDtype
+    compute_dtype_reason: str
+    kernel_set: KernelSetName | None
+    kernel_set_reason: str
+    kernel_sets: tuple[str, ...] = KERNEL_SETS
+    threads: int | None = None
+
+    @property
+    def dtype(self) -> mx.Dtype | None:
+        """The MLX dtype parameters are converted to (``None``: as stored)."""
+        return _DTYPES.get(self.compute_dtype)
+
+    def describe_kernels(self) -> str:
+        if self.kernel_set is None:
+            return f"n/a ({self.kernel_set_reason})"
+        extra = f", {self.threads} threads" if self.kernel_set == "cpu-native" else ""
+        return f"{self.kernel_set}{extra}  ({self.kernel_set_reason})"
+
+
+def check_compute_dtype(value: str | None, *, asked: str = "compute_dtype") -> None:
+    if value is not None and value not in COMPUTE_DTYPES:
+        raise RequestError(
+            f"{asked}={value!r} is not a compute dtype (choose from {', '.join(COMPUTE_DTYPES)}).",
+            fix=f"Pass one of: {', '.join(COMPUTE_DTYPES)}.",
+        )
+
+
+def check_kernel_set(value: str | None, *, asked: str = "cpu_kernels") -> None:
+    if value is not None and value not in KERNEL_SETS:
+        raise RequestError(
+            f"{asked}={value!r} is not a CPU kernel set (registered: {', '.join(KERNEL_SETS)}).",
+            fix=f"Pass one of: {', '.join(KERNEL_SETS)}.",
+        )
+
+
+def _pick(
+    what: str, asked: str | None, pinned: str | None, default: str, default_reason: str
+) -> tuple[str, str]:
+    if pinned is not None:
+        if asked is not None and asked != pinned:
+            raise KernelUnavailable(
+                f"The run asks for {what} {asked!r}, but the host pins {pinned!r}.",
+                fix=f"Drop the {what} from the run, or ask for {pinned!r}.",
+            )
+        return pinned, "pinned by the host"
+    if asked is not None:
+        return asked, "asked for by this run"
+    return default, default_reason
+
+
+def resolve_cpu_path(
+    backend: str,
+    *,
+    compute_dtype: str | None = None,
+    cpu_kernels: str | None = None,
+    host_compute_dtype: str | None = None,
+    host_cpu_kernels: str | None = None,
+) -> CpuPath:
+    """The CPU path for a model on ``backend``, or a refusal.
+
+    ``compute_dtype``/``cpu_kernels`` are this run's requests, ``host_*`` the
+    host's pins (a run may only repeat a pin).
+    """
+    check_compute_dtype(compute_dtype)
+    check_compute_dtype(host_compute_dtype, asked="the host's compute_dtype")
+    check_kernel_set(cpu_kernels)
+    check_kernel_set(host_cpu_kernels, asked="the host's cpu_kernels")
+    on_cpu = backend == "cpu"
+    dtype, dtype_reason = _pick(
+        "compute dtype",
+        compute_dtype,
+        host_compute_dtype,
+        DEFAULT_CPU_COMPUTE_DTYPE if on_cpu else "checkpoint",
+        "the CPU default: MLX's CPU backend has no fast half-precision arithmetic"
+        if on_cpu
+        else f"the {backend} default: run in the checkpoint's own dtype",
+    )
+    if not on_cpu:
+        if cpu_kernels is not None or host_cpu_kernels is not None:
+            raise KernelUnavailable(
+                f"CPU kernel set {cpu_kernels or host_cpu_kernels!r} was asked for, but this "
+                f"model runs on the {backend!r} backend.",
+                fix="Drop the CPU kernel set, or pin the cpu kernel backend "
+                "(kernel_backend='cpu').",
+            )
+        return CpuPath(
+            backend=backend,
+            compute_dtype=dtype,  # type: ignore[arg-type]
+            compute_dtype_reason=dtype_reason,
+            kernel_set=None,
+            kernel_set_reason=f"the {backend} backend runs the family's own kernels",
+        )
+    sets = cpu_kernel_sets()
+    native_missing = sets["cpu-native"].unavailable()
+    default_set, default_reason = (
+        ("cpu-native", "the CPU default: the native kernels run here")
+        if native_missing is None
+        else ("cpu-ops", f"the CPU default where the native kernels cannot run: {native_missing}")
+    )
+    kernel_set, kernel_reason = _pick(
+        "CPU kernel set", cpu_kernels, host_cpu_kernels, default_set, default_reason
+    )
+    missing = sets[kernel_set].unavailable()
+    if missing is not None:
+        raise KernelUnavailable(
+            f"CPU kernel set {kernel_set!r} ({kernel_reason}) cannot run here: {missing}.",
+            fix="Use the 'cpu-ops' kernel set (--cpu-kernels cpu-ops, cpu_kernels='cpu-ops'), "
+            "which runs the same model with MLX operations.",
+        )
+    return CpuPath(
+        backend=backend,
+        compute_dtype=dtype,  # type: ignore[arg-type]
+        compute_dtype_reason=dtype_reason,
+        kernel_set=kernel_set,  # type: ignore[arg-type]
+        kernel_set_reason=kernel_reason,
+        threads=native.threads() if kernel_set == "cpu-native" else None,
+    )
+
+
+def _is_float(a: mx.array) -> bool:
+    return mx.issubdtype(a.dtype, mx.floating)
+
+
+def apply_cpu_path(model: nn.Module, path: CpuPath) -> None:
+    """Convert ``model``'s parameters to the compute dtype and swap in the kernel set.
+
+    Called on the freshly built (still lazy) graph, before its weights are
+    evaluated, so converted weights never coexist with their originals for
+    the whole model.
+    """
+    dtype = path.dtype
+    if path.kernel_set != "cpu-native":
+        if dtype is not None:
+            model.set_dtype(dtype, predicate=lambda d: mx.issubdtype(d, mx.floating))
+        return
+    for _, mod in model.named_modules():
+        if layers.swappable(mod):
+            layers.swap_in(mod, dtype)
+    if dtype is None:
+        return
+    for _, mod in model.named_modules():
+        kept = layers.KEPT_AS_STORED.get(type(mod), frozenset())
+        for name, value in list(mod.items()):
+            if name in kept:
+                continue
+            if isinstance(value, mx.array) and _is_float(value) and value.dtype != dtype:
+                mod[name] = value.astype(dtype)
+            elif isinstance(value, list | tuple) and any(isinstance(v, mx.array) for v in value):
+                mod[name] = type(value)(
+                    v.astype(dtype) if isinstance(v, mx.array) and _is_float(v) else v
+                    for v in value
+                )

@@ -1,0 +1,96 @@
+"""A config whose quantization claim the tensors contradict: a WeightsError naming the field.
+
+Before, a config claiming quantization over float weights loaded silently as
+a float model.
+"""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stderr
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+import mlx_loom
+from mlx_loom.cli.main import main
+from mlx_loom.errors import WeightsError
+
+from .conftest import FAMILIES, variant
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request, family_dirs):
+    return request.param, family_dirs[request.param]
+
+
+def claim(key: str, bits: int = 4, group_size: int = 32):
+    def edit(config: dict) -> None:
+        config[key] = {"group_size": group_size, "bits": bits}
+
+    return edit
+
+
+@pytest.mark.parametrize("key", ["quantization", "quantization_config"])
+def test_a_claim_over_float_weights_is_refused_by_the_api(family, key, tmp_path):
+    _, src = family
+    path = variant(src, tmp_path / "m", config=claim(key))
+    with pytest.raises(WeightsError, match=f"'{key}' declares 4-bit, group 32") as info:
+        mlx_loom.load(path)
+    assert f"remove '{key}'" in info.value.fix
+
+
+def test_a_claim_over_float_weights_exits_1_from_the_cli(family, tmp_path):
+    _, src = family
+    path = variant(src, tmp_path / "m", config=claim("quantization"))
+    err = io.StringIO()
+    with redirect_stderr(err):
+        code = main(["generate", "--model", str(path), "-m", "1"])
+    assert code == 1 and "no module of the checkpoint has scales" in err.getvalue()
+
+
+def quantized(src, target, bits_claimed: int):
+    """``src`` with its quantizable weights packed at 4 bits, group 32; the config claims
+    ``bits_claimed``."""
+    model, _ = mlx_loom.load(src)
+    module = model.module
+    nn.quantize(
+        module,
+        group_size=32,
+        bits=4,
+        class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0,
+    )
+    weights = dict(tree_flatten(module.parameters()))
+    path = variant(src, target, config=claim("quantization", bits=bits_claimed))
+    (path / "model.safetensors").unlink()
+    mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "mlx"})
+    return path
+
+
+def test_a_correct_claim_over_packed_weights_loads(family, tmp_path):
+    _, src = family
+    model, tok = mlx_loom.load(quantized(src, tmp_path / "q4", bits_claimed=4))
+    assert mlx_loom.generate(model, tok, "hi", max_tokens=2) is not None
+
+
+def test_packed_widths_that_disagree_with_the_claimed_bits_are_refused(family, tmp_path):
+    _, src = family
+    path = quantized(src, tmp_path / "q8", bits_claimed=8)
+    with pytest.raises(WeightsError) as info:
+        mlx_loom.load(path)
+    # The strict loader compares the packed shapes the claim implies with the
+    # stored ones before any graph is built: every disagreeing tensor is named.
+    message = info.value.message
+    assert "do not match the model" in message and "wrong shape" in message
+    assert ".weight" in message and info.value.fix
+
+
+def test_a_claim_that_is_not_an_object_is_a_config_error_naming_the_field(family, tmp_path):
+    _, src = family
+    path = variant(src, tmp_path / "m", config=lambda c: c.update(quantization=[4, 32]))
+    err = io.StringIO()
+    with redirect_stderr(err):
+        code = main(["explain", str(path)])
+    assert code == 1 and "quantization is a list, not an object" in err.getvalue()
