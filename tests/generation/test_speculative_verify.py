@@ -19,7 +19,6 @@ from mlx_loom.host import VERIFY_POLICIES, VerifyPolicy
 
 from .conftest import SPEC_FAMILIES, SPEC_PROMPT
 
-
 KERNELS = ["cpu-native", "cpu-ops"]
 
 

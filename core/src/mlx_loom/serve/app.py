@@ -468,7 +468,10 @@ class ServeApp:
             job = Job(
                 prompt=ids,
                 max_tokens=max_tokens,
-                stop=stop, sampling=seeded, speculation=speculation, **self.kv
+                stop=stop,
+                sampling=seeded,
+                speculation=speculation,
+                **self.kv,
             )
             parser = (
                 output_parser(plan, self.chat_format, in_reasoning=in_reasoning) if chat else None
