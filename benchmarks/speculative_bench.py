@@ -128,9 +128,9 @@ def _note(steps, drafted):
         yield token
 
 
-def best(run, repeats):
+def best(run, args, repeats):
     """The run with the highest tokens/s of ``repeats`` (same tokens every time: greedy)."""
-    results = [run() for _ in range(repeats)]
+    results = [run(*args) for _ in range(repeats)]
     return max(results, key=lambda r: r[1])
 
 
@@ -159,10 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         half = [(i * 7919 + 13) % 8000 + 5 for i in range(args.prompt_tokens // 2)]
         prompt = half * 2  # longer than every window; repeats for prompt lookup
         loom_run(model, prompt, 4, None, k)  # warm up
-        plain, tps, _ = best(lambda: loom_run(model, prompt, gen, None, k), reps)
+        plain, tps, _ = best(loom_run, (model, prompt, gen, None, k), reps)
         print(row("mlx-loom", family, "plain", plain, tps, plain, None), flush=True)
         for case, drafter in (("self", model), ("other", other), ("ngram", "ngram")):
-            tokens, tps, acc = best(lambda d=drafter: loom_run(model, prompt, gen, d, k), reps)
+            tokens, tps, acc = best(loom_run, (model, prompt, gen, drafter, k), reps)
             print(row("mlx-loom", family, case, tokens, tps, plain, acc), flush=True)
         if args.skip_mlx_lm:
             continue
@@ -170,11 +170,11 @@ def main(argv: list[str] | None = None) -> int:
 
         lm, _ = load_model(target_path)
         lm_other, _ = load_model(other_path)
-        lm_plain, tps, _ = best(lambda: mlx_lm_run(lm, prompt, gen, None, k), reps)
+        lm_plain, tps, _ = best(mlx_lm_run, (lm, prompt, gen, None, k), reps)
         print(row("mlx-lm", family, "plain", lm_plain, tps, lm_plain, None), flush=True)
         for case, draft in (("self", lm), ("other", lm_other)):
             try:
-                tokens, tps, acc = best(lambda d=draft: mlx_lm_run(lm, prompt, gen, d, k), reps)
+                tokens, tps, acc = best(mlx_lm_run, (lm, prompt, gen, draft, k), reps)
             except Exception as err:  # mlx-lm refuses some caches
                 msg = str(err).splitlines()[0][:60]
                 print(f"| {family} | mlx-lm | {case} | - | - | - | refused: {msg} |", flush=True)
