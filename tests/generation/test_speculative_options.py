@@ -166,3 +166,28 @@ def test_sampled_speculation_draws_the_targets_first_two_tokens(tiny_vocab, draf
         c1[out[0]] += 1
         c2[out[1]] += 1
     assert tv(c1, n, p1) < 0.15 and tv(c2, n, p2) < 0.15
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_engines_prefix_store_serves_speculative_requests(spec_models, family):
+    """A second request sharing a prefix reuses the first's caches, speculating exactly."""
+    from mlx_loom.engine import Engine, EngineSettings, Speculation, make_request
+
+    model, other = spec_models[family]
+    engine = Engine(model, EngineSettings(prompt_cache_size=4))
+
+    def run(prompt):
+        request = make_request(model, None, prompt, max_tokens=8, speculation=Speculation(other, 3))
+        (uid,) = engine.insert([request])
+        events = []
+        with mx.stream(mx.default_stream(mx.default_device())):
+            while engine.has_work:
+                events += [e for e in engine.step() if getattr(e, "uid", None) == uid]
+        return [e for e in events if hasattr(e, "token")]
+
+    first = [e.token for e in run(PROMPT)]
+    # Extend exactly what the stored caches hold, so even untrimmable caches are reused.
+    second = [*PROMPT, *first, 7, 8, 9]
+    out = run(second)
+    assert out[-1].cached_tokens == len(PROMPT) + len(first) - 1
+    assert [e.token for e in out] == tokens(model, second, 8)
