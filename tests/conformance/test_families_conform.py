@@ -19,3 +19,5 @@ def test_family_plugin_conforms(family, tmp_path, monkeypatch):
     report = run_conformance(family, workdir=tmp_path)
     assert report.available, report.format()
     assert report.passed, report.format()
+    plan = [r for r in report.results if r.name.startswith("parallel-plan[")]
+    assert plan and all(r.status == "pass" for r in plan), report.format()

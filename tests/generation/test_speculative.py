@@ -163,3 +163,20 @@ def test_rows_with_different_drafters_share_one_stacked_verify_batch(spec_models
             shapes.append([(len(g), g.stacked) for g in engine._groups])
     assert (3, True) in {s for step in shapes for s in step}
     assert [got[u] for u in uids] == [tokens(model, p, 16) for p in prompts]
+
+
+def test_a_model_split_across_ranks_refuses_speculation(spec_models):
+    """The other ranks rebuild requests without the drafter, so they would diverge."""
+    from types import SimpleNamespace
+
+    from mlx_loom.engine import Speculation, make_request
+    from mlx_loom.errors import ParallelRefused
+
+    model, _ = spec_models["llama-sliding"]
+    saved = model.parallel
+    model.parallel = SimpleNamespace(mode="tensor", rank=0, size=2)
+    try:
+        with pytest.raises(ParallelRefused, match="split across ranks"):
+            make_request(model, None, PROMPT, speculation=Speculation(None, 3))
+    finally:
+        model.parallel = saved

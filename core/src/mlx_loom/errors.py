@@ -152,6 +152,15 @@ class CapabilityRefused(Refusal):
     """A request method (KV quantization, batching, speculation ...) is not supported."""
 
 
+class ParallelRefused(Refusal):
+    """A model cannot run split across the distributed group as asked.
+
+    The group is missing or too small, the implementation declares no plan
+    for the mode, or the checkpoint's geometry does not divide across the
+    group's size (the message names the field and the sizes that would work).
+    """
+
+
 class ToolParserUnavailable(Refusal):
     """A tool-call parser was asked for by name and none is registered under it,
     or tools were sent to a model for which no tool-call format is known."""

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .cpu.path import CpuPath
     from .engine import EngineService
     from .host import Binding, Implementation, Profile
+    from .parallel import Parallel
 
 
 @runtime_checkable
@@ -89,6 +90,7 @@ class Model:
         model_dir: Path,
         profile_reason: str = "",
         cpu_path: CpuPath | None = None,
+        parallel: Parallel | None = None,
     ) -> None:
         if not isinstance(module, CausalLM):
             raise TypeError(
@@ -103,6 +105,8 @@ class Model:
         #: The compute dtype and CPU kernel set it runs with (``None`` when
         #: built outside :func:`mlx_loom.load`).
         self.cpu_path = cpu_path
+        #: How this rank's part of a split model was cut (``None``: one process).
+        self.parallel = parallel
         mx.eval(_arrays(module, constants_only=True))
         self._engine_lock = threading.Lock()
         self._engine: Any = None
@@ -116,9 +120,15 @@ class Model:
         """
         with self._engine_lock:
             if self._engine is None or not self._engine.alive:
-                from .engine import EngineService
+                if self.parallel is not None:
+                    # Split across ranks: rank 0 decides each turn (mlx_loom.parallel.service).
+                    from .parallel.service import LockstepService
 
-                self._engine = EngineService(self)
+                    self._engine = LockstepService(self)
+                else:
+                    from .engine import EngineService
+
+                    self._engine = EngineService(self)
             return self._engine
 
     def materialize(self) -> None:
@@ -178,13 +188,19 @@ class Model:
             )
 
     def __repr__(self) -> str:
+        split = ""
+        if self.parallel is not None:
+            split = (
+                f", parallel={self.parallel.mode!r} rank {self.parallel.rank}/{self.parallel.size}"
+            )
         return (
             f"Model(model_type={self.model_type!r}, profile={self.profile.id!r}, "
             f"implementation={self.implementation.id!r}, backend={self.backend!r}"
             + (
                 f", compute_dtype={self.cpu_path.compute_dtype!r}, "
-                f"cpu_kernels={self.cpu_path.kernel_set!r})"
+                f"cpu_kernels={self.cpu_path.kernel_set!r}"
                 if self.cpu_path is not None
-                else ")"
+                else ""
             )
+            + f"{split})"
         )

@@ -9,7 +9,9 @@ its data. :func:`load_weights` validates every header first and only then asks
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ __all__ = [
     "load_weights",
     "mismatch_error",
     "read_manifest",
+    "recording_sources",
     "tensor_signature",
     "weight_mismatches",
 ]
@@ -154,11 +157,39 @@ def read_manifest(model_dir: str | os.PathLike[str]) -> dict[str, TensorInfo]:
     return manifest
 
 
+#: Where the lazy arrays :func:`load_weights` returned live, while a build records
+#: them: ``id(array) -> (array, its header entry)``. Scoped to one
+#: :func:`recording_sources` block (a context variable, so one thread's build
+#: never sees another's).
+_SOURCES: ContextVar[dict[int, tuple[mx.array, TensorInfo]] | None] = ContextVar(
+    "mlx_loom_weight_sources", default=None
+)
+
+
+@contextmanager
+def recording_sources() -> Iterator[dict[int, tuple[mx.array, TensorInfo]]]:
+    """Within the block, :func:`load_weights` notes the file and offsets of each array it returns.
+
+    Why: ``mx.load`` reads a whole tensor when any slice of it is evaluated.
+    A distributed build that needs one rank's slice of a tensor the family's
+    loader passed through unchanged can read just those bytes from the file
+    instead (:mod:`mlx_loom.parallel.reading`); the table says which arrays
+    those are (the same object, not a transformed copy) and where they live.
+    """
+    table: dict[int, tuple[mx.array, TensorInfo]] = {}
+    token = _SOURCES.set(table)
+    try:
+        yield table
+    finally:
+        _SOURCES.reset(token)
+
+
 def load_weights(model_dir: str | os.PathLike[str]) -> dict[str, mx.array]:
     """Every tensor as a lazy ``mx.array``, after every header has been validated.
 
     ``mx.load`` maps the file lazily: no tensor data is read until an array is
-    evaluated, so loading then dropping unused tensors costs nothing.
+    evaluated, so loading then dropping unused tensors costs nothing. Inside
+    :func:`recording_sources` each array's header entry is recorded.
     """
     manifest = read_manifest(model_dir)
     weights: dict[str, mx.array] = {}
@@ -169,6 +200,9 @@ def load_weights(model_dir: str | os.PathLike[str]) -> dict[str, mx.array]:
             f"{model_dir}: mx.load returned different tensors than the headers declare",
             fix="re-download the checkpoint",
         )
+    table = _SOURCES.get()
+    if table is not None:
+        table.update({id(array): (array, manifest[name]) for name, array in weights.items()})
     return weights
 
 

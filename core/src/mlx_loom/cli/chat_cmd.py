@@ -14,6 +14,7 @@ from pathlib import Path
 from ..assets import BUNDLED_MODEL_ALIAS
 from ..errors import TokenizerError
 from ..model import Model
+from ..parallel import doors
 from . import flags
 from .chat_session import COMMANDS, ChatSession
 from .flags import usage_error
@@ -84,6 +85,43 @@ def context_budget(args: argparse.Namespace, model: Model) -> int | None:
     return args.max_kv_size
 
 
+#: Commands that read or write this machine's files: in a split chat the other
+#: ranks' machines may not hold the same file, so the ranks would leave step.
+_LOCAL_FILE_COMMANDS = ("/save", "/load")
+
+
+def _split_reader(model: Model, read):
+    """``read`` for a split chat: rank 0 reads, and every rank gets the same line.
+
+    Rank 0's end of input and Ctrl-C at the prompt reach the other ranks as
+    the same exceptions, so every rank's session does the same thing.
+    """
+    if model.parallel is None:
+        return read
+
+    def leader_event() -> dict:
+        try:
+            line = read()
+        except KeyboardInterrupt:
+            return {"interrupt": True}
+        except EndOfInput as end:
+            return {"eof": end.unfinished}
+        if line.split(" ", 1)[0] in _LOCAL_FILE_COMMANDS:
+            print("(/save and /load are not available in a split chat)", file=sys.stderr)
+            return {"line": ""}
+        return {"line": line}
+
+    def shared() -> str:
+        event = doors.shared_input(model, leader_event)
+        if "interrupt" in event:
+            raise KeyboardInterrupt
+        if "eof" in event:
+            raise EndOfInput(unfinished=event["eof"])
+        return event["line"]
+
+    return shared
+
+
 def run(args: argparse.Namespace) -> int:
     template_budget = template_budget_from_args(args)
     model, tokenizer = load_from_args(args)
@@ -108,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     history = None if args.no_history else (args.history_file or default_history_path())
     with LineReader(interactive=interactive, history=history, commands=COMMANDS) as reader:
+        read = _split_reader(model, reader.read)
         if reader.history_error:
             session.note(reader.history_error)
         if interactive:
@@ -115,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{name}, {context}] Type a message; /help for commands, Ctrl-D to leave.")
         while True:
             try:
-                if not session.handle(reader.read()):
+                if not session.handle(read()):
                     break
             except KeyboardInterrupt:  # at the prompt: drop the half-typed line
                 session.recover()

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 from ..errors import LoomError
 from ..generate import PromptCache, stream_generate
 from ..model import Model
+from ..parallel import doors
 from ..text import TemplateBudget, Tokenizer
 from .conversation import Conversation
 from .flags import speak_flags
@@ -40,14 +41,20 @@ class Command:
 
 
 class StopOnInterrupt:
-    """SIGINT handling while one answer streams (see the module docstring)."""
+    """SIGINT handling while one answer streams (see the module docstring).
 
-    def __init__(self) -> None:
+    Not ``active`` (a rank other than 0 of a split model, which follows rank
+    0's decision), it leaves SIGINT's handling as it is.
+    """
+
+    def __init__(self, *, active: bool = True) -> None:
         self.requested = False
+        self.active = active
         self._previous: Any = None
 
     def __enter__(self) -> StopOnInterrupt:
-        self._previous = signal.signal(signal.SIGINT, self._handle)
+        if self.active:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -56,7 +63,8 @@ class StopOnInterrupt:
         self.requested = True
 
     def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, self._previous)
+        if self.active:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 class ChatSession:
@@ -143,7 +151,7 @@ class ChatSession:
         last = None
         failure: LoomError | None = None
         torn = False  # interrupted mid-step: the caches may hold what the bookkeeping missed
-        with StopOnInterrupt() as interrupt:
+        with StopOnInterrupt(active=not doors.is_follower(self.model)) as interrupt:
             try:
                 for last in stream:
                     reply.append(last.text)  # first: a second Ctrl-C may land in the write
@@ -152,11 +160,16 @@ class ChatSession:
                     if interrupt.requested:
                         break
             except KeyboardInterrupt:
+                if self.model.parallel is not None:
+                    # Mid-step on rank 0 alone: the ranks cannot meet again; end them.
+                    raise SystemExit(130) from None
                 torn = True
             except LoomError as err:
                 failure = err
             finally:
                 stream.close()  # records what was fed in the prompt cache
+        # Split across ranks, every rank keeps as much of the answer as rank 0 did.
+        reply = reply[: doors.kept_together(self.model, len(reply))]
         if torn:
             self.cache.reset()  # after close(), which would record into a fresh cache
         if failure is not None and not reply:

@@ -14,6 +14,7 @@ from ..assets import BUNDLED_MODEL_ALIAS
 from ..generate import stream_generate
 from ..host import load
 from ..model import Model
+from ..parallel import doors
 from ..text.template_budget import ENV_MAX_OUTPUT, ENV_TIMEOUT, TemplateBudget
 from . import flags
 from .flags import usage_error
@@ -49,6 +50,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "--kernel-backend", choices=["metal", "cuda", "cpu"], help="pin the kernel backend"
     )
     add_cpu_path_options(parser)
+    doors.add_parallel_option(parser)
     group = parser.add_argument_group("chat template budget")
     group.add_argument(
         "--template-timeout",
@@ -223,12 +225,15 @@ def sampling_kwargs(args: argparse.Namespace, model: Model) -> dict[str, Any]:
 
 
 def load_from_args(args: argparse.Namespace):
-    return load(
+    model, tokenizer = load(
         args.model or BUNDLED_MODEL_ALIAS,
         kernel_backend=args.kernel_backend,
         compute_dtype=args.compute_dtype,
         cpu_kernels=args.cpu_kernels,
+        parallel=args.parallel,
     )
+    doors.silence_followers(model)
+    return model, tokenizer
 
 
 def print_stats(last, out=None) -> None:
@@ -299,9 +304,12 @@ def prompt_from_args(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    prompt = prompt_from_args(args)
+    # Split across ranks, rank 0 alone reads the prompt (stdin may be its alone).
+    prompt = None if args.parallel else prompt_from_args(args)
     template_budget = template_budget_from_args(args)
     model, tokenizer = load_from_args(args)
+    if prompt is None:
+        prompt = doors.shared_input(model, lambda: prompt_from_args(args))
     options = sampling_kwargs(args, model)
     if args.verbose:
         kv = f"  kv cache: {args.kv_bits}-bit, group {options['kv_group_size']}"
@@ -325,4 +333,7 @@ def run(args: argparse.Namespace) -> int:
         print(last.text, end="", flush=True)
     print(flush=True)
     print_stats(last)
+    split = doors.finish(model)
+    if split:
+        print(split, file=sys.stderr)
     return 0

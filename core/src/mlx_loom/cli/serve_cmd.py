@@ -18,6 +18,8 @@ from ..engine.settings import (
     DEFAULT_PROMPT_CONCURRENCY,
 )
 from ..errors import RequestError
+from ..parallel import doors
+from ..parallel.serving import follow_jobs
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from ..serve.app import DEFAULT_MAX_QUEUED, server_engine_settings
 from . import flags
@@ -243,6 +245,9 @@ def run(args: argparse.Namespace) -> int:
     template_budget = template_budget_from_args(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     model, tokenizer = load_from_args(args)
+    if doors.is_follower(model):
+        follow_jobs(model, tokenizer)  # rank 0 serves; this rank runs every job with it
+        return 0
     server = make_server(
         model,
         tokenizer,

@@ -121,6 +121,10 @@ class PrefixStore:
 
     # --- insertion ----------------------------------------------------------------
 
+    def measure(self, caches: Sequence[Any]) -> tuple[int, bool]:
+        """An entry's bytes, and whether every one of its caches can trim."""
+        return sum(int(c.nbytes) for c in caches), all(c.is_trimmable() for c in caches)
+
     def insert(self, key: Hashable, tokens: Sequence[int], caches: Sequence[Any]) -> None:
         """Keep ``caches`` (holding exactly ``tokens``) for later requests."""
         tokens = tuple(tokens)
@@ -128,10 +132,9 @@ class PrefixStore:
             return
         copies = snapshot(caches)
         mx.eval([c.state for c in copies])
-        nbytes = sum(int(c.nbytes) for c in copies)
+        nbytes, trimmable = self.measure(copies)
         if self.max_bytes is not None and nbytes > self.max_bytes:
             return  # larger than the whole store: keeping it would evict everything
-        trimmable = all(c.is_trimmable() for c in copies)
         entry_key = (key, tokens)
         old = self._entries.pop(entry_key, None)
         if old is not None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_loom.cache import maybe_quantize_kv_cache, validate_kv_quantization
-from mlx_loom.errors import RequestError
+from mlx_loom.errors import ParallelRefused, RequestError
 from mlx_loom.generate.params import SamplingParams
 from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
 
@@ -300,6 +300,15 @@ def _check_speculation(
     sampler: SamplerFn | None,
 ) -> None:
     model.require(SPECULATIVE, asked="speculative decoding")
+    if getattr(model, "parallel", None) is not None:
+        # The other ranks rebuild each request from a plain description; a
+        # drafter (and its own model) is not part of it, so they would diverge.
+        raise ParallelRefused(
+            "Speculative decoding is not supported for a model split across ranks "
+            f"(--parallel {model.parallel.mode}).",
+            fix="Drop the draft (draft_model / --draft-model / --draft), or run the model in "
+            "one process.",
+        )
     if spec.draft is not None:
         spec.draft.require(SPECULATIVE, asked="speculative decoding (draft model)")
         if model.vocab_size != spec.draft.vocab_size:

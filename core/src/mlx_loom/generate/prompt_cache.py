@@ -110,7 +110,7 @@ class PromptCache:
         keep = min(_common_prefix(self.tokens, prompt), len(prompt) - 1)
         drop = len(self.tokens) - keep
         if drop > 0:
-            if keep > 0 and all(c.is_trimmable() for c in self.cache):
+            if keep > 0 and self._can_trim():
                 for c in self.cache:
                     c.trim(drop)
                 self.tokens = self.tokens[:keep]
@@ -118,6 +118,17 @@ class PromptCache:
                 self.reset()
                 keep = 0
         return prompt[keep:]
+
+    def _can_trim(self) -> bool:
+        """Whether every cache can trim; for a split model, on every rank.
+
+        A pipeline rank holds only its layers' caches, which may all trim
+        where another rank's cannot; every rank must keep the same prefix.
+        """
+        mine = all(c.is_trimmable() for c in self.cache)
+        if self.model.parallel is None:
+            return mine
+        return all(flag == 1.0 for (flag,) in self.model.engine.gather([float(mine)]))
 
     @property
     def reused(self) -> int:

@@ -16,18 +16,23 @@ token.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..artifacts.weights import recording_sources
 from ..cpu.path import apply_cpu_path
-from ..errors import ImplementationFailed, LoomError, WeightsError
+from ..errors import ImplementationFailed, LoomError, ParallelRefused, WeightsError
 from ..model import CausalLM, Model
+from ..parallel.build import Parallel, prepare, split_model, wrap
+from ..parallel.lockstep import Lockstep, share_seed
 from ..text import Tokenizer
 from ._discovery import PluginHost
 from ._kernels import Backend
@@ -81,13 +86,62 @@ def resolve_model(
     )
 
 
-def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
+def build_model(
+    resolved: Resolved,
+    *,
+    lazy: bool = False,
+    parallel: str | None = None,
+    group: Any = None,
+) -> Model:
     """Run the selected implementation's factory and wrap the result.
 
     ``lazy=False`` (the default) evaluates every parameter now and refuses
     NaN/Inf weights; ``lazy=True`` leaves the arrays lazy (read on first
     use), so neither the load cost nor the finiteness check is paid here.
+    ``parallel`` (``"tensor"`` or ``"pipeline"``) keeps this rank's part of
+    the model across ``group`` (default: ``mx.distributed.init()``); the
+    slices of split tensors are read as the plan is applied, so ``lazy=True``
+    defers only the tensors every rank holds whole.
     """
+    binding = resolved.binding
+    info: Parallel | None = None
+    if parallel is None:
+        module = _run_factory(resolved)
+        apply_cpu_path(module, resolved.summary.cpu)
+        if not lazy:
+            _evaluate_all(module)
+    else:
+        group = prepare(parallel, group, implementation=binding.implementation)
+        lockstep = Lockstep(group)
+        try:
+            module, info = _build_split(resolved, parallel, group)
+            if not lazy:
+                _evaluate_all(module)
+        except Exception:
+            lockstep.agree(False)
+            raise
+        loaded = lockstep.agree(True)
+        if not all(loaded):
+            failed = [rank for rank, ok in enumerate(loaded) if not ok]
+            raise ParallelRefused(
+                f"Rank(s) {', '.join(map(str, failed))} of {group.size()} failed to load "
+                f"{str(resolved.model_dir)!r}, so this rank cannot run its part alone.",
+                fix="See the failing rank's own error (each rank reports why it failed).",
+            )
+        share_seed(lockstep)
+    module.eval()
+    return Model(
+        module,
+        binding=binding,
+        config=resolved.config,
+        model_dir=resolved.model_dir,
+        profile_reason=resolved.summary.profile_reason,
+        cpu_path=resolved.summary.cpu,
+        parallel=info,
+    )
+
+
+def _run_factory(resolved: Resolved) -> nn.Module:
     binding = resolved.binding
     impl = binding.implementation
     context = BuildContext(
@@ -98,42 +152,67 @@ def build_model(resolved: Resolved, *, lazy: bool = False) -> Model:
         backend=binding.backend,
         kernels={name: kernel.fn for name, kernel in binding.kernels.items()},
     )
-    who = f"Implementation {impl.id!r} ({impl.provider or 'registered by the host'})"
     try:
         module = impl.factory(context)
     except LoomError:
         raise  # already typed: a bad config or checkpoint the plugin reported
     except (Exception, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - not Ctrl-C
         raise ImplementationFailed(
-            f"{who} failed to build the model for {str(resolved.model_dir)!r}: "
+            f"{_who(impl)} failed to build the model for {str(resolved.model_dir)!r}: "
             f"{type(err).__name__}: {err}",
             fix="This is a fault in the plugin: report it to its authors (the chained "
             "traceback shows where), or disallow the plugin.",
         ) from err
     if not isinstance(module, nn.Module) or not isinstance(module, CausalLM):
         raise ImplementationFailed(
-            f"{who} built a {type(module).__name__}, not an mlx.nn.Module with "
+            f"{_who(impl)} built a {type(module).__name__}, not an mlx.nn.Module with "
             "__call__(inputs, cache) and make_cache().",
             fix="This is a fault in the plugin: its factory must return the model graph.",
         )
+    return module
+
+
+def _who(impl: Any) -> str:
+    return f"Implementation {impl.id!r} ({impl.provider or 'registered by the host'})"
+
+
+def _build_split(resolved: Resolved, mode: str, group: Any) -> tuple[nn.Module, Parallel]:
+    """The factory's lazy model, cut to this rank's part by the family's plan.
+
+    Order: split first (so slices come straight from the files, before any
+    dtype conversion makes new arrays of them), then the CPU path, then the
+    split's class changes (so they wrap the CPU path's kernels).
+    """
+    impl = resolved.binding.implementation
+    with recording_sources() as sources:
+        module = _run_factory(resolved)
+    try:
+        plan = impl.parallel(resolved.family_config)
+    except LoomError:
+        raise
+    except Exception as err:  # noqa: BLE001 - plugin code
+        raise ImplementationFailed(
+            f"{_who(impl)}'s parallel plan failed for {str(resolved.model_dir)!r}: "
+            f"{type(err).__name__}: {err}",
+            fix="This is a fault in the plugin: report it to its authors.",
+        ) from err
+    what = f"{resolved.model_dir.name!r} (implementation {impl.id!r})"
+    info, wraps = split_model(module, plan, mode, group, sources, what=what)  # type: ignore[arg-type]
+    del sources
     apply_cpu_path(module, resolved.summary.cpu)
-    if not lazy:
-        _evaluate(module)
-        # Buffers (arrays a module keeps beside its parameters, such as RoPE
-        # frequency tables) too: MLX ties an unevaluated array to the stream of
-        # the thread that built it, so a model built on one thread and run on
-        # another (the server's generation thread) would fail with "There is
-        # no Stream(cpu, 0) in current thread".
-        mx.eval(_buffers(module))
-    module.eval()
-    return Model(
-        module,
-        binding=binding,
-        config=resolved.config,
-        model_dir=resolved.model_dir,
-        profile_reason=resolved.summary.profile_reason,
-        cpu_path=resolved.summary.cpu,
-    )
+    wrap(module, wraps)
+    weights = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+    return module, dataclasses.replace(info, weight_bytes=weights)
+
+
+def _evaluate_all(module: nn.Module) -> None:
+    _evaluate(module)
+    # Buffers (arrays a module keeps beside its parameters, such as RoPE
+    # frequency tables) too: MLX ties an unevaluated array to the stream of
+    # the thread that built it, so a model built on one thread and run on
+    # another (the server's generation thread) would fail with "There is
+    # no Stream(cpu, 0) in current thread".
+    mx.eval(_buffers(module))
 
 
 def _evaluate(module: nn.Module) -> None:
@@ -197,6 +276,8 @@ def load(
     compute_dtype: str | None = None,
     cpu_kernels: str | None = None,
     lazy: bool = False,
+    parallel: str | None = None,
+    group: Any = None,
 ) -> tuple[Model, Tokenizer]:
     """Load a model and its tokenizer, shaped like ``mlx_lm.load``.
 
@@ -206,7 +287,10 @@ def load(
     cannot run here). ``compute_dtype`` (``"checkpoint"``, ``"float32"``,
     ``"bfloat16"``, ``"float16"``) and ``cpu_kernels`` (``"cpu-native"``,
     ``"cpu-ops"``) choose the CPU compute path; the defaults and their
-    reasons are in :mod:`mlx_loom.cpu`.
+    reasons are in :mod:`mlx_loom.cpu`. ``parallel="tensor"`` or
+    ``"pipeline"`` splits the model across ``group`` (default
+    ``mx.distributed.init()``: the processes ``mlx.launch`` started); every
+    rank calls ``load`` alike (:mod:`mlx_loom.parallel`).
     """
     resolved = resolve_model(
         model_ref,
@@ -217,6 +301,6 @@ def load(
         compute_dtype=compute_dtype,
         cpu_kernels=cpu_kernels,
     )
-    model = build_model(resolved, lazy=lazy)
+    model = build_model(resolved, lazy=lazy, parallel=parallel, group=group)
     tokenizer = Tokenizer.from_dir(resolved.model_dir, config_eos=resolved.config.eos_token_id)
     return model, tokenizer

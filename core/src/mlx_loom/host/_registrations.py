@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import mlx.nn as nn
 
     from ..artifacts import ArtifactConfig
+    from ..parallel import PlanFunction
     from ..text.tool_calls import ToolParser
 
 #: ``config dict -> {hf tensor name: (shape, dtype name)}``
@@ -127,6 +128,9 @@ class Implementation:
     capabilities: frozenset[str] = frozenset()
     description: str = ""
     provider: Provider | None = field(default=None, compare=False)
+    #: ``family_config -> ParallelPlan``: how the built graph splits across
+    #: processes (:mod:`mlx_loom.parallel`); ``None``: it runs in one process only.
+    parallel: PlanFunction | None = None
 
     def __post_init__(self) -> None:
         for name in ("id", "graph", "loader", "loop"):
@@ -145,6 +149,7 @@ class Implementation:
         )
         check_text("Implementation", "description", self.description)
         check_instance("Implementation", "provider", self.provider, Provider, optional=True)
+        check_callable("Implementation", "parallel", self.parallel, optional=True)
 
 
 def check_cache_kind(cls: Any, *, owner: str = "cache kind") -> type:
@@ -165,7 +170,8 @@ class Graph:
     """One graph of a family: its id, the factory that builds it, what it needs.
 
     ``model_types`` empty means every model type of the family. ``loader`` and
-    ``capabilities`` default to the family's.
+    ``capabilities`` default to the family's. ``parallel`` is the graph's
+    :class:`~mlx_loom.parallel.ParallelPlan` function (``None``: one process only).
     """
 
     id: str
@@ -176,6 +182,7 @@ class Graph:
     loader: str | None = None
     capabilities: frozenset[str] | None = None
     description: str = ""
+    parallel: PlanFunction | None = None
 
     def __post_init__(self) -> None:
         check_id("Graph", "id", self.id)
@@ -192,6 +199,7 @@ class Graph:
                 frozenset(check_ids("Graph", "capabilities", self.capabilities)),
             )
         check_text("Graph", "description", self.description)
+        check_callable("Graph", "parallel", self.parallel, optional=True)
 
 
 @dataclass(frozen=True)
@@ -341,6 +349,7 @@ class Family:
                     kernels=graph.kernels,
                     capabilities=capabilities,
                     description=description,
+                    parallel=graph.parallel,
                 )
             )
             profiles.append(

@@ -13,6 +13,11 @@ row; :meth:`GenerationWorker.submit` raises :class:`~mlx_loom.errors.EngineBusy`
 past that (the server answers 503 with ``Retry-After``). A client that goes
 away cancels its job (:meth:`Job.cancel`): its row leaves the batch at the
 next step boundary.
+
+A model split across ranks (``loom serve --parallel``) submits each job with
+a plain description of it, which its engine announces to the other ranks;
+they run :func:`~mlx_loom.parallel.serving.follow_jobs` instead of a server
+and run every job in the same engine steps.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from ..engine import (
 from ..generate import SamplingParams
 from ..host import PROMPT_CACHE
 from ..model import Model
+from ..parallel.serving import describe
 from ..text import Tokenizer
 
 
@@ -146,7 +152,10 @@ class GenerationWorker:
             quantized_kv_start=job.quantized_kv_start,
             speculation=job.speculation,
         )
-        job._handle = self.service.submit(request, sink=job._sink)
+        if self.model.parallel is None:
+            job._handle = self.service.submit(request, sink=job._sink)
+        else:  # the other ranks build the same request from its description
+            job._handle = self.service.submit(request, sink=job._sink, spec=describe(job))
         if job.cancelled:
             job._handle.cancel()
 

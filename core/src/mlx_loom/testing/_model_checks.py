@@ -28,7 +28,14 @@ from ..cache import (
     Cache,
     SpeculativeRounds,
 )
-from ..errors import CacheError, CacheNotTrimmable, KernelUnavailable, LoomError, WeightsError
+from ..errors import (
+    CacheError,
+    CacheNotTrimmable,
+    KernelUnavailable,
+    LoomError,
+    ParallelRefused,
+    WeightsError,
+)
 from ..generate import (
     PromptCache,
     batch_generate_tokens,
@@ -73,6 +80,7 @@ CHECK_NAMES: tuple[str, ...] = (
     "batch-equals-single",
     "speculative-rounds",
     "kv-quantization",
+    "parallel-plan",
 )
 
 NEW_TOKENS = 6
@@ -92,6 +100,7 @@ def run_all(subject: Any, target: Target) -> list[CheckResult]:
         "batch-equals-single": lambda: check_batch_equals_single(target),
         "speculative-rounds": lambda: check_speculative_rounds(target),
         "kv-quantization": lambda: check_kv_quantization(target),
+        "parallel-plan": lambda: check_parallel_plan(target),
     }
     out: list[CheckResult] = []
     for name in CHECK_NAMES:
@@ -745,3 +754,47 @@ def check_kv_quantization(target: Target) -> CheckResult:
     return passed(
         name, f"kv_bits=8 (group {group}) generated {len(out)} tokens with {_kinds(quantized)}"
     )
+
+
+def check_parallel_plan(target: Target) -> CheckResult:
+    """A declared parallel plan splits the tiny model across two ranks, in each mode it has.
+
+    Every rank's part is made in this process (splitting runs no collective),
+    so this checks the plan against the built graph — every rule names real
+    modules, the tiny config's geometry divides, each rank holds less than
+    the whole and together they hold all of it — not the ranks' arithmetic
+    (``tests/parallel`` runs two real ranks for the core's families).
+    """
+    from ..host._loading import _build_split
+    from ..parallel.build import RankView
+
+    name = "parallel-plan"
+    impl = target.implementation
+    if impl.parallel is None:
+        return skipped(name)
+    plan = impl.parallel(target.resolved.family_config)
+    whole = sum(v.nbytes for _, v in tree_flatten(target.model.module.parameters()))
+    done = []
+    for mode, declared in (("tensor", plan.tensor), ("pipeline", plan.pipeline)):
+        if declared is None:
+            continue
+        try:
+            parts = [_build_split(target.resolved, mode, RankView(r, 2)) for r in (0, 1)]
+        except ParallelRefused as err:
+            return failed(
+                name,
+                f"{mode}: the tiny config does not split across 2 processes, so the plan "
+                f"cannot be checked: {err.message} (choose a tiny_config whose split fields "
+                "divide by 2)",
+            )
+        sizes = [info.weight_bytes for _, info in parts]
+        if any(size >= whole for size in sizes) or sum(sizes) < whole:
+            return failed(
+                name,
+                f"{mode}: the ranks hold {sizes} bytes of a {whole}-byte model; each must hold "
+                "less than the whole, and together all of it",
+            )
+        done.append(f"{mode}: {' + '.join(map(str, sizes))} of {whole} bytes")
+    if not done:
+        return failed(name, "the plan declares neither tensor nor pipeline rules")
+    return passed(name, "; ".join(done))

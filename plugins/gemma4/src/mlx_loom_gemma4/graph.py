@@ -29,6 +29,7 @@ from mlx_loom.cache import (
 )
 from mlx_loom.nn import GatedMLP, SwitchGLU, geglu, make_rope
 from mlx_loom.nn.experts import ExpertKernel
+from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_gemma4.config import FULL, SLIDING, Gemma4TextConfig
 
 
@@ -252,7 +253,14 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    """Embeddings (scaled by sqrt(hidden)), per-layer inputs, the layer stack, final norm."""
+    """Embeddings (scaled by sqrt(hidden)), per-layer inputs, the layer stack, final norm.
+
+    Split into pipeline stages, ``layers`` holds this rank's layers (from
+    ``stage.start``) and ``stage`` hands activations between ranks (one
+    process: both no-ops). A stage always holds a KV-shared layer's donor.
+    """
+
+    stage: Stage = SINGLE_STAGE
 
     def __init__(self, cfg: Gemma4TextConfig, kernel: ExpertKernel | None) -> None:
         super().__init__()
@@ -299,10 +307,13 @@ class TextModel(nn.Module):
         caches = [None] * n if cache is None else list(cache) + [None] * (n - len(cache))
         masks = self._masks(h, caches)
         shares: list[KVShare | None] = [None] * n
+        start = self.stage.start
+        h = self.stage.enter(h, per_layer)
         for i, layer in enumerate(self.layers):
-            pli = per_layer[:, :, i, :] if per_layer is not None else None
-            h, shares[i] = layer(h, masks[i], caches[i], pli, shares[self.donors[i]])
-        return self.norm(h)
+            pli = per_layer[:, :, start + i, :] if per_layer is not None else None
+            share = shares[self.donors[start + i] - start]
+            h, shares[i] = layer(h, masks[i], caches[i], pli, share)
+        return self.norm(self.stage.leave(h))
 
 
 class Model(nn.Module):
@@ -334,7 +345,8 @@ class Model(nn.Module):
         affine-quantized (sliding ones too, which mlx-lm cannot do).
         """
         caches: list[Any] = []
-        for kind in self.cfg.kinds[: self.cfg.first_shared_layer]:
+        owners = [layer.kind for layer in self.model.layers if layer.self_attn.owns_kv]
+        for kind in owners:
             window = self.cfg.sliding_window
             if kv_bits is None:
                 caches.append(KVCache() if kind == FULL else RotatingKVCache(window, 0))

@@ -25,6 +25,7 @@ from . import kernels as _kernels
 from .config import FINGERPRINT_FIELDS, Gemma4TextConfig
 from .loader import build
 from .manifest import TINY_TEXT_CONFIG, TINY_WRAPPER_CONFIG, checkpoint_tensors
+from .parallel import plan
 
 # Speculative decoding: sliding layers use a rotating cache, whose trim past a
 # full window raises CacheNotTrimmable (mlx-lm silently trims nothing there and
@@ -57,6 +58,7 @@ FAMILY = Family(
             "gemma4.text",
             factory=build,
             kernels=(_kernels.SWITCH_GLU,),
+            parallel=plan,
             description="Gemma 4 text: sliding/global attention, KV sharing, per-layer inputs, MoE",
         ),
     ),

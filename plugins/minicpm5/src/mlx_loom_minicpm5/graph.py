@@ -21,6 +21,7 @@ from mlx_loom.cache import (
     scaled_dot_product_attention,
 )
 from mlx_loom.nn import GatedMLP, make_rope
+from mlx_loom.parallel import SINGLE_STAGE, Stage
 
 from .config import MiniCPM5Config
 
@@ -76,7 +77,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embeddings, decoder layers and the final norm (Hugging Face's ``model.*``)."""
+    """Embeddings, decoder layers and the final norm (Hugging Face's ``model.*``).
+
+    Split into pipeline stages, ``layers`` holds this rank's layers and
+    ``stage`` hands activations between ranks (one process: both no-ops).
+    """
+
+    stage: Stage = SINGLE_STAGE
 
     def __init__(self, cfg: MiniCPM5Config) -> None:
         super().__init__()
@@ -95,9 +102,10 @@ class LlamaModel(nn.Module):
             if layer.sliding not in masks:
                 window = self.sliding_window if layer.sliding else None
                 masks[layer.sliding] = create_attention_mask(h, c, window_size=window)
+        h = self.stage.enter(h)
         for layer, c in zip(self.layers, cache, strict=True):
             h = layer(h, masks[layer.sliding], cache=c)
-        return self.norm(h)
+        return self.norm(self.stage.leave(h))
 
 
 class Model(nn.Module):

@@ -26,6 +26,7 @@ from mlx_loom.plugin import (
 from .config import FINGERPRINT_FIELDS, MiniCPM5Config
 from .loader import build
 from .manifest import checkpoint_tensors
+from .parallel import plan
 
 GRAPH = "minicpm5.llama"
 LOADER = "minicpm5.hf-safetensors"
@@ -83,6 +84,7 @@ FAMILY = Family(
         Graph(
             GRAPH,
             factory=build,
+            parallel=plan,
             description="Llama graph on MLX fused ops (attention, RoPE, RMSNorm); any backend.",
         ),
     ),

@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx_loom.cache import KVCache, create_attention_mask, scaled_dot_product_attention
 from mlx_loom.cache.recurrent import RecurrentCache
 from mlx_loom.nn import GatedMLP, SwitchGLU, make_rope
+from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_qwen3_next.config import HybridConfig
 from mlx_loom_qwen3_next.kernels import (
     CAUSAL_CONV,
@@ -308,26 +309,34 @@ class DecoderLayer(nn.Module):
 
 
 class HybridModel(nn.Module):
+    """Embeddings, the hybrid layer stack and the final norm.
+
+    Split into pipeline stages, ``layers`` holds this rank's layers and
+    ``stage`` hands activations between ranks (one process: both no-ops);
+    each kind's mask comes from the first cache of that kind among them.
+    """
+
+    stage: Stage = SINGLE_STAGE
+
     def __init__(self, cfg: HybridConfig, kernels: Kernels, fused: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = [DecoderLayer(cfg, i, kernels, fused) for i in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        kinds = cfg.layer_kinds
-        self._linear_idx = next((i for i, k in enumerate(kinds) if k == "linear"), None)
-        self._attn_idx = kinds.index("attention")
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None) -> mx.array:
         h = self.embed_tokens(inputs)
         if cache is None:
             cache = [None] * len(self.layers)
-        attn_mask = create_attention_mask(h, cache[self._attn_idx])
-        lin_mask = None
-        if self._linear_idx is not None and cache[self._linear_idx] is not None:
-            lin_mask = cache[self._linear_idx].make_mask(h.shape[1])
-        for layer, c in zip(self.layers, cache, strict=True):
+        pairs = list(zip(self.layers, cache, strict=True))
+        attn_cache = next((c for layer, c in pairs if not layer.is_linear), None)
+        lin_cache = next((c for layer, c in pairs if layer.is_linear), None)
+        attn_mask = create_attention_mask(h, attn_cache)
+        lin_mask = lin_cache.make_mask(h.shape[1]) if lin_cache is not None else None
+        h = self.stage.enter(h)
+        for layer, c in pairs:
             h = layer(h, lin_mask if layer.is_linear else attn_mask, c)
-        return self.norm(h)
+        return self.norm(self.stage.leave(h))
 
 
 class Model(nn.Module):

@@ -28,6 +28,7 @@ from .config import FINGERPRINT_FIELDS, Qwen3_5Config, Qwen3NextConfig
 from .kernels import KERNEL_NAMES, kernels
 from .loader import build
 from .manifest import TINY_QWEN3_5, TINY_QWEN3_5_TEXT, TINY_QWEN3_NEXT, checkpoint_tensors
+from .parallel import plan
 
 # Speculative decoding goes through RecurrentCache rounds (begin_round/commit);
 # prompt-cache reuse never trims (the loop reuses exact prefixes only).
@@ -67,6 +68,7 @@ FAMILY = Family(
             factory=build,
             model_types=frozenset({"qwen3_next"}),
             kernels=KERNEL_NAMES,
+            parallel=plan,
             description="fused in_proj_qkvz/in_proj_ba delta nets, MoE beside dense layers",
         ),
         Graph(
@@ -74,6 +76,7 @@ FAMILY = Family(
             factory=build,
             model_types=frozenset({"qwen3_5", "qwen3_5_text"}),
             kernels=KERNEL_NAMES,
+            parallel=plan,
             description="separate in_proj_qkv/z/b/a delta nets (Qwen3.5)",
         ),
     ),
