@@ -60,6 +60,10 @@ class TemplateBudgetExceeded(TokenizerError):
     """A chat template ran past its time budget or tried to build too much text."""
 
 
+class AdapterError(ArtifactError):
+    """A LoRA/DoRA adapter is unreadable, or does not fit the model it is applied to."""
+
+
 # --- bad input: requests ---------------------------------------------------
 
 
@@ -69,6 +73,10 @@ class RequestError(LoomError, ValueError):
 
 class UsageError(RequestError):
     """A command-line flag has a value the command cannot use (CLI exit code 2)."""
+
+
+class ConvertError(LoomError):
+    """``loom convert`` / ``loom fuse`` was asked something it cannot do as asked."""
 
 
 class EngineBusy(LoomError):
@@ -164,3 +172,7 @@ class ParallelRefused(Refusal):
 class ToolParserUnavailable(Refusal):
     """A tool-call parser was asked for by name and none is registered under it,
     or tools were sent to a model for which no tool-call format is known."""
+
+
+class HubRefused(Refusal):
+    """The Hugging Face Hub is needed (an upload) but the host forbids or cannot reach it."""

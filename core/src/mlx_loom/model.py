@@ -9,12 +9,13 @@ can always tell what is running.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
-from .errors import CapabilityRefused
+from .errors import AdapterError, CapabilityRefused
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -107,6 +108,12 @@ class Model:
         self.cpu_path = cpu_path
         #: How this rank's part of a split model was cut (``None``: one process).
         self.parallel = parallel
+        #: The adapter applied on top of the family's graph, if any
+        #: (:class:`mlx_loom.adapters.AppliedAdapter`).
+        self.adapter: Any = None
+        #: Adapters chosen per batch row, if registered
+        #: (:class:`mlx_loom.adapters.AdapterSet`).
+        self.adapter_set: Any = None
         mx.eval(_arrays(module, constants_only=True))
         self._engine_lock = threading.Lock()
         self._engine: Any = None
@@ -140,8 +147,27 @@ class Model:
         """
         mx.eval(_arrays(self.module, constants_only=False))
 
-    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
-        return self.module(inputs, cache=cache)
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: list[Any] | None = None,
+        *,
+        adapters: Sequence[str | None] | None = None,
+    ) -> mx.array:
+        """Logits for ``inputs``; ``adapters`` names each row's adapter from
+        :attr:`adapter_set` (``None`` for a row: the base model)."""
+        if adapters is None:
+            return self.module(inputs, cache=cache)
+        if self.adapter_set is None:
+            if any(name is not None for name in adapters):
+                raise AdapterError(
+                    f"a forward asked for adapters {sorted({n for n in adapters if n})}, "
+                    "but this model has no adapter set",
+                    fix="register the adapters first (mlx_loom.adapters.AdapterSet)",
+                )
+            return self.module(inputs, cache=cache)
+        with self.adapter_set.rows(adapters):
+            return self.module(inputs, cache=cache)
 
     def make_cache(self) -> list[Any]:
         return self.module.make_cache()

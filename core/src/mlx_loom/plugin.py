@@ -54,6 +54,7 @@ from .errors import (
     WeightsError,
 )
 from .host import (
+    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
@@ -75,6 +76,7 @@ from .model import CausalLM
 from .text.tool_calls import MalformedToolCall, ToolCall, ToolParser
 
 __all__ = [
+    "ADAPTERS",
     "BATCH",
     "GENERATE",
     "KV_QUANTIZATION",

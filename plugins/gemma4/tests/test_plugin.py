@@ -23,7 +23,7 @@ def test_plugin_claims_both_layouts_and_declares_its_capabilities():
     assert (
         impl.capabilities
         == profile.capabilities
-        == {"generate", "batch", "prompt-cache", "kv-quantization", "speculative"}
+        == {"generate", "batch", "prompt-cache", "kv-quantization", "speculative", "adapters"}
     )
     validate_profile(profile)
 

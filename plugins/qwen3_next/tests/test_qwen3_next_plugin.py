@@ -10,6 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_loom.cache import maybe_quantize_kv_cache
 from mlx_loom.errors import KernelUnavailable
 from mlx_loom.host import (
+    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
@@ -70,7 +71,14 @@ def test_metal_registrations_carry_their_kernel_sources():
 def test_profiles_are_valid_and_declare_the_capabilities_the_caches_support():
     for profile in _registry().profiles:
         validate_profile(profile)
-        assert profile.capabilities == {GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE}
+        assert profile.capabilities == {
+            GENERATE,
+            BATCH,
+            PROMPT_CACHE,
+            KV_QUANTIZATION,
+            SPECULATIVE,
+            ADAPTERS,
+        }
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next-fp32", "qwen3_5-fp32"])

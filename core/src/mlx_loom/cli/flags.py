@@ -235,6 +235,7 @@ API_FLAGS: dict[str, str] = {
     "cpu_kernels": "--cpu-kernels",
     "max_kv_size": "--max-kv-size",
     "max_tokens_limit": "--max-tokens-limit",
+    "adapter_path": "--adapter-path",
 }
 
 _NAMES = "|".join(sorted(map(re.escape, API_FLAGS), key=len, reverse=True))

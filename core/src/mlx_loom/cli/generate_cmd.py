@@ -49,6 +49,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kernel-backend", choices=["metal", "cuda", "cpu"], help="pin the kernel backend"
     )
+    parser.add_argument(
+        "--adapter-path",
+        metavar="DIR",
+        help="a LoRA/DoRA adapter directory (mlx-lm's adapter_config.json + adapters.safetensors)",
+    )
     add_cpu_path_options(parser)
     doors.add_parallel_option(parser)
     group = parser.add_argument_group("chat template budget")
@@ -228,6 +233,7 @@ def load_from_args(args: argparse.Namespace):
     model, tokenizer = load(
         args.model or BUNDLED_MODEL_ALIAS,
         kernel_backend=args.kernel_backend,
+        adapter_path=args.adapter_path,
         compute_dtype=args.compute_dtype,
         cpu_kernels=args.cpu_kernels,
         parallel=args.parallel,

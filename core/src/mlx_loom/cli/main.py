@@ -34,6 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("generate_cmd", "generate text from a prompt"),
     "chat": ("chat_cmd", "chat interactively with a model"),
     "serve": ("serve_cmd", "serve a model over OpenAI- and Anthropic-compatible HTTP APIs"),
+    "convert": ("convert_cmd", "convert a Hugging Face checkpoint to MLX, optionally quantized"),
+    "fuse": ("fuse_cmd", "fuse a LoRA/DoRA adapter into its base model"),
 }
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REFUSAL = 0, 1, 2, 3

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from ..adapters import AdapterSet
 from ..assets import BUNDLED_MODEL_NAME
 from ..bounded_json import REQUEST_JSON, parse_json
 from ..engine import EngineSettings
@@ -21,7 +22,16 @@ from ..errors import RequestError
 from ..parallel import doors
 from ..parallel.serving import follow_jobs
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
-from ..serve.app import DEFAULT_MAX_QUEUED, server_engine_settings
+from ..serve.adapters import parse_adapter_specs
+from ..serve.app import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_QUEUED, server_engine_settings
+from ..serve.connection import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_WRITE_TIMEOUT,
+)
+from ..serve.prepare import DEFAULT_THREADS
 from . import flags
 from .generate_cmd import (
     add_model_options,
@@ -89,6 +99,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_LIMIT})",
     )
     parser.add_argument("--log-requests", action="store_true", help="log each request to stderr")
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="register a LoRA/DoRA adapter a request may pick (model '<model>:NAME' or "
+        "'adapter': NAME); repeatable, rows with different adapters share one batch",
+    )
     chat = parser.add_argument_group("chat")
     chat.add_argument(
         "--tool-call-parser",
@@ -142,8 +160,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"(default: ${API_KEY_ENV}, else no key)",
     )
     add_engine_options(parser)
+    add_limit_options(parser)
     add_speculation_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
+
+
+def _seconds(flag: str, example: float):
+    return flags.finite(
+        flag,
+        check=lambda v: v > 0,
+        valid="a number of seconds > 0",
+        fix=f"pass a positive number of seconds, e.g. {{flag}} {example:g}",
+    )
 
 
 def _count(flag: str, low: int, what: str, example: int):
@@ -237,6 +265,59 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
     )
 
 
+def add_limit_options(parser: argparse.ArgumentParser) -> None:
+    """What one request and one connection may cost (docs/serve.md, "Limits")."""
+    prompts = parser.add_argument_group("prompt limits")
+    prompts.add_argument(
+        "--max-prompt-chars",
+        type=_count("--max-prompt-chars", 1, "characters", DEFAULT_MAX_PROMPT_CHARS),
+        default=DEFAULT_MAX_PROMPT_CHARS,
+        metavar="N",
+        help="longest prompt text (raw, or the rendered chat) the server tokenizes "
+        f"(default: {DEFAULT_MAX_PROMPT_CHARS})",
+    )
+    prompts.add_argument(
+        "--max-prompt-tokens",
+        type=_count("--max-prompt-tokens", 1, "tokens", 8192),
+        metavar="N",
+        help="longest prompt in tokens (default: the model's context)",
+    )
+    prompts.add_argument(
+        "--tokenizer-threads",
+        type=_count("--tokenizer-threads", 1, "threads", DEFAULT_THREADS),
+        default=DEFAULT_THREADS,
+        metavar="N",
+        help="threads that parse, render and tokenize requests, off the connection "
+        f"threads (default: {DEFAULT_THREADS})",
+    )
+    conns = parser.add_argument_group("connections")
+    conns.add_argument(
+        "--max-connections",
+        type=_count("--max-connections", 1, "connections served at once", DEFAULT_MAX_CONNECTIONS),
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="connections served at once; more are answered 503 and closed "
+        f"(default: {DEFAULT_MAX_CONNECTIONS})",
+    )
+    for flag, default, what in (
+        ("--idle-timeout", DEFAULT_IDLE_TIMEOUT, "close a connection that sends no request for"),
+        ("--header-timeout", DEFAULT_HEADER_TIMEOUT, "answer 408 to a request head slower than"),
+        ("--body-timeout", DEFAULT_BODY_TIMEOUT, "answer 408 to a request body slower than"),
+        (
+            "--write-timeout",
+            DEFAULT_WRITE_TIMEOUT,
+            "drop a client that reads none of an answer for",
+        ),
+    ):
+        conns.add_argument(
+            flag,
+            type=_seconds(flag, default),
+            default=default,
+            metavar="SECONDS",
+            help=f"{what} this many seconds (default: {default:g})",
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO if args.log_requests else logging.WARNING,
@@ -244,7 +325,10 @@ def run(args: argparse.Namespace) -> int:
     )
     template_budget = template_budget_from_args(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    adapters = parse_adapter_specs(args.adapter)  # a malformed spec fails before loading
     model, tokenizer = load_from_args(args)
+    if adapters:
+        AdapterSet(model, adapters)
     if doors.is_follower(model):
         follow_jobs(model, tokenizer)  # rank 0 serves; this rank runs every job with it
         return 0
@@ -264,6 +348,14 @@ def run(args: argparse.Namespace) -> int:
         kv_bits=args.kv_bits,
         kv_group_size=kv_group_size(args, model),
         quantized_kv_start=args.quantized_kv_start,
+        max_prompt_chars=args.max_prompt_chars,
+        max_prompt_tokens=args.max_prompt_tokens,
+        tokenizer_threads=args.tokenizer_threads,
+        max_connections=args.max_connections,
+        idle_timeout=args.idle_timeout,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        write_timeout=args.write_timeout,
         speculation=speculation_from_args(args),
     )
     if not server.loopback_only and server.api_key is None:

@@ -317,7 +317,8 @@ class Engine:
 
     def _store_key(self, request: Request) -> Hashable:
         kv = request.kv
-        return (request.max_kv_size, kv.bits, kv.group_size, kv.start)
+        # A prefix computed with one adapter is not another's (nor the base model's).
+        return (request.max_kv_size, kv.bits, kv.group_size, kv.start, request.adapter)
 
     def _leave(self, left: Left, outcome: str) -> Done:
         row, request = left.row, left.row.request

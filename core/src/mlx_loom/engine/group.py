@@ -38,7 +38,7 @@ import mlx.core as mx
 
 from mlx_loom.engine.caches import layout, quantization_pending, stackable
 from mlx_loom.engine.events import TokenEvent
-from mlx_loom.engine.row import Row
+from mlx_loom.engine.row import Row, adapter_batch_key, row_adapters
 from mlx_loom.generate.sampling import logprobs_from_logits, logprobs_top_k
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class DecodeGroup:
         row = self.rows[0]
         if not stackable(self.caches) or quantization_pending(self.caches, row.request.kv.bits):
             return None
-        return layout(self.caches)
+        return layout(self.caches), adapter_batch_key(self.model, row)
 
     def absorb(self, others: list[DecodeGroup]) -> None:
         """Take every row of ``others`` (groups with this group's :attr:`key`).
@@ -113,7 +113,7 @@ class DecodeGroup:
         lone = [g for g in [self, *others] if not g.stacked]
         order = batches + lone
         if not self.stacked:
-            self._key = layout(self.caches)
+            self._key = self.key
         layers: list[Any] | None = None
         for group in batches:
             if layers is None:
@@ -232,7 +232,7 @@ class DecodeGroup:
         """Build and queue the forward and sampling of the next tokens of every row."""
         rows, B = self.rows, len(self.rows)
         inputs = self.tokens
-        logits = self.model(inputs[:, None], self.caches)[:, -1, :]
+        logits = self.model(inputs[:, None], self.caches, adapters=row_adapters(rows))[:, -1, :]
         if not self.stacked:
             rows[0].request.kv.apply(self.caches)
         failed: dict[int, BaseException] = {}

@@ -23,11 +23,12 @@ Padding costs compute, so only chunks of similar length share a forward.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from mlx_loom.engine.row import Row
+from mlx_loom.engine.row import Row, adapter_batch_key, row_adapters
 from mlx_loom.errors import CapabilityRefused
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ MAX_PADDING_RATIO = 1.5
 def prefill_alone(model: Model, row: Row, step: int) -> None:
     """Feed ``row``'s next chunk through its own caches (then the KV-quantization check)."""
     chunk = row.next_chunk(step)
-    model(mx.array(chunk, mx.uint32)[None], row.caches)
+    model(mx.array(chunk, mx.uint32)[None], row.caches, adapters=row_adapters([row]))
     row.request.kv.apply(row.caches)
     mx.eval([c.state for c in row.caches])
 
@@ -88,7 +89,7 @@ def prefill_together(model: Model, rows: list[Row], steps: list[int]) -> None:
     pads = [width - len(c) for c in chunks]
     batch = [c.empty_batch(pads) for c in rows[0].caches]  # may refuse: nothing changed yet
     inputs = mx.array([[0] * p + c for p, c in zip(pads, chunks, strict=True)], mx.uint32)
-    model(inputs, batch)
+    model(inputs, batch, adapters=row_adapters(rows))
     for i, (row, step) in enumerate(zip(rows, steps, strict=True)):
         row.next_chunk(step)
         row.caches = [c.extract(i) for c in batch]
@@ -102,9 +103,16 @@ def prefill_step(
     failed: dict[int, BaseException] = {}
     alone = list(range(len(rows)))
     if batchable:
-        fresh = [i for i in alone if can_share(rows[i])]
-        for group in partition([rows[i] for i in fresh], [steps[i] for i in fresh]):
-            members = [fresh[j] for j in group]
+        shared: dict[Hashable, list[int]] = {}
+        for i in alone:
+            if can_share(rows[i]):
+                shared.setdefault(adapter_batch_key(model, rows[i]), []).append(i)
+        forwards = [
+            [fresh[j] for j in group]
+            for fresh in shared.values()
+            for group in partition([rows[i] for i in fresh], [steps[i] for i in fresh])
+        ]
+        for members in forwards:
             if len(members) < 2:
                 continue
             try:

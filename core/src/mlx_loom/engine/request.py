@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_loom.cache import maybe_quantize_kv_cache, validate_kv_quantization
-from mlx_loom.errors import ParallelRefused, RequestError
+from mlx_loom.errors import AdapterError, ParallelRefused, RequestError
 from mlx_loom.generate.params import SamplingParams
 from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
 
@@ -123,6 +123,10 @@ class Request:
     history: tuple[int, ...] = ()
     logprobs_vector: bool = False
     speculation: Speculation | None = None
+    #: The name of one of the model's registered adapters
+    #: (:class:`~mlx_loom.adapters.AdapterSet`) this request runs with;
+    #: ``None``: the base model.
+    adapter: str | None = None
 
 
 def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:
@@ -205,6 +209,7 @@ def make_request(
     logprobs_vector: bool = False,
     speculation: Speculation | None = None,
     eos: frozenset[int] | None = None,
+    adapter: str | None = None,
 ) -> Request:
     """Check every option of a request against ``model``; return the :class:`Request`.
 
@@ -273,6 +278,8 @@ def make_request(
             )
     if speculation is not None:
         _check_speculation(model, speculation, sampler=sampler)
+    if adapter is not None:
+        _check_adapter(model, adapter, speculation)
     return Request(
         prompt=tuple(ids),
         max_tokens=max_tokens,
@@ -290,7 +297,31 @@ def make_request(
         history=tuple(history),
         logprobs_vector=logprobs_vector,
         speculation=speculation,
+        adapter=adapter,
     )
+
+
+def _check_adapter(model: Model, adapter: Any, speculation: Speculation | None) -> None:
+    """``adapter`` must name one of the model's registered adapters (it never loads one)."""
+    adapters = model.adapter_set
+    if adapters is None:
+        raise AdapterError(
+            f"The request asks for adapter {adapter!r}, but this model has no adapters registered.",
+            fix="Register adapters on the model first (mlx_loom.adapters.AdapterSet, or "
+            "`loom serve --adapter NAME=PATH`), or drop adapter=.",
+        )
+    if not isinstance(adapter, str):
+        raise RequestError(
+            f"adapter={adapter!r} is not an adapter name.",
+            fix=f"Pass one of {list(adapters.names)}, or None for the base model.",
+        )
+    adapters.slot(adapter)  # an unknown name is refused, naming the registered ones
+    if speculation is not None:
+        raise RequestError(
+            "Speculative decoding does not combine with a per-request adapter yet: the "
+            "speculative decode step runs the base model.",
+            fix="Drop draft_model, or drop adapter=.",
+        )
 
 
 def _check_speculation(

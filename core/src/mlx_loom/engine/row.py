@@ -10,7 +10,8 @@ budget. The caches it is fed through belong to the decode group it is in.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -19,6 +20,9 @@ from mlx_loom.engine.request import Request
 from mlx_loom.generate.logits import make_logits_processors
 from mlx_loom.generate.sampling import make_sampler
 from mlx_loom.text import StopStrings
+
+if TYPE_CHECKING:
+    from mlx_loom.model import Model
 
 
 class Row:
@@ -139,3 +143,27 @@ class Row:
             from_draft=from_draft,
             logprobs=vector,
         )
+
+
+def row_adapters(rows: Sequence[Row]) -> list[str | None] | None:
+    """Each row's adapter for one forward over ``rows`` (``None``: no row runs one).
+
+    The model's adapted layers apply each row's own adapter to that row only
+    (:mod:`mlx_loom.adapters.multi`), so rows with different adapters, and
+    rows without, share a forward and each gets the values of its solo run.
+    """
+    names = [row.request.adapter for row in rows]
+    return names if any(name is not None for name in names) else None
+
+
+def adapter_batch_key(model: Model, row: Row) -> Hashable:
+    """Which rows ``row`` may share a forward with, as far as adapters go.
+
+    Every adapter mixes with every other (and with none) — except one that
+    adapts a family's own routed-expert layer, whose rows batch only with
+    each other (:meth:`mlx_loom.adapters.AdapterSet.batch_key`).
+    """
+    adapters = model.adapter_set
+    if adapters is None or row.request.adapter is None:
+        return None
+    return adapters.batch_key(row.request.adapter)

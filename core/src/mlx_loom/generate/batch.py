@@ -99,6 +99,7 @@ def _run_rows(
     prompts: Sequence[Any],
     max_tokens: int | Sequence[int],
     options: dict[str, Any],
+    adapters: Sequence[str | None] | None = None,
 ) -> list[tuple[list[int], str, list[float], str, int]]:
     """Submit one request per prompt; collect each row's tokens, reason, logprobs, text,
     prompt length."""
@@ -114,9 +115,15 @@ def _run_rows(
             f"max_tokens has {len(budgets)} entries for {len(prompts)} prompts.",
             fix="Pass one max_tokens, or one per prompt.",
         )
+    names = [None] * len(prompts) if adapters is None else list(adapters)
+    if len(names) != len(prompts):
+        raise RequestError(
+            f"adapters has {len(names)} entries for {len(prompts)} prompts.",
+            fix="Pass one adapter name (or None) per prompt.",
+        )
     requests = [
-        make_request(model, tokenizer, p, max_tokens=m, **options)
-        for p, m in zip(prompts, budgets, strict=True)
+        make_request(model, tokenizer, p, max_tokens=m, adapter=a, **options)
+        for p, m, a in zip(prompts, budgets, names, strict=True)
     ]
     engine = model.engine
     handles = [engine.submit(r) for r in requests]
@@ -182,13 +189,16 @@ def batch_generate(
     draft_model: Model | str | None = None,
     num_draft_tokens: int = 3,
     draft: str | None = None,
+    adapters: Sequence[str | None] | None = None,
     verbose: bool = False,
     **sampling: Any,
 ) -> BatchResponse:
     """Generate for several prompts at once; a :class:`BatchResponse` (one result per prompt).
 
     Takes what :func:`~mlx_loom.generate.stream_generate` takes, applied to
-    every prompt (``max_tokens`` may also be one per prompt). A row's text
+    every prompt (``max_tokens`` may also be one per prompt). ``adapters``
+    names each prompt's registered adapter (``None``: the base model); rows
+    with different adapters share the batch. A row's text
     excludes the EOS token and any stop string, exactly as its stream would.
     With ``draft_model`` or ``draft="ngram"`` every row speculates, and the
     speculative rows still decode as one batch (each keeps its own drafts).
@@ -213,6 +223,7 @@ def batch_generate(
             logits_processors=logits_processors,
             speculation=spec,
         ),
+        adapters,
     )
     eos = tokenizer.eos_token_ids
     results = []

@@ -93,6 +93,7 @@ def stream_generate(
     draft_model: Model | str | None = None,
     num_draft_tokens: int = 3,
     draft: str | None = None,
+    adapter: str | None = None,
     **sampling: Any,
 ) -> Iterator[GenerationResponse]:
     """Generate from ``prompt``, yielding a :class:`GenerationResponse` per token.
@@ -108,9 +109,12 @@ def stream_generate(
     a time per cache). ``draft_model`` (a loaded model sharing the tokenizer)
     or ``draft="ngram"`` (prompt lookup, no second model) turns on speculative
     decoding with ``num_draft_tokens`` proposals per step; it combines with
-    every other option, and greedy output is the same as without it. The
-    last response carries ``finish_reason``: ``"stop"`` (EOS or a stop
-    string) or ``"length"`` (``max_tokens``, or the context).
+    every other option but ``adapter``, and greedy output is the same as
+    without it. ``adapter`` names one of the adapters registered on the model
+    (:class:`~mlx_loom.adapters.AdapterSet`) to run this request with, batched
+    with requests that use others. The last response carries
+    ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"``
+    (``max_tokens``, or the context).
     """
     params = sampling_params(sampling)
     ids = encode_prompt(tokenizer, prompt)
@@ -126,6 +130,7 @@ def stream_generate(
         sampler=sampler,
         logits_processors=logits_processors,
         logprobs_vector=True,
+        adapter=adapter,
     )
     options["speculation"] = speculation_for(draft_model, draft, num_draft_tokens)
     if prompt_cache is None:

@@ -27,6 +27,7 @@ from ._kernels import BACKENDS, Backend, Kernel, Provider, active_backend, runna
 from ._loading import build_model, default_host, load, resolve_model
 from ._policy import POLICY_ENV, PluginPolicy
 from ._profiles import (
+    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
@@ -42,6 +43,7 @@ from ._resolution import Resolution, Resolved
 from ._verify import VERIFY_POLICIES, VerifyPolicies, VerifyPolicy
 
 __all__ = [
+    "ADAPTERS",
     "BACKENDS",
     "BATCH",
     "GENERATE",

@@ -276,6 +276,7 @@ def load(
     compute_dtype: str | None = None,
     cpu_kernels: str | None = None,
     lazy: bool = False,
+    adapter_path: str | os.PathLike[str] | None = None,
     parallel: str | None = None,
     group: Any = None,
 ) -> tuple[Model, Tokenizer]:
@@ -291,6 +292,8 @@ def load(
     ``"pipeline"`` splits the model across ``group`` (default
     ``mx.distributed.init()``: the processes ``mlx.launch`` started); every
     rank calls ``load`` alike (:mod:`mlx_loom.parallel`).
+    ``adapter_path`` applies an mlx-lm LoRA/DoRA adapter
+    directory on top of the built graph (:mod:`mlx_loom.adapters`).
     """
     resolved = resolve_model(
         model_ref,
@@ -302,5 +305,9 @@ def load(
         cpu_kernels=cpu_kernels,
     )
     model = build_model(resolved, lazy=lazy, parallel=parallel, group=group)
+    if adapter_path is not None:
+        from ..adapters import load_adapter
+
+        load_adapter(model, adapter_path)
     tokenizer = Tokenizer.from_dir(resolved.model_dir, config_eos=resolved.config.eos_token_id)
     return model, tokenizer

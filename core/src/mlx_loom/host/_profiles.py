@@ -39,6 +39,9 @@ BATCH = "batch"
 PROMPT_CACHE = "prompt-cache"
 KV_QUANTIZATION = "kv-quantization"
 SPECULATIVE = "speculative"
+#: The graph may be wrapped by the core's adapter transform (LoRA/DoRA, see
+#: :mod:`mlx_loom.adapters`). A family that omits it refuses ``adapter_path``.
+ADAPTERS = "adapters"
 
 # Each loop the core ships, and the capabilities a profile using it must
 # declare (the loop cannot run without them).

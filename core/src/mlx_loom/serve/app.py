@@ -9,6 +9,7 @@ failure carries the request field at fault in ``param``.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,6 +28,7 @@ from ..text import StopStrings, TemplateBudget, Tokenizer
 from ..text.output_parser import Content, OutputParser, Reasoning, ToolCallFound
 from ..text.tool_calls import ToolCall
 from . import schemas
+from .adapters import ServedAdapters
 from .errors import NOT_FOUND, HttpError, from_loom_error
 from .tools import ChatFormat, ToolPlan, output_parser, plan_tools, prompt_suffix
 from .worker import GenerationWorker, Job, Piece
@@ -40,6 +42,21 @@ DEFAULT_MAX_QUEUED = 64
 
 #: The most choices (``n``) one request may ask for: each is a full generation.
 MAX_CHOICES = 16
+
+#: The longest prompt text (a raw prompt, or a rendered chat) the server
+#: tokenizes unless told otherwise: about 260k tokens of English, the longest
+#: context of the supported families. What it costs (tokenizers 0.23, this
+#: machine): ordinary text ~0.3 GB and ~1.5 s; the worst case, text outside
+#: the vocabulary (4 byte-tokens per character: 4 M tokens), ~0.9 GB and ~7 s.
+#: Twice this was 1.7 GB and 14 s in that worst case.
+DEFAULT_MAX_PROMPT_CHARS = 1024 * 1024
+
+#: The token bound for a model whose config states no context length.
+DEFAULT_MAX_PROMPT_TOKENS = 131072
+
+#: A ``logit_bias`` key: a token id in decimal, as OpenAI sends them. (``int()``
+#: alone would also take ``" 1 "``, ``"1_0"`` and non-ASCII digits.)
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,20}")
 
 #: ``chat_template_kwargs`` keys the server sets itself.
 _RESERVED_TEMPLATE_KEYS = frozenset(
@@ -109,7 +126,9 @@ class ServeApp:
 
     ``model_id`` is the id clients see in ``GET /v1/models`` and may send as
     ``model``; a request naming any other model is refused (404), never
-    silently answered by this one.
+    silently answered by this one. Adapters registered on the model
+    (``model.adapter_set``, what ``loom serve --adapter`` builds) are served
+    too, each as ``<model_id>:<name>`` (:mod:`mlx_loom.serve.adapters`).
 
     Server-wide options, each validated here (a bad one fails start-up, not
     the first request): ``engine`` sets how the model's engine batches
@@ -120,7 +139,10 @@ class ServeApp:
     default format);
     ``chat_template_args`` are template variables under each request's
     ``chat_template_kwargs``; ``kv_bits``/``kv_group_size``/
-    ``quantized_kv_start`` quantize every request's KV cache.
+    ``quantized_kv_start`` quantize every request's KV cache;
+    ``max_prompt_chars`` bounds the text that reaches the tokenizer and
+    ``max_prompt_tokens`` (default: the model's context) the tokens that
+    reach the engine.
     """
 
     def __init__(
@@ -138,21 +160,26 @@ class ServeApp:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         quantized_kv_start: int = 0,
+        max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+        max_prompt_tokens: int | None = None,
         speculation: Speculation | None = None,
     ) -> None:
-        if (
-            isinstance(max_tokens_limit, bool)
-            or not isinstance(max_tokens_limit, int)
-            or (max_tokens_limit < 1)
-        ):
-            raise RequestError(
-                f"max_tokens_limit={max_tokens_limit!r} is invalid; it must be an int >= 1.",
-                fix="pass a positive --max-tokens-limit, such as 4096",
-            )
+        _check_count("max_tokens_limit", max_tokens_limit, "--max-tokens-limit", 4096)
+        _check_count(
+            "max_prompt_chars", max_prompt_chars, "--max-prompt-chars", DEFAULT_MAX_PROMPT_CHARS
+        )
+        if max_prompt_tokens is not None:
+            _check_count("max_prompt_tokens", max_prompt_tokens, "--max-prompt-tokens", 8192)
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id or model.model_dir.name
         self.max_tokens_limit = max_tokens_limit
+        #: Characters of prompt text (raw, or the rendered chat) tokenized at most.
+        self.max_prompt_chars = max_prompt_chars
+        #: Prompt tokens accepted at most: by default the model's context.
+        self.max_prompt_tokens = (
+            max_prompt_tokens or model.context_length or (DEFAULT_MAX_PROMPT_TOKENS)
+        )
         self.template_budget = template_budget or TemplateBudget.from_env()
         self.default_max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
         self.created = int(time.time())
@@ -170,6 +197,11 @@ class ServeApp:
         self.chat_format = ChatFormat.for_model(
             model, tokenizer, registry=registry, override=tool_call_parser
         )
+        self.adapters = (
+            ServedAdapters(model.adapter_set, self.model_id)
+            if model.adapter_set is not None
+            else None
+        )
         self.worker = GenerationWorker(model, tokenizer, engine or server_engine_settings())
         #: Every request's speculation unless it asks otherwise (``draft`` field).
         self.speculation = speculation
@@ -183,13 +215,21 @@ class ServeApp:
         directory = self.model.model_dir
         return {self.model_id, str(directory), str(directory.resolve()), directory.name}
 
+    @property
+    def model_ids(self) -> list[str]:
+        """The base model's id, then ``<model>:<name>`` for each served adapter."""
+        return self.adapters.ids if self.adapters is not None else [self.model_id]
+
     def models(self) -> dict[str, Any]:
-        card = schemas.ModelCard(id=self.model_id, created=self.created)
-        return schemas.ModelList(data=[card]).model_dump()
+        cards = [schemas.ModelCard(id=i, created=self.created) for i in self.model_ids]
+        return schemas.ModelList(data=cards).model_dump()
 
     def model_card(self, model_id: str) -> dict[str, Any]:
-        self._check_model(model_id, param=None)
-        return schemas.ModelCard(id=self.model_id, created=self.created).model_dump()
+        adapter = self._check_model(model_id, param=None)
+        return schemas.ModelCard(id=self._served_id(adapter), created=self.created).model_dump()
+
+    def _served_id(self, adapter: str | None) -> str:
+        return self.model_id if adapter is None else f"{self.model_id}:{adapter}"
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """``(status, body)``: 503 once the engine has been shut down.
@@ -220,17 +260,44 @@ class ServeApp:
 
     # --- validation -------------------------------------------------------------
 
-    def _check_model(self, name: str | None, *, param: str | None = "model") -> None:
+    def _check_model(self, name: str | None, *, param: str | None = "model") -> str | None:
+        """Refuse a model id not served here; return the adapter it names (``<model>:<name>``)."""
         if name is None or name in self._accepted_ids():
-            return
+            return None
+        if self.adapters is not None:
+            base, adapter = self.adapters.split(name, self._accepted_ids())
+            if adapter is not None:
+                return adapter
+            name = base
+        served = ", ".join(repr(i) for i in self.model_ids)
         raise HttpError(
             404,
-            f"The model {name!r} is not served here; this server serves {self.model_id!r}.",
+            f"The model {name!r} is not served here; this server serves {served}.",
             fix=f"omit model, or pass model={self.model_id!r} (see GET /v1/models)",
             type=NOT_FOUND if param is None else "invalid_request_error",
             param=param,
             code="model_not_found",
         )
+
+    def _pick_adapter(
+        self, request: schemas._GenerationRequest, from_model: str | None
+    ) -> str | None:
+        """The registered adapter a request runs with (``None``: the base model)."""
+        if self.adapters is None:
+            asked = next(
+                (f for f in ("adapter", "adapters") if getattr(request, f) is not None), None
+            )
+            if asked is not None:
+                raise HttpError(
+                    400,
+                    f"The request names an adapter ({asked}={getattr(request, asked)!r}), "
+                    "but this server serves none.",
+                    fix="start the server with --adapter NAME=PATH, or drop the field",
+                    param=asked,
+                    code="invalid_parameter",
+                )
+            return None
+        return self.adapters.pick(from_model, request.adapter, request.adapters)
 
     def _max_tokens(self, request: schemas._GenerationRequest) -> int:
         both = (request.max_tokens, request.max_completion_tokens)
@@ -262,17 +329,15 @@ class ServeApp:
             return None
         out: dict[int, Any] = {}
         for key, bias in raw.items():
-            try:
-                token = int(key)
-            except ValueError:
+            if not _TOKEN_ID_KEY.fullmatch(key):
                 raise HttpError(
                     400,
-                    f"Invalid parameter logit_bias: key {key!r} is not a token id.",
-                    fix='use token ids as keys, e.g. {"50": -100}',
+                    f"Invalid parameter logit_bias: key {key[:40]!r} is not a token id.",
+                    fix='use token ids in decimal as keys, e.g. {"50": -100}',
                     param="logit_bias",
                     code="invalid_parameter",
-                ) from None
-            out[token] = bias
+                )
+            out[int(key)] = bias
         return out
 
     def _sampling(self, options: dict[str, Any], *, renamed: dict[str, str]) -> SamplingParams:
@@ -304,7 +369,9 @@ class ServeApp:
                 code="empty_prompt",
             )
         vocab = self.model.vocab_size
-        if vocab is not None:
+        # min/max first: a Python scan of a huge prompt holds the GIL (~0.2 s
+        # for 700k ids), stalling every other thread; the builtins take ~10 ms.
+        if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise HttpError(
@@ -316,9 +383,20 @@ class ServeApp:
                     code="invalid_token",
                 )
         limit = self.model.context_length
+        bound = self.max_prompt_tokens
+        # The tighter of the two bounds speaks: the server's, or the context.
+        if len(ids) > bound and (limit is None or bound < limit):
+            raise HttpError(
+                400,
+                f"The {param} is {len(ids)} tokens long; this server accepts prompts of at "
+                f"most {bound} tokens (--max-prompt-tokens).",
+                fix="shorten the prompt, or start the server with a higher --max-prompt-tokens",
+                param=param,
+                code="prompt_too_long",
+            )
         if limit is not None and len(ids) >= limit:
-            # Generation stops at the context (finish_reason "length"); a prompt
-            # that fills it leaves no room for a single token.
+            # Generation stops at the context (see _room); a prompt that fills
+            # it leaves no room for a single token.
             raise HttpError(
                 400,
                 f"The {param} is {len(ids)} tokens long; this model's context "
@@ -327,6 +405,30 @@ class ServeApp:
                 param=param,
                 code="context_length_exceeded",
             )
+
+    def _check_prompt_chars(self, text: str, param: str) -> None:
+        """Refuse prompt text past ``max_prompt_chars`` before the tokenizer sees it."""
+        if len(text) > self.max_prompt_chars:
+            what = "rendered conversation" if param == "messages" else "prompt"
+            raise HttpError(
+                400,
+                f"The {what} is {len(text)} characters long; this server tokenizes at most "
+                f"{self.max_prompt_chars} characters (--max-prompt-chars).",
+                fix="shorten the prompt, or start the server with a higher --max-prompt-chars",
+                param=param,
+                code="prompt_too_long",
+            )
+
+    def _room(self, prompt_tokens: int, max_tokens: int) -> int:
+        """``max_tokens``, cut to the room the context leaves after the prompt.
+
+        The context bounds prompt and completion together, as in the OpenAI
+        API; a generation that reaches it ends with ``finish_reason:
+        "length"``, as one that reaches ``max_tokens`` does. ``loom chat``
+        cuts its replies at the context the same way.
+        """
+        limit = self.model.context_length
+        return max_tokens if limit is None else min(max_tokens, limit - prompt_tokens)
 
     def _text_prompt(self, request: schemas.CompletionRequest) -> list[int]:
         prompt = request.prompt
@@ -339,7 +441,11 @@ class ServeApp:
                     param="prompt",
                     code="empty_prompt",
                 )
-            ids = self.tokenizer.encode_prompt(prompt)
+            self._check_prompt_chars(prompt, "prompt")
+            try:
+                ids = self.tokenizer.encode_prompt(prompt)
+            except LoomError as err:
+                raise from_loom_error(err, param="prompt") from None
         else:
             ids = list(prompt)
         self._check_prompt(ids, "prompt")
@@ -384,7 +490,11 @@ class ServeApp:
         reasoning = self.chat_format.reasoning
         in_reasoning = reasoning is not None and reasoning.opens_inside(text)
         text += prompt_suffix(plan, self.chat_format, in_reasoning=in_reasoning)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self._check_prompt_chars(text, "messages")
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        except LoomError as err:
+            raise from_loom_error(err, param="messages") from None
         self._check_prompt(ids, "messages")
         return ids, in_reasoning
 
@@ -396,7 +506,7 @@ class ServeApp:
         """
         model = schemas.ChatCompletionRequest if chat else schemas.CompletionRequest
         request = schemas.parse_request(model, body)
-        self._check_model(request.model)
+        adapter = self._pick_adapter(request, self._check_model(request.model))
         try:
             self.model.require(GENERATE, asked="text generation")
         except LoomError as err:
@@ -458,6 +568,7 @@ class ServeApp:
         else:
             ids, in_reasoning = self._text_prompt(request), False
         sampling = params.model_dump()
+        max_tokens = self._room(len(ids), max_tokens)
         speculation = self._speculation(request.draft, request.num_draft_tokens)
         choices = []
         for index in range(request.n):
@@ -470,6 +581,7 @@ class ServeApp:
                 max_tokens=max_tokens,
                 stop=stop,
                 sampling=seeded,
+                adapter=adapter,
                 speculation=speculation,
                 **self.kv,
             )
@@ -481,7 +593,7 @@ class ServeApp:
             chat=chat,
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             created=int(time.time()),
-            model=self.model_id,
+            model=self._served_id(adapter),
             choices=choices,
             stream=request.stream,
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
@@ -741,6 +853,15 @@ class ServeApp:
         if not prep.include_usage:
             return []
         return [self._chunk(prep, [], usage=self._usage(prep))]
+
+
+def _check_count(name: str, value: Any, flag: str, example: int) -> None:
+    """A server-wide bound must be an int >= 1 (a bad one fails start-up)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestError(
+            f"{name}={value!r} is invalid; it must be an int >= 1.",
+            fix=f"pass a positive {flag}, such as {example}",
+        )
 
 
 def _tool_call_out(call: ToolCall) -> schemas.ToolCallOut:

@@ -76,11 +76,37 @@ _ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     411: "invalid_request_error",
     413: "request_too_large",
+    414: "request_too_large",
+    431: "request_too_large",
+    501: "invalid_request_error",
+    505: "invalid_request_error",
     422: "invalid_request_error",
     503: "overloaded_error",
 }
+
+
+#: Seconds a client told the server is overloaded should wait before it retries.
+RETRY_AFTER_SECONDS = 1
+
+
+def overloaded(message: str, *, fix: str, code: str) -> HttpError:
+    """The one answer to load, whatever is full: ``503`` with ``Retry-After``.
+
+    Every bound on concurrent work answers the same way (the connection
+    limit; any queue bound), so a client has one rule: wait, then retry.
+    ``code`` says which bound it met.
+    """
+    return HttpError(
+        503,
+        message,
+        fix=fix,
+        type=SERVER_ERROR,
+        code=code,
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
 
 
 class ServerStartError(LoomError):

@@ -126,6 +126,10 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
     user: StrictStr | None = None
+    #: A registered adapter's name (``loom serve --adapter NAME=PATH``); mlx-lm's
+    #: ``adapters`` may also name one, by name or by the path it was registered from.
+    adapter: StrictStr | None = None
+    adapters: StrictStr | None = None
     logit_bias: dict[str, Any] | None = None
     # Sampling: raw values, checked by SamplingParams.parse.
     temperature: Any = None

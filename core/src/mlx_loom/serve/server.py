@@ -1,35 +1,60 @@
 """The HTTP server: ``ThreadingHTTPServer`` routing to a :class:`ServeApp`.
 
-Each connection gets a handler thread; handler threads parse, validate and
-write, and hand generation to the model's engine thread (see
-``worker.py``), which batches concurrent requests. So ``/health`` and
-``/v1/models`` answer at once while generations run, and a request waiting
-for a row costs no MLX work.
+Each connection gets a handler thread, and no handler thread does heavy
+work: it reads the request under the deadlines of
+:mod:`~mlx_loom.serve.connection`, hands the body to the preparation pool
+(:mod:`~mlx_loom.serve.prepare`: JSON, validation, chat template,
+tokenizer), hands the prepared jobs to the model's engine thread (see
+``worker.py``), which batches concurrent requests, and writes what comes
+back. So ``/health`` and ``/v1/models`` answer at once while prompts are
+tokenized and generations run, a request waiting for a row costs no MLX
+work, and at most ``max_connections`` connections (threads) exist at once.
 
 Every answer the server gives to a bad request is JSON in the OpenAI error
-shape; no input makes a handler raise past :meth:`Handler._dispatch`.
+shape — including the ones ``http.server`` itself would have answered in
+HTML (a malformed request line, an over-long header) — and no input makes a
+handler raise past :meth:`Handler._dispatch`.
 """
 
 from __future__ import annotations
 
 import hmac
+import io
 import ipaddress
 import json
 import logging
 import queue
+import re
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
+
+from pydantic import ValidationError
 
 from ..bounded_json import REQUEST_JSON, parse_json
 from ..engine import EngineSettings
 from ..errors import EngineBusy, LoomError, RequestError
 from . import anthropic, page
-from .app import ServeApp
+from .app import Prepared, ServeApp
+from .connection import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_WRITE_TIMEOUT,
+    ConnectionLimits,
+    DeadlineReader,
+    DeadlineWriter,
+    PhaseTimeout,
+    WriteTimeout,
+    refuse_connection,
+)
 from .errors import (
     AUTHENTICATION,
     NOT_FOUND,
@@ -37,7 +62,10 @@ from .errors import (
     HttpError,
     ServerStartError,
     from_loom_error,
+    overloaded,
 )
+from .prepare import DEFAULT_THREADS as DEFAULT_TOKENIZER_THREADS
+from .prepare import LARGE_BODY_BYTES, ClientGone, PoolClosed, PreparePool
 from .worker import END, Job, Piece
 
 log = logging.getLogger("mlx_loom.serve")
@@ -48,9 +76,6 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 
 #: How often a handler waiting for tokens checks that its client is still there.
 POLL_SECONDS = 0.05
-
-#: Seconds a client told the queue is full should wait before retrying.
-RETRY_AFTER_SECONDS = 1
 
 ROUTES: dict[str, tuple[str, ...]] = {
     "/": ("GET",),
@@ -72,8 +97,28 @@ PUBLIC_PATHS = frozenset({"/", "/health"})
 PREFLIGHT_MAX_AGE = "600"
 
 
-class ClientGone(Exception):
-    """The client closed its connection; stop working for it."""
+#: The socket send buffer of each connection: hundreds of streamed tokens, and
+#: small enough that 128 stalled clients hold a few tens of MB of kernel memory.
+SEND_BUFFER_BYTES = 128 * 1024
+
+#: Refused connections are logged at most this often (with how many there were).
+REFUSAL_LOG_SECONDS = 10.0
+
+#: A ``Content-Length`` value: decimal digits only.
+_DIGITS = re.compile(r"[0-9]+")
+
+#: The longest request line, as ``http.server`` bounds it.
+MAX_REQUEST_LINE = 65536
+
+#: ``code`` for the errors ``http.server`` detects itself, by status.
+_PROTOCOL_CODES = {
+    400: "bad_request",
+    408: "request_timeout",
+    414: "request_line_too_long",
+    431: "headers_too_large",
+    501: "method_not_implemented",
+    505: "http_version_not_supported",
+}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -84,7 +129,132 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "mlx-loom"
     sys_version = ""
 
+    # --- the connection: deadlines, and protocol errors as JSON ---------------------
+
+    def setup(self) -> None:
+        """Both sides of the socket under the server's deadlines (see ``connection.py``)."""
+        self.connection = self.request
+        try:
+            # Streams write one small event per token: send each at once.
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Bound what the kernel buffers for a client that stops reading
+            # (Linux starts loopback sockets near 4 MB): the write deadline
+            # then notices it after SEND_BUFFER_BYTES of events, not megabytes.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        except OSError:
+            pass
+        self._reader = DeadlineReader(self.connection)
+        self.rfile = io.BufferedReader(self._reader)
+        self._writer = DeadlineWriter(self.connection, self.server.limits.write_timeout)
+        self.wfile = self._writer
+
+    def handle_one_request(self) -> None:
+        """One request: wait (idle bound) for its first byte, read its headers (header bound),
+        then dispatch; the body is read under its own bound by the endpoint.
+
+        ``http.server``'s version waits on the socket with no deadline at all.
+        """
+        limits = self.server.limits
+        self._started = False  # have the status line and headers been sent?
+        self._body_read = True
+        self._anthropic = False  # answer errors in the Anthropic shape (/v1/messages)
+        self._expects_continue = False
+        self.command, self.path, self.requestline = "", "", ""
+        self.request_version = self.default_request_version
+        self.headers = self.MessageClass()
+        self._reader.expect("idle", limits.idle_timeout)
+        try:
+            if not self.rfile.peek(1):  # the client closed the connection
+                self.close_connection = True
+                return
+        except OSError:  # PhaseTimeout included: an idle connection just closes
+            self.close_connection = True
+            return
+        self._reader.expect("header", limits.header_timeout)
+        try:
+            self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE + 1)
+            if len(self.raw_requestline) > MAX_REQUEST_LINE:
+                self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
+                return
+            if not self.parse_request():
+                return  # answered already
+        except PhaseTimeout as err:
+            self._protocol_error(
+                408,
+                f"The request line and headers did not arrive within {err.seconds:g} s.",
+                fix="send the whole request head at once (the server's --header-timeout bounds it)",
+            )
+            return
+        except OSError:
+            self.close_connection = True
+            return
+        method = getattr(self, "do_" + self.command, None)
+        if method is None:
+            self.send_error(HTTPStatus.NOT_IMPLEMENTED, f"Unsupported method ({self.command!r})")
+            return
+        method()
+
+    def parse_request(self) -> bool:
+        """``http.server``'s parsing, except that an HTTP/0.9 request line is answered.
+
+        A two-word line (``GET /``) is HTTP/0.9, which has no headers;
+        ``http.server`` accepts it and then waits for headers that never
+        come. It is answered 505 (with an HTTP/1.1 status line, which every
+        client of this server reads) and the connection is closed.
+        """
+        words = str(self.raw_requestline, "iso-8859-1").split()
+        if len(words) == 2:
+            self.command, self.path = words
+            self._protocol_error(
+                505,
+                f"The request line {' '.join(words)!r} has no HTTP version (HTTP/0.9), "
+                "which this server does not speak.",
+                fix="send an HTTP/1.1 request line, e.g. 'GET /health HTTP/1.1'",
+            )
+            return False
+        return super().parse_request()
+
+    def handle_expect_100(self) -> bool:
+        """Defer ``100 Continue`` until the body's length is known to be acceptable.
+
+        ``http.server`` sends it as soon as it sees the header, inviting a
+        client to upload a body that is then refused (413) unread.
+        """
+        self._expects_continue = True
+        return True
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """``http.server``'s own protocol errors (bad request line, long headers ...) as JSON."""
+        status = int(code)
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "Error"
+        text = message or phrase
+        if explain and explain != message:
+            text = f"{text}: {explain}"
+        fixes = {
+            400: "send an HTTP/1.1 request: 'METHOD /path HTTP/1.1', headers, a blank line",
+            414: f"send a request line shorter than {MAX_REQUEST_LINE} bytes",
+            431: "send at most 100 headers, each shorter than 64 KiB",
+            501: "use GET, POST or OPTIONS",
+            505: "send the request as HTTP/1.1",
+        }
+        self._protocol_error(status, text.rstrip(".") + ".", fix=fixes.get(status))
+
+    def _protocol_error(self, status: int, message: str, *, fix: str | None) -> None:
+        """Answer a request that could not be read as one, and close the connection."""
+        if self.request_version in ("", "HTTP/0.9"):
+            self.request_version = "HTTP/1.0"  # so that a status line is written
+        self.close_connection = True
+        self._body_read = False
+        # Each of these is the client's doing, whatever its status (501, 505).
+        self._send_error(HttpError(status, message, fix=fix, code=_PROTOCOL_CODES.get(status)))
+
     # --- plumbing ---------------------------------------------------------------
+
+    def version_string(self) -> str:
+        return self.server_version  # http.server appends " " + sys_version, empty here
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib's name)
         log.info("%s %s", self.address_string(), format % args)
@@ -112,12 +282,9 @@ class Handler(BaseHTTPRequestHandler):
         return self.server.app
 
     def _dispatch(self, method: str) -> None:
-        self._started = False  # have the status line and headers been sent?
         self._body_read = method != "POST"
-        self._anthropic = False  # answer errors in the Anthropic shape (/v1/messages)
         try:
-            path = urlsplit(self.path).path
-            path = path.rstrip("/") or "/"
+            path = _request_path(self.path)
             path = ALIASES.get(path, path)
             self._anthropic = path == "/v1/messages"
             if method == "OPTIONS":
@@ -130,8 +297,17 @@ class Handler(BaseHTTPRequestHandler):
             self._send_error(err)
         except ClientGone:
             self.close_connection = True
+        except WriteTimeout as err:
+            log.info("%s %s: %s; closing the connection", method, self.path, err)
+            self.close_connection = True
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
             self.close_connection = True
+        except PoolClosed:
+            self._send_error(
+                HttpError(
+                    503, "The server is stopping.", fix="retry once it is back", type=SERVER_ERROR
+                )
+            )
         except LoomError as err:
             self._send_error(from_loom_error(err))
         except Exception as err:  # the server must outlive any one request
@@ -285,7 +461,7 @@ class Handler(BaseHTTPRequestHandler):
         self._started = True
 
     def _send_error(self, err: HttpError) -> None:
-        if err.status >= 500:
+        if err.type == SERVER_ERROR:
             log.error("%s %s -> %d: %s", self.command, self.path, err.status, err.message)
         body = err.anthropic_body() if self._anthropic else err.body()
         try:
@@ -303,11 +479,19 @@ class Handler(BaseHTTPRequestHandler):
 
     def _health(self) -> None:
         status, body = self.app.health()
+        server = self.server
+        body["connections"] = {
+            "open": server.open_connections,
+            "max": server.limits.max_connections,
+        }
+        body["preparing"] = server.prepare_pool.running
+        body["waiting_to_prepare"] = server.prepare_pool.waiting
         self._send_json(status, body)
 
     # --- request bodies -------------------------------------------------------------
 
-    def _read_json(self) -> Any:
+    def _read_body(self) -> bytes:
+        """The request body's bytes: its length checked first, then read under the body bound."""
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             raise HttpError(
                 411,
@@ -315,7 +499,15 @@ class Handler(BaseHTTPRequestHandler):
                 fix="send the body with a Content-Length header",
                 code="length_required",
             )
-        raw_length = self.headers.get("Content-Length")
+        lengths = set(self.headers.get_all("Content-Length") or ())
+        raw_length = lengths.pop().strip() if len(lengths) == 1 else None
+        if lengths:
+            raise HttpError(
+                400,
+                "The request has Content-Length headers that disagree.",
+                fix="send one Content-Length header",
+                code="invalid_body",
+            )
         if raw_length is None:
             raise HttpError(
                 411,
@@ -323,35 +515,54 @@ class Handler(BaseHTTPRequestHandler):
                 fix="send the JSON body with a Content-Length header",
                 code="length_required",
             )
-        try:
-            length = int(raw_length)
-            if length < 0:
-                raise ValueError
-        except ValueError:
+        if not _DIGITS.fullmatch(raw_length):  # int() would also take "+5", "1_0", " 5 "
             raise HttpError(
                 400,
-                f"Content-Length {raw_length!r} is not a byte count.",
+                f"Content-Length {raw_length[:40]!r} is not a byte count.",
                 fix="send a valid Content-Length header",
                 code="invalid_body",
-            ) from None
-        if length > MAX_BODY_BYTES:
+            )
+        # More digits than the limit has is past it (and int() refuses 4,300).
+        length = int(raw_length) if len(raw_length) <= len(str(MAX_BODY_BYTES)) else None
+        if length is None or length > MAX_BODY_BYTES:
             raise HttpError(
                 413,
-                f"The request body is {length} bytes; the limit is {MAX_BODY_BYTES} bytes.",
+                f"The request body is {raw_length[:40]} bytes; the limit is "
+                f"{MAX_BODY_BYTES} bytes.",
                 fix="send a shorter request",
                 code="body_too_large",
             )
-        data = self.rfile.read(length)
+        if self._expects_continue:
+            self.send_response_only(HTTPStatus.CONTINUE)
+            self.end_headers()
+        seconds = self.server.limits.body_timeout
+        self._reader.expect("body", seconds)
+        try:
+            data = self.rfile.read(length)
+        except PhaseTimeout:
+            raise HttpError(
+                408,
+                f"The request body ({length} bytes) did not arrive within {seconds:g} s.",
+                fix="send the whole body promptly (the server's --body-timeout bounds it)",
+                code="request_timeout",
+            ) from None
         if len(data) < length:
             raise ClientGone
         self._body_read = True
-        fix = "send a UTF-8 JSON object, with Content-Type: application/json"
-        try:
-            return parse_json(
-                data, source="The request body", error=RequestError, fix=fix, limits=REQUEST_JSON
-            )
-        except RequestError as exc:
-            raise HttpError(400, exc.message, fix=fix, code="invalid_json") from None
+        return data
+
+    def _prepare(self, make: Callable[[Any], Prepared]) -> Prepared:
+        """Read the body on this thread; parse and prepare it (``make``) on the preparation pool.
+
+        Everything whose cost grows with the body — JSON, validation, the
+        chat template, the tokenizer — runs there, never here.
+        """
+        raw = self._read_body()
+        return self.server.prepare_pool.run(
+            lambda: make(parse_body(raw)),
+            large=len(raw) >= LARGE_BODY_BYTES,
+            gone=self._client_gone,
+        )
 
     # --- completions ------------------------------------------------------------------
 
@@ -411,18 +622,10 @@ class Handler(BaseHTTPRequestHandler):
         except EngineBusy as err:
             for job in jobs:
                 job.cancel()
-            raise HttpError(
-                503,
-                err.message,
-                fix=err.fix,
-                type=SERVER_ERROR,
-                code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            ) from None
+            raise overloaded(err.message, fix=err.fix, code="queue_full") from None
 
     def _complete(self, *, chat: bool) -> None:
-        body = self._read_json()
-        prep = self.app.prepare(body, chat=chat)
+        prep = self._prepare(lambda body: self.app.prepare(body, chat=chat))
         self._submit(prep.jobs)
         try:
             if not prep.stream:
@@ -464,11 +667,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _messages(self) -> None:
         """``POST /v1/messages``: one Anthropic message, whole or as Anthropic's event stream."""
-        chat_body = anthropic.to_chat_body(self._read_json())
-        try:
-            prep = self.app.prepare(chat_body, chat=True)
-        except HttpError as err:
-            raise anthropic.renamed(err) from None
+        prep = self._prepare(self._prepare_message)
         shaper = anthropic.MessageShaper(prep.model)
         choice = prep.choices[0]
         self._submit([choice.job])
@@ -510,6 +709,42 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             choice.job.cancel()
 
+    def _prepare_message(self, body: Any) -> Prepared:
+        chat_body = anthropic.to_chat_body(body)
+        try:
+            return self.app.prepare(chat_body, chat=True)
+        except HttpError as err:
+            raise anthropic.renamed(err) from None
+
+
+def parse_body(raw: bytes) -> Any:
+    """The request body as JSON, under the request bounds; anything else is a 400."""
+    fix = "send a UTF-8 JSON object, with Content-Type: application/json"
+    try:
+        return parse_json(
+            raw, source="The request body", error=RequestError, fix=fix, limits=REQUEST_JSON
+        )
+    except RequestError as exc:
+        raise HttpError(400, exc.message, fix=fix, code="invalid_json") from None
+
+
+def _request_path(target: str) -> str:
+    """The path of a request target (origin or absolute form), without trailing slashes.
+
+    ``urlsplit`` raises ``ValueError`` for an absolute target with a broken
+    host (``http://[::1``): that is the client's error, a 400.
+    """
+    try:
+        path = urlsplit(target).path
+    except ValueError as exc:
+        raise HttpError(
+            400,
+            f"The request target {target[:100]!r} is not a valid URL: {exc}.",
+            fix="send a path such as /v1/chat/completions",
+            code="invalid_path",
+        ) from None
+    return path.rstrip("/") or "/"
+
 
 def _chain(first: Piece, rest: Iterator[Piece]) -> Iterator[Piece]:
     yield first
@@ -525,11 +760,33 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _too_many_connections(limit: int) -> bytes:
+    """The whole answer (status line, headers, JSON body) for a connection over the limit."""
+    error = overloaded(
+        f"The server is serving its limit of {limit} connections.",
+        fix="retry shortly; the operator can raise loom serve --max-connections",
+        code="too_many_connections",
+    )
+    body = json.dumps(error.body()).encode()
+    headers = {
+        "Content-Type": "application/json",
+        "Content-Length": str(len(body)),
+        **error.headers,
+        "Connection": "close",
+    }
+    head = "HTTP/1.1 503 Service Unavailable\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    return (head + "\r\n").encode() + body
+
+
 class LoomServer(ThreadingHTTPServer):
     """An HTTP server bound to ``(host, port)`` serving one :class:`ServeApp`.
 
     ``port=0`` binds an ephemeral port; read the chosen one from :attr:`port`.
     Handler threads are daemons: a hung client never blocks shutdown.
+    ``limits`` bounds each request phase and the open connections (see
+    ``connection.py``); ``tokenizer_threads`` sizes the pool that parses,
+    renders and tokenizes requests (see ``prepare.py``).
     """
 
     daemon_threads = True
@@ -546,6 +803,8 @@ class LoomServer(ThreadingHTTPServer):
         *,
         allowed_origins: Iterable[str] = (),
         api_key: str | None = None,
+        limits: ConnectionLimits | None = None,
+        tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
     ) -> None:
         self.app = app
         #: Origins whose web pages may call the API (``"*"``: any); none by default.
@@ -554,8 +813,23 @@ class LoomServer(ThreadingHTTPServer):
             raise ServerStartError(
                 "The API key is empty.", fix="pass a non-empty --api-key, or none at all"
             )
+        if (
+            isinstance(tokenizer_threads, bool)
+            or not isinstance(tokenizer_threads, int)
+            or tokenizer_threads < 1
+        ):
+            raise ServerStartError(
+                f"tokenizer_threads={tokenizer_threads!r} is invalid; it must be an int >= 1.",
+                fix="pass a small positive --tokenizer-threads, such as 2",
+            )
         #: Requests must carry this key (``Authorization: Bearer``); ``None``: no key.
         self.api_key = api_key
+        self.limits = limits or ConnectionLimits()
+        self._open = 0
+        self._open_lock = threading.Lock()
+        self._turn_away = _too_many_connections(self.limits.max_connections)
+        self._refused = 0
+        self._refusals_logged_at = -REFUSAL_LOG_SECONDS
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._thread: threading.Thread | None = None
         try:
@@ -566,6 +840,79 @@ class LoomServer(ThreadingHTTPServer):
                 fix="choose another --port (or --port 0 for any free one), or stop the "
                 "process using this one",
             ) from exc
+        self.prepare_pool = PreparePool(tokenizer_threads)
+        self._check_bounds_compose()
+
+    def _check_bounds_compose(self) -> None:
+        """Warn when the connection limit makes the engine's queue bound unreachable.
+
+        Every row and every waiting request holds a connection, so with fewer
+        connections than rows plus queue the connection limit answers first.
+        Both answer ``503`` with ``Retry-After``, so this is not an error; but
+        the operator set a queue size that never applies.
+        """
+        settings = self.app.worker.service.settings
+        if settings.max_queued is None:
+            return
+        held = settings.decode_concurrency + settings.max_queued
+        if self.limits.max_connections <= held:
+            log.warning(
+                "--max-connections %d is not above --decode-concurrency %d + --queue-size %d: "
+                "connections are refused before the queue fills (both answer 503)",
+                self.limits.max_connections,
+                settings.decode_concurrency,
+                settings.max_queued,
+            )
+
+    # --- the connection limit ---------------------------------------------------
+
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now (each has its handler thread)."""
+        return self._open
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Start a handler thread, or, at the connection limit, answer 503 and close.
+
+        The refusal is written without blocking from the accepting thread,
+        so a flood of connections costs no threads at all.
+        """
+        with self._open_lock:
+            full = self._open >= self.limits.max_connections
+            if not full:
+                self._open += 1
+        if full:
+            refuse_connection(request, self._turn_away)
+            self._log_refusal()
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._closed_one()  # its thread never started
+            raise
+
+    def _log_refusal(self) -> None:
+        """One warning per burst of refused connections, not one per connection (a flood)."""
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refusals_logged_at >= REFUSAL_LOG_SECONDS:
+            log.warning(
+                "refused %d connection(s): %d are open, the limit (--max-connections)",
+                self._refused,
+                self.limits.max_connections,
+            )
+            self._refused = 0
+            self._refusals_logged_at = now
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._closed_one()
+
+    def _closed_one(self) -> None:
+        with self._open_lock:
+            self._open -= 1
 
     @property
     def host(self) -> str:
@@ -597,6 +944,7 @@ class LoomServer(ThreadingHTTPServer):
             self._thread.join(10)
             self._thread = None
         self.server_close()
+        self.prepare_pool.close()
         self.app.close()
 
 
@@ -611,24 +959,57 @@ def make_server(
     engine: EngineSettings | None = None,
     allowed_origins: Iterable[str] = (),
     api_key: str | None = None,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
     **app_options: Any,
 ) -> LoomServer:
     """A server for a loaded ``(model, tokenizer)``, bound but not yet serving.
 
     ``engine`` sets how requests are batched (default:
-    :func:`~mlx_loom.serve.app.server_engine_settings`). ``app_options`` are
-    :class:`ServeApp`'s (``template_budget``, ``tool_call_parser``,
+    :func:`~mlx_loom.serve.app.server_engine_settings`). The timeouts
+    (seconds) and ``max_connections`` bound each connection (see
+    :class:`~mlx_loom.serve.connection.ConnectionLimits`);
+    ``tokenizer_threads`` sizes the pool that parses, renders and tokenizes
+    requests. ``app_options`` are :class:`ServeApp`'s (``template_budget``,
+    ``max_prompt_chars``, ``max_prompt_tokens``, ``tool_call_parser``,
     ``chat_template_args``, ``kv_bits``, ``speculation`` ...); the template
     budget defaults to the environment's
     (:meth:`~mlx_loom.text.TemplateBudget.from_env`). ``speculation`` is every
     request's speculative decoding unless a request's ``draft`` field asks
     otherwise (speculative rows batch with every other request).
     """
+    try:
+        limits = ConnectionLimits(
+            idle_timeout=idle_timeout,
+            header_timeout=header_timeout,
+            body_timeout=body_timeout,
+            write_timeout=write_timeout,
+            max_connections=max_connections,
+        )
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        name = str(first["loc"][0]) if first["loc"] else "limits"
+        raise ServerStartError(
+            f"{name}={first.get('input')!r} is invalid: {first['msg']}.",
+            fix=f"pass --{name.replace('_', '-')} as a positive number",
+        ) from None
     if max_tokens_limit is not None:
         app_options["max_tokens_limit"] = max_tokens_limit
     app = ServeApp(model, tokenizer, model_id=model_id, engine=engine, **app_options)
     try:
-        return LoomServer(app, host, port, allowed_origins=allowed_origins, api_key=api_key)
+        return LoomServer(
+            app,
+            host,
+            port,
+            allowed_origins=allowed_origins,
+            api_key=api_key,
+            limits=limits,
+            tokenizer_threads=tokenizer_threads,
+        )
     except BaseException:
         app.close()
         raise

@@ -96,6 +96,8 @@ class Job:
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 0
+    #: The registered adapter this job runs with (``None``: the base model).
+    adapter: str | None = None
     speculation: Speculation | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
@@ -150,6 +152,7 @@ class GenerationWorker:
             kv_bits=job.kv_bits,
             kv_group_size=job.kv_group_size,
             quantized_kv_start=job.quantized_kv_start,
+            adapter=job.adapter,
             speculation=job.speculation,
         )
         if self.model.parallel is None:

@@ -244,9 +244,14 @@ class Tokenizer:
         Text holding a lone UTF-16 surrogate (possible in Python strings, e.g.
         from JSON ``"\\ud800"``) is not valid Unicode; it is a
         :class:`~mlx_loom.errors.RequestError` rather than the library's TypeError.
+
+        Why ``encode_batch`` of one text: the library's ``encode`` keeps the
+        GIL while it works (a 1 Mi-character prompt stalled every other thread
+        of a server for 2-3 s, ``tokenizers`` 0.23), ``encode_batch`` lets it
+        go, so other threads run while a long text is encoded. Same ids.
         """
         try:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except TypeError:
             bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
             if not isinstance(text, str) or bad is None:

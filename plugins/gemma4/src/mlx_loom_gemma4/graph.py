@@ -12,6 +12,7 @@ and RoPE (default and proportional) are the core's shared layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -316,6 +317,13 @@ class TextModel(nn.Module):
         return self.norm(self.stage.leave(h))
 
 
+def _router_at_8_bits(path: str, _: nn.Module) -> bool | dict[str, int]:
+    """``loom convert``: the expert router stays at 8 bits (mlx-lm's choice for Gemma 4)."""
+    if path.endswith("router.proj"):
+        return {"group_size": 64, "bits": 8}
+    return True
+
+
 class Model(nn.Module):
     """The text model plus the (tied or separate) head and logit soft-cap (``gemma4_text``,
     and the text tower of ``gemma4``)."""
@@ -336,6 +344,10 @@ class Model(nn.Module):
         if self.cfg.final_logit_softcapping is not None:
             out = logit_softcap(self.cfg.final_logit_softcapping, out)
         return out
+
+    @property
+    def quant_predicate(self) -> Callable[[str, nn.Module], bool | dict[str, int]]:
+        return _router_at_8_bits
 
     def make_cache(self, *, kv_bits: int | None = None, kv_group_size: int = 64) -> list[Any]:
         """One cache per layer that owns keys/values (KV-shared layers own none).

@@ -9,6 +9,7 @@ a wrapper config (``text_config``), so the family never re-nests it.
 from __future__ import annotations
 
 from mlx_loom.plugin import (
+    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
@@ -31,7 +32,7 @@ from .parallel import plan
 # full window raises CacheNotTrimmable (mlx-lm silently trims nothing there and
 # verifies against a wrong window). Refusing is correct behaviour; the loop
 # surfaces it. Within the window, and on full-attention layers, trim is exact.
-CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE})
+CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS})
 
 FAMILY = Family(
     name="gemma4",

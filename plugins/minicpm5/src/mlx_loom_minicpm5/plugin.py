@@ -9,6 +9,7 @@ RMSNorm are MLX's fused ops, which run on every backend.
 from __future__ import annotations
 
 from mlx_loom.plugin import (
+    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
@@ -33,7 +34,7 @@ LOADER = "minicpm5.hf-safetensors"
 
 # Full caches trim exactly, so prompt caching and speculation are sound; a
 # sliding-window cache that has wrapped refuses to trim (never trims wrongly).
-CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE})
+CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS})
 
 # A small but complete config: what the conformance kit builds tiny checkpoints from.
 TINY_CONFIG = {

@@ -22,7 +22,7 @@ from mlx_loom.cache import KVCache, create_attention_mask, scaled_dot_product_at
 from mlx_loom.cache.recurrent import RecurrentCache
 from mlx_loom.nn import GatedMLP, SwitchGLU, make_rope
 from mlx_loom.parallel import SINGLE_STAGE, Stage
-from mlx_loom_qwen3_next.config import HybridConfig
+from mlx_loom_qwen3_next.config import HybridConfig, Qwen3_5Config
 from mlx_loom_qwen3_next.kernels import (
     CAUSAL_CONV,
     GATED_DELTA,
@@ -362,3 +362,25 @@ class Model(nn.Module):
     def make_cache(self) -> list[Any]:
         """A :class:`RecurrentCache` per delta-net layer, a :class:`KVCache` per attention layer."""
         return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.layers]
+
+    # --- conversion (``loom convert``): mlx-lm's choices for these families ---
+
+    @property
+    def quant_predicate(self) -> Callable[[str, nn.Module], bool | dict[str, int]] | None:
+        """The expert router and the shared expert's gate stay at 8 bits: their few
+        outputs decide which experts run, and 4-bit routing changes the choice."""
+        if isinstance(self.config, Qwen3_5Config) and self.config.num_experts <= 0:
+            return None
+
+        def predicate(path: str, _: nn.Module) -> bool | dict[str, int]:
+            if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
+                return {"group_size": 64, "bits": 8}
+            return True
+
+        return predicate
+
+    @property
+    def cast_predicate(self) -> Callable[[str], bool]:
+        """Qwen3.5 keeps ``A_log`` in its stored precision when the rest is cast."""
+        keep = isinstance(self.config, Qwen3_5Config)
+        return lambda path: not (keep and path.endswith("A_log"))

@@ -12,6 +12,7 @@ validated against decides the projection layout.
 from __future__ import annotations
 
 from mlx_loom.plugin import (
+    ADAPTERS,
     BATCH,
     GENERATE,
     KV_QUANTIZATION,
@@ -32,7 +33,7 @@ from .parallel import plan
 
 # Speculative decoding goes through RecurrentCache rounds (begin_round/commit);
 # prompt-cache reuse never trims (the loop reuses exact prefixes only).
-CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE})
+CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS})
 
 FAMILY = Family(
     name="qwen3_next",
