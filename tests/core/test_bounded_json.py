@@ -80,6 +80,17 @@ def test_a_negative_huge_integer_is_refused_too():
     assert "digits" in refused('{"x": -' + "1" * 100 + "}").message
 
 
+def test_an_integer_of_exactly_the_digit_limit_parses_and_one_more_digit_is_refused():
+    limits = JsonLimits(max_int_digits=10)
+    assert parse('{"x": [' + "7" * 10 + "]}", limits=limits) == {"x": [7777777777]}
+    assert "11 digits" in refused('{"x": [' + "7" * 11 + "]}", limits=limits).message
+
+
+def test_many_short_integers_are_not_one_long_run():
+    ids = list(range(100_000))
+    assert parse(json.dumps({"prompt": ids}))["prompt"] == ids
+
+
 def test_the_transformers_model_max_length_sentinel_parses():
     value = 1000000000000000019884624838656
     assert parse(json.dumps({"model_max_length": value})) == {"model_max_length": value}
