@@ -27,7 +27,15 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import Done, EngineSettings, Handle, ServiceStats, TokenEvent, make_request
+from ..engine import (
+    Done,
+    EngineSettings,
+    Handle,
+    ServiceStats,
+    Speculation,
+    TokenEvent,
+    make_request,
+)
 from ..generate import SamplingParams
 from ..host import PROMPT_CACHE
 from ..model import Model
@@ -90,6 +98,7 @@ class Job:
     quantized_kv_start: int = 0
     #: The registered adapter this job runs with (``None``: the base model).
     adapter: str | None = None
+    speculation: Speculation | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
     _handle: Handle | None = None
@@ -144,6 +153,7 @@ class GenerationWorker:
             kv_group_size=job.kv_group_size,
             quantized_kv_start=job.quantized_kv_start,
             adapter=job.adapter,
+            speculation=job.speculation,
         )
         if self.model.parallel is None:
             job._handle = self.service.submit(request, sink=job._sink)
