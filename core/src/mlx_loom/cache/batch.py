@@ -216,6 +216,8 @@ class BatchKVCache(_BatchRowsBase):
         self.keys: buf.Stored | None = None  # type: ignore[assignment]
         self.values: buf.Stored | None = None  # type: ignore[assignment]
         self._right_padding: mx.array | None = None
+        #: Where the rows ended when a speculative round began (``None``: no round).
+        self._round_idx: int | None = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         prev = self._idx
@@ -292,6 +294,60 @@ class BatchKVCache(_BatchRowsBase):
         self._idx -= n
         self.offset = self.offset - n
         return n
+
+    # --- speculative rounds: per-row keep ---------------------------------------
+
+    def begin_round(self) -> None:
+        """Note where every row ends before a verify window is appended."""
+        if self._round_idx is not None:
+            raise CacheError(
+                f"{self.kind}.begin_round called while a round is open",
+                fix="commit(keep) the open round before beginning another",
+            )
+        self._round_idx = self._idx
+
+    def commit(self, keep: int | Sequence[int]) -> None:
+        """Keep the first ``keep[i]`` of the round's tokens in row ``i`` (or ``keep`` in all).
+
+        Every row appended the same window; row ``i`` drops its last
+        ``window - keep[i]`` tokens. The tokens all rows drop are trimmed;
+        beyond that, each row is rolled right by what it drops, so its kept
+        tokens stay right-aligned in time order and the dropped ones become
+        left padding (masked). A row then holds exactly its kept sequence
+        behind masked slots, which attends bit for bit as the row alone.
+        """
+        start = self._round_idx
+        if start is None:
+            raise CacheError(
+                f"{self.kind}.commit called with no open round",
+                fix="call begin_round() before verifying a window",
+            )
+        window = self._idx - start
+        counts = [keep] * self.batch_size if isinstance(keep, int) else list(keep)
+        if len(counts) != self.batch_size or any(
+            isinstance(k, bool) or not 0 <= int(k) <= window for k in counts
+        ):
+            raise CacheError(
+                f"{self.kind}.commit(keep={keep!r}) does not give each of {self.batch_size} "
+                f"rows a count within the round's {window} token(s)",
+                fix="pass one keep count per row, each between 0 and the window",
+            )
+        self._round_idx = None
+        drop = [window - int(k) for k in counts]
+        self.trim(min(drop))
+        extra = [d - min(drop) for d in drop]
+        if not any(extra):
+            return
+        shift = mx.array(extra)[:, None]
+        used = self._idx  # the slots past it are growth room, not tokens
+
+        def roll(a: mx.array) -> mx.array:
+            return dynamic_roll(a[..., :used, :], shift, axis=2)
+
+        self.keys = buf.apply(roll, self.keys)
+        self.values = buf.apply(roll, self.values)
+        self.left_padding = self.left_padding + shift[:, 0]
+        self.offset = self.offset - shift[:, 0]
 
     # --- rows -----------------------------------------------------------------
 
@@ -410,6 +466,7 @@ class BatchKVCache(_BatchRowsBase):
         cache.values = arrays[3] if len(arrays) == 4 else None
         cache._idx = idx
         cache._right_padding = None
+        cache._round_idx = None
         return cache
 
     def empty_batch(self, left_padding: Sequence[int]) -> BatchKVCache:

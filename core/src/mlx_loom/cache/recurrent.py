@@ -309,6 +309,10 @@ class RecurrentCache:
         self._rollback(r, S, keep_rows if per_row and lo != hi else lo)
 
     def _rollback(self, r: _Round, S: int, keep: int | mx.array) -> None:
+        # A round begun on an empty cache replays from the empty state: a zero
+        # convolution tail (the causal convolution's left padding) and a zero
+        # recurrent state, which is what the layer starts an empty cache from.
+        live = (self.conv_state, self.recurrent_state)
         self.conv_state, self.recurrent_state = r.conv_state, r.recurrent_state
         self._offset, self.left_padding, self.lengths = r.offset, r.left_padding, r.lengths
         if isinstance(keep, int) and keep == 0:
@@ -317,11 +321,14 @@ class RecurrentCache:
         inputs = tuple(mx.concatenate(list(parts), axis=1) for parts in zip(*r.inputs, strict=True))
         mask = self._window_mask(r, S)
         state0, tail = r.recurrent_state, r.conv_state
+        if state0 is None and live[1] is not None:
+            state0 = mx.zeros_like(live[1])
+        if tail is None and live[0] is not None:
+            tail = mx.zeros_like(live[0])
         if state0 is None or tail is None or r.replay is None:
             raise CacheError(
-                f"{self.kind}: the round began on an empty cache, so there is no state to "
-                "replay the kept tokens from",
-                fix="prefill the prompt before beginning a speculative round",
+                f"{self.kind}: the round recorded no forward to replay the kept tokens from",
+                fix="run the verify forward between begin_round() and commit(keep)",
             )
         if isinstance(keep, int):
             inputs = tuple(x[:, :keep] for x in inputs)

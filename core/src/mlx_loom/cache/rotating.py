@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import mlx.core as mx
 
 from mlx_loom.cache import _buffers as buf
+from mlx_loom.cache import window_round as rnd
 from mlx_loom.cache.masks import create_causal_mask
 from mlx_loom.cache.protocol import Mask
 from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
@@ -60,6 +61,7 @@ class RotatingBase:
         self.offset: int = 0
         # Next write slot; equals the buffer length while it is in time order.
         self._idx: int = 0
+        self._round: rnd.WindowRound | None = None
 
     # --- slot moves -----------------------------------------------------------
 
@@ -132,6 +134,8 @@ class RotatingBase:
     # --- append and attend ----------------------------------------------
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        if self._round is not None:
+            return self._round_append(keys, values)
         if keys.shape[2] == 1:
             return self._write_in_place(keys, values)
         return self._append_chunk(keys, values)
@@ -150,6 +154,8 @@ class RotatingBase:
     def make_mask(
         self, N: int, *, window_size: int | None = None, return_array: bool = False
     ) -> Mask:
+        if self._round is not None:
+            return self._round_mask(N, window_size)
         if N > 1:
             window_size = window_size or self.max_size
             offset = min(self.max_size - 1, self.offset)
@@ -166,6 +172,110 @@ class RotatingBase:
             return mx.roll(mask, shift=idx + 1)
         return None
 
+    # --- speculative rounds ---------------------------------------------------
+
+    @property
+    def in_round(self) -> bool:
+        return self._round is not None
+
+    def begin_round(self) -> None:
+        """Open a round: until :meth:`commit`, forwards attend without overwriting a slot."""
+        if self._round is not None:
+            raise CacheError(
+                f"{self.kind}.begin_round called while a round is open",
+                fix="commit(keep) the open round before beginning another",
+            )
+        before = (self.keys, self.values, self._idx)
+        if self.keys is not None and buf.seq_len(self.keys) > self.max_size:
+            # What the next one-token write would do first (drop the oldest
+            # slots a chunk left beyond the window); pure data movement, into
+            # new arrays, so the window as it was can come back at commit(0).
+            excess = buf.seq_len(self.keys) - self.max_size
+            self.keys = self._drop_oldest(self.keys, excess)
+            self.values = self._drop_oldest(self.values, excess)
+            self._idx = self.max_size
+        self._round = rnd.WindowRound(self.offset, before)
+
+    def commit(self, keep: int | Sequence[int]) -> None:
+        """Keep the round's first ``keep`` tokens, written as one-token decoding writes them."""
+        r = self._round
+        if r is None:
+            raise CacheError(
+                f"{self.kind}.commit called with no open round",
+                fix="call begin_round() before verifying a window",
+            )
+        if not isinstance(keep, int):
+            counts = list(keep)
+            if len(counts) != 1:
+                raise CacheError(
+                    f"{self.kind}.commit got {len(counts)} keep counts for 1 row",
+                    fix="pass one keep count per row, or a single int",
+                )
+            keep = int(counts[0])
+        if isinstance(keep, bool) or not 0 <= keep <= r.pending:
+            raise CacheError(
+                f"{self.kind}.commit(keep={keep!r}) is outside the round's {r.pending} token(s)",
+                fix=f"keep between 0 and {r.pending} tokens",
+            )
+        self._round = None
+        self.offset = r.offset
+        if keep == 0:
+            self.keys, self.values, self._idx = r.before
+            return
+        keys = mx.concatenate(r.keys, axis=2)
+        values = mx.concatenate(r.values, axis=2)
+        for t in range(keep):
+            self._write_in_place(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+
+    def _layout(self, count: int) -> rnd.Layout:
+        r = self._round
+        assert r is not None
+        return rnd.decode_layout(
+            length=0 if self.keys is None else buf.seq_len(self.keys),
+            idx=self._idx,
+            offset=r.offset,
+            max_size=self.max_size,
+            keep=self.keep,
+            step=self.step,
+            count=count,
+        )
+
+    def _round_window(self, window_size: int | None) -> int | None:
+        return window_size if window_size is not None and window_size < self.max_size else None
+
+    def _round_mask(self, N: int, window_size: int | None) -> mx.array:
+        r = self._round
+        assert r is not None
+        first = r.pending
+        layout = self._layout(first + N)
+        old = 0 if self.keys is None else buf.seq_len(self.keys)
+        _, entries = rnd.combined_order(layout, old)
+        return rnd.combined_mask(
+            layout,
+            entries,
+            first=first,
+            n=N,
+            offset=r.offset,
+            window=self._round_window(window_size),
+        )
+
+    def _round_append(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        r = self._round
+        assert r is not None
+        r.keys.append(keys)
+        r.values.append(values)
+        self.offset += keys.shape[2]
+        layout = self._layout(r.pending)
+        old = 0 if self.keys is None else buf.seq_len(self.keys)
+        index, _ = rnd.combined_order(layout, old)
+        new_k = self._codec.encode_keys(mx.concatenate(r.keys, axis=2))
+        new_v = self._codec.encode_values(mx.concatenate(r.values, axis=2))
+        if self.keys is None:
+            src_k, src_v = new_k, new_v
+        else:
+            src_k, src_v = buf.cat([self.keys, new_k]), buf.cat([self.values, new_v])
+        return rnd.gather(src_k, index), rnd.gather(src_v, index)
+
     # --- trim -----------------------------------------------------------------
 
     def is_trimmable(self) -> bool:
@@ -181,13 +291,18 @@ class RotatingBase:
         n = min(self.offset, buf.trim_count(n, owner=self.kind))
         if n == 0:
             return 0
+        if self._round is not None:
+            raise CacheError(
+                f"{self.kind}.trim called while a speculative round is open",
+                fix="roll the round back with commit(keep) instead",
+            )
         if not self.is_trimmable():
             raise CacheNotTrimmable(
                 f"{self.kind}(max_size={self.max_size}, keep={self.keep}) cannot trim {n} "
                 f"token(s) at offset {self.offset}: the window is full, so older tokens were "
                 "already overwritten or dropped and the trimmed window would be wrong",
-                fix="do not trim a sliding-window cache past its window (e.g. disable "
-                "speculative decoding for this model or keep prompts within the window)",
+                fix="roll a speculative window back with begin_round()/commit(keep), which "
+                "needs no trim, or keep prompts within the window",
             )
         self.offset -= n
         self._idx -= n

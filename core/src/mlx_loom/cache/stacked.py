@@ -19,9 +19,15 @@ slice update, which is small next to the attention it feeds.
 
 The kind supports what a decoding batch needs — one-token appends,
 :meth:`filter`, :meth:`extend`, :meth:`extract`, :meth:`stack` — for
-windows that keep no leading tokens (``keep == 0``). Multi-token appends (a
-prefill chunk, or a speculative verify window) are refused for now: prompts
-are prefilled in a row's own cache before it joins a batch.
+windows that keep no leading tokens (``keep == 0``). Prefill chunks are
+refused: prompts are prefilled in a row's own cache before it joins a batch.
+
+Speculative verify windows run in a round (:meth:`begin_round` /
+:meth:`commit` with one keep count per row), exactly as a single window's
+(:mod:`mlx_loom.cache.window_round`): each row attends over its own slots
+and the round's tokens in its own one-token decode order (rows padded to
+one length with masked entries), and commit writes each row's kept tokens
+as one-token writes at that row's own index.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from mlx_loom.cache import _buffers as buf
+from mlx_loom.cache import window_round as rnd
 from mlx_loom.cache.protocol import Mask
 from mlx_loom.cache.quantized import QuantizedRotatingKVCache
 from mlx_loom.cache.rotating import RotatingBase, RotatingKVCache, check_window
@@ -88,6 +95,8 @@ class StackedRotatingKVCache:
         self._count: list[int] = [0] * rows
         self._next: list[int] = [0] * rows
         self._offset_array: mx.array | None = None
+        #: The round's tokens, one entry per forward (``None``: no round open).
+        self._round: tuple[list[mx.array], list[mx.array]] | None = None
 
     # --- geometry -------------------------------------------------------------
 
@@ -99,8 +108,12 @@ class StackedRotatingKVCache:
     def offset(self) -> mx.array:
         """Tokens seen per row (``[B]`` int32): each row's RoPE position."""
         if self._offset_array is None:
-            self._offset_array = mx.array(self._count, dtype=mx.int32)
+            pending = self._pending()
+            self._offset_array = mx.array([c + pending for c in self._count], dtype=mx.int32)
         return self._offset_array
+
+    def _pending(self) -> int:
+        return 0 if self._round is None else sum(k.shape[2] for k in self._round[0])
 
     def _slots(self) -> int:
         return 0 if self.keys is None else buf.seq_len(self.keys)
@@ -115,6 +128,8 @@ class StackedRotatingKVCache:
     # --- append and attend --------------------------------------------------
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        if self._round is not None:
+            return self._round_append(keys, values)
         B, _, L, _ = keys.shape
         if L != 1:
             raise CacheError(
@@ -151,6 +166,143 @@ class StackedRotatingKVCache:
         """Append one token per row; return the view that attends over every row's window."""
         return self._codec.view(*self.update_and_fetch(keys, values))
 
+    # --- speculative rounds -------------------------------------------------------
+
+    @property
+    def in_round(self) -> bool:
+        return self._round is not None
+
+    def begin_round(self) -> None:
+        """Open a round: until :meth:`commit`, forwards attend without overwriting a slot."""
+        if self._round is not None:
+            raise CacheError(
+                f"{self.kind}.begin_round called while a round is open",
+                fix="commit(keep) the open round before beginning another",
+            )
+        self._round = ([], [])
+        self._offset_array = None
+
+    def _row_layout(self, row: int, count: int) -> rnd.Layout:
+        """Row ``row``'s one-token decode layout for ``count`` new tokens."""
+        W, n, nxt = self.max_size, self._count[row], self._next[row]
+        return rnd.decode_layout(
+            length=min(n, W),
+            idx=(nxt or W) if n >= W else n,
+            offset=n,
+            max_size=W,
+            keep=0,
+            step=self.step,
+            count=count,
+        )
+
+    def _round_orders(self, total: int) -> list[tuple[rnd.Layout, list[int], list[Any]]]:
+        out = []
+        for i in range(self.batch_size):
+            layout = self._row_layout(i, total)
+            index, entries = rnd.combined_order(
+                layout, min(self._count[i], self.max_size), self._slots()
+            )
+            out.append((layout, index, entries))
+        return out
+
+    def make_mask(
+        self, N: int, *, window_size: int | None = None, return_array: bool = False
+    ) -> Mask:
+        if self._round is not None:
+            first = self._pending()
+            orders = self._round_orders(first + N)
+            width = max(len(index) for _, index, _ in orders)
+            narrower = window_size is not None and window_size < self.max_size
+            window = window_size if narrower else None
+            rows = []
+            for i, (layout, _, entries) in enumerate(orders):
+                m = rnd.combined_mask(
+                    layout, entries, first=first, n=N, offset=self._count[i], window=window
+                )
+                rows.append(mx.pad(m, [(0, 0), (0, width - m.shape[1])], constant_values=False))
+            return mx.stack(rows)[:, None]
+        return self._decode_mask(N, window_size)
+
+    def _round_append(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        r = self._round
+        assert r is not None
+        r[0].append(keys)
+        r[1].append(values)
+        self._offset_array = None
+        total = self._pending()
+        orders = self._round_orders(total)
+        width = max(len(index) for _, index, _ in orders)
+        index = mx.array([ix + [0] * (width - len(ix)) for _, ix, _ in orders], dtype=mx.int32)
+        where = index[:, None, :, None]
+        new_k = self._codec.encode_keys(mx.concatenate(r[0], axis=2))
+        new_v = self._codec.encode_values(mx.concatenate(r[1], axis=2))
+        src_k = new_k if self.keys is None else buf.cat([self.keys, new_k])
+        src_v = new_v if self.values is None else buf.cat([self.values, new_v])
+        pick = lambda a: mx.take_along_axis(a, where, axis=2)  # noqa: E731
+        return buf.apply(pick, src_k), buf.apply(pick, src_v)
+
+    def commit(self, keep: int | Sequence[int]) -> None:
+        """Keep the round's first ``keep[i]`` tokens in row ``i``, written as one-token decode."""
+        r = self._round
+        if r is None:
+            raise CacheError(
+                f"{self.kind}.commit called with no open round",
+                fix="call begin_round() before verifying a window",
+            )
+        total = self._pending()
+        counts = [keep] * self.batch_size if isinstance(keep, int) else [int(k) for k in keep]
+        if len(counts) != self.batch_size or any(not 0 <= k <= total for k in counts):
+            raise CacheError(
+                f"{self.kind}.commit(keep={keep!r}) does not give each of {self.batch_size} "
+                f"rows a count within the round's {total} token(s)",
+                fix="pass one keep count per row, each between 0 and the window",
+            )
+        self._round = None
+        self._offset_array = None
+        if not any(counts):
+            return
+        keys = mx.concatenate(r[0], axis=2)
+        values = mx.concatenate(r[1], axis=2)
+        for t in range(max(counts)):
+            writing = [k > t for k in counts]
+            self._write_rows(keys[:, :, t : t + 1], values[:, :, t : t + 1], writing)
+
+    def _write_rows(self, keys: mx.array, values: mx.array, writing: list[bool]) -> None:
+        """One-token writes for the rows in ``writing``; the other rows keep every slot."""
+        if all(writing):
+            self.update_and_fetch(keys, values)
+            return
+        slots = self._slots_after_write()
+        if slots > self._slots():
+            grow = slots - self._slots()
+            new_k, new_v = (
+                self._codec.zeros_keys(keys, grow),
+                self._codec.zeros_values(values, grow),
+            )
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys = buf.cat([self.keys, new_k])
+                self.values = buf.cat([self.values, new_v])
+        where = mx.array(self._next, dtype=mx.int32)[:, None, None, None]
+        on = mx.array(writing)[:, None, None, None]
+
+        def merged(stored: buf.Stored, new: buf.Stored) -> buf.Stored:
+            def one(b: mx.array, n: mx.array) -> mx.array:
+                old = mx.take_along_axis(b, where, axis=2)
+                return mx.put_along_axis(b, where, mx.where(on, n, old), axis=2)
+
+            if isinstance(stored, tuple):
+                return tuple(one(b, n) for b, n in zip(stored, new, strict=True))
+            return one(stored, new)
+
+        self.keys = merged(self.keys, self._codec.encode_keys(keys))
+        self.values = merged(self.values, self._codec.encode_values(values))
+        W = self.max_size
+        self._count = [c + w for c, w in zip(self._count, writing, strict=True)]
+        self._next = [(n + 1) % W if w else n for n, w in zip(self._next, writing, strict=True)]
+        self._offset_array = None
+
     def _positions(self, window: int) -> mx.array:
         """``[B, S]`` bool: which slots the row's next token attends to (after its write)."""
         S = self._slots_after_write()
@@ -164,9 +316,7 @@ class StackedRotatingKVCache:
         age = mx.where(wrapped, (after - 1 - slot) % W, newest - slot)
         return (age >= 0) & (age < min(window, W)) & (slot < W)
 
-    def make_mask(
-        self, N: int, *, window_size: int | None = None, return_array: bool = False
-    ) -> Mask:
+    def _decode_mask(self, N: int, window_size: int | None) -> Mask:
         if N != 1:
             raise CacheError(
                 f"{self.kind}: a mask for {N} new tokens per row is not supported (one per row)",

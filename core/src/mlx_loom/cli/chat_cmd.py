@@ -26,6 +26,7 @@ from .generate_cmd import (
     template_budget_from_args,
 )
 from .repl import HISTORY_ENV, EndOfInput, LineReader, default_history_path
+from .speculation import add_speculation_options, speculation_kwargs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -64,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     history.add_argument(
         "--no-history", action="store_true", help="do not read or write a history file"
     )
+    add_speculation_options(parser)
     add_sampling_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
 
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     session = ChatSession(
         model,
         tokenizer,
-        options=sampling_kwargs(args, model),
+        options={**sampling_kwargs(args, model), **speculation_kwargs(args)},
         budget=budget,
         name=name,
         system=args.system,

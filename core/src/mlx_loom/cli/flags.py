@@ -189,7 +189,8 @@ PREFILL_STEP_SIZE = integer(
 NUM_DRAFT_TOKENS = integer(
     "--num-draft-tokens",
     low=1,
-    valid="an integer >= 1",
+    high=32,
+    valid="an integer from 1 to 32",
     fix="pass a positive count, e.g. {flag} 3 (the default)",
 )
 MAX_KV_SIZE = integer(
@@ -234,6 +235,7 @@ API_FLAGS: dict[str, str] = {
     "quantized_kv_start": "--quantized-kv-start",
     "prefill_step_size": "--prefill-step-size",
     "draft_model": "--draft-model",
+    "draft": "--draft",
     "num_draft_tokens": "--num-draft-tokens",
     "kernel_backend": "--kernel-backend",
     "compute_dtype": "--compute-dtype",

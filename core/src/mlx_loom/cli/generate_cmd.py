@@ -19,6 +19,7 @@ from ..parallel import doors
 from ..text.template_budget import ENV_MAX_OUTPUT, ENV_TIMEOUT, TemplateBudget
 from . import flags
 from .flags import usage_error
+from .speculation import add_speculation_options, speculation_kwargs
 
 DEFAULT_PROMPT = "Once upon a time"
 TEMPLATE_TIMEOUT = flags.finite(
@@ -303,18 +304,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="feed the prompt as raw text, without the model's chat template",
     )
     parser.add_argument("--verbose", action="store_true", help="also show what was resolved")
-    parser.add_argument(
-        "--draft-model",
-        metavar="MODEL",
-        help="a smaller model with the same tokenizer, for speculative decoding",
-    )
-    parser.add_argument(
-        "--num-draft-tokens",
-        type=flags.NUM_DRAFT_TOKENS,
-        default=3,
-        metavar="N",
-        help="tokens the draft proposes per step (default: 3)",
-    )
+    add_speculation_options(parser)
     add_sampling_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
 
@@ -360,14 +350,7 @@ def run(args: argparse.Namespace) -> int:
         ids = tokenizer.encode_chat(messages, template_budget=template_budget)
     else:
         ids = prompt
-    if args.draft_model:
-        options["draft_model"], _ = load(
-            args.draft_model,
-            kernel_backend=args.kernel_backend,
-            compute_dtype=args.compute_dtype,
-            cpu_kernels=args.cpu_kernels,
-        )
-        options["num_draft_tokens"] = args.num_draft_tokens
+    options.update(speculation_kwargs(args))
     last = None
     for last in stream_generate(model, tokenizer, ids, **options):
         print(last.text, end="", flush=True)

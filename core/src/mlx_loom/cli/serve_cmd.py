@@ -39,6 +39,7 @@ from .generate_cmd import (
     load_from_args,
     template_budget_from_args,
 )
+from .speculation import add_speculation_options, speculation_from_args
 
 #: Read when ``--api-key`` is not given, so the key need not appear in the process list.
 API_KEY_ENV = "MLX_LOOM_API_KEY"
@@ -167,6 +168,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_engine_options(parser)
     add_limit_options(parser)
+    add_speculation_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
 
 
@@ -362,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
         write_timeout=args.write_timeout,
+        speculation=speculation_from_args(args),
     )
     if not server.loopback_only and server.api_key is None:
         print(

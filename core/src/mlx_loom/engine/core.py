@@ -6,17 +6,18 @@ requests, :meth:`Engine.remove` takes them out (cancellation), and each
 
 1. one decode step of every decode group (:mod:`mlx_loom.engine.group`),
    each pipelined with ``mx.async_eval`` so the next step computes while
-   the current tokens are handed out;
-2. one token of every speculative request (its own loop, for now);
-3. admission: waiting requests take free rows (at most
+   the current tokens are handed out; a speculative request's group
+   (:mod:`mlx_loom.engine.speculative`) drafts and verifies a window in its
+   step and hands out every token it accepted;
+2. admission: waiting requests take free rows (at most
    ``decode_concurrency`` requests decode or prefill at once, at most
    ``prompt_concurrency`` prefill), reusing the longest usable prefix from
    the shared prefix store;
-4. one prefill chunk (``prefill_step_size`` tokens) of every prompt being
+3. one prefill chunk (``prefill_step_size`` tokens) of every prompt being
    prefilled (:mod:`mlx_loom.engine.prefill`), so a long prompt arriving
    delays the running streams by one chunk per step, never by its whole
    prefill, and its caches come out exactly as a lone prefill makes them;
-5. regrouping: a row whose prompt is done joins the decode group its caches
+4. regrouping: a row whose prompt is done joins the decode group its caches
    can be stacked with.
 
 Requests join and leave only between steps. A row that finishes or is
@@ -33,20 +34,21 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from mlx_loom.engine.caches import fresh_caches
-from mlx_loom.engine.events import Done, Event, TokenEvent
+from mlx_loom.engine.events import Done, Event
 from mlx_loom.engine.group import DecodeGroup, Left
 from mlx_loom.engine.prefill import prefill_step
 from mlx_loom.engine.prefix import PrefixStore
 from mlx_loom.engine.request import Request
 from mlx_loom.engine.row import Row
 from mlx_loom.engine.settings import EngineSettings
+from mlx_loom.engine.speculative import SpeculativeGroup
 from mlx_loom.errors import LoomError, RequestError
 from mlx_loom.host import BATCH
 
@@ -88,40 +90,18 @@ class EngineStats:
     prefix_entries: int = 0
     prefix_bytes: int = 0
     prefix_hits: int = 0
+    #: Speculative decoding: draft tokens proposed, and how many the target accepted.
+    draft_tokens: int = 0
+    accepted_drafts: int = 0
 
     @property
     def active(self) -> int:
         return self.prefilling + self.decoding
 
-
-class _SpeculativeRun:
-    """A request decoded by speculative decoding in its own loop, one token per step."""
-
-    def __init__(self, model: Model, row: Row, step_size: int) -> None:
-        from mlx_loom.generate.speculative import speculative_generate_tokens
-
-        spec = row.request.speculation
-        assert spec is not None
-        self.row = row
-        self._tokens: Iterator[tuple[int, mx.array, bool]] = speculative_generate_tokens(
-            model,
-            spec.draft,
-            list(row.to_feed),
-            num_draft=spec.num_draft,
-            max_tokens=row.request.limit,
-            sampler=row.sampler,
-            prefill_step_size=step_size,
-        )
-
-    def step(self) -> TokenEvent:
-        token, logprobs, from_draft = next(self._tokens)
-        vector = logprobs if self.row.request.logprobs_vector else None
-        return self.row.accept(
-            int(token), logprobs[token].item(), [], vector, from_draft=from_draft
-        )
-
-    def close(self) -> None:
-        self._tokens.close()  # type: ignore[attr-defined]
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted share of the draft tokens proposed (``None`` before any was)."""
+        return self.accepted_drafts / self.draft_tokens if self.draft_tokens else None
 
 
 class Engine:
@@ -133,11 +113,18 @@ class Engine:
         self._uids = itertools.count()
         self._waiting: deque[Row] = deque()
         self._prefilling: list[Row] = []
-        self._groups: list[DecodeGroup] = []
-        self._speculative: list[_SpeculativeRun] = []
+        self._groups: list[DecodeGroup | SpeculativeGroup] = []
         self.store = PrefixStore(self.settings.prompt_cache_size, self.settings.prompt_cache_bytes)
         self._batchable = BATCH in model.capabilities
-        self._counts = dict(completed=0, cancelled=0, failed=0, generated_tokens=0, steps=0)
+        self._counts = dict(
+            completed=0,
+            cancelled=0,
+            failed=0,
+            generated_tokens=0,
+            steps=0,
+            draft_tokens=0,
+            accepted_drafts=0,
+        )
         self._peak = 0
 
     # --- configuration --------------------------------------------------------
@@ -182,12 +169,6 @@ class Engine:
             if row.uid == uid:
                 self._prefilling.remove(row)
                 return self._leave(Left(row, row.caches), "cancelled")
-        for run in self._speculative:
-            if run.row.uid == uid:
-                self._speculative.remove(run)
-                run.close()
-                self._counts["cancelled"] += 1
-                return Done(uid, "cancelled")
         for group in self._groups:
             left = group.remove(uid)
             if left is not None:
@@ -198,10 +179,10 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._prefilling or self._groups or self._speculative)
+        return bool(self._waiting or self._prefilling or self._groups)
 
     def stats(self) -> EngineStats:
-        decoding = sum(len(g) for g in self._groups) + len(self._speculative)
+        decoding = sum(len(g) for g in self._groups)
         store = self.store.stats()
         return EngineStats(
             waiting=len(self._waiting),
@@ -220,7 +201,6 @@ class Engine:
         events: list[Event] = []
         with mx.stream(generation_stream()):
             self._decode(events)
-            self._speculate(events)
             self._admit(events)
             self._prefill(events)
             self._regroup()
@@ -243,31 +223,17 @@ class Engine:
                 continue
             events.extend(result.events)
             self._counts["generated_tokens"] += len(result.events)
+            self._counts["draft_tokens"] += result.drafted
+            self._counts["accepted_drafts"] += result.accepted
             for left in result.left:
                 outcome = "failed" if left.error is not None else "finished"
                 events.append(self._leave(left, outcome))
             if not group.rows:
                 self._groups.remove(group)
 
-    def _speculate(self, events: list[Event]) -> None:
-        for run in list(self._speculative):
-            try:
-                event = run.step()
-            except BaseException as err:  # a plugin or user callable may raise anything
-                self._speculative.remove(run)
-                events.append(self._leave(Left(run.row, None, _typed(err)), "failed"))
-                continue
-            events.append(event)
-            self._counts["generated_tokens"] += 1
-            if run.row.finished:
-                self._speculative.remove(run)
-                run.close()
-                self._counts["completed"] += 1
-                events.append(Done(run.row.uid, "finished"))
-
     def _admit(self, events: list[Event]) -> None:
         s = self.settings
-        active = len(self._prefilling) + sum(len(g) for g in self._groups) + len(self._speculative)
+        active = len(self._prefilling) + sum(len(g) for g in self._groups)
         while (
             self._waiting
             and active < s.decode_concurrency
@@ -288,10 +254,6 @@ class Engine:
             # which is per thread: seed this thread's, as mlx-lm's user would
             # call mx.random.seed(seed) before generating.
             mx.random.seed(request.params.seed)
-        if request.speculation is not None:
-            step = request.prefill_step_size or self.settings.prefill_step_size
-            self._speculative.append(_SpeculativeRun(self.model, row, step))
-            return
         if request.cache is not None:
             row.caches = request.cache
             row.cached = len(request.history)
@@ -306,7 +268,15 @@ class Engine:
         if row.prefill_left > 0:
             self._prefilling.append(row)
         else:
-            self._groups.append(DecodeGroup(self.model, row, row.caches))
+            self._groups.append(self._group(row))
+
+    def _group(self, row: Row) -> DecodeGroup | SpeculativeGroup:
+        """The decode group a row whose prompt is in its caches starts in."""
+        assert row.caches is not None
+        if row.request.speculation is not None:
+            step = row.request.prefill_step_size or self.settings.prefill_step_size
+            return SpeculativeGroup(self.model, row, row.caches, step)
+        return DecodeGroup(self.model, row, row.caches)
 
     def _prefill(self, events: list[Event]) -> None:
         rows = self._prefilling[: self.settings.prompt_concurrency]
@@ -320,7 +290,10 @@ class Engine:
                 events.append(self._leave(Left(row, None, _typed(failed[row.uid])), "failed"))
             elif row.prefill_left == 0:
                 self._prefilling.remove(row)
-                self._groups.append(DecodeGroup(self.model, row, row.caches))
+                try:
+                    self._groups.append(self._group(row))
+                except BaseException as err:  # a draft model may raise anything
+                    events.append(self._leave(Left(row, None, _typed(err)), "failed"))
 
     def _regroup(self) -> None:
         """Merge groups whose caches can share a batch (a model with the batch capability)."""

@@ -22,12 +22,10 @@ One step (:meth:`DecodeGroup.step`), in ``generate_step``'s order:
 5. the current tokens are read and handed to their rows (text, stops,
    finish); rows that finished by content (EOS, a stop string) leave.
 
-Growing to speculative verification: a step feeds one token per row today.
-Verifying ``k`` draft tokens per row is the same step with ``inputs`` of
-shape ``[B, k+1]``, a per-row ``keep`` count after sampling, and the caches
-rolled back per row (``trim`` for KV kinds, ``begin_round``/``commit(keep)``
-for recurrent state, which already takes per-row counts); the stacked
-window kind then needs multi-token appends.
+Speculative rows decode in groups of their own kind
+(:class:`~mlx_loom.engine.speculative.SpeculativeGroup`, which reuses this
+class's joining and leaving), whose step feeds each row a window of draft
+tokens and keeps, per row, what was accepted.
 """
 
 from __future__ import annotations
@@ -69,6 +67,9 @@ class _Extras:
 class StepResult:
     events: list[TokenEvent] = field(default_factory=list)
     left: list[Left] = field(default_factory=list)
+    #: Draft tokens proposed and accepted in this step (speculative groups).
+    drafted: int = 0
+    accepted: int = 0
 
 
 class DecodeGroup:
@@ -98,11 +99,7 @@ class DecodeGroup:
         if self.stacked:
             return self._key
         row = self.rows[0]
-        if (
-            row.request.speculation is not None
-            or not stackable(self.caches)
-            or quantization_pending(self.caches, row.request.kv.bits)
-        ):
+        if not stackable(self.caches) or quantization_pending(self.caches, row.request.kv.bits):
             return None
         return layout(self.caches), adapter_batch_key(self.model, row)
 

@@ -55,7 +55,6 @@ def can_share(row: Row) -> bool:
         and row.cached == 0
         and request.cache is None
         and request.kv.bits is None
-        and request.speculation is None
         and all(c.empty() for c in row.caches or ())
     )
 

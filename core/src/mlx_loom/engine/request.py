@@ -22,13 +22,16 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_loom.cache import maybe_quantize_kv_cache, resolve_kv_codec, validate_kv_quantization
-from mlx_loom.errors import AdapterError, RequestError
+from mlx_loom.errors import AdapterError, ParallelRefused, RequestError
 from mlx_loom.generate.params import SamplingParams
 from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
     from mlx_loom.text import Tokenizer
+
+#: The most draft tokens one verify window may hold.
+MAX_DRAFT = 32
 
 #: ``sampler(logprobs [1, V]) -> token [1]`` (mlx-lm's sampler signature).
 SamplerFn = Callable[[mx.array], mx.array]
@@ -71,12 +74,46 @@ def _convertible(cache: Any) -> bool:
     return hasattr(cache, "to_quantized") and not isinstance(getattr(cache, "codec", None), str)
 
 
+#: The drafting modes a request may ask for by name.
+DRAFT_MODES = ("ngram",)
+
+
 @dataclass(frozen=True)
 class Speculation:
-    """Speculative decoding for one request: a draft model and how far it runs ahead."""
+    """Speculative decoding for one request: who drafts, and how far ahead.
 
-    draft: Model
+    ``draft`` is a draft model sharing the target's tokenizer, or ``None``
+    for prompt lookup: drafts are the tokens that followed the latest earlier
+    occurrence of the sequence's last ``ngram_max`` .. ``ngram_min`` tokens
+    (vLLM's ``ngram`` method; no second model needed).
+    """
+
+    draft: Model | None = None
     num_draft: int = 3
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    @property
+    def mode(self) -> str:
+        return "model" if self.draft is not None else "ngram"
+
+
+def speculation(draft_model: Model | str | None, num_draft_tokens: int = 3) -> Speculation | None:
+    """The :class:`Speculation` a door's options ask for (``None``: no speculation).
+
+    ``draft_model`` is a loaded draft :class:`~mlx_loom.model.Model` or the
+    name of a drafting mode (``"ngram"``).
+    """
+    if draft_model is None:
+        return None
+    if isinstance(draft_model, str):
+        if draft_model not in DRAFT_MODES:
+            raise RequestError(
+                f"draft={draft_model!r} is not a drafting mode (known: {', '.join(DRAFT_MODES)}).",
+                fix="Pass draft='ngram' for prompt-lookup drafting, or a loaded draft model.",
+            )
+        return Speculation(None, num_draft_tokens)
+    return Speculation(draft_model, num_draft_tokens)
 
 
 @dataclass(frozen=True, eq=False)
@@ -271,16 +308,7 @@ def make_request(
                 fix="Pass functions (tokens, logits) -> logits, as mlx-lm's processors are.",
             )
     if speculation is not None:
-        _check_speculation(
-            model,
-            speculation,
-            kv_bits=kv_bits,
-            params=params,
-            cache=cache,
-            max_kv_size=max_kv_size,
-            sampler=sampler,
-            processors=processors,
-        )
+        _check_speculation(model, speculation, sampler=sampler)
     if adapter is not None:
         _check_adapter(model, adapter, speculation)
     return Request(
@@ -328,7 +356,7 @@ def _check_adapter(model: Model, adapter: Any, speculation: Speculation | None) 
     if speculation is not None:
         raise RequestError(
             "Speculative decoding does not combine with a per-request adapter yet: the "
-            "draft loop runs the base model.",
+            "speculative decode step runs the base model.",
             fix="Drop draft_model, or drop adapter=.",
         )
 
@@ -337,44 +365,49 @@ def _check_speculation(
     model: Model,
     spec: Speculation,
     *,
-    kv_bits: int | None,
-    params: SamplingParams,
-    cache: list[Any] | None,
-    max_kv_size: int | None,
     sampler: SamplerFn | None,
-    processors: tuple[ProcessorFn, ...],
 ) -> None:
     model.require(SPECULATIVE, asked="speculative decoding")
-    spec.draft.require(SPECULATIVE, asked="speculative decoding (draft model)")
-    if model.vocab_size != spec.draft.vocab_size:
-        raise RequestError(
-            f"The draft model's vocabulary ({spec.draft.vocab_size}) differs from the model's "
-            f"({model.vocab_size}).",
-            fix="Use a draft model that shares the main model's tokenizer.",
+    if getattr(model, "parallel", None) is not None:
+        # The other ranks rebuild each request from a plain description; a
+        # drafter (and its own model) is not part of it, so they would diverge.
+        raise ParallelRefused(
+            "Speculative decoding is not supported for a model split across ranks "
+            f"(--parallel {model.parallel.mode}).",
+            fix="Drop the draft (draft_model / --draft-model / --draft), or run the model in "
+            "one process.",
         )
+    if spec.draft is not None:
+        spec.draft.require(SPECULATIVE, asked="speculative decoding (draft model)")
+        if model.vocab_size != spec.draft.vocab_size:
+            raise RequestError(
+                f"The draft model's vocabulary ({spec.draft.vocab_size}) differs from the "
+                f"model's ({model.vocab_size}).",
+                fix="Use a draft model that shares the main model's tokenizer.",
+            )
     n = spec.num_draft
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT:
         raise RequestError(
-            f"num_draft={n!r} is invalid; it must be an int >= 1.",
-            fix="Pass num_draft between 1 and 8 (3 is a good start).",
+            f"num_draft_tokens={n!r} is invalid; it must be an int from 1 to {MAX_DRAFT}.",
+            fix=f"Pass num_draft_tokens between 1 and {MAX_DRAFT} (3 is a good start).",
         )
-    penalties = (
-        params.repetition_penalty
-        or params.presence_penalty
-        or params.frequency_penalty
-        or params.logit_bias
-    )
-    if (
-        cache is not None
-        or kv_bits is not None
-        or max_kv_size is not None
-        or params.logprobs
-        or penalties
-        or sampler is not None
-        or processors
-    ):
+    for name in ("ngram_max", "ngram_min"):
+        v = getattr(spec, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise RequestError(
+                f"{name}={v!r} is invalid; it must be an int >= 1.",
+                fix="Pass n-gram sizes such as ngram_max=3, ngram_min=1.",
+            )
+    if spec.ngram_min > spec.ngram_max:
         raise RequestError(
-            "Speculative decoding does not combine with prompt caches, KV quantization, "
-            "max_kv_size, logprobs, penalties, logit bias or custom samplers/processors yet.",
-            fix="Drop draft_model, or drop those options.",
+            f"ngram_min={spec.ngram_min} is larger than ngram_max={spec.ngram_max}.",
+            fix="Pass ngram_min <= ngram_max.",
+        )
+    if sampler is not None:
+        raise RequestError(
+            "Speculative decoding does not combine with a custom sampler=: accepting or "
+            "rejecting a draft needs the distribution the token is drawn from, which a custom "
+            "sampler does not expose.",
+            fix="Use the built-in sampling settings (temperature, top_p, top_k, min_p), or "
+            "drop the draft.",
         )

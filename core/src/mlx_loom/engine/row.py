@@ -40,6 +40,8 @@ class Row:
         #: Every token fed into this row's caches by this request, in order.
         self.fed: list[int] = []
         self.caches: list[Any] | None = None
+        #: A speculative row's drafter and token sequence (set when it starts decoding).
+        self.speculation: Any = None
         self.produced = 0
         self.finished = False
         params = request.params

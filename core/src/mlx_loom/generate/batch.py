@@ -24,7 +24,7 @@ from ..host import BATCH
 from ..model import Model
 from ..text import Tokenizer
 from .params import SamplingParams
-from .stream import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, sampling_params
+from .stream import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, sampling_params, speculation_for
 
 __all__ = ["BatchResponse", "BatchResult", "BatchStats", "batch_generate", "batch_generate_tokens"]
 
@@ -187,6 +187,9 @@ def batch_generate(
     max_kv_size: int | None = None,
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: Sequence[Callable[[mx.array, mx.array], mx.array]] | None = None,
+    draft_model: Model | str | None = None,
+    num_draft_tokens: int = 3,
+    draft: str | None = None,
     adapters: Sequence[str | None] | None = None,
     verbose: bool = False,
     **sampling: Any,
@@ -198,8 +201,11 @@ def batch_generate(
     names each prompt's registered adapter (``None``: the base model); rows
     with different adapters share the batch. A row's text
     excludes the EOS token and any stop string, exactly as its stream would.
+    With ``draft_model`` or ``draft="ngram"`` every row speculates, and the
+    speculative rows still decode as one batch (each keeps its own drafts).
     """
     params = sampling_params(sampling)
+    spec = speculation_for(draft_model, draft, num_draft_tokens)
     started = time.perf_counter()
     rows = _run_rows(
         model,
@@ -217,6 +223,7 @@ def batch_generate(
             max_kv_size=max_kv_size,
             sampler=sampler,
             logits_processors=logits_processors,
+            speculation=spec,
         ),
         adapters,
     )

@@ -226,6 +226,15 @@ class Sampler:
         tokens, self._key = self._draw(logprobs, self._key, *self._knobs)
         return tokens
 
+    def split_key(self) -> mx.array:
+        """A key for one draw outside :meth:`__call__` (advances :attr:`key` as a draw does).
+
+        Speculative decoding's accept/reject rule draws its uniforms and its
+        residual samples with these, so a seeded request stays reproducible.
+        """
+        self._key, draw = mx.random.split(self._key)
+        return draw
+
     def sampling_logits(self, logprobs: mx.array) -> mx.array:
         """The unnormalised logits the next draw samples from, for inspection.
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..engine.request import Speculation, encode_prompt, make_request
+from ..engine.request import encode_prompt, make_request, speculation
 from ..errors import RequestError
 from ..model import Model
 from ..text import Tokenizer
@@ -91,8 +91,9 @@ def stream_generate(
     max_kv_size: int | None = None,
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: Sequence[Callable[[mx.array, mx.array], mx.array]] | None = None,
-    draft_model: Model | None = None,
+    draft_model: Model | str | None = None,
     num_draft_tokens: int = 3,
+    draft: str | None = None,
     adapter: str | None = None,
     **sampling: Any,
 ) -> Iterator[GenerationResponse]:
@@ -106,9 +107,11 @@ def stream_generate(
     mlx-lm's samplers draw from). ``max_kv_size`` bounds each attention layer's cache to a
     sliding window of that many tokens. Pass a :class:`PromptCache` to reuse
     the longest usable prefix of an earlier call's caches (one generation at
-    a time per cache). ``draft_model`` turns on speculative decoding
-    (``num_draft_tokens`` proposals per step; the draft must share the
-    tokenizer). ``adapter`` names one of the adapters registered on the model
+    a time per cache). ``draft_model`` (a loaded model sharing the tokenizer)
+    or ``draft="ngram"`` (prompt lookup, no second model) turns on speculative
+    decoding with ``num_draft_tokens`` proposals per step; it combines with
+    every other option but ``adapter``, and greedy output is the same as
+    without it. ``adapter`` names one of the adapters registered on the model
     (:class:`~mlx_loom.adapters.AdapterSet`) to run this request with, batched
     with requests that use others. The last response carries
     ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"``
@@ -131,8 +134,7 @@ def stream_generate(
         logprobs_vector=True,
         adapter=adapter,
     )
-    if draft_model is not None:
-        options["speculation"] = Speculation(draft_model, num_draft_tokens)
+    options["speculation"] = speculation_for(draft_model, draft, num_draft_tokens)
     if prompt_cache is None:
         request = make_request(model, tokenizer, ids, **options)
         handle = model.engine.submit(request)
@@ -165,6 +167,16 @@ def stream_generate(
             handle.cancel()
             done = handle.wait()
             prompt_cache.finish(done)
+
+
+def speculation_for(draft_model: Any, draft: str | None, num_draft_tokens: int) -> Any:
+    """The request's :class:`~mlx_loom.engine.Speculation` from the API's keywords."""
+    if draft is not None and draft_model is not None:
+        raise RequestError(
+            "Both draft_model= and draft= were given; a request has one drafter.",
+            fix="Pass draft_model=<a loaded model> or draft='ngram', not both.",
+        )
+    return speculation(draft_model if draft is None else draft, num_draft_tokens)
 
 
 def _responses(handle: Any) -> Iterator[GenerationResponse]:

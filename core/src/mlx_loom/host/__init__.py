@@ -13,6 +13,7 @@ one idea:
 * ``_bounded`` — plugin code under a time limit, every exception caught;
 * ``_profiles`` — profiles, their rules, and profile resolution;
 * ``_kernels`` — kernels per (name, backend) and which backend runs here;
+* ``_verify`` — per backend, where attention arithmetic changes (verify windows);
 * ``_resolution`` — a model reference to a binding, without loading weights;
 * ``_loading`` — ``load()``: binding to built model.
 
@@ -39,6 +40,7 @@ from ._profiles import (
 from ._registrations import Family, Graph
 from ._registry import Binding, BuildContext, Implementation, ModelType, Registry
 from ._resolution import Resolution, Resolved
+from ._verify import VERIFY_POLICIES, VerifyPolicies, VerifyPolicy
 
 __all__ = [
     "ADAPTERS",
@@ -52,6 +54,7 @@ __all__ = [
     "PROMPT_CACHE",
     "SPECULATIVE",
     "STRICT_ENV",
+    "VERIFY_POLICIES",
     "Backend",
     "Binding",
     "BuildContext",
@@ -69,6 +72,8 @@ __all__ = [
     "Registry",
     "Resolution",
     "Resolved",
+    "VerifyPolicies",
+    "VerifyPolicy",
     "active_backend",
     "build_model",
     "default_host",

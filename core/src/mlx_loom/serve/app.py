@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cache import validate_kv_quantization
-from ..engine import EngineSettings
+from ..engine import EngineSettings, Speculation
+from ..engine.request import MAX_DRAFT
 from ..errors import CapabilityRefused, LoomError, RequestError, TemplateBudgetExceeded
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
@@ -163,6 +164,7 @@ class ServeApp:
         kv_codec: str | None = None,
         max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
         max_prompt_tokens: int | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         _check_count("max_tokens_limit", max_tokens_limit, "--max-tokens-limit", 4096)
         _check_count(
@@ -213,6 +215,8 @@ class ServeApp:
             else None
         )
         self.worker = GenerationWorker(model, tokenizer, engine or server_engine_settings())
+        #: Every request's speculation unless it asks otherwise (``draft`` field).
+        self.speculation = speculation
 
     def close(self) -> None:
         self.worker.close()
@@ -577,6 +581,7 @@ class ServeApp:
             ids, in_reasoning = self._text_prompt(request), False
         sampling = params.model_dump()
         max_tokens = self._room(len(ids), max_tokens)
+        speculation = self._speculation(request.draft, request.num_draft_tokens)
         choices = []
         for index in range(request.n):
             seeded = dict(sampling)
@@ -589,6 +594,7 @@ class ServeApp:
                 stop=stop,
                 sampling=seeded,
                 adapter=adapter,
+                speculation=speculation,
                 **self.kv,
             )
             parser = (
@@ -619,6 +625,54 @@ class ServeApp:
                 "messages or call a tool whose parameters carry the schema",
             ),
             param="response_format",
+        )
+
+    def _speculation(self, draft: str | None, count: int | None) -> Speculation | None:
+        """A request's speculation: the server's default unless ``draft`` names another."""
+        default = self.speculation
+        if count is not None and not 1 <= count <= MAX_DRAFT:
+            raise HttpError(
+                400,
+                f"Invalid parameter num_draft_tokens={count}: it must be from 1 to {MAX_DRAFT}.",
+                fix=f"send num_draft_tokens from 1 to {MAX_DRAFT} (3 is a good start), or omit it",
+                param="num_draft_tokens",
+                code="invalid_parameter",
+            )
+        n = count or (default.num_draft if default is not None else 3)
+        if draft is None:
+            if default is None:
+                if count is not None:
+                    raise HttpError(
+                        400,
+                        "num_draft_tokens was given but this request does not speculate.",
+                        fix='add "draft": "ngram" (or start the server with a draft), or drop '
+                        "num_draft_tokens",
+                        param="num_draft_tokens",
+                        code="invalid_parameter",
+                    )
+                return None
+            return Speculation(default.draft, n)
+        if draft == "none":
+            return None
+        if draft == "ngram":
+            return Speculation(None, n)
+        if draft == "model":
+            if default is None or default.draft is None:
+                raise HttpError(
+                    400,
+                    'This server has no draft model, so "draft": "model" cannot be honoured.',
+                    fix='start the server with --draft-model MODEL, or send "draft": "ngram"',
+                    param="draft",
+                    code="invalid_parameter",
+                )
+            return Speculation(default.draft, n)
+        raise HttpError(
+            400,
+            f"Invalid parameter draft={draft!r}: it must be 'ngram', 'model' or 'none'.",
+            fix='send "draft": "ngram" for prompt lookup, "model" for the server\'s draft '
+            'model, or "none"',
+            param="draft",
+            code="invalid_parameter",
         )
 
     # --- answers ------------------------------------------------------------------

@@ -142,6 +142,10 @@ class _GenerationRequest(_Strict):
     frequency_penalty: Any = None
     repetition_penalty: Any = None
     penalty_context_size: Any = None
+    # Speculative decoding (an extension): "ngram", "model" (the server's
+    # --draft-model) or "none"; absent: the server's default.
+    draft: StrictStr | None = None
+    num_draft_tokens: StrictInt | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -976,8 +976,11 @@ def make_server(
     ``tokenizer_threads`` sizes the pool that parses, renders and tokenizes
     requests. ``app_options`` are :class:`ServeApp`'s (``template_budget``,
     ``max_prompt_chars``, ``max_prompt_tokens``, ``tool_call_parser``,
-    ``chat_template_args``, ``kv_bits`` ...); the template budget defaults
-    to the environment's (:meth:`~mlx_loom.text.TemplateBudget.from_env`).
+    ``chat_template_args``, ``kv_bits``, ``speculation`` ...); the template
+    budget defaults to the environment's
+    (:meth:`~mlx_loom.text.TemplateBudget.from_env`). ``speculation`` is every
+    request's speculative decoding unless a request's ``draft`` field asks
+    otherwise (speculative rows batch with every other request).
     """
     try:
         limits = ConnectionLimits(

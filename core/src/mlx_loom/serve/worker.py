@@ -27,7 +27,15 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import Done, EngineSettings, Handle, ServiceStats, TokenEvent, make_request
+from ..engine import (
+    Done,
+    EngineSettings,
+    Handle,
+    ServiceStats,
+    Speculation,
+    TokenEvent,
+    make_request,
+)
 from ..generate import SamplingParams
 from ..host import PROMPT_CACHE
 from ..model import Model
@@ -91,6 +99,7 @@ class Job:
     kv_codec: str | None = None
     #: The registered adapter this job runs with (``None``: the base model).
     adapter: str | None = None
+    speculation: Speculation | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
     _handle: Handle | None = None
@@ -146,6 +155,7 @@ class GenerationWorker:
             quantized_kv_start=job.quantized_kv_start,
             kv_codec=job.kv_codec,
             adapter=job.adapter,
+            speculation=job.speculation,
         )
         if self.model.parallel is None:
             job._handle = self.service.submit(request, sink=job._sink)

@@ -1,0 +1,409 @@
+"""Speculative decoding inside the engine: draft, verify in one forward, keep per row.
+
+A speculative row's decode step is the plain step grown to a window
+(:class:`SpeculativeGroup`):
+
+1. a drafter proposes up to ``k`` tokens after the row's current token ``y``
+   — a draft model (:class:`ModelDrafter`, its own caches, rolled back like
+   the target's) or prompt lookup (:func:`ngram_draft`: the tokens that
+   followed the latest earlier occurrence of the sequence's last n-gram);
+2. the target verifies ``[y, d1 .. dk]`` in one forward inside a speculative
+   round of every cache (:func:`begin_rounds`);
+3. each position gets the row's logits processors over its own token
+   history, then the accept rule picks how many drafts to keep and the next
+   token: for greedy rows the longest prefix equal to the target's argmax;
+   for sampled rows the standard accept/reject rule (accept ``d`` with
+   probability ``min(1, p(d)/q(d))``; on a rejection sample the residual
+   ``max(0, p - q)``), so the output is distributed as the target's;
+4. the caches keep exactly the fed tokens that were accepted
+   (:func:`keep_rounds`: a recurrent state replays the kept prefix, a
+   sliding window writes the kept tokens as one-token decoding would, a full
+   KV cache trims), so the state equals plain decoding's.
+
+Verification uses the decode arithmetic: on the CPU backend a window's
+logits equal step-by-step decode logits bit for bit for every family (the
+caches attend in decode order; see :mod:`mlx_loom.cache.window_round`), and
+the backend's :class:`~mlx_loom.host.VerifyPolicy` cuts a window before any
+KV length where the attention kernel changes arithmetic. So greedy
+speculative output equals greedy output token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from mlx_loom.cache.protocol import SpeculativeRounds
+from mlx_loom.engine.caches import layout, quantization_pending, stackable
+from mlx_loom.engine.group import DecodeGroup, Left, StepResult
+from mlx_loom.engine.row import Row
+from mlx_loom.errors import CacheNotTrimmable
+from mlx_loom.generate.sampling import (
+    Sampler,
+    logprobs_from_logits,
+    logprobs_top_k,
+    make_sampler,
+)
+from mlx_loom.host import VERIFY_POLICIES
+
+if TYPE_CHECKING:
+    from mlx_loom.model import Model
+
+# --- rolling caches back -------------------------------------------------------------
+
+
+def check_rollback(caches: Sequence[Any], *, owner: str) -> None:
+    """Refuse, before any work, caches that can neither open a round nor trim."""
+    for c in caches:
+        if isinstance(c, SpeculativeRounds) or c.is_trimmable():
+            continue
+        raise CacheNotTrimmable(
+            f"Speculative decoding needs every cache of the {owner} to roll rejected drafts "
+            f"back; a {type(c).__name__} can neither open a speculative round nor trim.",
+            fix="Generate without a draft for this model, or give the cache kind "
+            "begin_round()/commit(keep).",
+        )
+
+
+def begin_rounds(caches: Sequence[Any]) -> None:
+    """Open a speculative round on every cache that rolls back by rounds."""
+    for c in caches:
+        if isinstance(c, SpeculativeRounds):
+            c.begin_round()
+
+
+def keep_rounds(caches: Sequence[Any], fed: int, keep: int) -> None:
+    """Keep the first ``keep`` of the ``fed`` tokens the round put in ``caches``."""
+    for c in caches:
+        if isinstance(c, SpeculativeRounds):
+            c.commit(keep)
+        elif fed > keep:
+            c.trim(fed - keep)
+
+
+# --- drafting ----------------------------------------------------------------------------
+
+
+def ngram_draft(tokens: Sequence[int], k: int, *, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Prompt lookup: up to ``k`` tokens that followed the latest earlier match of the tail.
+
+    Tries the sequence's last ``max_n`` tokens first, then shorter tails down
+    to ``min_n``; the most recent earlier occurrence wins (recent text is the
+    likeliest to repeat). No match: no drafts (the step is a plain decode).
+    """
+    L = len(tokens)
+    if k < 1:
+        return []
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        tail = list(tokens[L - n :])
+        first = tail[0]
+        for i in range(L - n - 1, -1, -1):
+            if tokens[i] == first and list(tokens[i : i + n]) == tail:
+                return list(tokens[i + n : i + n + k])
+    return []
+
+
+class ModelDrafter:
+    """A draft model's proposals for one row, with its own caches rolled back each step."""
+
+    def __init__(self, draft: Model, row: Row) -> None:
+        self.model = draft
+        self.caches = draft.make_cache()
+        check_rollback(self.caches, owner="draft model")
+        #: Accepted tokens the draft has not been fed yet.
+        self.unseen: list[int] = []
+        self._fed = 0
+        self._k = 0
+        self._proposed: list[int] = []
+        self.sampler: Sampler | None = None
+        if not row.greedy:
+            seed = row.sampler.seed if isinstance(row.sampler, Sampler) else None
+            key = mx.random.key(((seed or 0) ^ 0x5DEECE66D) & (2**63 - 1))
+            self.sampler = make_sampler(row.request.params, key=key)
+
+    def prefill(self, tokens: Sequence[int], step: int) -> None:
+        for start in range(0, len(tokens), step):
+            self.model(mx.array(tokens[start : start + step], mx.uint32)[None], self.caches)
+            mx.eval([c.state for c in self.caches])
+
+    def propose(self, y: int, k: int) -> tuple[list[int], mx.array | None]:
+        """``k`` draft tokens after ``y``, and (when sampling) their distributions ``[k, V]``."""
+        begin_rounds(self.caches)
+        feed = [*self.unseen, y]
+        self._fed = len(feed) + k - 1
+        tokens: list[int] = []
+        dists = []
+        for _ in range(k):
+            logits = self.model(mx.array(feed, mx.uint32)[None], self.caches)[:, -1, :]
+            logprobs = logprobs_from_logits(logits)
+            if self.sampler is None:
+                token = int(mx.argmax(logprobs, axis=-1).item())
+            else:
+                dists.append(mx.softmax(self.sampler.sampling_logits(logprobs), axis=-1)[0])
+                token = int(self.sampler(logprobs).item())
+            tokens.append(token)
+            feed = [token]
+        self._k, self._proposed = k, tokens
+        return tokens, (mx.stack(dists) if dists else None)
+
+    def settle(self, accepted: int) -> None:
+        """Roll the draft back to what the target kept (``accepted`` of its proposals)."""
+        k = self._k
+        keep = len(self.unseen) + 1 + min(accepted, k - 1)
+        keep_rounds(self.caches, self._fed, keep)
+        self.unseen = self._proposed[k - 1 : accepted] if accepted == k else []
+
+    def skip(self, y: int) -> None:
+        """A step without drafts: the draft sees ``y`` with the next proposal."""
+        self.unseen.append(y)
+
+
+class RowSpeculation:
+    """A row's speculative state: its drafter and every token of its sequence."""
+
+    def __init__(self, model: Model, row: Row, prefill_step: int) -> None:
+        spec = row.request.speculation
+        assert spec is not None
+        self.spec = spec
+        self.sequence: list[int] = [*row.request.history, *row.request.prompt]
+        self.drafter: ModelDrafter | None = None
+        if spec.draft is not None:
+            self.drafter = ModelDrafter(spec.draft, row)
+            self.drafter.prefill(self.sequence[:-1], prefill_step)
+
+    def propose(self, k: int) -> tuple[list[int], mx.array | None]:
+        if k < 1:
+            return [], None
+        if self.drafter is not None:
+            return self.drafter.propose(self.sequence[-1], k)
+        s = self.spec
+        return ngram_draft(self.sequence, k, max_n=s.ngram_max, min_n=s.ngram_min), None
+
+
+# --- the group -------------------------------------------------------------------------------
+
+
+class SpeculativeGroup(DecodeGroup):
+    """Speculative rows decoding together: one verify forward of every row's window.
+
+    A lone row decodes through its own caches; rows whose caches share a
+    layout are stacked, as plain rows are (:class:`DecodeGroup` does the
+    joining and leaving), and each row keeps its own number of tokens per
+    step (every batch cache kind commits a count per row). A row equals its
+    solo speculative run: rows are computed independently and a row's
+    shorter window is padded after its last draft, where causal attention
+    never looks back from its real positions.
+    """
+
+    def __init__(self, model: Model, row: Row, caches: list[Any], prefill_step: int) -> None:
+        check_rollback(caches, owner="model")
+        super().__init__(model, row, caches)
+        self.policy = VERIFY_POLICIES.for_backend()
+        row.speculation = RowSpeculation(model, row, prefill_step)
+
+    @property
+    def key(self) -> Hashable | None:
+        if self.stacked:
+            return self._key
+        row = self.rows[0]
+        if not stackable(self.caches) or quantization_pending(self.caches, row.request.kv.bits):
+            return None
+        return ("speculative", layout(self.caches))
+
+    def absorb(self, others: list[DecodeGroup]) -> None:
+        was_stacked = self.stacked
+        super().absorb(others)
+        if not was_stacked:
+            self._key = ("speculative", self._key)
+
+    def step(self) -> StepResult:
+        out = StepResult()
+        failed: dict[int, BaseException] = {}
+        plans = [self._plan(j, row, failed) for j, row in enumerate(self.rows)]
+        if failed:
+            self._drop(failed, out)
+            plans = [p for j, p in enumerate(plans) if j not in failed]
+            failed = {}
+        rows = self.rows
+        if not rows:
+            return out
+        N = 1 + max(len(drafts) for drafts, _ in plans)
+        inputs = []
+        for row, (drafts, _) in zip(rows, plans, strict=True):
+            window = [row.speculation.sequence[-1], *drafts]
+            inputs.append(window + [window[-1]] * (N - len(window)))
+        if N > 1:
+            begin_rounds(self.caches)
+        logits = self.model(mx.array(inputs, mx.uint32), self.caches)
+        choices = []
+        for j, (row, (drafts, q)) in enumerate(zip(rows, plans, strict=True)):
+            width = 1 + len(drafts)
+            try:
+                row_logits = self._process(row, logits[j, :width], drafts)
+                logprobs = logprobs_from_logits(row_logits)
+                choices.append((logprobs, *_choose(row, logprobs, drafts, q)))
+            except BaseException as err:  # a user's processor: this row fails alone
+                failed[j] = err
+                choices.append(None)
+        keeps = []
+        for j, row in enumerate(rows):
+            choice = choices[j]
+            if choice is None:
+                keeps.append(0)
+                continue
+            emitted = self._emit(row, *choice, out)
+            keeps.append(emitted)
+            drafts = plans[j][0]
+            row.fed.extend(inputs[j][:emitted])
+            row.speculation.sequence.extend(choice[1][:emitted])
+            out.drafted += len(drafts)
+            out.accepted += min(choice[2], emitted)
+            drafter = row.speculation.drafter
+            if drafter is not None and not row.finished:
+                if drafts:
+                    drafter.settle(choice[2])
+                else:
+                    drafter.skip(inputs[j][0])
+        if N > 1:
+            self._commit(N, keeps)
+        if not self.stacked:
+            rows[0].request.kv.apply(self.caches)
+        done = {j: failed.get(j) for j, row in enumerate(rows) if row.finished or j in failed}
+        if done:
+            self._drop(done, out)
+        return out
+
+    def _plan(
+        self, j: int, row: Row, failed: dict[int, BaseException]
+    ) -> tuple[list[int], mx.array | None]:
+        """Row ``row``'s drafts for this step (none when its budget or the policy allows none)."""
+        st = row.speculation
+        budget = row.request.limit - row.produced
+        k = min(st.spec.num_draft, budget - 1)
+        if k > 0:
+            k = self.policy.window(len(st.sequence) - 1, k + 1) - 1
+        try:
+            return st.propose(k)
+        except BaseException as err:  # a draft model may raise anything: this row fails
+            failed[j] = err
+            return [], None
+
+    def _commit(self, fed: int, keeps: list[int]) -> None:
+        for c in self.caches:
+            if isinstance(c, SpeculativeRounds):
+                c.commit(keeps if self.stacked else keeps[0])
+            elif fed > keeps[0]:
+                c.trim(fed - keeps[0])  # a lone row's trimmable cache
+
+    def _drop(self, leaving: dict[int, BaseException | None], out: StepResult) -> None:
+        for j, err in leaving.items():
+            row = self.rows[j]
+            caches = None if err is not None else self._row_caches(j)
+            out.left.append(Left(row, caches, err))
+        self._keep([j for j in range(len(self.rows)) if j not in leaving])
+
+    @staticmethod
+    def _emit(
+        row: Row, logprobs: mx.array, tokens: list[int], accepted: int, out: StepResult
+    ) -> int:
+        """Hand ``tokens`` to the row until it finishes; how many it took."""
+        ids = mx.array(tokens, mx.int32)
+        chosen = mx.take_along_axis(logprobs[: len(tokens)], ids[:, None], axis=-1)[:, 0]
+        top_k = row.request.params.logprobs
+        top = logprobs_top_k(logprobs[: len(tokens)], top_k) if top_k else None
+        # Events cross threads: every array they carry is evaluated here.
+        vectors = (
+            [mx.contiguous(logprobs[j]) for j in range(len(tokens))]
+            if row.request.logprobs_vector
+            else None
+        )
+        mx.eval(chosen, *(top or ()), *(vectors or ()))
+        values = chosen.tolist()
+        emitted = 0
+        for j, token in enumerate(tokens):
+            alts: list[tuple[int, float]] = []
+            if top is not None:
+                alts = list(zip(top[0][j].tolist(), top[1][j].tolist(), strict=True))
+            vector = vectors[j] if vectors is not None else None
+            out.events.append(row.accept(token, values[j], alts, vector, from_draft=j < accepted))
+            emitted += 1
+            if row.finished:
+                break
+        return emitted
+
+    @staticmethod
+    def _process(row: Row, logits: mx.array, drafts: list[int]) -> mx.array:
+        """Each position's logits through the row's processors, over its own history."""
+        if not row.processors:
+            return logits
+        sequence = row.speculation.sequence
+        parts = []
+        for j in range(logits.shape[0]):
+            part = logits[j : j + 1]
+            context = mx.array([*sequence, *drafts[:j]], mx.uint32)
+            for processor in row.processors:
+                part = processor(context, part)
+            parts.append(part)
+        return mx.concatenate(parts)
+
+
+def _choose(
+    row: Row, logprobs: mx.array, drafts: list[int], q: mx.array | None
+) -> tuple[list[int], int]:
+    """The tokens this step emits (accepted drafts, then one of the target's) and how
+    many of them are drafts."""
+    if row.greedy:
+        return accept_greedy(logprobs, drafts)
+    sampler = row.sampler
+    assert isinstance(sampler, Sampler)
+    return accept_sampled(sampler, logprobs, drafts, q)
+
+
+def accept_greedy(logprobs: mx.array, drafts: list[int]) -> tuple[list[int], int]:
+    """Keep the drafts that equal the target's argmax; then the target's own token."""
+    k = len(drafts)
+    target = mx.argmax(logprobs, axis=-1).tolist()
+    a = 0
+    while a < k and drafts[a] == target[a]:
+        a += 1
+    return [*drafts[:a], target[a]], a
+
+
+def accept_sampled(
+    sampler: Sampler, logprobs: mx.array, drafts: list[int], q: mx.array | None
+) -> tuple[list[int], int]:
+    """The standard accept/reject rule, so the tokens are distributed as the target's.
+
+    ``logprobs`` ``[k+1, V]`` are the target's (after processors); the target
+    distribution ``p`` is what the sampler would draw from (its filters and
+    temperature applied). ``q`` ``[k, V]`` is the draft's distribution, or
+    ``None`` for deterministic drafts (prompt lookup: ``q`` is one-hot).
+    Draft ``j`` is accepted with probability ``min(1, p(d)/q(d))``; the first
+    rejection is replaced by a draw from ``max(0, p - q)`` renormalised; if
+    every draft is accepted, one more token is drawn from ``p``.
+    """
+    k = len(drafts)
+    if k == 0:
+        return [int(sampler(logprobs[:1]).item())], 0
+    p = mx.softmax(sampler.sampling_logits(logprobs), axis=-1)
+    ids = mx.array(drafts, mx.int32)[:, None]
+    p_d = mx.take_along_axis(p[:k], ids, axis=-1)[:, 0]
+    q_d = mx.take_along_axis(q, ids, axis=-1)[:, 0] if q is not None else mx.ones((k,))
+    u = mx.random.uniform(shape=(k,), key=sampler.split_key())
+    accept = (u * q_d < p_d).tolist()
+    a = 0
+    while a < k and accept[a]:
+        a += 1
+    if a == k:
+        final = int(sampler(logprobs[k : k + 1]).item())
+        return [*drafts, final], k
+    if q is not None:
+        residual = mx.maximum(p[a] - q[a], 0.0)
+    else:
+        residual = mx.where(mx.arange(p.shape[-1]) == drafts[a], 0.0, p[a])
+    if residual.sum().item() <= 0.0:  # p == q up to rounding: the target's own draw
+        residual = p[a]
+    final = int(mx.random.categorical(mx.log(residual), key=sampler.split_key()).item())
+    return [*drafts[:a], final], a

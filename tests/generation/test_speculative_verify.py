@@ -1,0 +1,90 @@
+"""Verification uses the decode arithmetic: a verify window's logits equal one-token steps'.
+
+For every family, past every sliding window, with both CPU kernel sets
+(``cpu-native``, the compiled kernels, and ``cpu-ops``, plain MLX ops): the
+logits of a window of ``k + 1`` tokens verified in one forward (inside a
+speculative round) equal, bit for bit, the logits of feeding the same tokens
+one at a time; and after keeping a prefix, the caches continue exactly as
+plain decoding's.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import mlx_loom
+from mlx_loom.engine.speculative import begin_rounds, keep_rounds
+from mlx_loom.host import VERIFY_POLICIES, VerifyPolicy
+
+from .conftest import SPEC_FAMILIES, SPEC_PROMPT
+
+KERNELS = ["cpu-native", "cpu-ops"]
+
+
+@pytest.fixture(scope="module")
+def kernel_models(spec_models):
+    """Each family's target loaded with each CPU kernel set."""
+    return {
+        (family, kernels): mlx_loom.load(pair[0].model_dir, cpu_kernels=kernels)[0]
+        for family, pair in spec_models.items()
+        for kernels in KERNELS
+    }
+
+
+def primed(model, decode_steps):
+    caches = model.make_cache()
+    model(mx.array([SPEC_PROMPT[:-1]]), caches)
+    for t in [SPEC_PROMPT[-1], *range(40, 40 + decode_steps)]:
+        model(mx.array([[t]]), caches)
+    return caches
+
+
+@pytest.mark.parametrize("family", SPEC_FAMILIES)
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("width", [2, 5])
+@pytest.mark.parametrize("decode_steps", [0, 3])
+def test_verify_logits_equal_step_by_step_decode_logits(
+    kernel_models, family, kernels, width, decode_steps
+):
+    model = kernel_models[family, kernels]
+    window = [11, 23, 5, 170, 42][:width]
+    stepped, verified = primed(model, decode_steps), primed(model, decode_steps)
+    want = [model(mx.array([[t]]), stepped)[0, -1] for t in window]
+    begin_rounds(verified)
+    got = model(mx.array([window]), verified)[0]
+    assert all(mx.array_equal(got[j], want[j]).item() for j in range(width))
+
+
+@pytest.mark.parametrize("family", SPEC_FAMILIES)
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("keep", [1, 3])
+def test_kept_prefix_continues_as_plain_decoding(kernel_models, family, kernels, keep):
+    model = kernel_models[family, kernels]
+    window = [11, 23, 5, 170]
+    plain, spec = primed(model, 2), primed(model, 2)
+    for t in window[:keep]:
+        model(mx.array([[t]]), plain)
+    begin_rounds(spec)
+    model(mx.array([window]), spec)
+    keep_rounds(spec, len(window), keep)
+    for t in (7, 99, 3):
+        assert mx.array_equal(model(mx.array([[t]]), spec), model(mx.array([[t]]), plain)).item()
+
+
+def test_a_verify_window_is_cut_before_an_arithmetic_boundary():
+    policy = VerifyPolicy("metal", (1023, 1024, 8192))
+    assert policy.window(1000, 5) == 5  # keys 1001..1005
+    assert policy.window(1020, 5) == 3  # keys 1021..1023, then the regime changes
+    assert policy.window(1023, 5) == 1  # 1024 is a regime of its own
+    assert policy.window(1024, 5) == 5
+    assert policy.window(8190, 4) == 2
+
+
+def test_the_cpu_policy_is_registered_and_cuda_is_refused_until_measured():
+    from mlx_loom.errors import CapabilityRefused
+
+    assert VERIFY_POLICIES.for_backend("cpu").boundaries == ()
+    assert VERIFY_POLICIES.for_backend("metal").boundaries == (1023, 1024, 8192, 32768, 65536)
+    with pytest.raises(CapabilityRefused, match="not been measured"):
+        VERIFY_POLICIES.for_backend("cuda")
