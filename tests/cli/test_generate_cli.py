@@ -109,3 +109,25 @@ def test_generate_with_max_new_tokens_suggests_max_tokens():
     model, tokenizer = mlx_loom.load("tiny")
     with pytest.raises(RequestError, match="did you mean 'max_tokens'"):
         mlx_loom.generate(model, tokenizer, "hi", max_new_tokens=4)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_max_kv_size_is_the_apis_sliding_window_for_every_family(short_context, model_type, capsys):
+    import mlx_loom
+
+    path = str(short_context[model_type])
+    prompt = "one two three four five six seven eight nine ten eleven twelve"
+    argv = ["generate", prompt, "--model", path, "-m", "10", "--no-chat-template"]
+    assert main([*argv, "--max-kv-size", "6"]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    model, tokenizer = mlx_loom.load(path)
+    expected = mlx_loom.generate(model, tokenizer, prompt, max_tokens=10, max_kv_size=6)
+    assert printed.split("==========")[0].strip() == expected.strip()
+
+
+def test_max_kv_size_out_of_range_is_a_usage_error_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", "--max-kv-size", "0"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --max-kv-size" in err and "fix: pass a positive token count" in err

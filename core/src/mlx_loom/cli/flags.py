@@ -199,6 +199,12 @@ MAX_KV_SIZE = integer(
     valid="an integer >= 1 (tokens the conversation may occupy)",
     fix="pass a positive token count no larger than the model's context, e.g. {flag} 4096",
 )
+KV_WINDOW = integer(
+    "--max-kv-size",
+    low=1,
+    valid="an integer >= 1 (tokens each attention layer keeps)",
+    fix="pass a positive token count, e.g. {flag} 4096, or omit it to keep the whole context",
+)
 PORT = integer(
     "--port",
     low=0,

@@ -303,6 +303,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="feed the prompt as raw text, without the model's chat template",
     )
+    parser.add_argument(
+        "--max-kv-size",
+        type=flags.KV_WINDOW,
+        metavar="N",
+        help="keep at most N tokens in each attention layer's cache, a sliding window "
+        "(mlx-lm's flag; refused for models whose caches cannot be bounded; "
+        "default: the whole context)",
+    )
     parser.add_argument("--verbose", action="store_true", help="also show what was resolved")
     add_speculation_options(parser)
     add_sampling_options(parser)
@@ -330,6 +338,8 @@ def run(args: argparse.Namespace) -> int:
     if prompt is None:
         prompt = doors.shared_input(model, lambda: prompt_from_args(args))
     options = sampling_kwargs(args, model)
+    if args.max_kv_size is not None:
+        options["max_kv_size"] = args.max_kv_size
     if args.verbose:
         codec, bits = resolve_kv_codec(args.kv_codec, args.kv_bits, kinds=model.binding.cache_kinds)
         kv = ""
