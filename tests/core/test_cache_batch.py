@@ -14,7 +14,6 @@ from mlx_loom.cache import (
     KVCache,
     RotatingKVCache,
     maybe_quantize_kv_cache,
-    scaled_dot_product_attention,
 )
 from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
 
@@ -51,10 +50,10 @@ def step_both(ours, theirs, step: int, L: int, B: int = 3, windows=(None,)) -> N
     q = mx.random.normal((B, 2 * H, L, D), key=mx.random.key(1000 + step))
     mask = ours.make_mask(L)
     k, v = kv(step, L, B)
-    ko, vo = ours.update_and_fetch(k, v)
+    view = ours.append(k, v)
     kt, vt = theirs.update_and_fetch(k, v)
-    assert same(ko, kt) and same(vo, vt), step
-    out = scaled_dot_product_attention(q, ko, vo, cache=ours, scale=0.25, mask=mask)
+    assert same(view.keys, kt) and same(view.values, vt), step
+    out = view.attend(q, scale=0.25, mask=mask)
     ref = lm_base.scaled_dot_product_attention(q, kt, vt, theirs, scale=0.25, mask=mask)
     assert same(out, ref)
     assert_same_cache(ours, theirs)

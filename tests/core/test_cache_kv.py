@@ -14,6 +14,7 @@ from mlx_loom.cache import (
     BatchQuantizedKVCache,
     BatchRotatingKVCache,
     BatchRows,
+    BatchTurboQuantKVCache,
     KVCache,
     QuantizedKVCache,
     QuantizedRotatingKVCache,
@@ -21,9 +22,11 @@ from mlx_loom.cache import (
     Stackable,
     StackedQuantizedRotatingKVCache,
     StackedRotatingKVCache,
+    StackedTurboQuantRotatingKVCache,
+    TurboQuantKVCache,
+    TurboQuantRotatingKVCache,
     create_attention_mask,
     create_causal_mask,
-    scaled_dot_product_attention,
 )
 from mlx_loom.errors import CacheError
 
@@ -82,9 +85,9 @@ def test_attention_output_equals_mlx_lm_with_grouped_heads():
         h = mx.zeros((1, L, 8))
         mo = create_attention_mask(h, ours)
         mt = lm_base.create_attention_mask(h, theirs)
-        ko, vo = ours.update_and_fetch(k, v)
+        view = ours.append(k, v)
         kt, vt = theirs.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(q, ko, vo, cache=ours, scale=D**-0.5, mask=mo)
+        out = view.attend(q, scale=D**-0.5, mask=mo)
         ref = lm_base.scaled_dot_product_attention(q, kt, vt, theirs, scale=D**-0.5, mask=mt)
         assert same(out, ref)
 
@@ -191,13 +194,22 @@ def test_every_standard_kind_satisfies_the_cache_protocols():
         "BatchQuantizedKVCache": BatchQuantizedKVCache([0]),
         "StackedRotatingKVCache": StackedRotatingKVCache(4, 1),
         "StackedQuantizedRotatingKVCache": StackedQuantizedRotatingKVCache(4, 1),
+        "TurboQuantKVCache": TurboQuantKVCache(),
+        "TurboQuantRotatingKVCache": TurboQuantRotatingKVCache(4),
+        "BatchTurboQuantKVCache": BatchTurboQuantKVCache([0]),
+        "StackedTurboQuantRotatingKVCache": StackedTurboQuantRotatingKVCache(4, 1),
     }
     assert {cls.kind for cls in STANDARD_KINDS} == set(examples)
     for name, cache in examples.items():
         assert isinstance(cache, AttentionCache), name
     for name in ("BatchKVCache", "BatchRotatingKVCache", "BatchQuantizedKVCache"):
         assert isinstance(examples[name], BatchRows), name
-    for name in ("StackedRotatingKVCache", "StackedQuantizedRotatingKVCache"):
+    for name in (
+        "StackedRotatingKVCache",
+        "StackedQuantizedRotatingKVCache",
+        "BatchTurboQuantKVCache",
+        "StackedTurboQuantRotatingKVCache",
+    ):
         assert isinstance(examples[name], BatchRows), name
     for single in ("KVCache", "RotatingKVCache", "QuantizedKVCache", "QuantizedRotatingKVCache"):
         assert isinstance(examples[single], Stackable), single

@@ -23,7 +23,6 @@ from mlx_loom.cache import (
     QuantizedRotatingKVCache,
     RotatingKVCache,
     create_attention_mask,
-    scaled_dot_product_attention,
 )
 from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
 
@@ -76,9 +75,9 @@ def test_quantized_attention_equals_mlx_lm_with_grouped_heads_and_masks(bits):
             mo = create_attention_mask(h, ours, return_array=ret)
             mt = lm_base.create_attention_mask(h, theirs, return_array=ret)
             probe_o, probe_t = copy.deepcopy(ours), copy.deepcopy(theirs)
-            ko, vo = probe_o.update_and_fetch(*kv(step, L))
+            view = probe_o.append(*kv(step, L))
             kt, vt = probe_t.update_and_fetch(*kv(step, L))
-            out = scaled_dot_product_attention(q, ko, vo, cache=probe_o, scale=0.125, mask=mo)
+            out = view.attend(q, scale=0.125, mask=mo)
             # mlx-lm scales its queries in place: give it its own copy.
             ref = lm_base.scaled_dot_product_attention(
                 mx.array(q), kt, vt, probe_t, scale=0.125, mask=mt
@@ -90,10 +89,10 @@ def test_quantized_attention_equals_mlx_lm_with_grouped_heads_and_masks(bits):
 
 def test_quantized_attention_refuses_sinks():
     cache = QuantizedKVCache(group_size=32, bits=4)
-    k, v = cache.update_and_fetch(*kv(0, 3))
+    view = cache.append(*kv(0, 3))
     q = mx.zeros((1, H, 3, D))
     with pytest.raises(CapabilityRefused, match="sinks"):
-        scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=None, sinks=mx.zeros(H))
+        view.attend(q, scale=1.0, mask=None, sinks=mx.zeros(H))
 
 
 @pytest.mark.parametrize("keep", [0, 2])
@@ -120,9 +119,9 @@ def test_quantized_window_attention_equals_quantized_attention_over_the_referenc
     for step, L in enumerate(SCHEDULE):
         q = mx.random.normal((1, 2 * H, L, D), key=mx.random.key(700 + step))
         mask = create_attention_mask(mx.zeros((1, L, 4)), ours, window_size=6)
-        ko, vo = ours.update_and_fetch(*kv(step, L))
+        view = ours.append(*kv(step, L))
         kp, vp = plain.update_and_fetch(*kv(step, L))
-        out = scaled_dot_product_attention(q, ko, vo, cache=ours, scale=0.125, mask=mask)
+        out = view.attend(q, scale=0.125, mask=mask)
         ref = lm_base.quantized_scaled_dot_product_attention(
             mx.array(q),
             mx.quantize(kp, group_size=32, bits=8),

@@ -13,7 +13,6 @@ from mlx_loom.cache import (
     BatchRotatingKVCache,
     RotatingKVCache,
     create_attention_mask,
-    scaled_dot_product_attention,
 )
 from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
 
@@ -74,9 +73,9 @@ def test_attention_outputs_equal_mlx_lm_through_the_window():
         h = mx.zeros((1, L, 4))
         mo = create_attention_mask(h, ours, window_size=6)
         mt = lm_base.create_attention_mask(h, theirs, window_size=6)
-        ko, vo = ours.update_and_fetch(*kv(step, L))
+        view = ours.append(*kv(step, L))
         kt, vt = theirs.update_and_fetch(*kv(step, L))
-        out = scaled_dot_product_attention(q, ko, vo, cache=ours, scale=0.25, mask=mo)
+        out = view.attend(q, scale=0.25, mask=mo)
         ref = lm_base.scaled_dot_product_attention(q, kt, vt, theirs, scale=0.25, mask=mt)
         assert same(out, ref), step
 

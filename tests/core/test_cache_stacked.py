@@ -20,7 +20,6 @@ from mlx_loom.cache import (
     RotatingKVCache,
     StackedQuantizedRotatingKVCache,
     StackedRotatingKVCache,
-    scaled_dot_product_attention,
 )
 from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
 
@@ -44,8 +43,7 @@ def fed(make, history, seed):
 
 def attend(cache, k, v, q, window):
     mask = cache.make_mask(1, window_size=window)
-    keys, values = cache.update_and_fetch(k, v)
-    return scaled_dot_product_attention(q, keys, values, cache=cache, scale=0.3, mask=mask)
+    return cache.append(k, v).attend(q, scale=0.3, mask=mask)
 
 
 def decode_together(singles, batch, steps, window, seed=500):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlx_loom.cache import QuantizedRotatingKVCache, RotatingKVCache, scaled_dot_product_attention
+from mlx_loom.cache import QuantizedRotatingKVCache, RotatingKVCache
 from mlx_loom.errors import CacheError
 
 H, D, MAX = 2, 32, 8
@@ -34,8 +34,7 @@ def primed(make, history: list[int]):
 def decode_step(cache, q, k, v, window=None):
     """One-token decode as a graph runs it: the mask first, then the write, then attention."""
     mask = cache.make_mask(1, window_size=window)
-    keys, values = cache.update_and_fetch(k, v)
-    return scaled_dot_product_attention(q, keys, values, cache=cache, scale=0.2, mask=mask)
+    return cache.append(k, v).attend(q, scale=0.2, mask=mask)
 
 
 HISTORIES = [[3], [7], [8], [12], [5, 1, 1, 1, 1], [20, 1, 1, 1], [2, 9, 1]]
@@ -60,8 +59,7 @@ def test_verify_attention_equals_one_token_decode_bit_for_bit(kind, history, wid
         want.append(decode_step(step, q[:, :, sl], new_k[:, :, sl], new_v[:, :, sl]))
     spec.begin_round()
     mask = spec.make_mask(width)
-    k, v = spec.update_and_fetch(new_k, new_v)
-    got = scaled_dot_product_attention(q, k, v, cache=spec, scale=0.2, mask=mask)
+    got = spec.append(new_k, new_v).attend(q, scale=0.2, mask=mask)
     for t in range(width):
         assert mx.array_equal(got[:, :, t : t + 1], want[t]).item(), t
 
@@ -109,8 +107,7 @@ def test_a_narrower_attention_window_is_kept_inside_a_round():
         want.append(decode_step(step, q[:, :, sl], new_k[:, :, sl], new_v[:, :, sl], window=5))
     spec.begin_round()
     mask = spec.make_mask(3, window_size=5)
-    k, v = spec.update_and_fetch(new_k, new_v)
-    got = scaled_dot_product_attention(q, k, v, cache=spec, scale=0.2, mask=mask)
+    got = spec.append(new_k, new_v).attend(q, scale=0.2, mask=mask)
     assert all(mx.array_equal(got[:, :, t : t + 1], want[t]).item() for t in range(3))
 
 
@@ -158,8 +155,7 @@ def test_a_stacked_window_verifies_every_row_in_its_own_decode_order(kind):
     q = mx.random.normal((4, H, width, D), key=mx.random.key(8))
     batch.begin_round()
     mask = batch.make_mask(width)
-    k, v = batch.update_and_fetch(new_k, new_v)
-    got = scaled_dot_product_attention(q, k, v, cache=batch, scale=0.2, mask=mask)
+    got = batch.append(new_k, new_v).attend(q, scale=0.2, mask=mask)
     for i, single in enumerate(singles):
         for t in range(width):
             sl = slice(t, t + 1)
@@ -212,13 +208,13 @@ def test_a_batch_kv_commit_keeps_each_rows_own_count():
     q = mx.random.normal((3, H, 1, D), key=mx.random.key(4))
     nk, nv = kv(70, 1)
     mask = batch.make_mask(1)
-    k, v = batch.update_and_fetch(mx.repeat(nk, 3, axis=0), mx.repeat(nv, 3, axis=0))
-    got = scaled_dot_product_attention(q, k, v, cache=batch, scale=0.2, mask=mask)
+    got = batch.append(mx.repeat(nk, 3, axis=0), mx.repeat(nv, 3, axis=0)).attend(
+        q, scale=0.2, mask=mask
+    )
     for i, (single, keep) in enumerate(zip(singles, keeps, strict=True)):
         if keep:
             single.update_and_fetch(new_k[:, :, :keep], new_v[:, :, :keep])
         assert batch.offset[i].item() == single.offset + 1
-        sk, sv = single.update_and_fetch(nk, nv)
         qi = q[i : i + 1]
-        want = scaled_dot_product_attention(qi, sk, sv, cache=single, scale=0.2, mask=None)
+        want = single.append(nk, nv).attend(qi, scale=0.2, mask=None)
         assert mx.array_equal(got[i : i + 1], want).item(), i

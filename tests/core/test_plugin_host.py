@@ -72,7 +72,7 @@ def test_an_incompatible_plugin_api_is_refused_naming_both_versions():
     h = host(("old", ToyPlugin(api_version="0.9")))
     record = h.record("old")
     assert record.status == "quarantined"
-    assert "plugin API 0.9" in record.reason and "plugin API 1.1" in record.reason
+    assert "plugin API 0.9" in record.reason and "plugin API 1.2" in record.reason
 
 
 def test_a_plugin_that_does_not_declare_its_api_version_is_quarantined():

@@ -1,7 +1,11 @@
 """Caches: the protocols every cache kind honours, and the standard kinds.
 
-Graphs call :func:`create_attention_mask` and :func:`scaled_dot_product_attention`
-with the cache of their layer; loops talk to caches only through the methods of
+Graphs call :func:`create_attention_mask` with the cache of their layer, then
+:func:`append_kv` (``cache.append(keys, values)``), and attend through the
+view it returns (``view.attend(q, scale=, mask=, sinks=)``, see
+:mod:`mlx_loom.cache.views`): each storage codec — plain, affine,
+TurboQuant, or one a plugin registers (:mod:`mlx_loom.cache.codecs`) — owns
+its attention arithmetic. Loops talk to caches only through the methods of
 :mod:`mlx_loom.cache.protocol`.
 """
 
@@ -9,16 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from mlx_loom.cache.attention import (
-    quantized_scaled_dot_product_attention,
-    scaled_dot_product_attention,
-)
+from mlx_loom.cache.attention import quantized_scaled_dot_product_attention
 from mlx_loom.cache.batch import (
     BatchKVCache,
     BatchQuantizedKVCache,
     BatchRotatingKVCache,
     dynamic_roll,
 )
+from mlx_loom.cache.codecs import KVCodec, codec_table, resolve_kv_codec
 from mlx_loom.cache.convert import maybe_quantize_kv_cache, validate_kv_quantization
 from mlx_loom.cache.kv import KVCache
 from mlx_loom.cache.masks import create_attention_mask, create_causal_mask
@@ -35,6 +37,22 @@ from mlx_loom.cache.quantized import QuantizedKVCache, QuantizedRotatingKVCache
 from mlx_loom.cache.recurrent import RecurrentCache
 from mlx_loom.cache.rotating import RotatingKVCache
 from mlx_loom.cache.stacked import StackedQuantizedRotatingKVCache, StackedRotatingKVCache
+from mlx_loom.cache.turboquant import TURBOQUANT_BITS, TurboQuantCodec, TurboQuantView
+from mlx_loom.cache.turboquant_caches import (
+    BatchTurboQuantKVCache,
+    StackedTurboQuantRotatingKVCache,
+    TurboQuantKVCache,
+    TurboQuantRotatingKVCache,
+)
+from mlx_loom.cache.views import (
+    AffineView,
+    DonorView,
+    KVView,
+    PlainView,
+    RowsMask,
+    RowsView,
+    append_kv,
+)
 
 #: The key/value cache kinds of this module, in a fixed order.
 STANDARD_KINDS: tuple[type, ...] = (
@@ -47,6 +65,10 @@ STANDARD_KINDS: tuple[type, ...] = (
     BatchQuantizedKVCache,
     StackedRotatingKVCache,
     StackedQuantizedRotatingKVCache,
+    TurboQuantKVCache,
+    TurboQuantRotatingKVCache,
+    BatchTurboQuantKVCache,
+    StackedTurboQuantRotatingKVCache,
 )
 
 #: Every cache kind a saved prompt cache may name. A file naming anything
@@ -61,22 +83,38 @@ CACHE_KINDS: Mapping[str, type] = kind_table(
 __all__ = [
     "CACHE_KINDS",
     "STANDARD_KINDS",
+    "TURBOQUANT_BITS",
+    "AffineView",
     "AttentionCache",
     "BatchKVCache",
     "BatchQuantizedKVCache",
     "BatchRotatingKVCache",
     "BatchRows",
+    "BatchTurboQuantKVCache",
     "Cache",
+    "DonorView",
     "KVCache",
+    "KVCodec",
+    "KVView",
     "Mask",
+    "PlainView",
     "QuantizedKVCache",
     "QuantizedRotatingKVCache",
     "RecurrentCache",
     "RotatingKVCache",
+    "RowsMask",
+    "RowsView",
     "SpeculativeRounds",
     "Stackable",
     "StackedQuantizedRotatingKVCache",
     "StackedRotatingKVCache",
+    "StackedTurboQuantRotatingKVCache",
+    "TurboQuantCodec",
+    "TurboQuantKVCache",
+    "TurboQuantRotatingKVCache",
+    "TurboQuantView",
+    "append_kv",
+    "codec_table",
     "create_attention_mask",
     "create_causal_mask",
     "dynamic_roll",
@@ -84,7 +122,7 @@ __all__ = [
     "load_prompt_cache",
     "maybe_quantize_kv_cache",
     "quantized_scaled_dot_product_attention",
+    "resolve_kv_codec",
     "save_prompt_cache",
-    "scaled_dot_product_attention",
     "validate_kv_quantization",
 ]

@@ -69,6 +69,7 @@ def nbytes(*xs: Stored | None) -> int:
 class PlainCodec:
     """Stores keys/values as they come."""
 
+    codec: str | None = None
     bits: None = None
     group_size: None = None
 
@@ -79,13 +80,33 @@ class PlainCodec:
         B, H, _, D = like.shape
         return mx.zeros((B, H, n, D), like.dtype)
 
+    # Keys and values are stored alike (TurboQuant's codec stores them differently).
+    def encode_keys(self, x: mx.array) -> Stored:
+        return self.encode(x)
 
-class AffineCodec:
+    def encode_values(self, x: mx.array) -> Stored:
+        return self.encode(x)
+
+    def zeros_keys(self, like: mx.array, n: int) -> Stored:
+        return self.zeros(like, n)
+
+    def zeros_values(self, like: mx.array, n: int) -> Stored:
+        return self.zeros(like, n)
+
+    def view(self, keys: Any, values: Any) -> Any:
+        from mlx_loom.cache.views import PlainView
+
+        return PlainView(keys, values)
+
+
+class AffineCodec(PlainCodec):
     """Stores keys/values affine-quantized per ``group_size`` along head_dim.
 
     Scales and biases keep the activation dtype, exactly as ``mx.quantize``
     returns them (and as mlx-lm's quantized cache stores them).
     """
+
+    codec = "affine"
 
     def __init__(self, group_size: int, bits: int, *, owner: str) -> None:
         check_quantization(group_size, bits, owner=owner)
@@ -117,6 +138,14 @@ class AffineCodec:
         if isinstance(x, tuple):
             raise CacheError(f"{self.owner}: the keys/values are already quantized")
         return self.encode(x)
+
+    quantize_stored_keys = quantize_stored
+    quantize_stored_values = quantize_stored
+
+    def view(self, keys: Any, values: Any) -> Any:
+        from mlx_loom.cache.views import AffineView
+
+        return AffineView(keys, values, self.group_size, self.bits)
 
 
 def check_quantization(group_size: Any, bits: Any, *, owner: str) -> None:

@@ -1,10 +1,9 @@
-"""Scaled dot-product attention over whatever a cache returned.
+"""Affine-quantized attention: the arithmetic of :class:`~mlx_loom.cache.AffineView`.
 
-Plain keys/values go to ``mx.fast.scaled_dot_product_attention``. Keys/values
-from a quantized cache are ``(packed, scales, biases)`` triples; attending over
-them uses ``mx.quantized_matmul`` for both products, with the same op graph as
-mlx-lm's ``quantized_scaled_dot_product_attention`` so outputs are bit-equal
-to it (parity-tested).
+Keys/values from an affine-quantized cache are ``(packed, scales, biases)``
+triples; attending over them uses ``mx.quantized_matmul`` for both products,
+with the same op graph as mlx-lm's ``quantized_scaled_dot_product_attention``
+so outputs are bit-equal to it (parity-tested).
 """
 
 from __future__ import annotations
@@ -14,9 +13,9 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_loom.cache.protocol import Mask
-from mlx_loom.errors import CacheError, CapabilityRefused
+from mlx_loom.errors import CacheError
 
-__all__ = ["quantized_scaled_dot_product_attention", "scaled_dot_product_attention"]
+__all__ = ["quantized_scaled_dot_product_attention"]
 
 QuantizedTensor = tuple[mx.array, mx.array, mx.array]
 
@@ -82,39 +81,3 @@ def quantized_scaled_dot_product_attention(
     if n_repeats > 1:
         out = mx.reshape(out, (B, n_q_heads, L, -1))
     return out
-
-
-def scaled_dot_product_attention(
-    queries: mx.array,
-    keys: Any,
-    values: Any,
-    *,
-    cache: Any,
-    scale: float,
-    mask: Mask,
-    sinks: mx.array | None = None,
-) -> mx.array:
-    """Attention that follows the cache: quantized path for quantized caches.
-
-    A cache is quantized when it reports integer ``bits`` (our quantized kinds
-    do; plain kinds have no such attribute).
-    """
-    bits = getattr(cache, "bits", None) if cache is not None else None
-    if bits is not None:
-        if sinks is not None:
-            raise CapabilityRefused(
-                f"{type(cache).__name__}: attention sinks are not supported with a "
-                "quantized KV cache",
-                fix="run this model without KV quantization (kv_bits=None)",
-            )
-        return quantized_scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=mask, group_size=cache.group_size, bits=bits
-        )
-    if isinstance(keys, tuple):
-        raise CacheError(
-            "attention: keys are a quantized triple but the cache is not a quantized kind",
-            fix="pass the cache that returned these keys/values",
-        )
-    return mx.fast.scaled_dot_product_attention(
-        queries, keys, values, scale=scale, mask=mask, sinks=sinks
-    )

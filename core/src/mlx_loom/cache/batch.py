@@ -30,6 +30,7 @@ from mlx_loom.cache.masks import create_causal_mask
 from mlx_loom.cache.protocol import Mask
 from mlx_loom.cache.quantized import QuantizedKVCache
 from mlx_loom.cache.rotating import RotatingKVCache, check_window
+from mlx_loom.cache.views import PlainView
 from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
 
 __all__ = ["BatchKVCache", "BatchQuantizedKVCache", "BatchRotatingKVCache", "dynamic_roll"]
@@ -206,7 +207,7 @@ class BatchKVCache(_BatchRowsBase):
 
     kind: ClassVar[str] = "BatchKVCache"
     step: ClassVar[int] = 256
-    _codec: ClassVar[buf.PlainCodec | buf.AffineCodec] = buf.PlainCodec()
+    _codec: ClassVar[Any] = buf.PlainCodec()
     #: The single-row kind a row of this batch is (``merge`` takes, ``extract`` gives).
     _single: ClassVar[type] = KVCache
 
@@ -223,8 +224,8 @@ class BatchKVCache(_BatchRowsBase):
         L = keys.shape[2]
         if self.keys is None or prev + L > buf.seq_len(self.keys):
             n = (L + self.step - 1) // self.step * self.step
-            new_k = self._codec.zeros(keys, n)
-            new_v = self._codec.zeros(values, n)
+            new_k = self._codec.zeros_keys(keys, n)
+            new_v = self._codec.zeros_values(values, n)
             if self.keys is None:
                 self.keys, self.values = new_k, new_v
             else:
@@ -235,9 +236,13 @@ class BatchKVCache(_BatchRowsBase):
                 self.values = buf.cat([self.values, new_v])
         self.offset = self.offset + L
         self._idx += L
-        buf.write(self.keys, prev, self._codec.encode(keys))
-        buf.write(self.values, prev, self._codec.encode(values))
+        buf.write(self.keys, prev, self._codec.encode_keys(keys))
+        buf.write(self.values, prev, self._codec.encode_values(values))
         return self.keys_and_values()
+
+    def append(self, keys: mx.array, values: mx.array) -> Any:
+        """Append this step's keys/values; return the view that attends over every row."""
+        return self._codec.view(*self.update_and_fetch(keys, values))
 
     def keys_and_values(self) -> tuple[Any, Any]:
         if self.keys is None:
@@ -472,10 +477,9 @@ class BatchQuantizedKVCache(BatchKVCache):
     """:class:`BatchKVCache` over affine-quantized keys/values (``bits`` per ``group_size``).
 
     Row ``i`` holds, slot for slot, what the row's own
-    :class:`~mlx_loom.cache.QuantizedKVCache` holds, so
-    :func:`~mlx_loom.cache.scaled_dot_product_attention` (which follows
-    ``bits``) attends over it with ``mx.quantized_matmul`` exactly as for the
-    single row.
+    :class:`~mlx_loom.cache.QuantizedKVCache` holds, so its
+    :class:`~mlx_loom.cache.AffineView` attends over it with
+    ``mx.quantized_matmul`` exactly as for the single row.
     """
 
     kind: ClassVar[str] = "BatchQuantizedKVCache"
@@ -650,6 +654,10 @@ class BatchRotatingKVCache(_BatchRowsBase):
         if keys.shape[2] == 1:
             return self._write_in_place(keys, values)
         return self._append_chunk(keys, values)
+
+    def append(self, keys: mx.array, values: mx.array) -> PlainView:
+        """Append this step's keys/values; return the view that attends over the window."""
+        return PlainView(*self.update_and_fetch(keys, values))
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         if self.keys is None:

@@ -1,30 +1,39 @@
-"""Switching a model's caches to affine-quantized KV once a prompt is long enough.
+"""Switching a model's caches to a KV codec once a prompt is long enough.
 
 Semantics follow mlx-lm's ``maybe_quantize_kv_cache`` for full caches: nothing
-happens without ``kv_bits``; otherwise each cache that can be quantized is
-replaced, in place in the list, once its ``offset`` reaches
-``quantized_kv_start``. Beyond mlx-lm, sliding-window caches become
-:class:`~mlx_loom.cache.quantized.QuantizedRotatingKVCache` (mlx-lm raises
-"NYI"), and batch caches are refused instead of being skipped silently.
-Caches with no keys/values to quantize (recurrent state) and caches that are
-already quantized are left as they are.
+happens without ``kv_bits`` (or ``kv_codec``); otherwise each cache that can
+be quantized is replaced, in place in the list, once its ``offset`` reaches
+``quantized_kv_start``. The codec is affine (mlx-lm's) unless ``kv_codec``
+names another (:mod:`mlx_loom.cache.codecs`). Beyond mlx-lm, sliding-window
+caches are converted too (mlx-lm raises "NYI"), and batch caches are refused
+instead of being skipped silently. Caches with no keys/values to quantize
+(recurrent state) and caches that are already in a codec are left as they are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from mlx_loom.cache._buffers import KV_BITS, KV_GROUP_SIZES
-from mlx_loom.errors import RequestError
+from mlx_loom.cache.codecs import resolve_kv_codec
+from mlx_loom.errors import CapabilityRefused, RequestError
 
 __all__ = ["maybe_quantize_kv_cache", "validate_kv_quantization"]
 
 
 def validate_kv_quantization(
-    *, kv_bits: int | None, kv_group_size: int, quantized_kv_start: int
+    *,
+    kv_bits: int | None,
+    kv_group_size: int,
+    quantized_kv_start: int,
+    kv_codec: str | None = None,
+    kinds: Mapping[str, type] | None = None,
 ) -> None:
     """Refuse KV quantization parameters that no cache could honour."""
-    if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
+    if kv_codec is not None:
+        resolve_kv_codec(kv_codec, kv_bits, kinds=kinds)
+    elif kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
         raise RequestError(
             f"kv_bits={kv_bits!r} is not a supported KV cache quantization width",
             fix=f"use one of {list(KV_BITS)} (4 or 8 are the usual choices), or None",
@@ -46,24 +55,50 @@ def validate_kv_quantization(
 
 
 def maybe_quantize_kv_cache(
-    caches: list[Any], *, kv_bits: int | None, kv_group_size: int, quantized_kv_start: int
+    caches: list[Any],
+    *,
+    kv_bits: int | None,
+    kv_group_size: int,
+    quantized_kv_start: int,
+    kv_codec: str | None = None,
+    kinds: Mapping[str, type] | None = None,
 ) -> None:
-    """Replace each quantizable cache in ``caches`` by its quantized form once due.
+    """Replace each quantizable cache in ``caches`` by its codec's form once due.
 
-    Batch caches (per-row ``offset`` arrays) raise
-    :class:`~mlx_loom.errors.CapabilityRefused` when ``kv_bits`` is set.
+    ``kinds`` is the cache-kind table the codecs come from (a model's
+    registry table, which holds the kinds plugins registered; default: the
+    core's). Batch caches (per-row ``offset`` arrays) raise
+    :class:`~mlx_loom.errors.CapabilityRefused`.
     """
     validate_kv_quantization(
-        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
+        kv_codec=kv_codec,
+        kinds=kinds,
     )
-    if kv_bits is None:
+    codec, bits = resolve_kv_codec(kv_codec, kv_bits, kinds=kinds)
+    if codec is None or bits is None:
         return
     for i, cache in enumerate(caches):
         to_quantized = getattr(cache, "to_quantized", None)
-        if to_quantized is None:
-            continue
+        if to_quantized is None or isinstance(getattr(cache, "codec", None), str):
+            continue  # nothing to compress (recurrent state), or already in a codec
         offset = cache.offset
-        # A batch cache's offset is an array: its to_quantized refuses at once,
-        # whatever the offsets, so the request fails before any work is done.
-        if not isinstance(offset, int) or offset >= quantized_kv_start:
-            caches[i] = to_quantized(group_size=kv_group_size, bits=kv_bits)
+        # A batch cache's offset is an array: it is refused at once, whatever
+        # the offsets, so the request fails before any work is done.
+        if isinstance(offset, int) and offset < quantized_kv_start:
+            continue
+        converted = codec.convert(cache, bits=bits, group_size=kv_group_size)
+        if converted is None:
+            if codec.name == "affine":
+                converted = to_quantized(group_size=kv_group_size, bits=bits)  # refuses batches
+            else:
+                kinds_of = ", ".join(k.__name__ for k in codec.kinds)
+                raise CapabilityRefused(
+                    f"the {codec.name!r} KV codec has no cache kind for a "
+                    f"{type(cache).__name__} (its kinds: {kinds_of})",
+                    fix="use a codec that stores every cache kind of this model (affine, "
+                    f"turboquant), or drop kv_codec={codec.name!r}",
+                )
+        caches[i] = converted

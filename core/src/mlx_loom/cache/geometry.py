@@ -23,9 +23,9 @@ with the sequence:
   ``bits``) must match; entries that changed are positions (offset, write
   index);
 * dtypes and the number of state arrays must match, and the cache kind must
-  be the model's — or its KV-quantized form, since generating with
-  ``kv_bits`` turns a model's caches into quantized ones; those are compared
-  with the probes quantized the same way.
+  be the model's — or its form in a KV codec, since generating with
+  ``kv_bits`` / ``kv_codec`` converts a model's caches; those are compared
+  with the probes converted the same way (``convert_like``).
 
 Every layer's ``offset`` must equal the number of tokens the file says the
 cache holds.
@@ -52,23 +52,25 @@ def _probe(model: Any, n: int) -> list[Any]:
 
 
 def _expected(short: Any, long: Any, loaded: Any) -> tuple[Any, Any] | None:
-    """The probe pair to compare ``loaded`` with: the model's kind or its quantized form."""
+    """The probe pair to compare ``loaded`` with: the model's kind or its codec form.
+
+    A cache in a KV codec (affine, TurboQuant, a plugin's) converts a plain
+    probe the way it was converted itself (``convert_like``); the converted
+    probes must then be of the loaded kind.
+    """
     kind = getattr(type(loaded), "kind", None)
     if getattr(type(short), "kind", None) == kind:
         return short, long
-    group_size, bits = getattr(loaded, "group_size", None), getattr(loaded, "bits", None)
-    if not (
-        hasattr(short, "to_quantized") and isinstance(group_size, int) and isinstance(bits, int)
-    ):
+    convert_like = getattr(loaded, "convert_like", None)
+    if not callable(convert_like) or not hasattr(short, "to_quantized"):
         return None
     try:
-        pair = (
-            short.to_quantized(group_size=group_size, bits=bits),
-            long.to_quantized(group_size=group_size, bits=bits),
-        )
+        pair = (convert_like(short), convert_like(long))
     except LoomError:
         return None
-    return pair if getattr(type(pair[0]), "kind", None) == kind else None
+    if any(getattr(type(p), "kind", None) != kind for p in pair):
+        return None
+    return pair
 
 
 def _layer_problems(i: int, loaded: Any, short: Any, long: Any, tokens: int) -> list[str]:

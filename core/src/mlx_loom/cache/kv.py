@@ -21,6 +21,7 @@ from mlx_loom.errors import CacheError
 if TYPE_CHECKING:
     from mlx_loom.cache.batch import BatchKVCache
     from mlx_loom.cache.quantized import QuantizedKVCache
+    from mlx_loom.cache.turboquant_caches import TurboQuantKVCache
 
 __all__ = ["KVCache"]
 
@@ -33,7 +34,7 @@ class GrowingKV:
 
     kind: ClassVar[str]
     step: ClassVar[int] = 256
-    _codec: buf.PlainCodec | buf.AffineCodec
+    _codec: Any
 
     def __init__(self) -> None:
         self.keys: buf.Stored | None = None
@@ -47,8 +48,8 @@ class GrowingKV:
         L = keys.shape[2]
         if self.keys is None or prev + L > buf.seq_len(self.keys):
             n = (L + self.step - 1) // self.step * self.step
-            new_k = self._codec.zeros(keys, n)
-            new_v = self._codec.zeros(values, n)
+            new_k = self._codec.zeros_keys(keys, n)
+            new_v = self._codec.zeros_values(values, n)
             if self.keys is None:
                 self.keys, self.values = new_k, new_v
             else:
@@ -60,9 +61,13 @@ class GrowingKV:
                 self.keys = buf.cat([self.keys, new_k])
                 self.values = buf.cat([self.values, new_v])
         self.offset += L
-        buf.write(self.keys, prev, self._codec.encode(keys))
-        buf.write(self.values, prev, self._codec.encode(values))
+        buf.write(self.keys, prev, self._codec.encode_keys(keys))
+        buf.write(self.values, prev, self._codec.encode_values(values))
         return self.keys_and_values()
+
+    def append(self, keys: mx.array, values: mx.array) -> Any:
+        """Append this step's keys/values; return the view that attends over all of them."""
+        return self._codec.view(*self.update_and_fetch(keys, values))
 
     def keys_and_values(self) -> tuple[Any, Any]:
         if self.keys is None:
@@ -138,8 +143,19 @@ class KVCache(GrowingKV):
         q = QuantizedKVCache(group_size=group_size, bits=bits)
         q.offset = self.offset
         if self.keys is not None:
-            q.keys = q._codec.quantize_stored(self.keys)
-            q.values = q._codec.quantize_stored(self.values)
+            q.keys = q._codec.quantize_stored_keys(self.keys)
+            q.values = q._codec.quantize_stored_values(self.values)
+        return q
+
+    def to_turboquant(self, bits: int = 4) -> TurboQuantKVCache:
+        """The same tokens in TurboQuant storage (int8 keys, ``bits``-wide rotated values)."""
+        from mlx_loom.cache.turboquant_caches import TurboQuantKVCache
+
+        q = TurboQuantKVCache(bits=bits)
+        q.offset = self.offset
+        if self.keys is not None:
+            q.keys = q._codec.quantize_stored_keys(self.keys)
+            q.values = q._codec.quantize_stored_values(self.values)
         return q
 
     def empty_batch(self, left_padding: Sequence[int]) -> BatchKVCache:

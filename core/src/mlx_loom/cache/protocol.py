@@ -61,10 +61,18 @@ class Cache(Protocol):
 
 @runtime_checkable
 class AttentionCache(Cache, Protocol):
-    """A key/value cache: full, rotating window, or affine-quantized."""
+    """A key/value cache: full or rotating window, stored plain or in a codec."""
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        """Append this step's keys/values; return everything to attend over."""
+        """Append this step's keys/values; return the stored keys/values (mlx-lm's call)."""
+
+    def append(self, keys: mx.array, values: mx.array) -> Any:
+        """Append this step's keys/values; return the view that attends over them.
+
+        The view (:class:`~mlx_loom.cache.views.KVView`) carries the storage
+        codec's own attention arithmetic; graphs only ever call
+        ``view.attend(queries, scale=, mask=, sinks=)``.
+        """
 
 
 @runtime_checkable

@@ -1,8 +1,8 @@
 """Affine-quantized key/value caches: full and sliding-window.
 
 Keys and values are stored as ``mx.quantize`` triples ``(packed, scales,
-biases)`` and returned that way; :func:`mlx_loom.cache.attention.scaled_dot_product_attention`
-then attends with ``mx.quantized_matmul``. Quantization groups run along
+biases)``; ``append`` returns an :class:`~mlx_loom.cache.AffineView`, which
+attends with ``mx.quantized_matmul``. Quantization groups run along
 head_dim, one token at a time, so quantizing on the way in and then moving
 slots gives exactly the quantized form of what the plain cache would return:
 the quantized window cache is bit-equal to ``mx.quantize`` of the plain window
@@ -22,7 +22,7 @@ bit for bit as it would alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import mlx.core as mx
 
@@ -49,10 +49,26 @@ class QuantizedKVCache(GrowingKV):
     """Full KV cache whose keys/values are affine-quantized (``bits`` wide per ``group_size``)."""
 
     kind: ClassVar[str] = "QuantizedKVCache"
+    codec: ClassVar[str] = "affine"
+    codec_bits: ClassVar[tuple[int, ...]] = buf.KV_BITS
+    codec_default_bits: ClassVar[int] = 8
 
     def __init__(self, group_size: int = 64, bits: int = 8) -> None:
         super().__init__()
         self._codec = buf.AffineCodec(group_size, bits, owner=self.kind)
+
+    @classmethod
+    def from_plain(cls, cache: Any, *, bits: int, group_size: int = 64) -> Any:
+        """``cache`` affine-quantized if it is a full :class:`KVCache`; else ``None``."""
+        from mlx_loom.cache.kv import KVCache
+
+        if type(cache) is not KVCache:
+            return None
+        return cache.to_quantized(group_size=group_size, bits=bits)
+
+    def convert_like(self, plain: Any) -> Any:
+        """``plain`` converted the way this cache was (``None``: not its plain kind)."""
+        return self.from_plain(plain, bits=self.bits, group_size=self.group_size)
 
     @property
     def group_size(self) -> int:
@@ -106,12 +122,27 @@ class QuantizedRotatingKVCache(RotatingBase):
     """
 
     kind: ClassVar[str] = "QuantizedRotatingKVCache"
+    codec: ClassVar[str] = "affine"
+    codec_bits: ClassVar[tuple[int, ...]] = buf.KV_BITS
+    codec_default_bits: ClassVar[int] = 8
 
     def __init__(
         self, max_size: int, keep: int = 0, *, group_size: int = 64, bits: int = 8
     ) -> None:
         super().__init__(max_size, keep)
         self._codec = buf.AffineCodec(group_size, bits, owner=self.kind)
+
+    @classmethod
+    def from_plain(cls, cache: Any, *, bits: int, group_size: int = 64) -> Any:
+        """``cache`` affine-quantized slot for slot if it is a :class:`RotatingKVCache`."""
+        from mlx_loom.cache.rotating import RotatingKVCache
+
+        if type(cache) is not RotatingKVCache:
+            return None
+        return cache.to_quantized(group_size=group_size, bits=bits)
+
+    def convert_like(self, plain: Any) -> Any:
+        return self.from_plain(plain, bits=self.bits, group_size=self.group_size)
 
     @property
     def group_size(self) -> int:

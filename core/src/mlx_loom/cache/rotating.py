@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from mlx_loom.cache.batch import BatchRotatingKVCache
     from mlx_loom.cache.quantized import QuantizedRotatingKVCache
     from mlx_loom.cache.stacked import StackedRotatingKVCache
+    from mlx_loom.cache.turboquant_caches import TurboQuantRotatingKVCache
 
 __all__ = ["RotatingKVCache"]
 
@@ -49,7 +50,7 @@ class RotatingBase:
 
     kind: ClassVar[str]
     step: ClassVar[int] = 256
-    _codec: buf.PlainCodec | buf.AffineCodec
+    _codec: Any
 
     def __init__(self, max_size: int, keep: int = 0) -> None:
         check_window(max_size, keep, owner=self.kind)
@@ -86,7 +87,7 @@ class RotatingBase:
         return buf.take(v, 0, self._idx)
 
     def _append_chunk(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        new_k, new_v = self._codec.encode(keys), self._codec.encode(values)
+        new_k, new_v = self._codec.encode_keys(keys), self._codec.encode_values(values)
         if self.keys is None:
             self.keys, self.values = new_k, new_v
         else:
@@ -109,7 +110,7 @@ class RotatingBase:
             prev >= buf.seq_len(self.keys) and buf.seq_len(self.keys) < self.max_size
         ):
             n = min(self.step, self.max_size - prev)
-            new_k, new_v = self._codec.zeros(keys, n), self._codec.zeros(values, n)
+            new_k, new_v = self._codec.zeros_keys(keys, n), self._codec.zeros_values(values, n)
             if self.keys is None:
                 self.keys, self.values = new_k, new_v
             else:
@@ -124,8 +125,8 @@ class RotatingBase:
             self._idx = self.max_size
         if self._idx == self.max_size:  # wrap past the kept prefix
             self._idx = self.keep
-        buf.write(self.keys, self._idx, self._codec.encode(keys))
-        buf.write(self.values, self._idx, self._codec.encode(values))
+        buf.write(self.keys, self._idx, self._codec.encode_keys(keys))
+        buf.write(self.values, self._idx, self._codec.encode_values(values))
         self.offset += S
         self._idx += S
         return self.keys_and_values()
@@ -138,6 +139,10 @@ class RotatingBase:
         if keys.shape[2] == 1:
             return self._write_in_place(keys, values)
         return self._append_chunk(keys, values)
+
+    def append(self, keys: mx.array, values: mx.array) -> Any:
+        """Append this step's keys/values; return the view that attends over the window."""
+        return self._codec.view(*self.update_and_fetch(keys, values))
 
     def keys_and_values(self) -> tuple[Any, Any]:
         if self.keys is None:
@@ -263,8 +268,8 @@ class RotatingBase:
         layout = self._layout(r.pending)
         old = 0 if self.keys is None else buf.seq_len(self.keys)
         index, _ = rnd.combined_order(layout, old)
-        new_k = self._codec.encode(mx.concatenate(r.keys, axis=2))
-        new_v = self._codec.encode(mx.concatenate(r.values, axis=2))
+        new_k = self._codec.encode_keys(mx.concatenate(r.keys, axis=2))
+        new_v = self._codec.encode_values(mx.concatenate(r.values, axis=2))
         if self.keys is None:
             src_k, src_v = new_k, new_v
         else:
@@ -378,8 +383,19 @@ class RotatingKVCache(RotatingBase):
         q = QuantizedRotatingKVCache(self.max_size, self.keep, group_size=group_size, bits=bits)
         q.offset, q._idx = self.offset, self._idx
         if self.keys is not None:
-            q.keys = q._codec.quantize_stored(self.keys)
-            q.values = q._codec.quantize_stored(self.values)
+            q.keys = q._codec.quantize_stored_keys(self.keys)
+            q.values = q._codec.quantize_stored_values(self.values)
+        return q
+
+    def to_turboquant(self, bits: int = 4) -> TurboQuantRotatingKVCache:
+        """The same window in TurboQuant storage, slot for slot."""
+        from mlx_loom.cache.turboquant_caches import TurboQuantRotatingKVCache
+
+        q = TurboQuantRotatingKVCache(self.max_size, self.keep, bits=bits)
+        q.offset, q._idx = self.offset, self._idx
+        if self.keys is not None:
+            q.keys = q._codec.quantize_stored_keys(self.keys)
+            q.values = q._codec.quantize_stored_values(self.values)
         return q
 
     def _check_batchable(self) -> None:

@@ -83,7 +83,7 @@ class StackedRotatingKVCache:
 
     kind: ClassVar[str] = "StackedRotatingKVCache"
     step: ClassVar[int] = 256
-    _codec: ClassVar[buf.PlainCodec | buf.AffineCodec] = buf.PlainCodec()
+    _codec: ClassVar[Any] = buf.PlainCodec()
     _single: ClassVar[type[RotatingBase]] = RotatingKVCache
 
     def __init__(self, max_size: int, rows: int = 0) -> None:
@@ -144,20 +144,27 @@ class StackedRotatingKVCache:
         slots = self._slots_after_write()
         if slots > self._slots():
             grow = slots - self._slots()
-            new_k, new_v = self._codec.zeros(keys, grow), self._codec.zeros(values, grow)
+            new_k, new_v = (
+                self._codec.zeros_keys(keys, grow),
+                self._codec.zeros_values(values, grow),
+            )
             if self.keys is None:
                 self.keys, self.values = new_k, new_v
             else:
                 self.keys = buf.cat([self.keys, new_k])
                 self.values = buf.cat([self.values, new_v])
         where = mx.array(self._next, dtype=mx.int32)[:, None, None, None]
-        self.keys = _scatter(self.keys, where, self._codec.encode(keys))
-        self.values = _scatter(self.values, where, self._codec.encode(values))
+        self.keys = _scatter(self.keys, where, self._codec.encode_keys(keys))
+        self.values = _scatter(self.values, where, self._codec.encode_values(values))
         W = self.max_size
         self._count = [c + 1 for c in self._count]
         self._next = [(n + 1) % W for n in self._next]
         self._offset_array = None
         return self.keys, self.values
+
+    def append(self, keys: mx.array, values: mx.array) -> Any:
+        """Append one token per row; return the view that attends over every row's window."""
+        return self._codec.view(*self.update_and_fetch(keys, values))
 
     # --- speculative rounds -------------------------------------------------------
 
@@ -227,8 +234,8 @@ class StackedRotatingKVCache:
         width = max(len(index) for _, index, _ in orders)
         index = mx.array([ix + [0] * (width - len(ix)) for _, ix, _ in orders], dtype=mx.int32)
         where = index[:, None, :, None]
-        new_k = self._codec.encode(mx.concatenate(r[0], axis=2))
-        new_v = self._codec.encode(mx.concatenate(r[1], axis=2))
+        new_k = self._codec.encode_keys(mx.concatenate(r[0], axis=2))
+        new_v = self._codec.encode_values(mx.concatenate(r[1], axis=2))
         src_k = new_k if self.keys is None else buf.cat([self.keys, new_k])
         src_v = new_v if self.values is None else buf.cat([self.values, new_v])
         pick = lambda a: mx.take_along_axis(a, where, axis=2)  # noqa: E731
@@ -268,7 +275,10 @@ class StackedRotatingKVCache:
         slots = self._slots_after_write()
         if slots > self._slots():
             grow = slots - self._slots()
-            new_k, new_v = self._codec.zeros(keys, grow), self._codec.zeros(values, grow)
+            new_k, new_v = (
+                self._codec.zeros_keys(keys, grow),
+                self._codec.zeros_values(values, grow),
+            )
             if self.keys is None:
                 self.keys, self.values = new_k, new_v
             else:
@@ -286,8 +296,8 @@ class StackedRotatingKVCache:
                 return tuple(one(b, n) for b, n in zip(stored, new, strict=True))
             return one(stored, new)
 
-        self.keys = merged(self.keys, self._codec.encode(keys))
-        self.values = merged(self.values, self._codec.encode(values))
+        self.keys = merged(self.keys, self._codec.encode_keys(keys))
+        self.values = merged(self.values, self._codec.encode_values(values))
         W = self.max_size
         self._count = [c + w for c, w in zip(self._count, writing, strict=True)]
         self._next = [(n + 1) % W if w else n for n, w in zip(self._next, writing, strict=True)]

@@ -163,6 +163,12 @@ SEED = integer(
 KV_BITS_FLAG = choice(
     "--kv-bits", KV_BITS, fix="pass {flag} 4 or {flag} 8 (the usual choices), or omit it"
 )
+KV_CODEC = FlagType(
+    str,
+    lambda v: bool(re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,63}", v)),
+    "a codec name such as affine or turboquant",
+    "pass --kv-codec turboquant (with --kv-bits 3 or 4) or --kv-codec affine, or omit it",
+)
 KV_GROUP_SIZE = choice(
     "--kv-group-size",
     KV_GROUP_SIZES,
@@ -231,6 +237,7 @@ API_FLAGS: dict[str, str] = {
     "stop": "--stop",
     "kv_bits": "--kv-bits",
     "kv_group_size": "--kv-group-size",
+    "kv_codec": "--kv-codec",
     "quantized_kv_start": "--quantized-kv-start",
     "prefill_step_size": "--prefill-step-size",
     "draft_model": "--draft-model",

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from ..assets import BUNDLED_MODEL_ALIAS
+from ..cache import resolve_kv_codec
 from ..generate import stream_generate
 from ..host import load
 from ..model import Model
@@ -132,6 +133,14 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
         "default: not quantized)",
     )
     cache.add_argument(
+        "--kv-codec",
+        type=flags.KV_CODEC,
+        metavar="NAME",
+        help="how the KV cache is stored: 'affine' (the default with --kv-bits) or "
+        "'turboquant' (int8 keys, 3- or 4-bit rotated values; --kv-bits 3|4, default 4), "
+        "or a codec a plugin registers",
+    )
+    cache.add_argument(
         "--kv-group-size",
         type=flags.KV_GROUP_SIZE,
         metavar="{32,64,128}",
@@ -177,6 +186,9 @@ def kv_group_size(args: argparse.Namespace, model: Model) -> int:
     default. An explicit ``--kv-group-size`` is checked, never replaced.
     """
     dims = model_head_dims(model)
+    if getattr(args, "kv_codec", None) not in (None, "affine"):
+        # Only affine storage groups values; other codecs ignore the size.
+        return args.kv_group_size if args.kv_group_size is not None else PREFERRED_KV_GROUP_SIZE
     if args.kv_group_size is not None:
         if args.kv_bits is not None:
             bad = sorted(d for d in dims if d % args.kv_group_size)
@@ -221,6 +233,7 @@ def sampling_kwargs(args: argparse.Namespace, model: Model) -> dict[str, Any]:
         kv_bits=args.kv_bits,
         kv_group_size=kv_group_size(args, model),
         quantized_kv_start=args.quantized_kv_start,
+        kv_codec=args.kv_codec,
         prefill_step_size=args.prefill_step_size,
     )
     for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -328,11 +341,15 @@ def run(args: argparse.Namespace) -> int:
     if args.max_kv_size is not None:
         options["max_kv_size"] = args.max_kv_size
     if args.verbose:
-        kv = f"  kv cache: {args.kv_bits}-bit, group {options['kv_group_size']}"
+        codec, bits = resolve_kv_codec(args.kv_codec, args.kv_bits, kinds=model.binding.cache_kinds)
+        kv = ""
+        if codec is not None and codec.name == "affine":
+            kv = f"  kv cache: {bits}-bit, group {options['kv_group_size']}"
+        elif codec is not None:
+            kv = f"  kv cache: {codec.name}, {bits}-bit"
         print(
             f"model: {model.model_dir}\nprofile: {model.profile.id} ({model.profile_reason})\n"
-            f"implementation: {model.implementation.id}  backend: {model.backend}"
-            + (kv if args.kv_bits is not None else ""),
+            f"implementation: {model.implementation.id}  backend: {model.backend}" + kv,
             file=sys.stderr,
         )
     if not args.no_chat_template and tokenizer.has_chat_template:

@@ -131,6 +131,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "choices; default: not quantized)",
     )
     cache.add_argument(
+        "--kv-codec",
+        type=flags.KV_CODEC,
+        metavar="NAME",
+        help="how every request's KV cache is stored: 'affine' (the default with --kv-bits) "
+        "or 'turboquant' (int8 keys, 3- or 4-bit rotated values; --kv-bits 3|4, default 4)",
+    )
+    cache.add_argument(
         "--kv-group-size",
         type=flags.KV_GROUP_SIZE,
         metavar="{32,64,128}",
@@ -348,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
         kv_bits=args.kv_bits,
         kv_group_size=kv_group_size(args, model),
         quantized_kv_start=args.quantized_kv_start,
+        kv_codec=args.kv_codec,
         max_prompt_chars=args.max_prompt_chars,
         max_prompt_tokens=args.max_prompt_tokens,
         tokenizer_threads=args.tokenizer_threads,

@@ -62,15 +62,24 @@ def _bounded(cache: Any, n: int) -> Any:
 
 
 def layout(caches: Sequence[Any]) -> tuple[Hashable, ...]:
-    """What must match for two rows' caches to be stacked into one batch."""
-    return tuple(
-        (
-            type(c).__name__,
-            getattr(c, "max_size", None),
-            getattr(c, "bits", None),
-            getattr(c, "group_size", None),
-        )
-        for c in caches
+    """What must match for two rows' caches to be stacked into one batch.
+
+    Key/value caches (kinds with ``append``) need only the same attention
+    geometry — full, or a window of the same size — since rows of different
+    codecs share a batch through :class:`~mlx_loom.cache.mixed.MixedRowsCache`;
+    other state (recurrent caches) must be of the same kind.
+    """
+    return tuple(_layer_layout(c) for c in caches)
+
+
+def _layer_layout(c: Any) -> Hashable:
+    if callable(getattr(c, "append", None)):
+        return ("kv", getattr(c, "max_size", None), getattr(c, "keep", None))
+    return (
+        type(c).__name__,
+        getattr(c, "max_size", None),
+        getattr(c, "bits", None),
+        getattr(c, "group_size", None),
     )
 
 

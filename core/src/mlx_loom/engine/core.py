@@ -317,8 +317,9 @@ class Engine:
 
     def _store_key(self, request: Request) -> Hashable:
         kv = request.kv
-        # A prefix computed with one adapter is not another's (nor the base model's).
-        return (request.max_kv_size, kv.bits, kv.group_size, kv.start, request.adapter)
+        # A prefix computed with one adapter is not another's (nor the base model's),
+        # and one stored in one KV codec is not another's.
+        return (request.max_kv_size, kv.codec, kv.bits, kv.group_size, kv.start, request.adapter)
 
     def _leave(self, left: Left, outcome: str) -> Done:
         row, request = left.row, left.row.request

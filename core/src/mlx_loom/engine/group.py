@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlx_loom.cache.mixed import join_rows, stack_rows
 from mlx_loom.engine.caches import layout, quantization_pending, stackable
 from mlx_loom.engine.events import TokenEvent
 from mlx_loom.engine.row import Row, adapter_batch_key, row_adapters
@@ -114,23 +115,20 @@ class DecodeGroup:
         order = batches + lone
         if not self.stacked:
             self._key = self.key
+        # Rows of different KV codecs share the batch through mixed caches
+        # (each row still computed by its own codec's batch, as alone).
         layers: list[Any] | None = None
         for group in batches:
             if layers is None:
                 layers = group.caches
             else:
-                for mine, theirs in zip(layers, group.caches, strict=True):
-                    mine.extend(theirs)
+                layers = [join_rows(m, t) for m, t in zip(layers, group.caches, strict=True)]
         if lone:
-            fresh = [
-                type(first).stack([g.caches[i] for g in lone])
-                for i, first in enumerate(lone[0].caches)
-            ]
+            fresh = [stack_rows([g.caches[i] for g in lone]) for i in range(len(lone[0].caches))]
             if layers is None:
                 layers = fresh
             else:
-                for mine, theirs in zip(layers, fresh, strict=True):
-                    mine.extend(theirs)
+                layers = [join_rows(m, t) for m, t in zip(layers, fresh, strict=True)]
         self.caches = layers or []
         self.stacked = True
         self.rows = [row for g in order for row in g.rows]

@@ -15,13 +15,13 @@ and never costs a forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from mlx_loom.cache import maybe_quantize_kv_cache, validate_kv_quantization
+from mlx_loom.cache import maybe_quantize_kv_cache, resolve_kv_codec, validate_kv_quantization
 from mlx_loom.errors import AdapterError, ParallelRefused, RequestError
 from mlx_loom.generate.params import SamplingParams
 from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
@@ -41,18 +41,37 @@ ProcessorFn = Callable[[mx.array, mx.array], mx.array]
 
 @dataclass(frozen=True)
 class KVQuantization:
-    """When and how to switch KV caches to affine-quantized storage."""
+    """When and how to switch KV caches to a codec's storage.
+
+    ``codec`` names the codec (``None``: affine, mlx-lm's ``kv_bits``);
+    ``bits`` is the resolved width (``None``: no KV quantization). ``kinds``
+    is the model's cache-kind table, where plugin codecs come from.
+    """
 
     bits: int | None = None
     group_size: int = 64
     start: int = 0
+    codec: str | None = None
+    kinds: Mapping[str, type] | None = field(default=None, compare=False, repr=False)
 
     def apply(self, cache: list[Any]) -> None:
         if self.bits is None:  # runs after every forward: the common case costs nothing
             return
+        if not any(_convertible(c) for c in cache):  # every cache converted already
+            return
         maybe_quantize_kv_cache(
-            cache, kv_bits=self.bits, kv_group_size=self.group_size, quantized_kv_start=self.start
+            cache,
+            kv_bits=self.bits,
+            kv_group_size=self.group_size,
+            quantized_kv_start=self.start,
+            kv_codec=self.codec,
+            kinds=self.kinds,
         )
+
+
+def _convertible(cache: Any) -> bool:
+    """A plain KV cache a codec may still take (not recurrent state, not already coded)."""
+    return hasattr(cache, "to_quantized") and not isinstance(getattr(cache, "codec", None), str)
 
 
 #: The drafting modes a request may ask for by name.
@@ -201,6 +220,7 @@ def make_request(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,
+    kv_codec: str | None = None,
     max_kv_size: int | None = None,
     sampler: SamplerFn | None = None,
     logits_processors: Sequence[ProcessorFn] | None = None,
@@ -226,15 +246,26 @@ def make_request(
         _positive_int(
             "prefill_step_size", prefill_step_size, "Pass a positive prefill_step_size (2048)."
         )
+    kinds = model.binding.cache_kinds
     validate_kv_quantization(
-        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
+        kv_codec=kv_codec,
+        kinds=kinds,
     )
+    codec, kv_bits = resolve_kv_codec(kv_codec, kv_bits, kinds=kinds)
     if kv_bits is not None:
-        model.require(KV_QUANTIZATION, asked=f"kv_bits={kv_bits}")
+        asked = f"kv_bits={kv_bits}" + (f", kv_codec={kv_codec!r}" if kv_codec else "")
+        model.require(KV_QUANTIZATION, asked=asked)
     if max_kv_size is not None:
         _positive_int(
             "max_kv_size", max_kv_size, "Pass the most tokens each attention layer may keep."
         )
+    if codec is not None and codec.name != "affine":
+        from mlx_loom.engine.caches import fresh_caches
+
+        codec.check_storable(fresh_caches(model, max_kv_size))
     vocab = model.vocab_size
     if vocab is not None:
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -289,7 +320,13 @@ def make_request(
         tokenizer=tokenizer,
         eos=eos if eos is not None else (tokenizer.eos_token_ids if tokenizer else frozenset()),
         prefill_step_size=prefill_step_size,
-        kv=KVQuantization(kv_bits, kv_group_size, quantized_kv_start),
+        kv=KVQuantization(
+            kv_bits,
+            kv_group_size,
+            quantized_kv_start,
+            codec=None if codec is None or codec.name == "affine" else codec.name,
+            kinds=kinds,
+        ),
         max_kv_size=max_kv_size,
         sampler=sampler,
         logits_processors=processors,

@@ -71,6 +71,7 @@ def generate_tokens(
         kv_bits=kv.bits,
         kv_group_size=kv.group_size,
         quantized_kv_start=kv.start,
+        kv_codec=kv.codec,
         max_kv_size=max_kv_size,
         sampler=sampler,
         logits_processors=processors,

@@ -43,7 +43,10 @@ ENTRY_POINT_GROUP = "mlx_loom"
 
 #: The plugin-API version this core speaks. A plugin returns the version it was
 #: written for from :func:`loom_plugin_api_version`; the major part must match.
-PLUGIN_API_VERSION = "1.1"
+#: 1.2 added KV codecs: cache kinds (registered with :func:`loom_cache_kinds`)
+#: that declare ``codec``/``from_plain`` and return attention views from
+#: ``append`` (see ``mlx_loom.cache.codecs``).
+PLUGIN_API_VERSION = "1.2"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -92,7 +95,11 @@ def loom_cache_kinds() -> Sequence[type]:
     """Cache classes of this plugin that prompt-cache files may name (plugin API 1.1).
 
     Each needs a unique string ``kind`` and ``from_state(state, meta_state)``;
-    :meth:`mlx_loom.PromptCache.load` restores only registered kinds.
+    :meth:`mlx_loom.PromptCache.load` restores only registered kinds. Since
+    plugin API 1.2, kinds that also declare ``codec``, ``codec_bits``,
+    ``codec_default_bits`` and ``from_plain`` form a KV codec that requests
+    select with ``kv_codec=`` (``mlx_loom.cache.codecs``); the conformance
+    kit's ``kv-codec-kinds`` check holds them to the view contract.
     """
 
 

@@ -39,6 +39,7 @@ def describe(job: Job) -> dict[str, Any]:
         "kv_bits": job.kv_bits,
         "kv_group_size": job.kv_group_size,
         "quantized_kv_start": job.quantized_kv_start,
+        "kv_codec": job.kv_codec,
     }
 
 
@@ -61,6 +62,7 @@ def build(model: Model, tokenizer: Tokenizer, spec: dict[str, Any]) -> Request:
         kv_bits=spec["kv_bits"],
         kv_group_size=spec["kv_group_size"],
         quantized_kv_start=spec["quantized_kv_start"],
+        kv_codec=spec.get("kv_codec"),
     )
 
 

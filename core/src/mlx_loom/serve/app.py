@@ -139,7 +139,8 @@ class ServeApp:
     default format);
     ``chat_template_args`` are template variables under each request's
     ``chat_template_kwargs``; ``kv_bits``/``kv_group_size``/
-    ``quantized_kv_start`` quantize every request's KV cache;
+    ``quantized_kv_start``/``kv_codec`` store every request's KV cache in a
+    codec (affine unless ``kv_codec`` names another);
     ``max_prompt_chars`` bounds the text that reaches the tokenizer and
     ``max_prompt_tokens`` (default: the model's context) the tokens that
     reach the engine.
@@ -160,6 +161,7 @@ class ServeApp:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         quantized_kv_start: int = 0,
+        kv_codec: str | None = None,
         max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
         max_prompt_tokens: int | None = None,
         speculation: Speculation | None = None,
@@ -185,14 +187,24 @@ class ServeApp:
         self.created = int(time.time())
         self.chat_template_args = _template_args(chat_template_args)
         validate_kv_quantization(
-            kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
+            kv_codec=kv_codec,
+            kinds=model.binding.cache_kinds,
         )
-        if kv_bits is not None:
-            model.require(KV_QUANTIZATION, asked=f"--kv-bits {kv_bits}")
+        if kv_bits is not None or kv_codec is not None:
+            asked = " ".join(
+                f"{flag} {value}"
+                for flag, value in (("--kv-bits", kv_bits), ("--kv-codec", kv_codec))
+                if value is not None
+            )
+            model.require(KV_QUANTIZATION, asked=asked)
         self.kv = {
             "kv_bits": kv_bits,
             "kv_group_size": kv_group_size,
             "quantized_kv_start": quantized_kv_start,
+            "kv_codec": kv_codec,
         }
         self.chat_format = ChatFormat.for_model(
             model, tokenizer, registry=registry, override=tool_call_parser

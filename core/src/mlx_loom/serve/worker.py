@@ -96,6 +96,7 @@ class Job:
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 0
+    kv_codec: str | None = None
     #: The registered adapter this job runs with (``None``: the base model).
     adapter: str | None = None
     speculation: Speculation | None = None
@@ -152,6 +153,7 @@ class GenerationWorker:
             kv_bits=job.kv_bits,
             kv_group_size=job.kv_group_size,
             quantized_kv_start=job.quantized_kv_start,
+            kv_codec=job.kv_codec,
             adapter=job.adapter,
             speculation=job.speculation,
         )

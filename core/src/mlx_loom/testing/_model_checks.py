@@ -80,6 +80,7 @@ CHECK_NAMES: tuple[str, ...] = (
     "batch-equals-single",
     "speculative-rounds",
     "kv-quantization",
+    "kv-codecs",
     "parallel-plan",
 )
 
@@ -100,6 +101,7 @@ def run_all(subject: Any, target: Target) -> list[CheckResult]:
         "batch-equals-single": lambda: check_batch_equals_single(target),
         "speculative-rounds": lambda: check_speculative_rounds(target),
         "kv-quantization": lambda: check_kv_quantization(target),
+        "kv-codecs": lambda: check_kv_codecs_on_model(target),
         "parallel-plan": lambda: check_parallel_plan(target),
     }
     out: list[CheckResult] = []
@@ -754,6 +756,51 @@ def check_kv_quantization(target: Target) -> CheckResult:
     return passed(
         name, f"kv_bits=8 (group {group}) generated {len(out)} tokens with {_kinds(quantized)}"
     )
+
+
+def check_kv_codecs_on_model(target: Target) -> CheckResult:
+    """Every non-affine KV codec the registry offers stores this model's caches.
+
+    The graph attends through whatever view a cache's ``append`` returns, so a
+    family that follows the view protocol works with every codec unchanged;
+    this check generates with each one (TurboQuant, and any a plugin
+    registered) and confirms the caches were converted.
+    """
+    from ..cache import codec_table
+    from ..errors import CapabilityRefused
+
+    name = "kv-codecs"
+    if (s := _requires(target, KV_QUANTIZATION, name)) is not None:
+        return s
+    model, tok = target.model, target.tokenizer
+    codecs = [c for n, c in codec_table(model.binding.cache_kinds).items() if n != "affine"]
+    done, refused = [], []
+    for codec in codecs:
+        pc = PromptCache(model)
+        try:
+            list(
+                stream_generate(
+                    model,
+                    tok,
+                    _ids(target, 6, seed=23),
+                    max_tokens=3,
+                    temperature=0.0,
+                    kv_codec=codec.name,
+                    prompt_cache=pc,
+                )
+            )
+        except CapabilityRefused as err:
+            refused.append(f"{codec.name} ({err.message})")
+            continue
+        kv = [c for c in pc.cache if hasattr(c, "append")]
+        stray = [type(c).__name__ for c in kv if type(c) not in codec.kinds]
+        if stray:
+            return failed(name, f"kv_codec={codec.name!r} left caches {stray} unconverted")
+        done.append(f"{codec.name} ({_kinds(kv)})")
+    if not done:
+        return skipped(name, "no codec applies: " + "; ".join(refused) if refused else "none")
+    detail = "generated with " + ", ".join(done)
+    return passed(name, detail + (f"; refused: {'; '.join(refused)}" if refused else ""))
 
 
 def check_parallel_plan(target: Target) -> CheckResult:

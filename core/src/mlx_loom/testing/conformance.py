@@ -324,11 +324,11 @@ def check_hooks(subject: _Subject) -> CheckResult:
     if unknown:
         return failed(name, f"implements unknown hooks {unknown}")
     registering = {"loom_families", "loom_model_types", "loom_implementations", "loom_profiles"}
-    if not set(implemented) & registering:
+    if not set(implemented) & registering and not _codec_kinds(subject):
         return failed(
             name,
             f"implements none of {', '.join(sorted(registering))}; a plugin registers at least "
-            "a family, or an implementation and a profile",
+            "a family, or an implementation and a profile, or a KV codec's cache kinds",
         )
     return passed(
         name,
@@ -353,10 +353,25 @@ def _hookimpl_names(subject: _Subject) -> list[str]:
     )
 
 
+def _codec_kinds(subject: _Subject) -> list[type]:
+    """The KV codec cache kinds this plugin registers (see :mod:`mlx_loom.cache.codecs`)."""
+    from ..cache import CACHE_KINDS
+
+    return [
+        cls
+        for kind, cls in subject.own.cache_kinds.items()
+        if kind not in CACHE_KINDS and isinstance(getattr(cls, "codec", None), str)
+    ]
+
+
 def check_registrations(subject: _Subject) -> CheckResult:
     name = "registrations"
     problems: list[str] = []
     reg, plugin = subject.registry, subject.name
+    codec_only = not subject.implementations and not subject.profiles and _codec_kinds(subject)
+    if codec_only:
+        kinds = ", ".join(c.__name__ for c in _codec_kinds(subject))
+        return passed(name, f"KV codec plugin: cache kinds {kinds} (checked by kv-codec-kinds)")
     if not subject.implementations:
         problems.append("registers no implementation")
     if not subject.profiles:
@@ -652,6 +667,7 @@ def run_conformance(
     plugins (for a plugin checked before it is installed anywhere).
     """
     from . import _model_checks
+    from ._codec_checks import check_kv_codecs
 
     start = time.perf_counter()
     host = host if host is not None else plugin_host(name, plugin)
@@ -685,6 +701,7 @@ def run_conformance(
         )
         results += _guard("hooks", lambda: check_hooks(subject))
         results += _guard("registrations", lambda: check_registrations(subject))
+        results += _guard("kv-codec-kinds", lambda: check_kv_codecs(dict(subject.own.cache_kinds)))
         if collisions:
             results += _guard("no-collisions", lambda: check_collisions(subject, root))
         targets: list[Target] = []

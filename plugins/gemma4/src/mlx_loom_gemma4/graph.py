@@ -13,7 +13,6 @@ and RoPE (default and proportional) are the core's shared layers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -21,12 +20,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_loom.cache import (
+    DonorView,
     KVCache,
     QuantizedKVCache,
     QuantizedRotatingKVCache,
     RotatingKVCache,
+    append_kv,
     create_attention_mask,
-    quantized_scaled_dot_product_attention,
 )
 from mlx_loom.nn import GatedMLP, SwitchGLU, geglu, make_rope
 from mlx_loom.nn.experts import ExpertKernel
@@ -51,40 +51,6 @@ class WeightlessRMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, None, self.eps)
-
-
-@dataclass(frozen=True)
-class KVShare:
-    """A donor view: what a KV-shared layer attends over.
-
-    The keys/values the donor layer's cache returned this step (plain arrays,
-    or ``(packed, scales, biases)`` triples from a quantized cache), the RoPE
-    offset the donor used (an int, or one per row for batch caches, so left
-    padding never shifts positions) and the donor's quantization. The mask —
-    which carries per-row padding and the sliding window — comes from the
-    donor kind's cache, not from here.
-    """
-
-    keys: Any
-    values: Any
-    offset: Any
-    group_size: int | None = None
-    bits: int | None = None
-
-
-def attend(q: mx.array, keys: Any, values: Any, *, quant: tuple[int, int] | None, mask: Any):
-    """Attention with Gemma 4's scale of 1.0 (q/k are RMS-normed instead)."""
-    if quant is not None:
-        group_size, bits = quant
-        return quantized_scaled_dot_product_attention(
-            q, keys, values, scale=1.0, mask=mask, group_size=group_size, bits=bits
-        )
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
-
-
-def _quant_of(cache: Any) -> tuple[int, int] | None:
-    bits = getattr(cache, "bits", None) if cache is not None else None
-    return None if bits is None else (cache.group_size, bits)
 
 
 # --- attention ------------------------------------------------------------------
@@ -121,7 +87,7 @@ class Attention(nn.Module):
             scaling=rope.scaling,
         )
 
-    def _own_kv(self, x: mx.array, cache: Any) -> KVShare:
+    def _own_kv(self, x: mx.array, cache: Any) -> DonorView:
         B, L, _ = x.shape
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
         # attention_k_eq_v: values are the raw key projection (before k_norm).
@@ -129,15 +95,13 @@ class Attention(nn.Module):
         offset = mx.array(cache.offset) if cache is not None else 0
         keys = self.rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
         values = self.v_norm(values).transpose(0, 2, 1, 3)
-        if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)
-        quant = _quant_of(cache)
-        group_size, bits = quant if quant is not None else (None, None)
-        return KVShare(keys, values, offset, group_size, bits)
+        # The cache's view (whatever its codec) is what this layer and the
+        # layers sharing its keys/values attend through; offsets ride along.
+        return DonorView(append_kv(cache, keys, values), offset)
 
     def __call__(
-        self, x: mx.array, mask: Any, cache: Any, share: KVShare | None
-    ) -> tuple[mx.array, KVShare]:
+        self, x: mx.array, mask: Any, cache: Any, share: DonorView | None
+    ) -> tuple[mx.array, DonorView]:
         B, L, _ = x.shape
         queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim))
         if self.owns_kv:
@@ -145,8 +109,8 @@ class Attention(nn.Module):
         elif share is None:
             raise RuntimeError("a KV-shared layer ran without its donor's keys/values")
         queries = self.rope(queries.transpose(0, 2, 1, 3), offset=share.offset)
-        quant = None if share.bits is None else (share.group_size, share.bits)
-        out = attend(queries, share.keys, share.values, quant=quant, mask=mask)
+        # Gemma 4's attention scale is 1.0: q and k are RMS-normed instead.
+        out = share.attend(queries, scale=1.0, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out), share
 
@@ -238,8 +202,8 @@ class DecoderLayer(nn.Module):
         mask: Any,
         cache: Any,
         per_layer_input: mx.array | None,
-        share: KVShare | None,
-    ) -> tuple[mx.array, KVShare]:
+        share: DonorView | None,
+    ) -> tuple[mx.array, DonorView]:
         attn, share = self.self_attn(self.input_layernorm(x), mask, cache, share)
         h = x + self.post_attention_layernorm(attn)
         h = h + self.post_feedforward_layernorm(self._feed_forward(h))
@@ -307,7 +271,7 @@ class TextModel(nn.Module):
         per_layer = self._per_layer_inputs(inputs, h) if self.cfg.per_layer_width else None
         caches = [None] * n if cache is None else list(cache) + [None] * (n - len(cache))
         masks = self._masks(h, caches)
-        shares: list[KVShare | None] = [None] * n
+        shares: list[DonorView | None] = [None] * n
         start = self.stage.start
         h = self.stage.enter(h, per_layer)
         for i, layer in enumerate(self.layers):

@@ -17,8 +17,8 @@ import mlx.nn as nn
 from mlx_loom.cache import (
     KVCache,
     RotatingKVCache,
+    append_kv,
     create_attention_mask,
-    scaled_dot_product_attention,
 )
 from mlx_loom.nn import GatedMLP, make_rope
 from mlx_loom.parallel import SINGLE_STAGE, Stage
@@ -56,9 +56,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0  # an array for batch caches
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        # The cache's view owns the attention arithmetic of its storage codec.
+        out = append_kv(cache, k, v).attend(q, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_loom.cache import KVCache, create_attention_mask, scaled_dot_product_attention
+from mlx_loom.cache import KVCache, append_kv, create_attention_mask
 from mlx_loom.cache.recurrent import RecurrentCache
 from mlx_loom.nn import GatedMLP, SwitchGLU, make_rope
 from mlx_loom.parallel import SINGLE_STAGE, Stage
@@ -132,9 +132,8 @@ class GatedAttention(nn.Module):
         k = self.k_norm(k).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        # The cache's view owns the attention arithmetic of its storage codec.
+        out = append_kv(cache, k, v).attend(q, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out * mx.sigmoid(gate))
 

@@ -1,0 +1,138 @@
+"""KV codecs: how a request names the storage its caches switch to.
+
+A codec is not a separate registry. It is a set of registered cache kinds
+that declare the same ``codec`` name and can be made from a plain cache::
+
+    class MyKVCache(KVCache):            # or any cache kind
+        kind = "MyKVCache"
+        codec = "my-codec"               # what kv_codec= names
+        codec_bits = (4, 8)              # the kv_bits it accepts
+        codec_default_bits = 8           # used when kv_codec is given without kv_bits
+
+        @classmethod
+        def from_plain(cls, cache, *, bits, group_size):
+            ...  # this codec's form of ``cache``, or None if it is not this kind's plain kind
+
+        def convert_like(self, plain): ...  # plain converted with this cache's settings
+
+        def append(self, keys, values):     # its own view: its own arithmetic
+            ...
+
+The core's kinds provide ``"affine"`` (:class:`~mlx_loom.cache.QuantizedKVCache`
+and its window kind) and ``"turboquant"``; a plugin adds a codec by
+registering its kinds (``loom_cache_kinds`` or ``Family(cache_kinds=...)``),
+and every family's graph then uses it — graphs only ever call the view that
+``append`` returns. Registering the kinds also makes prompt-cache files of
+that codec loadable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_loom.errors import RequestError
+
+__all__ = ["KVCodec", "codec_table", "resolve_kv_codec"]
+
+#: The codec ``kv_bits`` alone selects (mlx-lm's meaning of ``kv_bits``).
+DEFAULT_CODEC = "affine"
+
+
+@dataclass(frozen=True)
+class KVCodec:
+    """One codec: its name and the cache kinds that store in it."""
+
+    name: str
+    kinds: tuple[type, ...]
+
+    @property
+    def bits(self) -> tuple[int, ...]:
+        """The widths every kind of the codec accepts."""
+        common: set[int] | None = None
+        for cls in self.kinds:
+            allowed = set(getattr(cls, "codec_bits", ()) or ())
+            common = allowed if common is None else common & allowed
+        return tuple(sorted(common or ()))
+
+    @property
+    def default_bits(self) -> int | None:
+        for cls in self.kinds:
+            bits = getattr(cls, "codec_default_bits", None)
+            if isinstance(bits, int) and not isinstance(bits, bool):
+                return bits
+        return None
+
+    def convert(self, cache: Any, *, bits: int, group_size: int) -> Any | None:
+        """``cache`` in this codec, or ``None`` when no kind of the codec takes its kind."""
+        for cls in self.kinds:
+            converted = cls.from_plain(cache, bits=bits, group_size=group_size)
+            if converted is not None:
+                return converted
+        return None
+
+    def check_storable(self, caches: Any) -> None:
+        """Refuse (:class:`~mlx_loom.errors.CapabilityRefused`) unless every KV cache converts.
+
+        ``caches`` are a model's fresh caches; state with nothing to compress
+        (recurrent caches, which have no ``to_quantized``) is left alone.
+        """
+        from mlx_loom.errors import CapabilityRefused
+
+        for cache in caches:
+            if getattr(cache, "to_quantized", None) is None:
+                continue
+            bits = self.default_bits if self.default_bits is not None else 0
+            if self.convert(cache, bits=bits, group_size=64) is None and self.name != "affine":
+                kinds = ", ".join(k.__name__ for k in self.kinds)
+                raise CapabilityRefused(
+                    f"the {self.name!r} KV codec has no cache kind for a "
+                    f"{type(cache).__name__} (its kinds: {kinds})",
+                    fix="use a codec that stores every cache kind of this model (affine, "
+                    f"turboquant), or drop kv_codec={self.name!r}",
+                )
+
+
+def codec_table(kinds: Mapping[str, type] | None = None) -> dict[str, KVCodec]:
+    """Every codec the cache-kind table ``kinds`` provides (default: the core's kinds)."""
+    if kinds is None:
+        from mlx_loom.cache import CACHE_KINDS
+
+        kinds = CACHE_KINDS
+    found: dict[str, list[type]] = {}
+    for cls in kinds.values():
+        name = getattr(cls, "codec", None)
+        if isinstance(name, str) and name and callable(getattr(cls, "from_plain", None)):
+            found.setdefault(name, []).append(cls)
+    return {name: KVCodec(name, tuple(classes)) for name, classes in sorted(found.items())}
+
+
+def resolve_kv_codec(
+    kv_codec: Any, kv_bits: Any, *, kinds: Mapping[str, type] | None = None
+) -> tuple[KVCodec | None, int | None]:
+    """The codec and width a request's ``kv_codec`` / ``kv_bits`` ask for.
+
+    ``kv_bits`` alone means affine (as in mlx-lm); ``kv_codec`` alone uses the
+    codec's default width; neither means no KV quantization. A codec name
+    nobody registered, or a width the codec does not offer, is a
+    :class:`~mlx_loom.errors.RequestError`.
+    """
+    if kv_codec is None:
+        if kv_bits is None:
+            return None, None
+        kv_codec = DEFAULT_CODEC
+    table = codec_table(kinds)
+    if not isinstance(kv_codec, str) or kv_codec not in table:
+        raise RequestError(
+            f"kv_codec={kv_codec!r} is not a KV cache codec this installation provides",
+            fix=f"use one of {sorted(table)} (or install the plugin that provides it)",
+        )
+    codec = table[kv_codec]
+    bits = kv_bits if kv_bits is not None else codec.default_bits
+    if isinstance(bits, bool) or bits not in codec.bits:
+        raise RequestError(
+            f"kv_bits={kv_bits!r} is not a width the {kv_codec!r} KV codec supports",
+            fix=f"use kv_bits in {list(codec.bits)} with kv_codec={kv_codec!r}",
+        )
+    return codec, bits
