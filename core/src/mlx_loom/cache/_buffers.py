@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import mlx.core as mx
 
-from mlx_loom.errors import CacheError
+from mlx_loom.errors import CacheError, CapabilityRefused
 
 Stored = mx.array | tuple[mx.array, ...]
 
@@ -169,6 +169,19 @@ def trim_count(n: Any, *, owner: str) -> int:
             fix="pass the number of trailing tokens to drop",
         )
     return n
+
+
+def refuse_padded_batch(kind: str, *, codec: str, option: str) -> NoReturn:
+    """Refuse ``merge``/``empty_batch`` for a codec's cache: its rows batch by stacking.
+
+    Quantized storage cannot be left-padded row by row; the engine batches
+    such caches with ``stack()`` over rows prefilled alone instead.
+    """
+    raise CapabilityRefused(
+        f"{kind}: padded batches (merge/empty_batch) are not supported for {codec} KV caches; "
+        "batching them works by stacking rows that were prefilled alone",
+        fix=f"use stack() (the engine does), or batch without {option}",
+    )
 
 
 def parse_meta(meta_state: Any, names: Sequence[str], *, owner: str) -> list[int]:

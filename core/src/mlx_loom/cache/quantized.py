@@ -29,7 +29,6 @@ import mlx.core as mx
 from mlx_loom.cache import _buffers as buf
 from mlx_loom.cache.kv import GrowingKV
 from mlx_loom.cache.rotating import RotatingBase
-from mlx_loom.errors import CapabilityRefused
 
 if TYPE_CHECKING:
     from mlx_loom.cache.batch import BatchQuantizedKVCache
@@ -39,10 +38,7 @@ __all__ = ["QuantizedKVCache", "QuantizedRotatingKVCache"]
 
 
 def _refuse_batch(kind: str) -> NoReturn:
-    raise CapabilityRefused(
-        f"{kind}: batching (B > 1 with per-row padding) is not supported for quantized KV caches",
-        fix="generate one sequence at a time with KV quantization, or batch without kv_bits",
-    )
+    buf.refuse_padded_batch(kind, codec="affine-quantized", option="kv_bits")
 
 
 class QuantizedKVCache(GrowingKV):

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import mlx.core as mx
 
+from mlx_loom.cache import _buffers as buf
 from mlx_loom.errors import CacheError, CapabilityRefused
 
 if TYPE_CHECKING:
@@ -291,15 +292,10 @@ class TurboQuantView:
 
 
 def refuse_padded_batch(kind: str) -> NoReturn:
-    raise CapabilityRefused(
-        f"{kind}: padded batches (merge/empty_batch) are not supported for TurboQuant KV caches",
-        fix="let the engine stack rows that were prefilled alone, or batch without kv_codec",
-    )
+    buf.refuse_padded_batch(kind, codec="TurboQuant", option="kv_codec")
 
 
 def state_bits(meta_state: Sequence[str], names: Sequence[str], *, owner: str) -> list[int]:
-    from mlx_loom.cache._buffers import parse_meta
-
-    values = parse_meta(meta_state, names, owner=owner)
+    values = buf.parse_meta(meta_state, names, owner=owner)
     check_bits(values[-1], owner=owner)
     return values
