@@ -141,18 +141,7 @@ class StackedRotatingKVCache:
                 f"{self.kind}: got keys for {B} rows; the batch has {self.batch_size}",
                 fix="pass one row of keys/values per batch row",
             )
-        slots = self._slots_after_write()
-        if slots > self._slots():
-            grow = slots - self._slots()
-            new_k, new_v = (
-                self._codec.zeros_keys(keys, grow),
-                self._codec.zeros_values(values, grow),
-            )
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                self.keys = buf.cat([self.keys, new_k])
-                self.values = buf.cat([self.values, new_v])
+        self._grow_for_write(keys, values)
         where = mx.array(self._next, dtype=mx.int32)[:, None, None, None]
         self.keys = _scatter(self.keys, where, self._codec.encode_keys(keys))
         self.values = _scatter(self.values, where, self._codec.encode_values(values))
@@ -267,23 +256,26 @@ class StackedRotatingKVCache:
             writing = [k > t for k in counts]
             self._write_rows(keys[:, :, t : t + 1], values[:, :, t : t + 1], writing)
 
+    def _grow_for_write(self, keys: mx.array, values: mx.array) -> None:
+        """Add the empty slots the next one-token write needs (none once the window is full)."""
+        slots = self._slots_after_write()
+        if slots <= self._slots():
+            return
+        grow = slots - self._slots()
+        new_k = self._codec.zeros_keys(keys, grow)
+        new_v = self._codec.zeros_values(values, grow)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = buf.cat([self.keys, new_k])
+            self.values = buf.cat([self.values, new_v])
+
     def _write_rows(self, keys: mx.array, values: mx.array, writing: list[bool]) -> None:
         """One-token writes for the rows in ``writing``; the other rows keep every slot."""
         if all(writing):
             self.update_and_fetch(keys, values)
             return
-        slots = self._slots_after_write()
-        if slots > self._slots():
-            grow = slots - self._slots()
-            new_k, new_v = (
-                self._codec.zeros_keys(keys, grow),
-                self._codec.zeros_values(values, grow),
-            )
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                self.keys = buf.cat([self.keys, new_k])
-                self.values = buf.cat([self.values, new_v])
+        self._grow_for_write(keys, values)
         where = mx.array(self._next, dtype=mx.int32)[:, None, None, None]
         on = mx.array(writing)[:, None, None, None]
 
