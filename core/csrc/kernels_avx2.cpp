@@ -18,82 +18,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "avx2_common.h"
 #include "kernels.h"
 
 namespace loom_cpu {
 namespace {
-
-// ---------------------------------------------------------------------------
-// Scalars and small vectors
-
-inline float bf16_to_f32(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  if (f != f) {
-    return 0x7FC0;
-  }
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += ((u >> 16) & 1) + 0x7FFFu;
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float f16_to_f32(uint16_t v) {
-  return _cvtsh_ss(v);
-}
-
-inline uint16_t f32_to_f16(float f) {
-  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
-}
-
-inline float load_scalar(const void* base, int dtype, size_t i) {
-  switch (dtype) {
-    case kBF16:
-      return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
-    case kF16:
-      return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
-    default:
-      return static_cast<const float*>(base)[i];
-  }
-}
-
-inline void store_scalar(void* base, int dtype, size_t i, float v) {
-  switch (dtype) {
-    case kBF16:
-      static_cast<uint16_t*>(base)[i] = f32_to_bf16(v);
-      break;
-    case kF16:
-      static_cast<uint16_t*>(base)[i] = f32_to_f16(v);
-      break;
-    default:
-      static_cast<float*>(base)[i] = v;
-  }
-}
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  lo = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, lo);
-  lo = _mm_add_ss(lo, sh);
-  return _mm_cvtss_f32(lo);
-}
-
-inline __m256 load_bf16x8(const uint16_t* p) {
-  __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
-
-inline __m256 load_f16x8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 
 // Eight consecutive dense weights of row `row` starting at column k, as fp32.
 template <int WD>
@@ -203,18 +132,21 @@ void dense_row(const float* const* xs, const void* wrow, int K, float* res) {
   }
 }
 
-// Thirty-two 4-bit codes (16 bytes) as four vectors of exact fp32 integers,
-// in the order low nibbles of bytes 0-7, 8-15, then high nibbles of 0-7, 8-15
-// (the order permute_for_4bit puts x in).
-inline void load_codes32_4bit(const uint8_t* p, __m256* q) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(v, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
-  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+// Sixty-four 4-bit codes (32 bytes, eight little-endian words) as eight
+// vectors of exact fp32 integers without crossing lanes: vector i holds, in
+// lane j, code 8j + i (nibble i of word j). permute_for_4bit puts x in the
+// same order, so each vector meets the activations of its own codes.
+inline void load_codes64_4bit(const uint8_t* p, __m256i* q) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i mask = _mm256_set1_epi32(0xF);
+  q[0] = _mm256_and_si256(v, mask);
+  q[1] = _mm256_and_si256(_mm256_srli_epi32(v, 4), mask);
+  q[2] = _mm256_and_si256(_mm256_srli_epi32(v, 8), mask);
+  q[3] = _mm256_and_si256(_mm256_srli_epi32(v, 12), mask);
+  q[4] = _mm256_and_si256(_mm256_srli_epi32(v, 16), mask);
+  q[5] = _mm256_and_si256(_mm256_srli_epi32(v, 20), mask);
+  q[6] = _mm256_and_si256(_mm256_srli_epi32(v, 24), mask);
+  q[7] = _mm256_srli_epi32(v, 28);
 }
 
 template <int MT, int BITS, int SD>
@@ -240,22 +172,10 @@ void affine_row(
     for (int m = 0; m < MT; ++m) {
       acc[m] = _mm256_setzero_ps();
     }
-    if constexpr (BITS == 4) {
-      for (int k = k0; k < k0 + group_size; k += 32) {
-        __m256 q[4];
-        load_codes32_4bit(wrow + k / 2, q);
-        for (int c = 0; c < 4; ++c) {
-          for (int m = 0; m < MT; ++m) {
-            acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[m] + k + 8 * c), q[c], acc[m]);
-          }
-        }
-      }
-    } else {
-      for (int k = k0; k < k0 + group_size; k += 8) {
-        const __m256 q = load_codes8<BITS>(wrow, k);
-        for (int m = 0; m < MT; ++m) {
-          acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[m] + k), q, acc[m]);
-        }
+    for (int k = k0; k < k0 + group_size; k += 8) {
+      const __m256 q = load_codes8<BITS>(wrow, k);
+      for (int m = 0; m < MT; ++m) {
+        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[m] + k), q, acc[m]);
       }
     }
     const float s = load_scalar(srow, SD, g);
@@ -268,6 +188,134 @@ void affine_row(
   }
   for (int m = 0; m < MT; ++m) {
     res[m] = hsum(tot[m]) + bsum[m];
+  }
+}
+
+// sum_g bias[g] * xsum[m][g] for every activation row: eight groups per
+// vector step (lanes reduced at the end), the remainder one at a time.
+template <int MT, int SD>
+inline void bias_terms(const float* const* xsums, const void* brow, int groups, float* out) {
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm256_setzero_ps();
+  }
+  const int g8 = groups & ~7;
+  for (int g = 0; g < g8; g += 8) {
+    const __m256 b = load_dense8<SD>(brow, g);
+    for (int m = 0; m < MT; ++m) {
+      acc[m] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xsums[m] + g), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    float s = hsum(acc[m]);
+    for (int g = g8; g < groups; ++g) {
+      s = __builtin_fmaf(load_scalar(brow, SD, g), xsums[m][g], s);
+    }
+    out[m] = s;
+  }
+}
+
+// One block of 64 4-bit codes against MT activation rows: acc[m] lane j
+// gathers codes 8j..8j+7 of the block, in order.
+template <int MT>
+inline void affine4_block(const float* const* xs, const uint8_t* wrow, int k, __m256* acc) {
+  __m256i q[8];
+  load_codes64_4bit(wrow + k / 2, q);
+  __m256 a[MT][2];
+  for (int m = 0; m < MT; ++m) {
+    a[m][0] = _mm256_mul_ps(_mm256_loadu_ps(xs[m] + k), _mm256_cvtepi32_ps(q[0]));
+    a[m][1] = _mm256_mul_ps(_mm256_loadu_ps(xs[m] + k + 8), _mm256_cvtepi32_ps(q[1]));
+  }
+  for (int c = 2; c < 8; c += 2) {
+    const __m256 q0 = _mm256_cvtepi32_ps(q[c]);
+    const __m256 q1 = _mm256_cvtepi32_ps(q[c + 1]);
+    for (int m = 0; m < MT; ++m) {
+      a[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[m] + k + 8 * c), q0, a[m][0]);
+      a[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[m] + k + 8 * c + 8), q1, a[m][1]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm256_add_ps(acc[m], _mm256_add_ps(a[m][0], a[m][1]));
+  }
+}
+
+// 4-bit rows, decoded 64 codes at a time in-lane. Groups of 64 or 128 take
+// whole blocks; with groups of 32 a block holds two groups (lanes 0-3 and
+// 4-7), so its partial is scaled by a vector of their two scales, and a row
+// whose length is an odd number of such groups ends with one 32-code block
+// on 128-bit vectors.
+template <int MT, int SD>
+void affine4_row(
+    const float* const* xs,
+    const float* const* xsums,
+    const uint8_t* wrow,
+    const void* srow,
+    const void* brow,
+    int K,
+    int group_size,
+    float* res) {
+  __m256 tot[MT];
+  float bsum[MT];
+  float tail[MT];
+  for (int m = 0; m < MT; ++m) {
+    tot[m] = _mm256_setzero_ps();
+    bsum[m] = 0.0f;
+    tail[m] = 0.0f;
+  }
+  const int groups = K / group_size;
+  if (group_size >= 64) {
+    for (int g = 0; g < groups; ++g) {
+      const int k0 = g * group_size;
+      __m256 acc[MT];
+      for (int m = 0; m < MT; ++m) {
+        acc[m] = _mm256_setzero_ps();
+      }
+      for (int k = k0; k < k0 + group_size; k += 64) {
+        affine4_block<MT>(xs, wrow, k, acc);
+      }
+      const __m256 sv = _mm256_set1_ps(load_scalar(srow, SD, g));
+      for (int m = 0; m < MT; ++m) {
+        tot[m] = _mm256_fmadd_ps(sv, acc[m], tot[m]);
+      }
+    }
+  } else {
+    const int K64 = K & ~63;
+    for (int k = 0; k < K64; k += 64) {
+      __m256 acc[MT];
+      for (int m = 0; m < MT; ++m) {
+        acc[m] = _mm256_setzero_ps();
+      }
+      affine4_block<MT>(xs, wrow, k, acc);
+      const int g = k / 32;
+      const __m256 sv = _mm256_set_m128(
+          _mm_set1_ps(load_scalar(srow, SD, g + 1)), _mm_set1_ps(load_scalar(srow, SD, g)));
+      for (int m = 0; m < MT; ++m) {
+        tot[m] = _mm256_fmadd_ps(sv, acc[m], tot[m]);
+      }
+    }
+    if (K64 < K) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + K64 / 2));
+      __m128 acc[MT];
+      for (int m = 0; m < MT; ++m) {
+        acc[m] = _mm_setzero_ps();
+      }
+      for (int c = 0; c < 8; ++c) {
+        const __m128 qf = _mm_cvtepi32_ps(_mm_and_si128(_mm_srli_epi32(v, 4 * c), _mm_set1_epi32(0xF)));
+        for (int m = 0; m < MT; ++m) {
+          acc[m] = _mm_fmadd_ps(_mm_loadu_ps(xs[m] + K64 + 4 * c), qf, acc[m]);
+        }
+      }
+      const float s = load_scalar(srow, SD, groups - 1);
+      for (int m = 0; m < MT; ++m) {
+        __m128 h = _mm_add_ps(acc[m], _mm_movehl_ps(acc[m], acc[m]));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        tail[m] = s * _mm_cvtss_f32(h);
+      }
+    }
+  }
+  bias_terms<MT, SD>(xsums, brow, groups, bsum);
+  for (int m = 0; m < MT; ++m) {
+    res[m] = (hsum(tot[m]) + tail[m]) + bsum[m];
   }
 }
 
@@ -337,7 +385,16 @@ void gemv_pass(const Product& p, const float* xsum, int m0, int n0, int n1) {
         LOOM_AFFINE_S(3);
         break;
       case 4:
-        LOOM_AFFINE_S(4);
+        switch (p.s_dtype) {
+          case kBF16:
+            affine4_row<MT, kBF16>(xs, xsums, wrow, srow, brow, K, p.group_size, res);
+            break;
+          case kF16:
+            affine4_row<MT, kF16>(xs, xsums, wrow, srow, brow, K, p.group_size, res);
+            break;
+          default:
+            affine4_row<MT, kF32>(xs, xsums, wrow, srow, brow, K, p.group_size, res);
+        }
         break;
       case 5:
         LOOM_AFFINE_S(5);
@@ -527,13 +584,15 @@ void prepare_affine_x(const Product& p, float* x_out, float* xsum) {
       xsum[static_cast<size_t>(m) * groups + g] = s;
     }
     if (p.bits == 4 && x_out != nullptr) {
+      // The order affine4_row meets the codes in: per block of 64 (or a
+      // last block of 32), position w * i + j holds column 8 * j + i.
       float* xo = x_out + static_cast<size_t>(m) * K;
-      for (int k = 0; k < K; k += 32) {
-        for (int j = 0; j < 8; ++j) {
-          xo[k + j] = x[k + 2 * j];
-          xo[k + 8 + j] = x[k + 16 + 2 * j];
-          xo[k + 16 + j] = x[k + 2 * j + 1];
-          xo[k + 24 + j] = x[k + 16 + 2 * j + 1];
+      for (int k = 0; k < K; k += 64) {
+        const int words = (K - k) >= 64 ? 8 : 4;
+        for (int i = 0; i < 8; ++i) {
+          for (int j = 0; j < words; ++j) {
+            xo[k + words * i + j] = x[k + 8 * j + i];
+          }
         }
       }
     }

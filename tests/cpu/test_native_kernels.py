@@ -74,6 +74,22 @@ def test_affine_product_is_within_the_fp32_bound(M, bits, group_size):
     assert_within_bound(y, ref, np.abs(xs) @ (np.abs(scale) * q + np.abs(offset)).T, K)
 
 
+@pytest.mark.parametrize("M", [1, 5])
+def test_4bit_rows_of_an_odd_number_of_32_groups_are_within_the_bound(M):
+    # 4-bit codes are decoded 64 at a time; a row of 11 groups of 32 ends
+    # with one 32-code block.
+    N, K, group_size = 19, 352, 32
+    wq, s, b = quantized(N, K, 4, group_size, mx.bfloat16)
+    x = rand((M, K), seed=21)
+    y = nat.affine_matmul(x, wq, s, b, 4, group_size)
+    q = f64(mx.dequantize(wq, mx.ones_like(s), mx.zeros_like(b), group_size=group_size, bits=4))
+    scale = np.repeat(f64(s), group_size, axis=1)
+    offset = np.repeat(f64(b), group_size, axis=1)
+    xs = f64(x)
+    ref = xs @ (scale * q + offset).T
+    assert_within_bound(y, ref, np.abs(xs) @ (np.abs(scale) * q + np.abs(offset)).T, K)
+
+
 @pytest.mark.parametrize("M", [1, 20])
 @pytest.mark.parametrize("scale_dtype", [mx.float32, mx.bfloat16, mx.float16], ids=str)
 def test_affine_product_equals_mlx_quantized_matmul_within_the_bound(M, scale_dtype):
