@@ -7,6 +7,7 @@
 
 #include "cpu_features.h"
 #include "native_matmul.h"
+#include "native_ops.h"
 #include "threadpool.h"
 
 namespace nb = nanobind;
@@ -62,4 +63,50 @@ NB_MODULE(_native, m) {
       "group_size"_a,
       "bias"_a = nb::none(),
       "x @ dequantize(w).T (+ bias) for MLX affine packing; fp32 arithmetic.");
+
+  m.def(
+      "rms_norm",
+      [](const mlx::core::array& x, const std::optional<mlx::core::array>& w, float eps) {
+        return loom_cpu::rms_norm(x, w, eps);
+      },
+      "x"_a,
+      "weight"_a = nb::none(),
+      "eps"_a,
+      "mx.fast.rms_norm(x, weight, eps) as one node; fp32 arithmetic.");
+  m.def(
+      "rope",
+      [](const mlx::core::array& x,
+         int dims,
+         bool traditional,
+         const mlx::core::array& inv_freq,
+         float scale,
+         const mlx::core::array& offsets) {
+        return loom_cpu::rope(x, dims, traditional, inv_freq, scale, offsets);
+      },
+      "x"_a,
+      "dims"_a,
+      "traditional"_a,
+      "inv_freq"_a,
+      "scale"_a,
+      "offsets"_a,
+      "mx.fast.rope for x [..., L, D] with float32 inverse frequencies [dims / 2] and int32 "
+      "offsets [1] or [batch]; fp32 arithmetic.");
+  m.def(
+      "attention",
+      [](const mlx::core::array& q,
+         const mlx::core::array& k,
+         const mlx::core::array& v,
+         float scale,
+         bool causal,
+         const std::optional<mlx::core::array>& mask) {
+        return loom_cpu::attention(q, k, v, scale, causal, mask);
+      },
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "scale"_a,
+      "causal"_a = false,
+      "mask"_a = nb::none(),
+      "softmax(scale * q k^T + mask) v for q [B, Hq, L, D], k/v [B, Hkv, S, D]; an additive "
+      "float32 mask broadcastable to [B, Hq, L, S]; fp32 arithmetic.");
 }

@@ -5,8 +5,8 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "cpu_features.h"
 #include "kernels.h"
+#include "native_common.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/utils.h"
@@ -15,59 +15,6 @@
 namespace loom_cpu {
 
 namespace {
-
-int code_of(mx::Dtype d) {
-  if (d == mx::bfloat16) {
-    return kBF16;
-  }
-  if (d == mx::float16) {
-    return kF16;
-  }
-  return kF32;
-}
-
-bool is_float(mx::Dtype d) {
-  return d == mx::float32 || d == mx::bfloat16 || d == mx::float16;
-}
-
-std::string shape_str(const mx::array& a) {
-  std::ostringstream os;
-  os << "(";
-  for (int i = 0; i < a.ndim(); ++i) {
-    os << (i ? ", " : "") << a.shape(i);
-  }
-  os << (a.ndim() == 1 ? ",)" : ")");
-  return os.str();
-}
-
-std::string dtype_str(mx::Dtype d) {
-  std::ostringstream os;
-  os << d;
-  return os.str();
-}
-
-void require(bool ok, const std::string& message) {
-  if (!ok) {
-    throw std::invalid_argument(message);
-  }
-}
-
-void check_runnable() {
-  std::string missing = missing_instructions();
-  if (!missing.empty()) {
-    throw std::runtime_error(
-        "[loom native kernels] this CPU lacks " + missing +
-        ", which the native CPU kernels need.");
-  }
-}
-
-mx::Stream cpu_stream(mx::StreamOrDevice s) {
-  mx::Stream stream = mx::to_stream(s);
-  require(
-      stream.device == mx::Device::cpu,
-      "[loom native kernels] run only on the CPU device; the stream given is on the GPU.");
-  return stream;
-}
 
 void check_x(const mx::array& x, int K) {
   require(x.ndim() >= 1, "[loom native kernels] x must have at least one dimension.");
@@ -101,44 +48,12 @@ mx::array finish_op(
     mx::Stream stream) {
   auto out_shape = inputs[0].shape();
   out_shape.back() = N;
-  // The kernels read row-contiguous memory. Weights are evaluated and
-  // contiguous already, so only what is not known to be (the activations)
-  // gets a contiguity node: a decode step builds fewer graph nodes.
-  for (auto& a : inputs) {
-    const bool known_contiguous =
-        a.status() != mx::array::Status::unscheduled && a.flags().row_contiguous;
-    if (!known_contiguous) {
-      a = mx::contiguous(a, false, stream);
-    }
-  }
   return mx::array(
       std::move(out_shape),
       out_dtype,
       std::make_shared<NativeMatmul>(stream, bits, group_size, has_bias),
       std::move(inputs));
 }
-
-// Per-thread fp32 scratch, reused across calls (32-byte aligned).
-struct Scratch {
-  float* data = nullptr;
-  size_t size = 0;
-  ~Scratch() {
-    std::free(data);
-  }
-  float* get(size_t floats) {
-    if (floats > size) {
-      std::free(data);
-      size_t bytes = ((floats * sizeof(float)) + 63) / 64 * 64;
-      data = static_cast<float*>(std::aligned_alloc(64, bytes));
-      if (data == nullptr) {
-        size = 0;
-        throw std::bad_alloc();
-      }
-      size = floats;
-    }
-    return data;
-  }
-};
 
 thread_local Scratch x_scratch;
 thread_local Scratch perm_scratch;
@@ -282,14 +197,14 @@ mx::array affine_matmul(
 }
 
 void NativeMatmul::eval_cpu(
-    const std::vector<mx::array>& inputs,
+    const std::vector<mx::array>& raw_inputs,
     std::vector<mx::array>& outputs) {
   mx::array& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  for (const auto& a : inputs) {
-    if (!a.flags().row_contiguous) {
-      throw std::runtime_error("[loom native kernels] inputs must be row-contiguous.");
-    }
+  // The kernels read row-contiguous memory (weights always are).
+  std::vector<mx::array> inputs;
+  for (const auto& a : raw_inputs) {
+    inputs.push_back(row_contiguous(a, stream()));
   }
   const mx::array& x = inputs[0];
   const mx::array& w = inputs[1];

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
+from .cpu.forward import forward_kernels
 from .errors import AdapterError, CapabilityRefused
 
 if TYPE_CHECKING:
@@ -156,18 +157,19 @@ class Model:
     ) -> mx.array:
         """Logits for ``inputs``; ``adapters`` names each row's adapter from
         :attr:`adapter_set` (``None`` for a row: the base model)."""
-        if adapters is None:
-            return self.module(inputs, cache=cache)
-        if self.adapter_set is None:
-            if any(name is not None for name in adapters):
-                raise AdapterError(
-                    f"a forward asked for adapters {sorted({n for n in adapters if n})}, "
-                    "but this model has no adapter set",
-                    fix="register the adapters first (mlx_loom.adapters.AdapterSet)",
-                )
-            return self.module(inputs, cache=cache)
-        with self.adapter_set.rows(adapters):
-            return self.module(inputs, cache=cache)
+        with forward_kernels(self.cpu_path.kernel_set if self.cpu_path is not None else None):
+            if adapters is None:
+                return self.module(inputs, cache=cache)
+            if self.adapter_set is None:
+                if any(name is not None for name in adapters):
+                    raise AdapterError(
+                        f"a forward asked for adapters {sorted({n for n in adapters if n})}, "
+                        "but this model has no adapter set",
+                        fix="register the adapters first (mlx_loom.adapters.AdapterSet)",
+                    )
+                return self.module(inputs, cache=cache)
+            with self.adapter_set.rows(adapters):
+                return self.module(inputs, cache=cache)
 
     def make_cache(self) -> list[Any]:
         return self.module.make_cache()

@@ -34,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 
 from mlx_loom.cache.attention import quantized_scaled_dot_product_attention
+from mlx_loom.cpu.forward import current_attention
 from mlx_loom.errors import CacheError, CapabilityRefused
 
 __all__ = [
@@ -59,7 +60,9 @@ class KVView(Protocol):
 
 @dataclass(frozen=True)
 class PlainView:
-    """Keys/values as arrays ``[B, Hkv, S, D]``: ``mx.fast.scaled_dot_product_attention``."""
+    """Keys/values as arrays ``[B, Hkv, S, D]``: ``mx.fast.scaled_dot_product_attention``,
+    or the native CPU attention while a ``cpu-native`` model's forward is built
+    (:func:`mlx_loom.cpu.ops.current_attention`)."""
 
     keys: mx.array
     values: mx.array
@@ -67,6 +70,9 @@ class PlainView:
     def attend(
         self, queries: mx.array, *, scale: float, mask: Any, sinks: mx.array | None = None
     ) -> mx.array:
+        kernel = current_attention()
+        if kernel is not None and sinks is None:
+            return kernel(queries, self.keys, self.values, scale=scale, mask=single_mask(mask))
         return mx.fast.scaled_dot_product_attention(
             queries, self.keys, self.values, scale=scale, mask=single_mask(mask), sinks=sinks
         )

@@ -11,10 +11,13 @@ kernel. Family code is not touched.
 
 Exactly these four classes are swapped (``type(m) is nn.Linear``, not
 subclasses: a subclass may compute something else), and only affine
-quantization (the only mode the loader accepts).
+quantization (the only mode the loader accepts). The same pass swaps the
+norm and RoPE modules for their one-node versions (:mod:`mlx_loom.cpu.ops`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -89,6 +92,21 @@ SWAPS: dict[type[nn.Module], type[nn.Module]] = {
     nn.QuantizedEmbedding: NativeQuantizedEmbedding,
 }
 
+
+@functools.cache
+def op_swaps() -> dict[type[nn.Module], type[nn.Module]]:
+    """The norm and RoPE classes and their one-node versions (imported on first use:
+    :mod:`mlx_loom.nn` imports the host, which imports this module)."""
+    from ..nn.rope import FreqsRoPE
+    from . import ops
+
+    return {
+        nn.RMSNorm: ops.NativeRMSNorm,
+        nn.RoPE: ops.NativeRoPE,
+        FreqsRoPE: ops.NativeFreqsRoPE,
+    }
+
+
 #: Parameters each native class reads in their stored dtype: they keep the
 #: checkpoint's dtype, while every other floating parameter of the model
 #: follows the compute dtype.
@@ -100,7 +118,20 @@ KEPT_AS_STORED: dict[type[nn.Module], frozenset[str]] = {
 }
 
 
+def kept_as_stored(module: nn.Module) -> frozenset[str]:
+    """Names of ``module``'s arrays that keep their dtype under a compute dtype:
+    the matrices the native kernels read as stored, and the RoPE kernels'
+    float32 inverse frequencies."""
+    if type(module) in op_swaps().values():
+        return frozenset({"_inv_freq"})
+    return KEPT_AS_STORED.get(type(module), frozenset())
+
+
 def swappable(module: nn.Module) -> bool:
+    if type(module) in op_swaps():
+        from . import ops
+
+        return ops.fits(module)
     return type(module) in SWAPS and getattr(module, "mode", "affine") == "affine"
 
 
@@ -110,6 +141,13 @@ def swap_in(module: nn.Module, compute_dtype: mx.Dtype | None) -> None:
     The class changes in place, so the module keeps its identity, its place
     in the tree and everything the loader set on it.
     """
+    op_class = op_swaps().get(type(module))
+    if op_class is not None:
+        module.__class__ = op_class
+        prepare = getattr(module, "prepare", None)
+        if callable(prepare):
+            prepare()
+        return
     module.__class__ = SWAPS[type(module)]
     if isinstance(module, NativeEmbedding | NativeQuantizedEmbedding):
         module.compute_dtype = compute_dtype
@@ -119,6 +157,6 @@ def native_modules(model: nn.Module) -> dict[str, int]:
     """How many modules of each native class ``model`` holds."""
     counts: dict[str, int] = {}
     for _, mod in model.named_modules():
-        if type(mod) in KEPT_AS_STORED:
+        if type(mod) in KEPT_AS_STORED or type(mod) in op_swaps().values():
             counts[type(mod).__name__] = counts.get(type(mod).__name__, 0) + 1
     return counts

@@ -70,6 +70,22 @@ def _native_dense(x: mx.array, w: mx.array, bias: mx.array | None = None) -> mx.
     return native.module().dense_matmul(x, w, bias)
 
 
+def _native_rms_norm(x: mx.array, w: mx.array | None, eps: float) -> mx.array:
+    return native.module().rms_norm(x, w, eps)
+
+
+def _native_rope(
+    x: mx.array, dims: int, traditional: bool, inv_freq: mx.array, scale: float, offsets: mx.array
+) -> mx.array:
+    return native.module().rope(x, dims, traditional, inv_freq, scale, offsets)
+
+
+def _native_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask) -> mx.array:
+    from .ops import attention
+
+    return attention(q, k, v, scale=scale, mask=mask)
+
+
 @dataclass(frozen=True)
 class KernelSet:
     """A named set of CPU kernels for the model's matrix products.
@@ -114,13 +130,36 @@ def cpu_kernel_sets() -> dict[str, KernelSet]:
         "cpu-native": KernelSet(
             "cpu-native",
             "compiled AVX2/FMA kernels: multithreaded matrix-vector and blocked GEMM products "
-            "for fp32/bf16/fp16 and affine 2-8 bit weights, fp32 accumulation",
+            "for fp32/bf16/fp16 and affine 2-8 bit weights, RMS norm, RoPE and attention as "
+            "one node each; fp32 accumulation",
             (
                 Kernel(
                     "matmul",
                     "cpu",
                     _native_dense,
                     description="mlx_loom.cpu._native dense_matmul / affine_matmul",
+                    provider=core,
+                ),
+                Kernel(
+                    "rms_norm",
+                    "cpu",
+                    _native_rms_norm,
+                    description="mlx_loom.cpu._native rms_norm: nn.RMSNorm as one node",
+                    provider=core,
+                ),
+                Kernel(
+                    "rope",
+                    "cpu",
+                    _native_rope,
+                    description="mlx_loom.cpu._native rope: nn.RoPE and the core's RoPE kinds",
+                    provider=core,
+                ),
+                Kernel(
+                    "attention",
+                    "cpu",
+                    _native_attention,
+                    description="mlx_loom.cpu._native attention over plain KV views "
+                    "(no sinks; quantized views keep their own products)",
                     provider=core,
                 ),
             ),
@@ -276,7 +315,7 @@ def apply_cpu_path(model: nn.Module, path: CpuPath) -> None:
     if dtype is None:
         return
     for _, mod in model.named_modules():
-        kept = layers.KEPT_AS_STORED.get(type(mod), frozenset())
+        kept = layers.kept_as_stored(mod)
         for name, value in list(mod.items()):
             if name in kept:
                 continue

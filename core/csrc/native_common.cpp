@@ -1,0 +1,136 @@
+#include "native_common.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <sstream>
+#include <stdexcept>
+
+#include "cpu_features.h"
+#include "kernels.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace loom_cpu {
+
+int code_of(mx::Dtype d) {
+  if (d == mx::bfloat16) {
+    return kBF16;
+  }
+  if (d == mx::float16) {
+    return kF16;
+  }
+  return kF32;
+}
+
+bool is_float(mx::Dtype d) {
+  return d == mx::float32 || d == mx::bfloat16 || d == mx::float16;
+}
+
+std::string shape_str(const mx::array& a) {
+  std::ostringstream os;
+  os << "(";
+  for (int i = 0; i < a.ndim(); ++i) {
+    os << (i ? ", " : "") << a.shape(i);
+  }
+  os << (a.ndim() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+std::string dtype_str(mx::Dtype d) {
+  std::ostringstream os;
+  os << d;
+  return os.str();
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) {
+    throw std::invalid_argument(message);
+  }
+}
+
+void check_runnable() {
+  std::string missing = missing_instructions();
+  if (!missing.empty()) {
+    throw std::runtime_error(
+        "[loom native kernels] this CPU lacks " + missing +
+        ", which the native CPU kernels need.");
+  }
+}
+
+mx::Stream cpu_stream(mx::StreamOrDevice s) {
+  mx::Stream stream = mx::to_stream(s);
+  require(
+      stream.device == mx::Device::cpu,
+      "[loom native kernels] run only on the CPU device; the stream given is on the GPU.");
+  return stream;
+}
+
+namespace {
+
+// Copy a strided array (element size `esize`) into dense row-major order.
+void strided_copy(
+    const char* src,
+    char* dst,
+    const std::vector<int>& shape,
+    const std::vector<int64_t>& strides,
+    size_t esize) {
+  const int nd = static_cast<int>(shape.size());
+  size_t total = 1;
+  for (int d : shape) {
+    total *= static_cast<size_t>(d);
+  }
+  std::vector<int> idx(nd, 0);
+  int64_t off = 0;
+  for (size_t i = 0; i < total; ++i) {
+    std::memcpy(dst + i * esize, src + off * static_cast<int64_t>(esize), esize);
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < shape[d]) {
+        off += strides[d];
+        break;
+      }
+      off -= strides[d] * (shape[d] - 1);
+      idx[d] = 0;
+    }
+  }
+}
+
+}  // namespace
+
+mx::array row_contiguous(const mx::array& a, mx::Stream stream) {
+  if (a.flags().row_contiguous) {
+    return a;
+  }
+  mx::array copy(a.shape(), a.dtype(), nullptr, {});
+  copy.set_data(mx::allocator::malloc(copy.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  encoder.set_input_array(a);
+  encoder.set_output_array(copy);
+  std::vector<int> shape(a.shape().begin(), a.shape().end());
+  std::vector<int64_t> strides(a.strides().begin(), a.strides().end());
+  encoder.dispatch([src = a.data<char>(), dst = copy.data<char>(), shape, strides,
+                    esize = a.itemsize()]() { strided_copy(src, dst, shape, strides, esize); });
+  encoder.add_temporary(copy);
+  return copy;
+}
+
+Scratch::~Scratch() {
+  std::free(data);
+}
+
+float* Scratch::get(size_t floats) {
+  if (floats > size) {
+    std::free(data);
+    size_t bytes = ((floats * sizeof(float)) + 63) / 64 * 64;
+    data = static_cast<float*>(std::aligned_alloc(64, bytes));
+    if (data == nullptr) {
+      size = 0;
+      throw std::bad_alloc();
+    }
+    size = floats;
+  }
+  return data;
+}
+
+}  // namespace loom_cpu

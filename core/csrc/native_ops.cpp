@@ -1,0 +1,265 @@
+#include "native_ops.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "native_common.h"
+#include "ops.h"
+#include "threadpool.h"
+
+namespace loom_cpu {
+
+namespace {
+
+thread_local Scratch attention_scratch;
+
+// Below this much work (element-multiply-adds) an op runs on one thread.
+constexpr long long kParallelWork = 1 << 15;
+
+void require_float(const mx::array& a, const char* what) {
+  require(
+      is_float(a.dtype()),
+      std::string("[loom native kernels] ") + what + " must be float32, bfloat16 or float16, got " +
+          dtype_str(a.dtype()) + ".");
+}
+
+// Split `count` units of `work_each` over the pool in contiguous chunks.
+template <typename F>
+void split(int count, long long work_each, F&& fn) {
+  const long long total = static_cast<long long>(count) * std::max(work_each, 1LL);
+  const int tasks = total < kParallelWork ? 1 : std::min(count, pool_threads() * 4);
+  const int chunk = (count + tasks - 1) / std::max(tasks, 1);
+  const int used = (count + chunk - 1) / std::max(chunk, 1);
+  parallel_for(used, [&](int t) {
+    const int a = t * chunk;
+    fn(a, std::min(count, a + chunk));
+  });
+}
+
+mx::array make_op(
+    mx::Shape shape,
+    mx::Dtype dtype,
+    NativeOp::Kind kind,
+    float fparam,
+    int iparam,
+    bool flag,
+    std::vector<mx::array> inputs,
+    mx::Stream stream) {
+  return mx::array(
+      std::move(shape),
+      dtype,
+      std::make_shared<NativeOp>(stream, kind, fparam, iparam, flag),
+      std::move(inputs));
+}
+
+}  // namespace
+
+mx::array rms_norm(
+    const mx::array& x, const std::optional<mx::array>& w, float eps, mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  require(x.ndim() >= 1 && x.shape(-1) > 0, "[loom native kernels] rms_norm needs a last axis.");
+  require_float(x, "rms_norm's x");
+  const int D = x.shape(-1);
+  require(
+      D <= kMaxNormWidth,
+      "[loom native kernels] rms_norm rows are at most " + std::to_string(kMaxNormWidth) +
+          " wide, got " + std::to_string(D) + ".");
+  std::vector<mx::array> inputs = {x};
+  mx::Dtype out = x.dtype();
+  if (w) {
+    require(
+        w->ndim() == 1 && w->shape(0) == D && is_float(w->dtype()),
+        "[loom native kernels] rms_norm's weight must be a float vector of length " +
+            std::to_string(D) + ", got shape " + shape_str(*w) + " " + dtype_str(w->dtype()) +
+            ".");
+    out = mx::promote_types(out, w->dtype());
+    inputs.push_back(*w);
+  }
+  return make_op(x.shape(), out, NativeOp::kNorm, eps, w ? 1 : 0, false, std::move(inputs), stream);
+}
+
+mx::array rope(
+    const mx::array& x,
+    int dims,
+    bool traditional,
+    const mx::array& inv_freq,
+    float scale,
+    const mx::array& offsets,
+    mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  require(x.ndim() >= 2, "[loom native kernels] rope's x needs [..., L, D] axes.");
+  require_float(x, "rope's x");
+  const int D = x.shape(-1);
+  require(
+      dims > 0 && dims % 2 == 0 && dims <= D && D <= kMaxRopeWidth,
+      "[loom native kernels] rope rotates an even number of dims, at most the row width (" +
+          std::to_string(D) + ", at most " + std::to_string(kMaxRopeWidth) + "); got " +
+          std::to_string(dims) + ".");
+  require(
+      inv_freq.ndim() == 1 && inv_freq.shape(0) == dims / 2 && inv_freq.dtype() == mx::float32,
+      "[loom native kernels] rope's inverse frequencies must be float32 [" +
+          std::to_string(dims / 2) + "], got " + shape_str(inv_freq) + " " +
+          dtype_str(inv_freq.dtype()) + ".");
+  const int batch = x.ndim() > 2 ? x.shape(0) : 1;
+  require(
+      offsets.ndim() == 1 && offsets.dtype() == mx::int32 &&
+          (offsets.shape(0) == 1 || offsets.shape(0) == batch),
+      "[loom native kernels] rope's offsets must be int32 [1] or [" + std::to_string(batch) +
+          "], got " + shape_str(offsets) + " " + dtype_str(offsets.dtype()) + ".");
+  return make_op(
+      x.shape(), x.dtype(), NativeOp::kRope, scale, dims, traditional, {x, inv_freq, offsets},
+      stream);
+}
+
+mx::array attention(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    float scale,
+    bool causal,
+    const std::optional<mx::array>& mask,
+    mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  require(
+      q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4,
+      "[loom native kernels] attention takes q, k and v as [B, H, L, D].");
+  require_float(q, "attention's q");
+  require(
+      k.dtype() == q.dtype() && v.dtype() == q.dtype(),
+      "[loom native kernels] attention's q, k and v must share one dtype.");
+  const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int Hkv = k.shape(1), S = k.shape(2), Dv = v.shape(3);
+  require(
+      k.shape(0) == B && v.shape(0) == B && v.shape(1) == Hkv && v.shape(2) == S &&
+          k.shape(3) == D && Hkv > 0 && Hq % Hkv == 0,
+      "[loom native kernels] attention shapes do not fit: q " + shape_str(q) + ", k " +
+          shape_str(k) + ", v " + shape_str(v) + ".");
+  require(
+      !causal || S >= L,
+      "[loom native kernels] causal attention needs at least as many keys as queries.");
+  std::vector<mx::array> inputs = {q, k, v};
+  if (mask) {
+    require(
+        mask->dtype() == mx::float32,
+        "[loom native kernels] attention's mask must be additive float32.");
+    inputs.push_back(mx::broadcast_to(*mask, {B, Hq, L, S}, stream));
+  }
+  return make_op(
+      {B, Hq, L, Dv}, q.dtype(), NativeOp::kAttention, scale, mask ? 1 : 0, causal,
+      std::move(inputs), stream);
+}
+
+void NativeOp::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const mx::Stream s = stream();
+  std::vector<mx::array> in;
+  for (size_t i = 0; i < raw.size(); ++i) {
+    // Attention reads its keys and values through their strides (a cache
+    // window is a view of a larger buffer); only a last axis that is not
+    // contiguous needs a copy.
+    const bool kv = kind_ == kAttention && (i == 1 || i == 2);
+    const bool ok = kv ? raw[i].strides().back() == 1 : raw[i].flags().row_contiguous;
+    in.push_back(ok ? raw[i] : row_contiguous(raw[i], s));
+  }
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  for (const auto& a : in) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  if (kind_ == kNorm) {
+    NormJob job;
+    job.x = in[0].data<void>();
+    job.x_dtype = code_of(in[0].dtype());
+    if (iparam_ != 0) {
+      job.w = in[1].data<void>();
+      job.w_dtype = code_of(in[1].dtype());
+    }
+    job.out = out.data<void>();
+    job.out_dtype = code_of(out.dtype());
+    job.D = in[0].shape(-1);
+    job.eps = fparam_;
+    const int rows = static_cast<int>(in[0].size() / job.D);
+    encoder.dispatch([job, rows]() {
+      split(rows, job.D, [&](int a, int b) { rms_norm_rows(job, a, b); });
+    });
+    return;
+  }
+  if (kind_ == kRope) {
+    const mx::array& x = in[0];
+    RopeJob job;
+    job.x = x.data<void>();
+    job.x_dtype = code_of(x.dtype());
+    job.out = out.data<void>();
+    job.L = x.shape(-2);
+    job.D = x.shape(-1);
+    job.R = static_cast<int>(x.size() / (static_cast<size_t>(job.L) * job.D));
+    job.dims = iparam_;
+    job.traditional = flag_;
+    job.inv_freq = in[1].data<float>();
+    job.scale = fparam_;
+    job.offsets = in[2].data<int32_t>();
+    job.n_offsets = in[2].shape(0);
+    encoder.dispatch([job]() {
+      split(job.R, static_cast<long long>(job.L) * job.D, [&](int a, int b) { rope_rows(job, a, b); });
+    });
+    return;
+  }
+  const mx::array& q = in[0];
+  const mx::array& k = in[1];
+  const mx::array& v = in[2];
+  AttentionJob job;
+  job.q = q.data<void>();
+  job.k = k.data<void>();
+  job.v = v.data<void>();
+  job.dtype = code_of(q.dtype());
+  job.out = out.data<void>();
+  job.out_dtype = code_of(out.dtype());
+  job.B = q.shape(0);
+  job.Hq = q.shape(1);
+  job.L = q.shape(2);
+  job.D = q.shape(3);
+  job.Hkv = k.shape(1);
+  job.S = k.shape(2);
+  job.Dv = v.shape(3);
+  for (int i = 0; i < 3; ++i) {
+    job.k_strides[i] = static_cast<size_t>(k.strides()[i]);
+    job.v_strides[i] = static_cast<size_t>(v.strides()[i]);
+  }
+  job.scale = fparam_;
+  job.causal = flag_;
+  job.mask = iparam_ != 0 ? in[3].data<float>() : nullptr;
+  encoder.dispatch([job]() {
+    const long long each = static_cast<long long>(job.L) * job.S * (job.D + job.Dv);
+    const size_t floats = attention_scratch_floats(job);
+    split(job.B * job.Hq, each, [&](int a, int b) {
+      attention_heads(job, a, b, attention_scratch.get(floats));
+    });
+  });
+}
+
+void NativeOp::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[loom native kernels] have no GPU implementation.");
+}
+
+bool NativeOp::is_equivalent(const mx::Primitive& other) const {
+  const auto* o = dynamic_cast<const NativeOp*>(&other);
+  return o != nullptr && o->kind_ == kind_ && o->fparam_ == fparam_ && o->iparam_ == iparam_ &&
+      o->flag_ == flag_;
+}
+
+std::vector<mx::Shape> NativeOp::output_shapes(const std::vector<mx::array>& inputs) {
+  if (kind_ != kAttention) {
+    return {inputs[0].shape()};
+  }
+  auto shape = inputs[0].shape();
+  shape.back() = inputs[2].shape(3);
+  return {shape};
+}
+
+}  // namespace loom_cpu

@@ -1,0 +1,216 @@
+// RMS norm, rotary embedding and softmax attention: AVX2 + FMA + F16C, fp32
+// arithmetic. Built with the same flags and the same rule as
+// kernels_avx2.cpp: no C++ library header with templates or inline
+// functions, helpers with internal linkage only.
+//
+// Numerics: inputs become fp32 exactly (bf16/fp16), every sum accumulates in
+// fp32, outputs are rounded once to their dtype (bf16 as MLX rounds it).
+// These are not MLX's operation orders, so results differ from MLX's
+// fallbacks by fp32 rounding (the tests bound it), never by a dtype: MLX's
+// half-precision fallbacks round intermediate results, these do not.
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "avx2_common.h"
+#include "ops.h"
+
+namespace loom_cpu {
+namespace {
+
+// x[0:n] (in dtype) into dst as fp32.
+inline void row_to_f32(const void* x, int dtype, size_t first, int n, float* dst) {
+  to_f32(
+      static_cast<const char*>(x) + first * (dtype == kF32 ? 4 : 2), dtype, dst,
+      static_cast<size_t>(n));
+}
+
+inline void row_store(void* out, int dtype, size_t first, const float* src, int n) {
+  for (int i = 0; i < n; ++i) {
+    store_scalar(out, dtype, first + i, src[i]);
+  }
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  }
+  float s = hsum(acc);
+  for (; i < n; ++i) {
+    s = __builtin_fmaf(a[i], b[i], s);
+  }
+  return s;
+}
+
+// y += a * x
+inline void axpy(float a, const float* x, float* y, int n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) {
+    y[i] = __builtin_fmaf(a, x[i], y[i]);
+  }
+}
+
+
+}  // namespace
+
+void rms_norm_rows(const NormJob& job, int r0, int r1) {
+  const int D = job.D;
+  alignas(32) float buf[kMaxNormWidth];
+  alignas(32) float w[kMaxNormWidth];
+  if (job.w != nullptr) {
+    row_to_f32(job.w, job.w_dtype, 0, D, w);
+  }
+  for (int r = r0; r < r1; ++r) {
+    const size_t first = static_cast<size_t>(r) * D;
+    row_to_f32(job.x, job.x_dtype, first, D, buf);
+    const float ms = dot(buf, buf, D) / static_cast<float>(D);
+    const float inv = 1.0f / __builtin_sqrtf(ms + job.eps);
+    const __m256 iv = _mm256_set1_ps(inv);
+    int i = 0;
+    if (job.w != nullptr) {
+      for (; i + 8 <= D; i += 8) {
+        _mm256_storeu_ps(
+            buf + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(buf + i), iv), _mm256_loadu_ps(w + i)));
+      }
+      for (; i < D; ++i) {
+        buf[i] = buf[i] * inv * w[i];
+      }
+    } else {
+      for (; i + 8 <= D; i += 8) {
+        _mm256_storeu_ps(buf + i, _mm256_mul_ps(_mm256_loadu_ps(buf + i), iv));
+      }
+      for (; i < D; ++i) {
+        buf[i] = buf[i] * inv;
+      }
+    }
+    if (job.out_dtype == kF32) {
+      __builtin_memcpy(static_cast<float*>(job.out) + first, buf, sizeof(float) * D);
+    } else {
+      row_store(job.out, job.out_dtype, first, buf, D);
+    }
+  }
+}
+
+void rope_rows(const RopeJob& job, int r0, int r1) {
+  const int D = job.D;
+  const int half = job.dims / 2;
+  const int per_offset = job.n_offsets > 1 ? job.R / job.n_offsets : job.R;
+  alignas(32) float buf[kMaxRopeWidth];
+  alignas(32) float cosv[kMaxRopeWidth / 2];
+  alignas(32) float sinv[kMaxRopeWidth / 2];
+  for (int r = r0; r < r1; ++r) {
+    const int32_t offset = job.offsets[job.n_offsets > 1 ? r / per_offset : 0];
+    for (int l = 0; l < job.L; ++l) {
+      const size_t first = (static_cast<size_t>(r) * job.L + l) * D;
+      row_to_f32(job.x, job.x_dtype, first, D, buf);
+      const float pos = static_cast<float>(offset + l) * job.scale;
+      for (int i = 0; i < half; ++i) {
+        const float theta = pos * job.inv_freq[i];
+        cosv[i] = __builtin_cosf(theta);
+        sinv[i] = __builtin_sinf(theta);
+      }
+      if (job.traditional) {
+        for (int i = 0; i < half; ++i) {
+          const float a = buf[2 * i];
+          const float b = buf[2 * i + 1];
+          buf[2 * i] = a * cosv[i] - b * sinv[i];
+          buf[2 * i + 1] = a * sinv[i] + b * cosv[i];
+        }
+      } else {
+        for (int i = 0; i < half; ++i) {
+          const float a = buf[i];
+          const float b = buf[i + half];
+          buf[i] = a * cosv[i] - b * sinv[i];
+          buf[i + half] = a * sinv[i] + b * cosv[i];
+        }
+      }
+      row_store(job.out, job.x_dtype, first, buf, D);
+    }
+  }
+}
+
+size_t attention_scratch_floats(const AttentionJob& job) {
+  // One query row, its scores, the output accumulator, and one key and one
+  // value row converted from half precision.
+  return static_cast<size_t>(job.D) + job.S + job.Dv + job.D + job.Dv + 32;
+}
+
+void attention_heads(const AttentionJob& job, int t0, int t1, float* scratch) {
+  const int D = job.D;
+  const int Dv = job.Dv;
+  const int S = job.S;
+  const int L = job.L;
+  const int rep = job.Hq / job.Hkv;
+  float* qrow = scratch;
+  float* scores = qrow + D;
+  float* acc = scores + S;
+  float* krow = acc + Dv;
+  float* vrow = krow + D;
+  const bool f32 = job.dtype == kF32;
+  const size_t esize = f32 ? 4 : 2;
+  for (int t = t0; t < t1; ++t) {
+    const int b = t / job.Hq;
+    const int h = t % job.Hq;
+    const int hk = h / rep;
+    const char* kbase = static_cast<const char*>(job.k) +
+        (b * job.k_strides[0] + hk * job.k_strides[1]) * esize;
+    const char* vbase = static_cast<const char*>(job.v) +
+        (b * job.v_strides[0] + hk * job.v_strides[1]) * esize;
+    for (int l = 0; l < L; ++l) {
+      const size_t qfirst = (static_cast<size_t>(t) * L + l) * D;
+      row_to_f32(job.q, job.dtype, qfirst, D, qrow);
+      const int visible = job.causal ? (S - L + l + 1) : S;
+      const float* mrow =
+          job.mask != nullptr ? job.mask + (static_cast<size_t>(t) * L + l) * S : nullptr;
+      float top = -__builtin_inff();
+      for (int s = 0; s < visible; ++s) {
+        const char* kp = kbase + s * job.k_strides[2] * esize;
+        const float* kr = reinterpret_cast<const float*>(kp);
+        if (!f32) {
+          to_f32(kp, job.dtype, krow, static_cast<size_t>(D));
+          kr = krow;
+        }
+        float sc = dot(qrow, kr, D) * job.scale;
+        if (mrow != nullptr) {
+          sc += mrow[s];
+        }
+        scores[s] = sc;
+        top = sc > top ? sc : top;
+      }
+      for (int i = 0; i < Dv; ++i) {
+        acc[i] = 0.0f;
+      }
+      float total = 0.0f;
+      if (top != -__builtin_inff()) {
+        for (int s = 0; s < visible; ++s) {
+          const float p = __builtin_expf(scores[s] - top);
+          total += p;
+          const char* vp = vbase + s * job.v_strides[2] * esize;
+          const float* vr = reinterpret_cast<const float*>(vp);
+          if (!f32) {
+            to_f32(vp, job.dtype, vrow, static_cast<size_t>(Dv));
+            vr = vrow;
+          }
+          axpy(p, vr, acc, Dv);
+        }
+      }
+      // A row that sees no key (fully masked) comes out as zeros rather than
+      // NaN.
+      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int i = 0; i < Dv; ++i) {
+        acc[i] *= inv;
+      }
+      row_store(job.out, job.out_dtype, (static_cast<size_t>(t) * L + l) * Dv, acc, Dv);
+    }
+  }
+}
+
+}  // namespace loom_cpu
