@@ -94,6 +94,9 @@ def loom_engine(path: Path, compute_dtype: str, cpu_kernels: str) -> tuple[objec
         tokens = generate_tokens(model, prompt, model.make_cache(), sampler=_greedy, max_tokens=gen)
         return _loop_speed(tokens, len(prompt), gen)
 
+    # The model's engine thread keeps the model alive until it is closed: without
+    # this an unloaded engine's weights would count in the next engine's peak.
+    run.close = lambda: model.engine.close()
     return run, _param_bytes(model.module)
 
 
@@ -156,6 +159,14 @@ def _sample(engine: Engine, prompt: list[int], gen: int) -> None:
     print(f"  {engine.name:<18} prefill {p:8.1f}  decode {d:7.2f}", flush=True)
 
 
+def _unload(engine: Engine) -> None:
+    close = getattr(engine.run, "close", None)
+    if close is not None:
+        close()
+    engine.run = None
+    gc.collect()
+
+
 def measure_mlx(
     path: Path, prompt: list[int], gen: int, repeats: int, budget: float
 ) -> list[Engine]:
@@ -171,7 +182,7 @@ def measure_mlx(
         run(prompt[:8], 2)  # warm-up: first-call allocation and compilation
         _sample(engine, prompt, gen)
         engine.peak_gb = mx.get_peak_memory() / 1e9
-        engine.run = None  # unload before the next engine is measured
+        _unload(engine)  # before the next engine is measured
         engines.append(engine)
     if repeats > 1:
         for engine in engines:
@@ -183,7 +194,7 @@ def measure_mlx(
                 if engine.spent <= budget:
                     _sample(engine, prompt, gen)
         for engine in engines:
-            engine.run = None
+            _unload(engine)
     return engines
 
 

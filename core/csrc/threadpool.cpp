@@ -21,14 +21,18 @@ namespace {
 constexpr auto kSpin = std::chrono::microseconds(200);
 
 // When the caller, done with its share, then waits for the workers longer
-// than its share took (a worker was preempted: more runnable threads than
-// cores), the next regions run on the caller alone: 256 at first, doubling
-// up to 8192 while workers keep being late, back to 256 once a region goes
-// well. On a machine shared with busy processes this keeps one late worker
-// from costing every product a time slice; on an idle one it never triggers.
+// than its share took plus a millisecond (a worker was preempted: more
+// runnable threads than cores; a time slice is milliseconds), the next
+// regions run on the caller alone: 256 at first, doubling up to 8192 while
+// workers keep being late, back to 256 once a region goes well. On a machine
+// shared with busy processes this keeps one late worker from costing every
+// product a time slice. The slack was 50 us: ordinary jitter on an idle
+// machine (a worker finishing its last chunk a little after the caller)
+// then sent whole stretches of a decode step to one core — 1024x2816 4-bit,
+// one row, two threads: 191 us with that slack, 132 us without the switch.
 constexpr int kSoloFirst = 256;
 constexpr int kSoloMost = 8192;
-constexpr auto kSlack = std::chrono::microseconds(50);
+constexpr auto kSlack = std::chrono::microseconds(1000);
 
 int configured_threads() {
   if (const char* env = std::getenv("MLX_LOOM_CPU_THREADS")) {
