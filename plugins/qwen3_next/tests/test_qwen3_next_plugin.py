@@ -153,9 +153,13 @@ def test_on_a_cuda_device_selection_picks_the_ops_kernels(model_type, monkeypatc
 
 
 def test_a_checkpoint_builds_and_runs_with_cuda_kernels(ckpt_dir, loaders, monkeypatch):
+    # The CPU model it is compared with is loaded first: under the CUDA double
+    # its CPU kernel set would (rightly) be refused. Loading it here, not
+    # relying on an earlier test's cache, lets this test run alone.
+    cpu_model = loaders("qwen3_next-fp32")[0]
     _on_a_cuda_device(monkeypatch)
     path = ckpt_dir("qwen3_next-fp32")
     model = build_model(resolve_model(path, kernel_backend="cuda"))
     assert model.backend == "cuda"
     x = mx.array([PROMPT])
-    assert mx.array_equal(model(x), loaders("qwen3_next-fp32")[0](x))
+    assert mx.array_equal(model(x), cpu_model(x))
