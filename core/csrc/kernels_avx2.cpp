@@ -90,9 +90,9 @@ inline __m256 load_codes8(const uint8_t* row, int k) {
 //
 // Affine rows use  sum_k x_k (s q_k + b) = s * sum_k x_k q_k + b * sum_k x_k
 // per group, with the group sums of x computed once per call: the inner loop
-// is then one multiply-add per code. 4-bit codes are unpacked a byte at a
-// time (low nibbles, then high nibbles), so x is permuted once per call into
-// that order.
+// is then one multiply-add per code, and the bias terms one vector dot
+// product per row. 4-bit codes are decoded 64 at a time without crossing
+// lanes (load_codes64_4bit), so x is permuted once per call into that order.
 
 constexpr int kMaxMT = 4;
 constexpr int kDenseBlock = 64;
@@ -133,8 +133,8 @@ void dense_row(const float* const* xs, const void* wrow, int K, float* res) {
 }
 
 // Sixty-four 4-bit codes (32 bytes, eight little-endian words) as eight
-// vectors of exact fp32 integers without crossing lanes: vector i holds, in
-// lane j, code 8j + i (nibble i of word j). permute_for_4bit puts x in the
+// vectors of 32-bit integers without crossing lanes: vector i holds, in
+// lane j, code 8j + i (nibble i of word j). prepare_affine_x puts x in the
 // same order, so each vector meets the activations of its own codes.
 inline void load_codes64_4bit(const uint8_t* p, __m256i* q) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -147,48 +147,6 @@ inline void load_codes64_4bit(const uint8_t* p, __m256i* q) {
   q[5] = _mm256_and_si256(_mm256_srli_epi32(v, 20), mask);
   q[6] = _mm256_and_si256(_mm256_srli_epi32(v, 24), mask);
   q[7] = _mm256_srli_epi32(v, 28);
-}
-
-template <int MT, int BITS, int SD>
-void affine_row(
-    const float* const* xs,
-    const float* const* xsums,
-    const uint8_t* wrow,
-    const void* srow,
-    const void* brow,
-    int K,
-    int group_size,
-    float* res) {
-  __m256 tot[MT];
-  float bsum[MT];
-  for (int m = 0; m < MT; ++m) {
-    tot[m] = _mm256_setzero_ps();
-    bsum[m] = 0.0f;
-  }
-  const int groups = K / group_size;
-  for (int g = 0; g < groups; ++g) {
-    const int k0 = g * group_size;
-    __m256 acc[MT];
-    for (int m = 0; m < MT; ++m) {
-      acc[m] = _mm256_setzero_ps();
-    }
-    for (int k = k0; k < k0 + group_size; k += 8) {
-      const __m256 q = load_codes8<BITS>(wrow, k);
-      for (int m = 0; m < MT; ++m) {
-        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[m] + k), q, acc[m]);
-      }
-    }
-    const float s = load_scalar(srow, SD, g);
-    const float b = load_scalar(brow, SD, g);
-    const __m256 sv = _mm256_set1_ps(s);
-    for (int m = 0; m < MT; ++m) {
-      tot[m] = _mm256_fmadd_ps(sv, acc[m], tot[m]);
-      bsum[m] = __builtin_fmaf(b, xsums[m][g], bsum[m]);
-    }
-  }
-  for (int m = 0; m < MT; ++m) {
-    res[m] = hsum(tot[m]) + bsum[m];
-  }
 }
 
 // sum_g bias[g] * xsum[m][g] for every activation row: eight groups per
@@ -212,6 +170,45 @@ inline void bias_terms(const float* const* xsums, const void* brow, int groups, 
       s = __builtin_fmaf(load_scalar(brow, SD, g), xsums[m][g], s);
     }
     out[m] = s;
+  }
+}
+
+template <int MT, int BITS, int SD>
+void affine_row(
+    const float* const* xs,
+    const float* const* xsums,
+    const uint8_t* wrow,
+    const void* srow,
+    const void* brow,
+    int K,
+    int group_size,
+    float* res) {
+  __m256 tot[MT];
+  float bsum[MT];
+  for (int m = 0; m < MT; ++m) {
+    tot[m] = _mm256_setzero_ps();
+  }
+  const int groups = K / group_size;
+  for (int g = 0; g < groups; ++g) {
+    const int k0 = g * group_size;
+    __m256 acc[MT];
+    for (int m = 0; m < MT; ++m) {
+      acc[m] = _mm256_setzero_ps();
+    }
+    for (int k = k0; k < k0 + group_size; k += 8) {
+      const __m256 q = load_codes8<BITS>(wrow, k);
+      for (int m = 0; m < MT; ++m) {
+        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[m] + k), q, acc[m]);
+      }
+    }
+    const __m256 sv = _mm256_set1_ps(load_scalar(srow, SD, g));
+    for (int m = 0; m < MT; ++m) {
+      tot[m] = _mm256_fmadd_ps(sv, acc[m], tot[m]);
+    }
+  }
+  bias_terms<MT, SD>(xsums, brow, groups, bsum);
+  for (int m = 0; m < MT; ++m) {
+    res[m] = hsum(tot[m]) + bsum[m];
   }
 }
 

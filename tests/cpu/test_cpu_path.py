@@ -91,10 +91,12 @@ def test_without_avx2_asking_for_the_native_set_is_refused_with_a_fix(no_avx2):
 
 def test_both_kernel_sets_are_registered_by_the_core():
     assert set(cpu_kernel_sets()) == {"cpu-ops", "cpu-native"}
-    for kernel_set in cpu_kernel_sets().values():
-        (kernel,) = kernel_set.kernels
-        assert (kernel.name, kernel.backend) == ("matmul", "cpu")
-        assert kernel.provider is not None and "core" in kernel.provider.plugin
+    names = {"cpu-ops": ["matmul"], "cpu-native": ["matmul", "rms_norm", "rope", "attention"]}
+    for name, kernel_set in cpu_kernel_sets().items():
+        assert [k.name for k in kernel_set.kernels] == names[name]
+        for kernel in kernel_set.kernels:
+            assert kernel.backend == "cpu"
+            assert kernel.provider is not None and "core" in kernel.provider.plugin
 
 
 # --- applying it -----------------------------------------------------------
@@ -182,6 +184,7 @@ def test_loom_explain_shows_which_cpu_path_runs(llama, capsys):
     out = capsys.readouterr().out
     assert "compute dtype          float32  (the CPU default" in out
     assert "cpu kernels            cpu-native, " in out
+    assert "threads: matmul, rms_norm, rope, attention  (" in out
     assert main(["explain", str(llama), "--cpu-kernels", "cpu-ops", "--json"]) == 0
     cpu = json.loads(capsys.readouterr().out)["cpu"]
     assert cpu["kernel_set"] == "cpu-ops" and cpu["compute_dtype"] == "float32"

@@ -190,7 +190,8 @@ class CpuPath(BaseModel):
         if self.kernel_set is None:
             return f"n/a ({self.kernel_set_reason})"
         extra = f", {self.threads} threads" if self.kernel_set == "cpu-native" else ""
-        return f"{self.kernel_set}{extra}  ({self.kernel_set_reason})"
+        kernels = ", ".join(k.name for k in cpu_kernel_sets()[self.kernel_set].kernels)
+        return f"{self.kernel_set}{extra}: {kernels}  ({self.kernel_set_reason})"
 
 
 def check_compute_dtype(value: str | None, *, asked: str = "compute_dtype") -> None:
