@@ -72,9 +72,17 @@ def run(args: argparse.Namespace) -> dict:
         logits_all=False,
     )
 
+    import llama_cpp
+
+    vocab = llm.n_vocab()
+
     def last_argmax() -> int:
-        # Without logits_all llama.cpp keeps the last position's logits only.
-        return int(np.argmax(llm.eval_logits[-1]))
+        # The last position's logits straight from the context: the wrapper's
+        # ``eval_logits`` copies every stored row into Python lists on each call
+        # (tens of milliseconds a token, which this benchmark once measured as
+        # llama.cpp's speed), and without logits_all it stores none.
+        logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(vocab,))))
 
     def once(prompt_ids, gen):
         llm.reset()

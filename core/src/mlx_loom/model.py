@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .artifacts import ArtifactConfig
     from .cpu.path import CpuPath
     from .engine import EngineService
+    from .engine.compiled_step import CompiledStep
     from .host import Binding, Implementation, Profile
     from .parallel import Parallel
 
@@ -72,6 +73,19 @@ def _arrays(module: nn.Module, *, constants_only: bool) -> list[mx.array]:
     return found
 
 
+def _compiled_step(
+    module: nn.Module, cpu_path: CpuPath | None, capabilities: frozenset[str], *, split: bool
+) -> CompiledStep | None:
+    """The compiled one-token forward for this model, or ``None``
+    (:func:`mlx_loom.engine.compiled_step.not_compiled_because` says why)."""
+    from .engine.compiled_step import CompiledStep, not_compiled_because
+
+    kernel_set = cpu_path.kernel_set if cpu_path is not None else None
+    if not_compiled_because(kernel_set, capabilities, split=split) is not None:
+        return None
+    return CompiledStep(module)
+
+
 class Model:
     """A built model: the plugin's graph plus the resolution that produced it.
 
@@ -116,6 +130,11 @@ class Model:
         #: (:class:`mlx_loom.adapters.AdapterSet`).
         self.adapter_set: Any = None
         mx.eval(_arrays(module, constants_only=True))
+        #: The compiled one-token forward, where the family allows it and the
+        #: model runs on the native CPU kernels (``None`` otherwise).
+        self.compiled_step = _compiled_step(
+            module, cpu_path, self.capabilities, split=parallel is not None
+        )
         self._engine_lock = threading.Lock()
         self._engine: Any = None
 
@@ -158,6 +177,14 @@ class Model:
         """Logits for ``inputs``; ``adapters`` names each row's adapter from
         :attr:`adapter_set` (``None`` for a row: the base model)."""
         with forward_kernels(self.cpu_path.kernel_set if self.cpu_path is not None else None):
+            step = self.compiled_step
+            if (
+                step is not None
+                and self.adapter_set is None
+                and (adapters is None or not any(adapters))
+                and step.applies(inputs, cache)
+            ):
+                return step(inputs, cache)  # type: ignore[arg-type]
             if adapters is None:
                 return self.module(inputs, cache=cache)
             if self.adapter_set is None:

@@ -56,6 +56,7 @@ from .errors import (
 from .host import (
     ADAPTERS,
     BATCH,
+    COMPILED_STEP,
     GENERATE,
     KV_QUANTIZATION,
     PLUGIN_API_VERSION,
@@ -83,6 +84,7 @@ __all__ = [
     "PLUGIN_API_VERSION",
     "PROMPT_CACHE",
     "SPECULATIVE",
+    "COMPILED_STEP",
     "Backend",
     "BuildContext",
     "CacheError",

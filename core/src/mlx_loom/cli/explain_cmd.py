@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         compute_dtype=args.compute_dtype,
         cpu_kernels=args.cpu_kernels,
     )
+    from ..engine.compiled_step import describe as describe_step
+
     summary = resolved.summary
     weights = summarize_artifact(resolved.model_dir, resolved.config)
     if args.json:
@@ -60,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         ("kernel backend", summary.backend),
         ("compute dtype", f"{summary.cpu.compute_dtype}  ({summary.cpu.compute_dtype_reason})"),
         ("cpu kernels", summary.cpu.describe_kernels()),
+        ("decode step", describe_step(summary.cpu.kernel_set, frozenset(summary.capabilities))),
         ("capabilities", ", ".join(summary.capabilities) or "-"),
         ("config fingerprint", summary.config_fingerprint),
         ("artifact fingerprint", summary.artifact_fingerprint),

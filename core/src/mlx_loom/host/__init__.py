@@ -29,6 +29,7 @@ from ._policy import POLICY_ENV, PluginPolicy
 from ._profiles import (
     ADAPTERS,
     BATCH,
+    COMPILED_STEP,
     GENERATE,
     KV_QUANTIZATION,
     LOOP_CAPABILITIES,
@@ -53,6 +54,7 @@ __all__ = [
     "POLICY_ENV",
     "PROMPT_CACHE",
     "SPECULATIVE",
+    "COMPILED_STEP",
     "STRICT_ENV",
     "VERIFY_POLICIES",
     "Backend",

@@ -42,6 +42,11 @@ SPECULATIVE = "speculative"
 #: The graph may be wrapped by the core's adapter transform (LoRA/DoRA, see
 #: :mod:`mlx_loom.adapters`). A family that omits it refuses ``adapter_path``.
 ADAPTERS = "adapters"
+#: The graph reads a layer's cache only through ``offset``, ``make_mask(...)``
+#: and ``append(keys, values)`` (the attention-cache protocol), so the core may
+#: trace its one-token forward against caches whose offset is an array and
+#: replay it compiled (:mod:`mlx_loom.engine.compiled_step`).
+COMPILED_STEP = "compiled-step"
 
 # Each loop the core ships, and the capabilities a profile using it must
 # declare (the loop cannot run without them).

@@ -46,6 +46,7 @@ from ..generate import (
 from ..host import (
     BACKENDS,
     BATCH,
+    COMPILED_STEP,
     KV_QUANTIZATION,
     PROMPT_CACHE,
     SPECULATIVE,
@@ -81,6 +82,7 @@ CHECK_NAMES: tuple[str, ...] = (
     "speculative-rounds",
     "kv-quantization",
     "kv-codecs",
+    "compiled-step",
     "parallel-plan",
 )
 
@@ -102,6 +104,7 @@ def run_all(subject: Any, target: Target) -> list[CheckResult]:
         "speculative-rounds": lambda: check_speculative_rounds(target),
         "kv-quantization": lambda: check_kv_quantization(target),
         "kv-codecs": lambda: check_kv_codecs_on_model(target),
+        "compiled-step": lambda: check_compiled_step(target),
         "parallel-plan": lambda: check_parallel_plan(target),
     }
     out: list[CheckResult] = []
@@ -801,6 +804,49 @@ def check_kv_codecs_on_model(target: Target) -> CheckResult:
         return skipped(name, "no codec applies: " + "; ".join(refused) if refused else "none")
     detail = "generated with " + ", ".join(done)
     return passed(name, detail + (f"; refused: {'; '.join(refused)}" if refused else ""))
+
+
+def check_compiled_step(target: Target) -> CheckResult:
+    """Greedy decode through the compiled one-token forward equals the eager one."""
+    name = "compiled-step"
+    if (s := _requires(target, COMPILED_STEP, name)) is not None:
+        return s
+    from ..engine.compiled_step import CompiledStep
+
+    class Counted(CompiledStep):
+        calls = 0
+
+        def __call__(self, inputs, cache):
+            Counted.calls += 1
+            return super().__call__(inputs, cache)
+
+    model = target.model
+    prompt = _ids(target, 5, seed=31)
+    kept = model.compiled_step
+    try:
+        model.compiled_step = None
+        eager = _decode(model, prompt)
+        model.compiled_step = Counted(model.module)
+        compiled = _decode(model, prompt)
+    finally:
+        model.compiled_step = kept
+    if Counted.calls == 0:
+        kinds = _kinds(model.make_cache())
+        return passed(
+            name, f"no step ran compiled: its caches ({kinds}) are not all full KV caches"
+        )
+    for step, ((t1, lp1), (t2, lp2)) in enumerate(zip(eager, compiled, strict=True)):
+        if t1 != t2:
+            return failed(name, f"step {step}: compiled chose token {t2}, eager {t1}")
+        ok, diff = _close(lp2, lp1)
+        if not ok:
+            return failed(name, f"step {step}: compiled log-probs differ by {diff:.3g}")
+    exact = all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(eager, compiled, strict=True))
+    return passed(
+        name,
+        f"{Counted.calls} compiled steps equal the eager ones"
+        + (" bit for bit" if exact else " within tolerance"),
+    )
 
 
 def check_parallel_plan(target: Target) -> CheckResult:

@@ -35,7 +35,8 @@ item in brackets):
 ``weight-coverage``, ``kernel-refusal`` and the capability checks
 (``cache-trim``, ``prompt-cache-reuse``, ``state-round-trip``,
 ``batch-rows``, ``batch-equals-single``, ``speculative-rounds``,
-``kv-quantization``, ``parallel-plan``) run on one built model per
+``kv-quantization``, ``kv-codecs``, ``compiled-step``, ``parallel-plan``) run
+on one built model per
 implementation; see
 :mod:`mlx_loom.testing._model_checks`.
 

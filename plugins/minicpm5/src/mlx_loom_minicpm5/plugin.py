@@ -11,6 +11,7 @@ from __future__ import annotations
 from mlx_loom.plugin import (
     ADAPTERS,
     BATCH,
+    COMPILED_STEP,
     GENERATE,
     KV_QUANTIZATION,
     PLUGIN_API_VERSION,
@@ -34,7 +35,11 @@ LOADER = "minicpm5.hf-safetensors"
 
 # Full caches trim exactly, so prompt caching and speculation are sound; a
 # sliding-window cache that has wrapped refuses to trim (never trims wrongly).
-CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS})
+# COMPILED_STEP: the graph touches its caches only through offset, make_mask
+# and append, so the core may compile its one-token forward.
+CAPABILITIES = frozenset(
+    {GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS, COMPILED_STEP}
+)
 
 # A small but complete config: what the conformance kit builds tiny checkpoints from.
 TINY_CONFIG = {

@@ -1,0 +1,153 @@
+"""The compiled one-token forward: bit-equal to the ordinary one, used only where it holds."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import mlx_loom
+from mlx_loom.cache import KVCache, RotatingKVCache
+from mlx_loom.engine.compiled_step import CompiledStep
+from mlx_loom.generate.loop import generate_tokens
+from mlx_loom.testing.checkpoints import write_checkpoint
+
+
+def checkpoint(tmp_path_factory, model_type: str):
+    claim = mlx_loom.default_host().registry.model_types[model_type]
+    path = tmp_path_factory.mktemp(model_type) / "ckpt"
+    return write_checkpoint(path, claim.tiny_config, claim.checkpoint_tensors(claim.tiny_config))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return checkpoint(tmp_path_factory, "llama")
+
+
+def greedy(lp: mx.array) -> mx.array:
+    return mx.argmax(lp, axis=-1)
+
+
+def decode(model, prompt: list[int], n: int, cache=None) -> tuple[list[int], mx.array]:
+    tokens, lps = [], []
+    cache = cache if cache is not None else model.make_cache()
+    for token, lp in generate_tokens(model, prompt, cache, sampler=greedy, max_tokens=n):
+        tokens.append(token)
+        lps.append(lp)
+    return tokens, mx.stack(lps)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many forwards ran compiled."""
+    calls = {"n": 0}
+    original = CompiledStep.__call__
+
+    def spy(self, inputs, cache):
+        calls["n"] += 1
+        return original(self, inputs, cache)
+
+    monkeypatch.setattr(CompiledStep, "__call__", spy)
+    return calls
+
+
+def test_a_native_llama_decodes_through_the_compiled_step_bit_for_bit(llama, counted, monkeypatch):
+    model, _ = mlx_loom.load(llama, compute_dtype="float32", cpu_kernels="cpu-native")
+    assert model.compiled_step is not None
+    # A prompt near the buffer's 256-slot step: decoding crosses a growth
+    # (one more trace) and keeps going on the longer buffer.
+    prompt = [(7 * i) % 200 + 1 for i in range(250)]
+    tokens, lps = decode(model, prompt, 12)
+    assert counted["n"] >= 10
+    monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "0")
+    eager, _ = mlx_loom.load(llama, compute_dtype="float32", cpu_kernels="cpu-native")
+    assert eager.compiled_step is None
+    before = counted["n"]
+    eager_tokens, eager_lps = decode(eager, prompt, 12)
+    assert counted["n"] == before
+    assert tokens == eager_tokens
+    assert mx.array_equal(lps, eager_lps)
+
+
+def test_a_trimmed_cache_continues_compiled_bit_for_bit(llama):
+    model, _ = mlx_loom.load(llama, compute_dtype="float32", cpu_kernels="cpu-native")
+    cache = model.make_cache()
+    decode(model, [3, 1, 4, 1, 5, 9, 2, 6], 6, cache)
+    for c in cache:
+        c.trim(5)  # stale slots past the offset stay in the buffer
+    compiled = decode(model, [8], 6, cache)
+    fresh = model.make_cache()
+    prefix = [3, 1, 4, 1, 5, 9, 2, 6]
+    step = type(model.compiled_step)
+    model.compiled_step = None
+    try:
+        decode(model, prefix, 6, fresh)
+        for c in fresh:
+            c.trim(5)
+        eager = decode(model, [8], 6, fresh)
+    finally:
+        model.compiled_step = step(model.module)
+    assert compiled[0] == eager[0]
+    assert mx.array_equal(compiled[1], eager[1])
+
+
+def test_it_applies_only_to_one_token_over_full_caches_at_one_offset():
+    full = KVCache()
+    full.update_and_fetch(mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 3, 64)))
+    one = mx.array([[1]])
+    assert CompiledStep.applies(one, [full, full])
+    assert not CompiledStep.applies(mx.array([[1, 2]]), [full])  # a verify window / prefill
+    assert not CompiledStep.applies(one, None)
+    assert not CompiledStep.applies(one, [KVCache()])  # nothing written yet
+    rotating = RotatingKVCache(max_size=8)
+    rotating.update_and_fetch(mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 3, 64)))
+    assert not CompiledStep.applies(one, [full, rotating])
+    other = KVCache()
+    other.update_and_fetch(mx.zeros((1, 2, 4, 64)), mx.zeros((1, 2, 4, 64)))
+    assert not CompiledStep.applies(one, [full, other])  # offsets differ
+    quantized = full.to_quantized()
+    assert not CompiledStep.applies(one, [quantized])
+
+
+def test_cpu_ops_and_families_without_the_capability_are_never_compiled(llama, tmp_path_factory):
+    ops_model, _ = mlx_loom.load(llama, compute_dtype="float32", cpu_kernels="cpu-ops")
+    assert ops_model.compiled_step is None
+    for model_type in ("qwen3_next", "gemma4_text"):
+        model, _ = mlx_loom.load(checkpoint(tmp_path_factory, model_type))
+        assert model.compiled_step is None
+        assert "compiled-step" not in model.capabilities
+
+
+def test_a_batch_decodes_on_the_ordinary_forward_with_the_same_tokens(llama, counted):
+    from mlx_loom.generate.batch import batch_generate_tokens
+
+    model, _ = mlx_loom.load(llama, compute_dtype="float32", cpu_kernels="cpu-native")
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    rows = batch_generate_tokens(model, prompts, max_tokens=5)
+    assert counted["n"] == 0  # a batch's caches (BatchKVCache) are not full KV caches
+    alone = [decode(model, p, 5)[0] for p in prompts]
+    assert counted["n"] == 2 * 5  # the last prompt token and four more, per row
+    assert [tokens for tokens, _ in rows] == alone
+
+
+def test_loom_explain_says_whether_the_decode_step_is_compiled(llama, capsys, monkeypatch):
+    from mlx_loom.cli.main import main
+
+    assert main(["explain", str(llama)]) == 0
+    assert "decode step            compiled where one token" in capsys.readouterr().out
+    assert main(["explain", str(llama), "--cpu-kernels", "cpu-ops"]) == 0
+    assert "eager (compiled only on the cpu-native kernel set)" in capsys.readouterr().out
+    monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "0")
+    assert main(["explain", str(llama)]) == 0
+    assert "eager (MLX_LOOM_COMPILED_STEP=0)" in capsys.readouterr().out
+
+
+def test_why_a_model_runs_eager_is_named():
+    from mlx_loom.engine.compiled_step import not_compiled_because
+
+    caps = frozenset({"generate", "compiled-step"})
+    assert not_compiled_because("cpu-native", caps) is None
+    assert "cpu-native" in not_compiled_because("cpu-ops", caps)
+    assert "cpu-native" in not_compiled_because(None, caps)
+    assert "does not declare" in not_compiled_because("cpu-native", frozenset({"generate"}))
+    # a split model's pipeline stages call async_eval mid-forward: never traced
+    assert "split" in not_compiled_because("cpu-native", caps, split=True)
