@@ -50,7 +50,14 @@ def counted(monkeypatch):
     return calls
 
 
-def test_a_native_llama_decodes_through_the_compiled_step_bit_for_bit(llama, counted, monkeypatch):
+@pytest.fixture
+def compiled_on(monkeypatch):
+    monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "1")
+
+
+def test_a_native_llama_decodes_through_the_compiled_step_bit_for_bit(
+    llama, counted, monkeypatch, compiled_on
+):
     model, _ = mlx_loom.load(llama, compute_dtype="float32", cpu_kernels="cpu-native")
     assert model.compiled_step is not None
     # A prompt near the buffer's 256-slot step: decoding crosses a growth
@@ -68,7 +75,7 @@ def test_a_native_llama_decodes_through_the_compiled_step_bit_for_bit(llama, cou
     assert mx.array_equal(lps, eager_lps)
 
 
-def test_a_trimmed_cache_continues_compiled_bit_for_bit(llama):
+def test_a_trimmed_cache_continues_compiled_bit_for_bit(llama, compiled_on):
     model, _ = mlx_loom.load(llama, compute_dtype="float32", cpu_kernels="cpu-native")
     cache = model.make_cache()
     decode(model, [3, 1, 4, 1, 5, 9, 2, 6], 6, cache)
@@ -108,7 +115,9 @@ def test_it_applies_only_to_one_token_over_full_caches_at_one_offset():
     assert not CompiledStep.applies(one, [quantized])
 
 
-def test_cpu_ops_and_families_without_the_capability_are_never_compiled(llama, tmp_path_factory):
+def test_cpu_ops_and_families_without_the_capability_are_never_compiled(
+    llama, tmp_path_factory, compiled_on
+):
     ops_model, _ = mlx_loom.load(llama, compute_dtype="float32", cpu_kernels="cpu-ops")
     assert ops_model.compiled_step is None
     for model_type in ("qwen3_next", "gemma4_text"):
@@ -117,7 +126,7 @@ def test_cpu_ops_and_families_without_the_capability_are_never_compiled(llama, t
         assert "compiled-step" not in model.capabilities
 
 
-def test_a_batch_decodes_on_the_ordinary_forward_with_the_same_tokens(llama, counted):
+def test_a_batch_decodes_on_the_ordinary_forward_with_the_same_tokens(llama, counted, compiled_on):
     from mlx_loom.generate.batch import batch_generate_tokens
 
     model, _ = mlx_loom.load(llama, compute_dtype="float32", cpu_kernels="cpu-native")
@@ -133,18 +142,20 @@ def test_loom_explain_says_whether_the_decode_step_is_compiled(llama, capsys, mo
     from mlx_loom.cli.main import main
 
     assert main(["explain", str(llama)]) == 0
+    assert "eager (off unless MLX_LOOM_COMPILED_STEP=1" in capsys.readouterr().out
+    monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "1")
+    assert main(["explain", str(llama)]) == 0
     assert "decode step            compiled where one token" in capsys.readouterr().out
     assert main(["explain", str(llama), "--cpu-kernels", "cpu-ops"]) == 0
     assert "eager (compiled only on the cpu-native kernel set)" in capsys.readouterr().out
-    monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "0")
-    assert main(["explain", str(llama)]) == 0
-    assert "eager (MLX_LOOM_COMPILED_STEP=0)" in capsys.readouterr().out
 
 
-def test_why_a_model_runs_eager_is_named():
+def test_why_a_model_runs_eager_is_named(monkeypatch):
     from mlx_loom.engine.compiled_step import not_compiled_because
 
     caps = frozenset({"generate", "compiled-step"})
+    assert "MLX_LOOM_COMPILED_STEP=1" in not_compiled_because("cpu-native", caps)
+    monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "1")
     assert not_compiled_because("cpu-native", caps) is None
     assert "cpu-native" in not_compiled_because("cpu-ops", caps)
     assert "cpu-native" in not_compiled_because(None, caps)
