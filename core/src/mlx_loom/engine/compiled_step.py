@@ -21,9 +21,10 @@ Anything else (rotating windows, recurrent state, quantized KV, batches,
 verification windows) runs the ordinary forward. The core uses it for
 models on the ``cpu-native`` kernel set when ``MLX_LOOM_COMPILED_STEP=1``.
 
-Why not by default: it attends over the whole buffer (up to 255 masked
-slots), which costs more than the interpreter work it saves on a model
-whose step is dominated by its products. Measured (350M Llama, 4-bit,
+Why not by default: on a model whose step is dominated by its products it
+costs more than the interpreter work it saves (suspects: attention over the
+whole buffer, up to 255 masked slots, with its mask built per layer, and the
+traced step's buffer writes). Measured (350M Llama, 4-bit,
 float32, 2 threads, 32-token prompt, 16 new tokens): 27-29 tok/s compiled
 against 31-34 eager; over 300 new tokens 31.5 against 34.1 ms a token, and on
 a tiny model (4 layers, 256 wide) 800 tok/s against 500, where the
@@ -65,7 +66,7 @@ def not_compiled_because(
     if _CAPABILITY not in capabilities:
         return "the family does not declare compiled-step"
     if os.environ.get("MLX_LOOM_COMPILED_STEP") != "1":
-        return "off unless MLX_LOOM_COMPILED_STEP=1: it attends over the whole buffer"
+        return "off unless MLX_LOOM_COMPILED_STEP=1 (slower here while the products dominate)"
     return None
 
 
