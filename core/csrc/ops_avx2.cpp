@@ -28,6 +28,10 @@ inline void row_to_f32(const void* x, int dtype, size_t first, int n, float* dst
 }
 
 inline void row_store(void* out, int dtype, size_t first, const float* src, int n) {
+  if (dtype == kF32) {
+    __builtin_memcpy(static_cast<float*>(out) + first, src, sizeof(float) * n);
+    return;
+  }
   for (int i = 0; i < n; ++i) {
     store_scalar(out, dtype, first + i, src[i]);
   }
@@ -91,11 +95,7 @@ void rms_norm_rows(const NormJob& job, int r0, int r1) {
         buf[i] = buf[i] * inv;
       }
     }
-    if (job.out_dtype == kF32) {
-      __builtin_memcpy(static_cast<float*>(job.out) + first, buf, sizeof(float) * D);
-    } else {
-      row_store(job.out, job.out_dtype, first, buf, D);
-    }
+    row_store(job.out, job.out_dtype, first, buf, D);
   }
 }
 
@@ -106,17 +106,23 @@ void rope_rows(const RopeJob& job, int r0, int r1) {
   alignas(32) float buf[kMaxRopeWidth];
   alignas(32) float cosv[kMaxRopeWidth / 2];
   alignas(32) float sinv[kMaxRopeWidth / 2];
-  for (int r = r0; r < r1; ++r) {
-    const int32_t offset = job.offsets[job.n_offsets > 1 ? r / per_offset : 0];
-    for (int l = 0; l < job.L; ++l) {
+  // Positions outermost: every head of a row shares its angles, so they are
+  // computed once per position (per offset group), not once per head.
+  for (int l = 0; l < job.L; ++l) {
+    int64_t angles_for = -1;
+    for (int r = r0; r < r1; ++r) {
+      const int32_t offset = job.offsets[job.n_offsets > 1 ? r / per_offset : 0];
+      if (offset + l != angles_for) {
+        angles_for = offset + l;
+        const float pos = static_cast<float>(offset + l) * job.scale;
+        for (int i = 0; i < half; ++i) {
+          const float theta = pos * job.inv_freq[i];
+          cosv[i] = __builtin_cosf(theta);
+          sinv[i] = __builtin_sinf(theta);
+        }
+      }
       const size_t first = (static_cast<size_t>(r) * job.L + l) * D;
       row_to_f32(job.x, job.x_dtype, first, D, buf);
-      const float pos = static_cast<float>(offset + l) * job.scale;
-      for (int i = 0; i < half; ++i) {
-        const float theta = pos * job.inv_freq[i];
-        cosv[i] = __builtin_cosf(theta);
-        sinv[i] = __builtin_sinf(theta);
-      }
       if (job.traditional) {
         for (int i = 0; i < half; ++i) {
           const float a = buf[2 * i];

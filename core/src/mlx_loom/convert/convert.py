@@ -150,7 +150,6 @@ def convert(
     tensors, config = in_checkpoint_layout(tensors, config)
     source_dir = resolved.model_dir
     del model, module, resolved  # the writer must hold the only references to the tensors
-    options = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     write_model(
         dst,
         source_dir=source_dir,
@@ -159,7 +158,7 @@ def convert(
         progress=progress,
         base_model=hub_repo(hf_path),
         desc="converting",
-        **options,
+        max_shard_bytes=max_shard_bytes,
     )
     if upload_repo is not None:
         upload(dst, upload_repo)

@@ -79,7 +79,6 @@ def fuse(
     tensors, config = in_checkpoint_layout(tensors, config)
     source_dir = resolved.model_dir
     del built, module, resolved
-    options = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     write_model(
         dst,
         source_dir=source_dir,
@@ -88,7 +87,7 @@ def fuse(
         progress=progress,
         base_model=hub_repo(model),
         desc="fusing",
-        **options,
+        max_shard_bytes=max_shard_bytes,
     )
     if upload_repo is not None:
         upload(dst, upload_repo)

@@ -180,11 +180,16 @@ def write_model(
     tensors: MutableMapping[str, mx.array],
     config: dict[str, Any],
     progress: bool = True,
-    max_shard_bytes: int = MAX_SHARD_BYTES,
+    max_shard_bytes: int | None = None,
     desc: str = "writing",
     base_model: str | None = None,
 ) -> Path:
-    """Write a complete model directory at ``dst`` (see module doc); ``tensors`` is consumed."""
+    """Write a complete model directory at ``dst`` (see module doc); ``tensors`` is consumed.
+
+    ``max_shard_bytes`` ``None``: :data:`MAX_SHARD_BYTES`.
+    """
+    if max_shard_bytes is None:
+        max_shard_bytes = MAX_SHARD_BYTES
     check_destination(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
