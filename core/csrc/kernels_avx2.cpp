@@ -24,18 +24,6 @@
 namespace loom_cpu {
 namespace {
 
-// Eight consecutive dense weights of row `row` starting at column k, as fp32.
-template <int WD>
-inline __m256 load_dense8(const void* row, int k) {
-  if constexpr (WD == kBF16) {
-    return load_bf16x8(static_cast<const uint16_t*>(row) + k);
-  } else if constexpr (WD == kF16) {
-    return load_f16x8(static_cast<const uint16_t*>(row) + k);
-  } else {
-    return _mm256_loadu_ps(static_cast<const float*>(row) + k);
-  }
-}
-
 template <int WD>
 inline float load_dense1(const void* row, int k) {
   return load_scalar(row, WD, static_cast<size_t>(k));
@@ -147,30 +135,6 @@ inline void load_codes64_4bit(const uint8_t* p, __m256i* q) {
   q[5] = _mm256_and_si256(_mm256_srli_epi32(v, 20), mask);
   q[6] = _mm256_and_si256(_mm256_srli_epi32(v, 24), mask);
   q[7] = _mm256_srli_epi32(v, 28);
-}
-
-// sum_g bias[g] * xsum[m][g] for every activation row: eight groups per
-// vector step (lanes reduced at the end), the remainder one at a time.
-template <int MT, int SD>
-inline void bias_terms(const float* const* xsums, const void* brow, int groups, float* out) {
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) {
-    acc[m] = _mm256_setzero_ps();
-  }
-  const int g8 = groups & ~7;
-  for (int g = 0; g < g8; g += 8) {
-    const __m256 b = load_dense8<SD>(brow, g);
-    for (int m = 0; m < MT; ++m) {
-      acc[m] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xsums[m] + g), acc[m]);
-    }
-  }
-  for (int m = 0; m < MT; ++m) {
-    float s = hsum(acc[m]);
-    for (int g = g8; g < groups; ++g) {
-      s = __builtin_fmaf(load_scalar(brow, SD, g), xsums[m][g], s);
-    }
-    out[m] = s;
-  }
 }
 
 template <int MT, int BITS, int SD>
@@ -316,13 +280,6 @@ void affine4_row(
   }
 }
 
-inline void finish(const Product& p, int m, int n, float v) {
-  if (p.bias != nullptr) {
-    v += load_scalar(p.bias, p.b_dtype, n);
-  }
-  store_scalar(p.out, p.out_dtype, static_cast<size_t>(m) * p.N + n, v);
-}
-
 template <int MT>
 void gemv_pass(const Product& p, const float* xsum, int m0, int n0, int n1) {
   const float* xs[MT];
@@ -362,6 +319,9 @@ void gemv_pass(const Product& p, const float* xsum, int m0, int n0, int n1) {
     const uint8_t* wrow = static_cast<const uint8_t*>(p.w) + static_cast<size_t>(n) * row_bytes;
     const void* srow = static_cast<const char*>(p.scales) + static_cast<size_t>(n) * groups * s_esize;
     const void* brow = static_cast<const char*>(p.biases) + static_cast<size_t>(n) * groups * s_esize;
+    if (n + static_cast<int>(kAheadRows) < n1) {
+      prefetch_ahead(wrow, row_bytes, srow, brow, groups * s_esize);
+    }
 #define LOOM_AFFINE(B, S) affine_row<MT, B, S>(xs, xsums, wrow, srow, brow, K, p.group_size, res)
 #define LOOM_AFFINE_S(B)      \
   switch (p.s_dtype) {        \
