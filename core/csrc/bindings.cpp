@@ -52,8 +52,10 @@ NB_MODULE(_native, m) {
          const mlx::core::array& biases,
          int bits,
          int group_size,
-         const std::optional<mlx::core::array>& bias) {
-        return loom_cpu::affine_matmul(x, w, scales, biases, bits, group_size, bias);
+         const std::optional<mlx::core::array>& bias,
+         bool int8_activations) {
+        return loom_cpu::affine_matmul(
+            x, w, scales, biases, bits, group_size, bias, int8_activations);
       },
       "x"_a,
       "w"_a,
@@ -62,7 +64,10 @@ NB_MODULE(_native, m) {
       "bits"_a,
       "group_size"_a,
       "bias"_a = nb::none(),
-      "x @ dequantize(w).T (+ bias) for MLX affine packing; fp32 arithmetic.");
+      "int8_activations"_a = false,
+      "x @ dequantize(w).T (+ bias) for MLX affine packing; fp32 arithmetic, or (4-bit, "
+      "int8_activations) integer products against x quantized to int8 per 32 columns in "
+      "products of at most SMALL_ROWS rows.");
 
   m.def(
       "rms_norm",

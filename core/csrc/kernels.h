@@ -57,6 +57,32 @@ size_t gemm_scratch_floats(int M);
 // GEMM work is split across threads in blocks of this many weight rows.
 int gemm_block_rows();
 
+// --- 4-bit affine products against int8 activations (kernels_int8_avx2.cpp)
+//
+// Each activation row is quantized in blocks of 32 columns to int8 with one
+// fp32 step per block, d = max|x| / 127, x_q = round(x / d); the weights'
+// codes then meet x_q in integer multiply-adds (exact), and each block's
+// integer sum is scaled by d and the group's scale in fp32; the affine bias
+// term meets the group sums of d * x_q. So the one approximation is
+// x -> d * x_q, at most d / 2 per column, and an output differs from the
+// exact product with the dequantized weights w by at most
+// sum_k |w_k| * d(k) / 2  plus fp32 rounding.
+
+// Bytes of int8 activations and floats of block steps for M rows of K
+// columns (K a multiple of 32).
+size_t int8_x_bytes(int M, int K);
+size_t int8_x_steps(int M, int K);
+
+// Quantize p.x (fp32 [M, K]) into `xq`/`steps` in the order the kernel
+// reads them, and write the group sums of the quantized x into `xsum`.
+void prepare_int8_x(const Product& p, int8_t* xq, float* steps, float* xsum);
+
+// Rows [n0, n1) of a 4-bit affine product against the prepared activations.
+// Each output is a fixed-order sum per activation row, so a row of a call
+// with M rows is bit-identical to the same row computed alone.
+void gemv4_int8_rows(
+    const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
+
 // Activations to fp32: rows [m0, m1) of a row-major [M, K] array.
 void to_f32(const void* src, int dtype, float* dst, size_t count);
 

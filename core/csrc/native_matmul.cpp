@@ -45,13 +45,14 @@ mx::array finish_op(
     int bits,
     int group_size,
     bool has_bias,
+    bool int8_x,
     mx::Stream stream) {
   auto out_shape = inputs[0].shape();
   out_shape.back() = N;
   return mx::array(
       std::move(out_shape),
       out_dtype,
-      std::make_shared<NativeMatmul>(stream, bits, group_size, has_bias),
+      std::make_shared<NativeMatmul>(stream, bits, group_size, has_bias, int8_x),
       std::move(inputs));
 }
 
@@ -59,12 +60,14 @@ thread_local Scratch x_scratch;
 thread_local Scratch perm_scratch;
 thread_local Scratch sum_scratch;
 thread_local Scratch gemm_scratch;
+thread_local Scratch int8_scratch;
+thread_local Scratch step_scratch;
 
 // Below this many multiply-adds a product runs on the calling thread alone:
 // waking a worker costs more than it saves.
 constexpr long long kParallelMacs = 1 << 16;
 
-void run_product(Product p, const void* x_raw, int x_dtype) {
+void run_product(Product p, const void* x_raw, int x_dtype, bool int8_x) {
   if (p.M == 0 || p.N == 0) {
     return;
   }
@@ -85,6 +88,17 @@ void run_product(Product p, const void* x_raw, int x_dtype) {
     const int chunk = (p.N + tasks - 1) / tasks;
     tasks = (p.N + chunk - 1) / chunk;
     const float* xsum = nullptr;
+    if (int8_x) {
+      float* sums = sum_scratch.get(static_cast<size_t>(p.M) * (p.K / p.group_size) + 8);
+      auto* xq = reinterpret_cast<int8_t*>(int8_scratch.get(int8_x_bytes(p.M, p.K) / 4 + 8));
+      float* steps = step_scratch.get(int8_x_steps(p.M, p.K) + 8);
+      prepare_int8_x(p, xq, steps, sums);
+      parallel_for(tasks, [&](int t) {
+        const int n0 = t * chunk;
+        gemv4_int8_rows(p, xq, steps, sums, n0, std::min(p.N, n0 + chunk));
+      });
+      return;
+    }
     if (p.bits != 0) {
       float* sums = sum_scratch.get(static_cast<size_t>(p.M) * (p.K / p.group_size) + 8);
       float* perm = p.bits == 4 ? perm_scratch.get(x_count + 8) : nullptr;
@@ -138,7 +152,7 @@ mx::array dense_matmul(
     out = mx::promote_types(out, bias->dtype());
     inputs.push_back(*bias);
   }
-  return finish_op(std::move(inputs), out, N, 0, 0, bias.has_value(), stream);
+  return finish_op(std::move(inputs), out, N, 0, 0, bias.has_value(), false, stream);
 }
 
 mx::array affine_matmul(
@@ -149,9 +163,14 @@ mx::array affine_matmul(
     int bits,
     int group_size,
     const std::optional<mx::array>& bias,
+    bool int8_activations,
     mx::StreamOrDevice s) {
   check_runnable();
   mx::Stream stream = cpu_stream(s);
+  require(
+      !int8_activations || bits == 4,
+      "[loom native kernels] int8 activations are implemented for 4-bit weights only, got " +
+          std::to_string(bits) + "-bit.");
   require(
       bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
       "[loom native kernels] affine bits must be 2, 3, 4, 5, 6 or 8, got " +
@@ -193,7 +212,8 @@ mx::array affine_matmul(
     out = mx::promote_types(out, bias->dtype());
     inputs.push_back(*bias);
   }
-  return finish_op(std::move(inputs), out, N, bits, group_size, bias.has_value(), stream);
+  return finish_op(
+      std::move(inputs), out, N, bits, group_size, bias.has_value(), int8_activations, stream);
 }
 
 void NativeMatmul::eval_cpu(
@@ -236,8 +256,11 @@ void NativeMatmul::eval_cpu(
     encoder.set_input_array(a);
   }
   encoder.set_output_array(out);
-  encoder.dispatch([p, x_raw = x.data<void>(), x_dtype = code_of(x.dtype())]() {
-    run_product(p, x_raw, x_dtype);
+  // int8 activations serve the matrix-vector sizes; larger products
+  // (prefill) run the fp32 GEMM either way.
+  const bool int8_x = int8_x_ && p.M <= kSmallRows;
+  encoder.dispatch([p, x_raw = x.data<void>(), x_dtype = code_of(x.dtype()), int8_x]() {
+    run_product(p, x_raw, x_dtype, int8_x);
   });
 }
 
@@ -248,7 +271,7 @@ void NativeMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array
 bool NativeMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto* o = dynamic_cast<const NativeMatmul*>(&other);
   return o != nullptr && o->bits_ == bits_ && o->group_size_ == group_size_ &&
-      o->has_bias_ == has_bias_;
+      o->has_bias_ == has_bias_ && o->int8_x_ == int8_x_;
 }
 
 std::vector<mx::Shape> NativeMatmul::output_shapes(const std::vector<mx::array>& inputs) {

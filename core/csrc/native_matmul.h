@@ -33,18 +33,28 @@ mx::array affine_matmul(
     int bits,
     int group_size,
     const std::optional<mx::array>& bias,
+    bool int8_activations = false,
     mx::StreamOrDevice s = {});
 
 class NativeMatmul : public mx::Primitive {
  public:
-  NativeMatmul(mx::Stream stream, int bits, int group_size, bool has_bias)
-      : mx::Primitive(stream), bits_(bits), group_size_(group_size), has_bias_(has_bias) {}
+  // int8_x: matrix-vector products quantize the activations to int8
+  // (kernels.h, 4-bit weights only).
+  NativeMatmul(mx::Stream stream, int bits, int group_size, bool has_bias, bool int8_x)
+      : mx::Primitive(stream),
+        bits_(bits),
+        group_size_(group_size),
+        has_bias_(has_bias),
+        int8_x_(int8_x) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
   const char* name() const override {
-    return bits_ == 0 ? "LoomDenseMatmul" : "LoomAffineMatmul";
+    if (bits_ == 0) {
+      return "LoomDenseMatmul";
+    }
+    return int8_x_ ? "LoomAffineMatmulInt8x" : "LoomAffineMatmul";
   }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
@@ -53,6 +63,7 @@ class NativeMatmul : public mx::Primitive {
   int bits_;
   int group_size_;
   bool has_bias_;
+  bool int8_x_;
 };
 
 }  // namespace loom_cpu

@@ -89,9 +89,14 @@ def test_without_avx2_asking_for_the_native_set_is_refused_with_a_fix(no_avx2):
     assert "cpu-ops" in err.value.fix
 
 
-def test_both_kernel_sets_are_registered_by_the_core():
-    assert set(cpu_kernel_sets()) == {"cpu-ops", "cpu-native"}
-    names = {"cpu-ops": ["matmul"], "cpu-native": ["matmul", "rms_norm", "rope", "attention"]}
+def test_the_kernel_sets_are_registered_by_the_core():
+    assert set(cpu_kernel_sets()) == {"cpu-ops", "cpu-native", "cpu-native-int8-act"}
+    native_kernels = ["matmul", "rms_norm", "rope", "attention"]
+    names = {
+        "cpu-ops": ["matmul"],
+        "cpu-native": native_kernels,
+        "cpu-native-int8-act": native_kernels,
+    }
     for name, kernel_set in cpu_kernel_sets().items():
         assert [k.name for k in kernel_set.kernels] == names[name]
         for kernel in kernel_set.kernels:

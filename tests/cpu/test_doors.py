@@ -16,7 +16,12 @@ from mlx_loom.serve import make_server
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 FAMILIES = ["llama", "qwen3_next", "gemma4_text"]
-PATHS = [("float32", "cpu-native"), ("checkpoint", "cpu-ops"), ("bfloat16", "cpu-native")]
+PATHS = [
+    ("float32", "cpu-native"),
+    ("checkpoint", "cpu-ops"),
+    ("bfloat16", "cpu-native"),
+    ("float32", "cpu-native-int8-act"),
+]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -110,3 +115,52 @@ def test_the_server_answers_on_the_native_kernels(family_checkpoint):
     finally:
         server.stop()
     assert body["choices"][0]["text"] == expected
+
+
+# --- int8 activations: 4-bit checkpoints, every door --------------------------
+
+INT8 = ["--compute-dtype", "float32", "--cpu-kernels", "cpu-native-int8-act"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def q4_checkpoint(request, tmp_path_factory):
+    from .test_model_parity import _write
+
+    return _write(request.param, "q4", tmp_path_factory.mktemp(f"{request.param}-q4"))
+
+
+def int8_modules(model) -> int:
+    return sum(bool(getattr(m, "int8_activations", False)) for _, m in model.module.named_modules())
+
+
+def test_int8_activations_reach_the_api_and_the_server(q4_checkpoint):
+    model, tok = mlx_loom.load(q4_checkpoint, cpu_kernels="cpu-native-int8-act")
+    assert model.cpu_path.kernel_set == "cpu-native-int8-act" and int8_modules(model) > 0
+    expected = mlx_loom.generate(model, tok, "hello", max_tokens=6)
+    server = make_server(model, tok, host="127.0.0.1", port=0, model_id="m")
+    server.start_in_background()
+    try:
+        request = urllib.request.Request(
+            f"{server.url}/v1/completions",
+            data=json.dumps({"prompt": "hello", "max_tokens": 6}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            body = json.loads(reply.read())
+    finally:
+        server.stop()
+    assert body["choices"][0]["text"] == expected
+
+
+def test_int8_activations_reach_generate_chat_and_serve(q4_checkpoint, loaded, capsys, monkeypatch):
+    model_flag = ["--model", str(q4_checkpoint)]
+    assert main(["generate", *model_flag, "-p", "hello", "-m", "4", *INT8]) == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", *model_flag, "-m", "4", *INT8]) == 0
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main(["serve", *model_flag, "--port", str(busy.getsockname()[1]), *INT8]) == 1
+    assert len(loaded) == 3
+    for model in loaded:
+        assert model.cpu_path.kernel_set == "cpu-native-int8-act" and int8_modules(model) > 0

@@ -88,8 +88,9 @@ def add_cpu_path_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cpu-kernels",
-        choices=["cpu-native", "cpu-ops"],
-        help="kernel set for the matrix products on the CPU (default: cpu-native where it runs)",
+        choices=["cpu-native", "cpu-native-int8-act", "cpu-ops"],
+        help="kernel set for the matrix products on the CPU (default: cpu-native where it "
+        "runs; cpu-native-int8-act: 4-bit decode products on int8 activations, bounded error)",
     )
 
 

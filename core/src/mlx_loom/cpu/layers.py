@@ -11,7 +11,9 @@ kernel. Family code is not touched.
 
 Exactly these four classes are swapped (``type(m) is nn.Linear``, not
 subclasses: a subclass may compute something else), and only affine
-quantization (the only mode the loader accepts). The same pass swaps the
+quantization (the only mode the loader accepts). On ``cpu-native-int8-act``
+the 4-bit quantized ones are marked ``int8_activations``: their products of
+at most 32 rows run against int8 activations (the kernel's stated bound). The same pass swaps the
 norm and RoPE modules for their one-node versions (:mod:`mlx_loom.cpu.ops`).
 """
 
@@ -35,6 +37,8 @@ class NativeLinear(nn.Linear):
 class NativeQuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` (affine) on the native kernel; scales read as stored."""
 
+    int8_activations: bool = False
+
     def __call__(self, x: mx.array) -> mx.array:
         return native.module().affine_matmul(
             x,
@@ -44,6 +48,7 @@ class NativeQuantizedLinear(nn.QuantizedLinear):
             self.bits,
             self.group_size,
             self.get("bias"),
+            self.int8_activations,
         )
 
 
@@ -66,6 +71,7 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
     ``as_linear`` on the native kernel."""
 
     compute_dtype: mx.Dtype | None = None
+    int8_activations: bool = False
 
     def __call__(self, x: mx.array) -> mx.array:
         # Dequantize the looked-up rows in the compute dtype (not in the
@@ -80,7 +86,14 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         return native.module().affine_matmul(
-            x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size
+            x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            self.bits,
+            self.group_size,
+            None,
+            self.int8_activations,
         )
 
 
@@ -135,11 +148,15 @@ def swappable(module: nn.Module) -> bool:
     return type(module) in SWAPS and getattr(module, "mode", "affine") == "affine"
 
 
-def swap_in(module: nn.Module, compute_dtype: mx.Dtype | None) -> None:
+def swap_in(
+    module: nn.Module, compute_dtype: mx.Dtype | None, *, int8_activations: bool = False
+) -> None:
     """Turn ``module`` (one of the four classes, affine) into its native subclass.
 
     The class changes in place, so the module keeps its identity, its place
-    in the tree and everything the loader set on it.
+    in the tree and everything the loader set on it. ``int8_activations``
+    marks 4-bit quantized modules for the int8-activation kernel (the only
+    width it has).
     """
     op_class = op_swaps().get(type(module))
     if op_class is not None:
@@ -151,6 +168,8 @@ def swap_in(module: nn.Module, compute_dtype: mx.Dtype | None) -> None:
     module.__class__ = SWAPS[type(module)]
     if isinstance(module, NativeEmbedding | NativeQuantizedEmbedding):
         module.compute_dtype = compute_dtype
+    if isinstance(module, NativeQuantizedLinear | NativeQuantizedEmbedding):
+        module.int8_activations = int8_activations and module.bits == 4
 
 
 def native_modules(model: nn.Module) -> dict[str, int]:

@@ -17,6 +17,11 @@ from types import ModuleType
 #: Instruction sets the native kernels need.
 REQUIRED_INSTRUCTIONS = ("avx2", "fma", "f16c")
 
+#: The CPU kernel sets that run on this extension (:mod:`mlx_loom.cpu.path`):
+#: both use its norm, RoPE and attention kernels, and differ only in the
+#: activations of 4-bit matrix-vector products (fp32, or int8).
+NATIVE_KERNEL_SETS = frozenset({"cpu-native", "cpu-native-int8-act"})
+
 
 @functools.cache
 def _load() -> tuple[ModuleType | None, str]:

@@ -27,10 +27,16 @@ dense bf16/fp16 weights are converted too (twice their memory), which
 arithmetic: with the same compute dtype, logits equal mlx-lm's bit for bit);
 ``cpu-native`` runs ``Linear``/``QuantizedLinear``/``Embedding`` products on
 the compiled AVX2 kernels (multithreaded; fp32 accumulation; bounded, not
-bit-equal, difference from MLX's sums). The default is ``cpu-native`` where
-it can run and ``cpu-ops`` where it cannot — ``loom explain`` says which and
-why. Asking for ``cpu-native`` where it cannot run is a refusal naming the
-reason, never a quiet switch to ``cpu-ops``.
+bit-equal, difference from MLX's sums); ``cpu-native-int8-act`` is
+``cpu-native`` except that 4-bit matrix-vector products (decode, batched
+decode, verification windows up to 32 rows) quantize their activations to
+int8 per 32 columns and multiply in integers, as llama.cpp pairs Q4 weights
+with Q8 activations: ~2x the products' speed for an error stated and tested
+(at most ``sum_k |scale_k| q_k step_k / 2`` per output; docs/cpu.md). The
+default is ``cpu-native`` where it can run and ``cpu-ops`` where it cannot —
+``loom explain`` says which and why; the int8 set is never a default, since
+it changes the numbers. Asking for a native set where it cannot run is a
+refusal naming the reason, never a quiet switch to ``cpu-ops``.
 
 A host pins either choice with :meth:`mlx_loom.Registry.with_`; a run may
 then only ask for the pinned value.
@@ -49,12 +55,13 @@ from pydantic import BaseModel, ConfigDict
 
 from ..errors import KernelUnavailable, RequestError
 from . import layers, native
+from .native import NATIVE_KERNEL_SETS
 
 if TYPE_CHECKING:
-    from ..host import Kernel
+    from ..host import Kernel, Provider
 
 ComputeDtype = Literal["checkpoint", "float32", "bfloat16", "float16"]
-KernelSetName = Literal["cpu-ops", "cpu-native"]
+KernelSetName = Literal["cpu-ops", "cpu-native", "cpu-native-int8-act"]
 COMPUTE_DTYPES: tuple[str, ...] = get_args(ComputeDtype)
 KERNEL_SETS: tuple[str, ...] = get_args(KernelSetName)
 DEFAULT_CPU_COMPUTE_DTYPE: ComputeDtype = "float32"
@@ -84,6 +91,38 @@ def _native_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, ma
     from .ops import attention
 
     return attention(q, k, v, scale=scale, mask=mask)
+
+
+def _native_kernels(matmul: str, provider: Provider) -> tuple[Kernel, ...]:
+    """The registrations of a kernel set on the native extension; ``matmul``
+    describes its products (the one thing the native sets differ in)."""
+    from ..host import Kernel
+
+    return (
+        Kernel("matmul", "cpu", _native_dense, description=matmul, provider=provider),
+        Kernel(
+            "rms_norm",
+            "cpu",
+            _native_rms_norm,
+            description="mlx_loom.cpu._native rms_norm: nn.RMSNorm as one node",
+            provider=provider,
+        ),
+        Kernel(
+            "rope",
+            "cpu",
+            _native_rope,
+            description="mlx_loom.cpu._native rope: nn.RoPE and the core's RoPE kinds",
+            provider=provider,
+        ),
+        Kernel(
+            "attention",
+            "cpu",
+            _native_attention,
+            description="mlx_loom.cpu._native attention over plain KV views "
+            "(no sinks; quantized views keep their own products)",
+            provider=provider,
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -132,36 +171,17 @@ def cpu_kernel_sets() -> dict[str, KernelSet]:
             "compiled AVX2/FMA kernels: multithreaded matrix-vector and blocked GEMM products "
             "for fp32/bf16/fp16 and affine 2-8 bit weights, RMS norm, RoPE and attention as "
             "one node each; fp32 accumulation",
-            (
-                Kernel(
-                    "matmul",
-                    "cpu",
-                    _native_dense,
-                    description="mlx_loom.cpu._native dense_matmul / affine_matmul",
-                    provider=core,
-                ),
-                Kernel(
-                    "rms_norm",
-                    "cpu",
-                    _native_rms_norm,
-                    description="mlx_loom.cpu._native rms_norm: nn.RMSNorm as one node",
-                    provider=core,
-                ),
-                Kernel(
-                    "rope",
-                    "cpu",
-                    _native_rope,
-                    description="mlx_loom.cpu._native rope: nn.RoPE and the core's RoPE kinds",
-                    provider=core,
-                ),
-                Kernel(
-                    "attention",
-                    "cpu",
-                    _native_attention,
-                    description="mlx_loom.cpu._native attention over plain KV views "
-                    "(no sinks; quantized views keep their own products)",
-                    provider=core,
-                ),
+            _native_kernels("mlx_loom.cpu._native dense_matmul / affine_matmul", core),
+            lambda: native.unavailable_reason(),
+        ),
+        "cpu-native-int8-act": KernelSet(
+            "cpu-native-int8-act",
+            "cpu-native, with 4-bit matrix-vector products (up to 32 rows) against activations "
+            "quantized to int8 per 32 columns: integer multiply-adds, bounded error",
+            _native_kernels(
+                "mlx_loom.cpu._native affine_matmul(int8_activations=True) for 4-bit weights, "
+                "dense_matmul / affine_matmul otherwise",
+                core,
             ),
             lambda: native.unavailable_reason(),
         ),
@@ -189,7 +209,7 @@ class CpuPath(BaseModel):
     def describe_kernels(self) -> str:
         if self.kernel_set is None:
             return f"n/a ({self.kernel_set_reason})"
-        extra = f", {self.threads} threads" if self.kernel_set == "cpu-native" else ""
+        extra = f", {self.threads} threads" if self.kernel_set in NATIVE_KERNEL_SETS else ""
         kernels = ", ".join(k.name for k in cpu_kernel_sets()[self.kernel_set].kernels)
         return f"{self.kernel_set}{extra}: {kernels}  ({self.kernel_set_reason})"
 
@@ -290,7 +310,7 @@ def resolve_cpu_path(
         compute_dtype_reason=dtype_reason,
         kernel_set=kernel_set,  # type: ignore[arg-type]
         kernel_set_reason=kernel_reason,
-        threads=native.threads() if kernel_set == "cpu-native" else None,
+        threads=native.threads() if kernel_set in NATIVE_KERNEL_SETS else None,
     )
 
 
@@ -306,13 +326,14 @@ def apply_cpu_path(model: nn.Module, path: CpuPath) -> None:
     the whole model.
     """
     dtype = path.dtype
-    if path.kernel_set != "cpu-native":
+    if path.kernel_set not in NATIVE_KERNEL_SETS:
         if dtype is not None:
             model.set_dtype(dtype, predicate=lambda d: mx.issubdtype(d, mx.floating))
         return
+    int8 = path.kernel_set == "cpu-native-int8-act"
     for _, mod in model.named_modules():
         if layers.swappable(mod):
-            layers.swap_in(mod, dtype)
+            layers.swap_in(mod, dtype, int8_activations=int8)
     if dtype is None:
         return
     for _, mod in model.named_modules():

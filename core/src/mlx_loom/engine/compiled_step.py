@@ -19,7 +19,7 @@ one new token, every cache a plain :class:`~mlx_loom.cache.KVCache` with room
 for it at one shared offset, no adapters, not a rank of a split model.
 Anything else (rotating windows, recurrent state, quantized KV, batches,
 verification windows) runs the ordinary forward. The core uses it for
-models on the ``cpu-native`` kernel set when ``MLX_LOOM_COMPILED_STEP=1``.
+models on the native CPU kernel sets when ``MLX_LOOM_COMPILED_STEP=1``.
 
 Why not by default: on a model whose step is dominated by its products it
 costs more than the interpreter work it saves (suspects: attention over the
@@ -42,6 +42,7 @@ import mlx.nn as nn
 
 from ..cache.kv import KVCache
 from ..cpu.forward import current_attention
+from ..cpu.native import NATIVE_KERNEL_SETS
 
 __all__ = ["CompiledStep", "describe", "not_compiled_because"]
 
@@ -61,8 +62,8 @@ def not_compiled_because(
     """
     if split:
         return "a split model's forward exchanges activations between ranks"
-    if kernel_set != "cpu-native":
-        return "compiled only on the cpu-native kernel set"
+    if kernel_set not in NATIVE_KERNEL_SETS:
+        return "compiled only on the native CPU kernel sets"
     if _CAPABILITY not in capabilities:
         return "the family does not declare compiled-step"
     if os.environ.get("MLX_LOOM_COMPILED_STEP") != "1":

@@ -1,0 +1,216 @@
+"""The ``cpu-native-int8-act`` kernel set: 4-bit products against int8 activations.
+
+What is claimed (``core/csrc/kernels.h``), and tested here:
+
+* the arithmetic: each row of x is quantized per block of 32 columns,
+  ``d = max|x| / 127``, ``x_q = rint(x * (127 / max|x|))`` clipped to
+  +-127, and the product is ``(d * x_q) @ dequantize(W).T`` computed in
+  fp32 — the kernel equals a float64 evaluation of exactly that within fp32
+  rounding (``|err| <= K * 2^-23 * sum |x'| |w|``);
+* the bound that follows: against the exact product of x itself, an output
+  is off by at most ``sum_k |w_k| d_k / 2`` plus the same fp32 rounding;
+* the engine's properties: rows of a batch equal the rows alone bit for bit,
+  repeated products are bit-identical, and products over more than
+  ``SMALL_ROWS`` rows (prefill) are the fp32 GEMM's, unchanged;
+* per family (Llama, Qwen3-Next, Gemma 4, 4-bit checkpoints): the model on
+  this set computes what its forward with that activation rounding put in
+  front of every 4-bit product computes (the same graph with the rounding
+  done by MLX ops and the fp32 kernel), and differs from ``cpu-native``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_loom.cpu import layers, native
+from mlx_loom.cpu.path import resolve_cpu_path
+
+from .test_model_parity import FAMILIES, greedy, max_relative_gap, ours
+from .test_model_parity import checkpoints as checkpoints  # noqa: F401  (fixture)
+
+nat = native.module()
+U = 2.0**-23
+
+
+def rand(shape, seed, scale=1.0) -> mx.array:
+    return mx.random.normal(shape, key=mx.random.key(seed)) * scale
+
+
+def quantized(N: int, K: int, group_size: int, scale_dtype=mx.float32, seed=1):
+    wq, s, b = mx.quantize(rand((N, K), seed, 0.05), group_size=group_size, bits=4)
+    return wq, s.astype(scale_dtype), b.astype(scale_dtype)
+
+
+def dequantized(wq, s, b, group_size) -> np.ndarray:
+    w = mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size, bits=4)
+    return np.asarray(w, dtype=np.float64)
+
+
+def int8_rounded(x: mx.array) -> tuple[np.ndarray, np.ndarray]:
+    """x as the kernel sees it (``d * x_q``, float64) and the steps d per column."""
+    x32 = np.asarray(x, dtype=np.float32)
+    M, K = x32.shape
+    blocks = x32.reshape(M, K // 32, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    step = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv), -127, 127)
+    rounded = (q.astype(np.float64) * step.astype(np.float64)).reshape(M, K)
+    steps = np.repeat(step[..., 0].astype(np.float64), 32, axis=1)
+    return rounded, steps
+
+
+def product(x, wq, s, b, group_size, int8=True):
+    return nat.affine_matmul(x, wq, s, b, 4, group_size, None, int8)
+
+
+SHAPES = [(1024, 64), (1024, 32), (1024, 128), (96, 32), (160, 32), (2816, 64)]
+
+
+@pytest.mark.parametrize("K,group_size", SHAPES)
+@pytest.mark.parametrize("M", [1, 3, nat.SMALL_ROWS])
+def test_the_kernel_computes_the_stated_arithmetic(M, K, group_size):
+    wq, s, b = quantized(67, K, group_size)
+    x = rand((M, K), seed=M + K)
+    got = np.asarray(product(x, wq, s, b, group_size), dtype=np.float64)
+    w = dequantized(wq, s, b, group_size)
+    rounded, _ = int8_rounded(x)
+    tol = K * U * (np.abs(rounded) @ np.abs(w).T) + 1e-30
+    worst = np.max(np.abs(got - rounded @ w.T) / tol)
+    assert worst <= 1.0, f"error {worst:.2f}x the fp32 rounding bound"
+
+
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.bfloat16, mx.float16], ids=str)
+@pytest.mark.parametrize("K,group_size", SHAPES)
+def test_the_error_against_the_exact_product_is_within_the_stated_bound(K, group_size, scale_dtype):
+    wq, s, b = quantized(50, K, group_size, scale_dtype)
+    x = rand((4, K), seed=7)
+    got = np.asarray(product(x, wq, s, b, group_size), dtype=np.float64)
+    w = dequantized(wq, s, b, group_size)
+    x64 = np.asarray(x, dtype=np.float64)
+    _, steps = int8_rounded(x)
+    bound = (steps / 2) @ np.abs(w).T + K * U * (np.abs(x64) @ np.abs(w).T) * 1.01
+    err = np.abs(got - x64 @ w.T)
+    assert np.all(err <= bound)
+    # and the rounding really happened: the fp32 kernel is far closer
+    exact_err = np.abs(np.asarray(product(x, wq, s, b, group_size, int8=False)) - x64 @ w.T)
+    assert err.max() > 100 * exact_err.max()
+
+
+def test_zero_and_constant_blocks_are_exact():
+    K = 128
+    wq, s, b = quantized(16, K, 64)
+    x = mx.concatenate([mx.zeros((1, 64)), mx.full((1, 64), 0.5)], axis=1)
+    got = np.asarray(product(x, wq, s, b, 64), dtype=np.float64)
+    ref = np.asarray(x, dtype=np.float64) @ dequantized(wq, s, b, 64).T
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_rows_equal_the_rows_alone_bit_for_bit():
+    wq, s, b = quantized(70, 1024, 64, mx.bfloat16)
+    x = rand((7, 1024), seed=11)
+    batch = product(x, wq, s, b, 64)
+    for m in range(7):
+        assert mx.array_equal(batch[m : m + 1], product(x[m : m + 1], wq, s, b, 64))
+    assert mx.array_equal(batch, product(x, wq, s, b, 64))
+
+
+def test_products_over_more_rows_than_the_matrix_vector_kernel_serves_are_unchanged():
+    wq, s, b = quantized(40, 256, 64)
+    x = rand((nat.SMALL_ROWS + 1, 256), seed=5)
+    assert mx.array_equal(product(x, wq, s, b, 64), product(x, wq, s, b, 64, int8=False))
+
+
+def test_other_widths_are_refused_by_name():
+    w = rand((8, 64), seed=2)
+    wq, s, b = mx.quantize(w, group_size=32, bits=8)
+    with pytest.raises(ValueError, match="int8 activations are implemented for 4-bit"):
+        nat.affine_matmul(rand((1, 64), seed=3), wq, s, b, 8, 32, None, True)
+
+
+# --- the kernel set --------------------------------------------------------
+
+
+def test_the_set_is_resolved_by_name_and_never_by_default():
+    assert resolve_cpu_path("cpu").kernel_set == "cpu-native"
+    path = resolve_cpu_path("cpu", cpu_kernels="cpu-native-int8-act")
+    assert path.kernel_set == "cpu-native-int8-act"
+    assert path.threads == native.threads()
+    assert "cpu-native-int8-act, " in path.describe_kernels()
+
+
+def test_only_4bit_modules_are_marked():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.four = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
+            self.eight = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=8)
+            self.embed = nn.QuantizedEmbedding(32, 64, group_size=32, bits=4)
+
+    from mlx_loom.cpu.path import apply_cpu_path
+
+    model = Mixed()
+    apply_cpu_path(model, resolve_cpu_path("cpu", cpu_kernels="cpu-native-int8-act"))
+    assert model.four.int8_activations and model.embed.int8_activations
+    assert not model.eight.int8_activations
+    other = Mixed()
+    apply_cpu_path(other, resolve_cpu_path("cpu", cpu_kernels="cpu-native"))
+    assert not other.four.int8_activations
+
+
+def _rounding_in_front_of_every_4bit_product(monkeypatch) -> None:
+    """Make ``cpu-native`` 4-bit modules round their input as the int8 set does, with MLX ops."""
+
+    def rounded(x: mx.array) -> mx.array:
+        K = x.shape[-1]
+        if x.size // K > nat.SMALL_ROWS:
+            return x
+        blocks = x.astype(mx.float32).reshape(*x.shape[:-1], K // 32, 32)
+        amax = mx.max(mx.abs(blocks), axis=-1, keepdims=True)
+        inv = mx.where(amax > 0, 127.0 / amax, 0.0)
+        q = mx.clip(mx.round(blocks * inv), -127, 127)
+        return (q * (amax / 127.0)).reshape(x.shape).astype(x.dtype)
+
+    def linear(self, x):
+        return nat.affine_matmul(
+            rounded(x) if self.bits == 4 else x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            self.bits,
+            self.group_size,
+            self.get("bias"),
+        )
+
+    def head(self, x):
+        return nat.affine_matmul(
+            rounded(x) if self.bits == 4 else x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            self.bits,
+            self.group_size,
+        )
+
+    monkeypatch.setattr(layers.NativeQuantizedLinear, "__call__", linear)
+    monkeypatch.setattr(layers.NativeQuantizedEmbedding, "as_linear", head)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_computes_its_forward_with_int8_activations(checkpoints, family, monkeypatch):  # noqa: F811
+    path = checkpoints(family, "q4")
+    model, make_cache = ours(path, "float32", "cpu-native-int8-act")
+    marked = [m for _, m in model.module.named_modules() if getattr(m, "int8_activations", False)]
+    assert marked, "no 4-bit module runs on int8 activations"
+    tokens, mine = greedy(model, make_cache)
+    _, native_run = greedy(*ours(path, "float32", "cpu-native"), forced=tokens)
+    with monkeypatch.context() as patch:
+        _rounding_in_front_of_every_4bit_product(patch)
+        _, emulated = greedy(*ours(path, "float32", "cpu-native"), forced=tokens)
+    gap = max_relative_gap(mine, emulated)
+    assert gap <= 1e-4
+    assert max_relative_gap(mine, native_run) > 10 * max(gap, 1e-7)
