@@ -44,14 +44,9 @@ std::string dtype_str(mx::Dtype d) {
   return os.str();
 }
 
-void require(bool ok, const std::string& message) {
-  if (!ok) {
-    throw std::invalid_argument(message);
-  }
-}
-
 void check_runnable() {
-  std::string missing = missing_instructions();
+  // The CPU does not change while the process runs.
+  static const std::string missing = missing_instructions();
   if (!missing.empty()) {
     throw std::runtime_error(
         "[loom native kernels] this CPU lacks " + missing +
@@ -61,9 +56,10 @@ void check_runnable() {
 
 mx::Stream cpu_stream(mx::StreamOrDevice s) {
   mx::Stream stream = mx::to_stream(s);
-  require(
-      stream.device == mx::Device::cpu,
-      "[loom native kernels] run only on the CPU device; the stream given is on the GPU.");
+  require(stream.device == mx::Device::cpu, [&] {
+    return std::string(
+        "[loom native kernels] run only on the CPU device; the stream given is on the GPU.");
+  });
   return stream;
 }
 

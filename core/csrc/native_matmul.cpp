@@ -17,25 +17,28 @@ namespace loom_cpu {
 namespace {
 
 void check_x(const mx::array& x, int K) {
-  require(x.ndim() >= 1, "[loom native kernels] x must have at least one dimension.");
-  require(
-      is_float(x.dtype()),
-      "[loom native kernels] x must be float32, bfloat16 or float16, got " +
-          dtype_str(x.dtype()) + ".");
-  require(
-      x.shape(-1) == K,
-      "[loom native kernels] x has " + std::to_string(x.shape(-1)) +
-          " columns but the weight expects " + std::to_string(K) + ".");
+  require(x.ndim() >= 1, [&] {
+    return std::string("[loom native kernels] x must have at least one dimension.");
+  });
+  require(is_float(x.dtype()), [&] {
+    return std::string("[loom native kernels] x must be float32, bfloat16 or float16, got " +
+        dtype_str(x.dtype()) + ".");
+  });
+  require(x.shape(-1) == K, [&] {
+    return std::string("[loom native kernels] x has " + std::to_string(x.shape(-1)) +
+        " columns but the weight expects " + std::to_string(K) + ".");
+  });
 }
 
 void check_bias(const std::optional<mx::array>& bias, int N) {
   if (!bias) {
     return;
   }
-  require(
-      bias->ndim() == 1 && bias->shape(0) == N && is_float(bias->dtype()),
-      "[loom native kernels] bias must be a float vector of length " + std::to_string(N) +
-          ", got shape " + shape_str(*bias) + " " + dtype_str(bias->dtype()) + ".");
+  require(bias->ndim() == 1 && bias->shape(0) == N && is_float(bias->dtype()), [&] {
+    return std::string("[loom native kernels] bias must be a float vector of length " +
+        std::to_string(N) + ", got shape " + shape_str(*bias) + " " + dtype_str(bias->dtype()) +
+        ".");
+  });
 }
 
 mx::array finish_op(
@@ -137,11 +140,12 @@ mx::array dense_matmul(
     mx::StreamOrDevice s) {
   check_runnable();
   mx::Stream stream = cpu_stream(s);
-  require(
-      w.ndim() == 2 && is_float(w.dtype()),
-      "[loom native kernels] a dense weight must be a 2-D float32, bfloat16 or float16 "
-      "matrix, got shape " +
-          shape_str(w) + " " + dtype_str(w.dtype()) + ".");
+  require(w.ndim() == 2 && is_float(w.dtype()), [&] {
+    return std::string(
+        "[loom native kernels] a dense weight must be a 2-D float32, bfloat16 or float16 "
+        "matrix, got shape " +
+        shape_str(w) + " " + dtype_str(w.dtype()) + ".");
+  });
   const int N = w.shape(0);
   const int K = w.shape(1);
   check_x(x, K);
@@ -167,44 +171,48 @@ mx::array affine_matmul(
     mx::StreamOrDevice s) {
   check_runnable();
   mx::Stream stream = cpu_stream(s);
-  require(
-      !int8_activations || bits == 4,
-      "[loom native kernels] int8 activations are implemented for 4-bit weights only, got " +
-          std::to_string(bits) + "-bit.");
-  require(
-      bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
-      "[loom native kernels] affine bits must be 2, 3, 4, 5, 6 or 8, got " +
-          std::to_string(bits) + ".");
-  require(
-      group_size == 32 || group_size == 64 || group_size == 128,
-      "[loom native kernels] affine group size must be 32, 64 or 128, got " +
-          std::to_string(group_size) + ".");
-  require(
-      w.ndim() == 2 && w.dtype() == mx::uint32,
-      "[loom native kernels] a quantized weight must be a 2-D uint32 matrix, got shape " +
-          shape_str(w) + " " + dtype_str(w.dtype()) + ".");
+  require(!int8_activations || bits == 4, [&] {
+    return std::string(
+        "[loom native kernels] int8 activations are implemented for 4-bit weights only, got " +
+        std::to_string(bits) + "-bit.");
+  });
+  require(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8, [&] {
+    return std::string("[loom native kernels] affine bits must be 2, 3, 4, 5, 6 or 8, got " +
+        std::to_string(bits) + ".");
+  });
+  require(group_size == 32 || group_size == 64 || group_size == 128, [&] {
+    return std::string("[loom native kernels] affine group size must be 32, 64 or 128, got " +
+        std::to_string(group_size) + ".");
+  });
+  require(w.ndim() == 2 && w.dtype() == mx::uint32, [&] {
+    return std::string(
+        "[loom native kernels] a quantized weight must be a 2-D uint32 matrix, got shape " +
+        shape_str(w) + " " + dtype_str(w.dtype()) + ".");
+  });
   const int N = w.shape(0);
-  require(
-      (static_cast<long long>(w.shape(1)) * 32) % bits == 0,
-      "[loom native kernels] a packed row of " + std::to_string(w.shape(1)) +
-          " words does not hold whole " + std::to_string(bits) + "-bit codes.");
+  require((static_cast<long long>(w.shape(1)) * 32) % bits == 0, [&] {
+    return std::string("[loom native kernels] a packed row of " + std::to_string(w.shape(1)) +
+        " words does not hold whole " + std::to_string(bits) + "-bit codes.");
+  });
   const int K = static_cast<int>(static_cast<long long>(w.shape(1)) * 32 / bits);
-  require(
-      K > 0 && K % group_size == 0,
-      "[loom native kernels] the unpacked row length " + std::to_string(K) +
-          " is not a positive multiple of the group size " + std::to_string(group_size) + ".");
+  require(K > 0 && K % group_size == 0, [&] {
+    return std::string("[loom native kernels] the unpacked row length " + std::to_string(K) +
+        " is not a positive multiple of the group size " + std::to_string(group_size) + ".");
+  });
   check_x(x, K);
   for (const mx::array* a : {&scales, &biases}) {
     require(
         a->ndim() == 2 && a->shape(0) == N && a->shape(1) == K / group_size &&
             is_float(a->dtype()),
-        "[loom native kernels] scales and biases must be float [" + std::to_string(N) + ", " +
-            std::to_string(K / group_size) + "], got shape " + shape_str(*a) + " " +
-            dtype_str(a->dtype()) + ".");
+        [&] {
+          return std::string("[loom native kernels] scales and biases must be float [" +
+              std::to_string(N) + ", " + std::to_string(K / group_size) + "], got shape " +
+              shape_str(*a) + " " + dtype_str(a->dtype()) + ".");
+        });
   }
-  require(
-      scales.dtype() == biases.dtype(),
-      "[loom native kernels] scales and biases must share one dtype.");
+  require(scales.dtype() == biases.dtype(), [&] {
+    return std::string("[loom native kernels] scales and biases must share one dtype.");
+  });
   check_bias(bias, N);
   mx::Dtype out = mx::promote_types(x.dtype(), scales.dtype());
   std::vector<mx::array> inputs = {x, w, scales, biases};

@@ -19,10 +19,10 @@ thread_local Scratch attention_scratch;
 constexpr long long kParallelWork = 1 << 15;
 
 void require_float(const mx::array& a, const char* what) {
-  require(
-      is_float(a.dtype()),
-      std::string("[loom native kernels] ") + what + " must be float32, bfloat16 or float16, got " +
-          dtype_str(a.dtype()) + ".");
+  require(is_float(a.dtype()), [&] {
+    return std::string(std::string("[loom native kernels] ") + what +
+        " must be float32, bfloat16 or float16, got " + dtype_str(a.dtype()) + ".");
+  });
 }
 
 // Split `count` units of `work_each` over the pool in contiguous chunks.
@@ -60,21 +60,23 @@ mx::array rms_norm(
     const mx::array& x, const std::optional<mx::array>& w, float eps, mx::StreamOrDevice s) {
   check_runnable();
   mx::Stream stream = cpu_stream(s);
-  require(x.ndim() >= 1 && x.shape(-1) > 0, "[loom native kernels] rms_norm needs a last axis.");
+  require(x.ndim() >= 1 && x.shape(-1) > 0, [&] {
+    return std::string("[loom native kernels] rms_norm needs a last axis.");
+  });
   require_float(x, "rms_norm's x");
   const int D = x.shape(-1);
-  require(
-      D <= kMaxNormWidth,
-      "[loom native kernels] rms_norm rows are at most " + std::to_string(kMaxNormWidth) +
-          " wide, got " + std::to_string(D) + ".");
+  require(D <= kMaxNormWidth, [&] {
+    return std::string("[loom native kernels] rms_norm rows are at most " +
+        std::to_string(kMaxNormWidth) + " wide, got " + std::to_string(D) + ".");
+  });
   std::vector<mx::array> inputs = {x};
   mx::Dtype out = x.dtype();
   if (w) {
-    require(
-        w->ndim() == 1 && w->shape(0) == D && is_float(w->dtype()),
-        "[loom native kernels] rms_norm's weight must be a float vector of length " +
-            std::to_string(D) + ", got shape " + shape_str(*w) + " " + dtype_str(w->dtype()) +
-            ".");
+    require(w->ndim() == 1 && w->shape(0) == D && is_float(w->dtype()), [&] {
+      return std::string(
+          "[loom native kernels] rms_norm's weight must be a float vector of length " +
+          std::to_string(D) + ", got shape " + shape_str(*w) + " " + dtype_str(w->dtype()) + ".");
+    });
     out = mx::promote_types(out, w->dtype());
     inputs.push_back(*w);
   }
@@ -91,25 +93,33 @@ mx::array rope(
     mx::StreamOrDevice s) {
   check_runnable();
   mx::Stream stream = cpu_stream(s);
-  require(x.ndim() >= 2, "[loom native kernels] rope's x needs [..., L, D] axes.");
+  require(x.ndim() >= 2, [&] {
+    return std::string("[loom native kernels] rope's x needs [..., L, D] axes.");
+  });
   require_float(x, "rope's x");
   const int D = x.shape(-1);
-  require(
-      dims > 0 && dims % 2 == 0 && dims <= D && D <= kMaxRopeWidth,
-      "[loom native kernels] rope rotates an even number of dims, at most the row width (" +
-          std::to_string(D) + ", at most " + std::to_string(kMaxRopeWidth) + "); got " +
-          std::to_string(dims) + ".");
+  require(dims > 0 && dims % 2 == 0 && dims <= D && D <= kMaxRopeWidth, [&] {
+    return std::string(
+        "[loom native kernels] rope rotates an even number of dims, at most the row width (" +
+        std::to_string(D) + ", at most " + std::to_string(kMaxRopeWidth) + "); got " +
+        std::to_string(dims) + ".");
+  });
   require(
       inv_freq.ndim() == 1 && inv_freq.shape(0) == dims / 2 && inv_freq.dtype() == mx::float32,
-      "[loom native kernels] rope's inverse frequencies must be float32 [" +
-          std::to_string(dims / 2) + "], got " + shape_str(inv_freq) + " " +
-          dtype_str(inv_freq.dtype()) + ".");
+      [&] {
+        return std::string("[loom native kernels] rope's inverse frequencies must be float32 [" +
+            std::to_string(dims / 2) + "], got " + shape_str(inv_freq) + " " +
+            dtype_str(inv_freq.dtype()) + ".");
+      });
   const int batch = x.ndim() > 2 ? x.shape(0) : 1;
   require(
       offsets.ndim() == 1 && offsets.dtype() == mx::int32 &&
           (offsets.shape(0) == 1 || offsets.shape(0) == batch),
-      "[loom native kernels] rope's offsets must be int32 [1] or [" + std::to_string(batch) +
-          "], got " + shape_str(offsets) + " " + dtype_str(offsets.dtype()) + ".");
+      [&] {
+        return std::string("[loom native kernels] rope's offsets must be int32 [1] or [" +
+            std::to_string(batch) + "], got " + shape_str(offsets) + " " +
+            dtype_str(offsets.dtype()) + ".");
+      });
   return make_op(
       x.shape(), x.dtype(), NativeOp::kRope, scale, dims, traditional, {x, inv_freq, offsets},
       stream);
@@ -125,28 +135,31 @@ mx::array attention(
     mx::StreamOrDevice s) {
   check_runnable();
   mx::Stream stream = cpu_stream(s);
-  require(
-      q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4,
-      "[loom native kernels] attention takes q, k and v as [B, H, L, D].");
+  require(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4, [&] {
+    return std::string("[loom native kernels] attention takes q, k and v as [B, H, L, D].");
+  });
   require_float(q, "attention's q");
-  require(
-      k.dtype() == q.dtype() && v.dtype() == q.dtype(),
-      "[loom native kernels] attention's q, k and v must share one dtype.");
+  require(k.dtype() == q.dtype() && v.dtype() == q.dtype(), [&] {
+    return std::string("[loom native kernels] attention's q, k and v must share one dtype.");
+  });
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
   const int Hkv = k.shape(1), S = k.shape(2), Dv = v.shape(3);
   require(
       k.shape(0) == B && v.shape(0) == B && v.shape(1) == Hkv && v.shape(2) == S &&
           k.shape(3) == D && Hkv > 0 && Hq % Hkv == 0,
-      "[loom native kernels] attention shapes do not fit: q " + shape_str(q) + ", k " +
-          shape_str(k) + ", v " + shape_str(v) + ".");
-  require(
-      !causal || S >= L,
-      "[loom native kernels] causal attention needs at least as many keys as queries.");
+      [&] {
+        return std::string("[loom native kernels] attention shapes do not fit: q " +
+            shape_str(q) + ", k " + shape_str(k) + ", v " + shape_str(v) + ".");
+      });
+  require(!causal || S >= L, [&] {
+    return std::string(
+        "[loom native kernels] causal attention needs at least as many keys as queries.");
+  });
   std::vector<mx::array> inputs = {q, k, v};
   if (mask) {
-    require(
-        mask->dtype() == mx::float32,
-        "[loom native kernels] attention's mask must be additive float32.");
+    require(mask->dtype() == mx::float32, [&] {
+      return std::string("[loom native kernels] attention's mask must be additive float32.");
+    });
     inputs.push_back(mx::broadcast_to(*mask, {B, Hq, L, S}, stream));
   }
   return make_op(
