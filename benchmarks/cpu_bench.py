@@ -16,6 +16,9 @@ converter: BF16, and Q4_0 for the 4-bit rows (4.5 bits per weight, as MLX's
 Engines, for each row:
 
 * ``loom native f32`` — the default: float32 compute, cpu-native kernels;
+* ``loom int8-act f32`` — float32 compute, cpu-native-int8-act kernels (4-bit
+  decode products against int8 activations; the same as ``loom native f32``
+  on the bf16 rows, which have no 4-bit product);
 * ``loom native ckpt`` — cpu-native kernels, the checkpoint's dtype;
 * ``loom ops f32`` — MLX operations, float32 compute;
 * ``loom ops ckpt`` — MLX operations in the checkpoint's dtype (mlx-lm's arithmetic);
@@ -26,13 +29,18 @@ Method: each run is a prefill of the same prompt ids then greedy decode.
 The first run of each MLX engine is made with only its model loaded, and
 its peak memory is MLX's peak over loading and that run; later runs load
 all the MLX engines in this process and interleave them, the order reversed
-each round. Each engine repeats until ``--repeats`` runs or its time budget
-is spent (at least one run); the median is reported. llama.cpp runs in its
-own process (same prompt, same threads), its peak memory being that
-process's peak RSS. The bandwidth limit is the measured read
-bandwidth (numpy sums over 1 GB on as many threads as the engines use)
-divided by the bytes of weights a decode step reads (every stored tensor
-except the embedding table, of which it reads one row).
+each round. llama.cpp runs in its own process (same prompt, same threads),
+one run per round in the same interleaving; its peak memory is that
+process's peak RSS. Each engine repeats until ``--repeats`` runs or its
+time budget is spent (at least one run); medians are reported.
+
+The bandwidth limit is the read bandwidth (numpy sums over 1 GB on as many
+threads as the engines use) divided by the bytes of weights a decode step
+reads (every stored tensor except the embedding table, of which it reads
+one row). On a shared machine that bandwidth moves with the neighbours'
+load (13-22 GB/s here in one afternoon), so it is measured right before
+every run, and an engine's "% of bandwidth limit" is the median over its
+runs of that run's decode speed against the bandwidth read just before it.
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ class Engine:
     weight_bytes: int
     prefill: list[float] = field(default_factory=list)
     decode: list[float] = field(default_factory=list)
+    read_gbs: list[float] = field(default_factory=list)  # bandwidth just before each run
     peak_gb: float = 0.0
     spent: float = 0.0
 
@@ -119,6 +128,7 @@ def mlx_lm_engine(path: Path, dtype) -> tuple[object, int]:
 
 MLX_ENGINES = {
     "loom native f32": lambda p: loom_engine(p, "float32", "cpu-native"),
+    "loom int8-act f32": lambda p: loom_engine(p, "float32", "cpu-native-int8-act"),
     "loom native ckpt": lambda p: loom_engine(p, "checkpoint", "cpu-native"),
     "loom ops f32": lambda p: loom_engine(p, "float32", "cpu-ops"),
     "loom ops ckpt": lambda p: loom_engine(p, "checkpoint", "cpu-ops"),
@@ -127,22 +137,27 @@ MLX_ENGINES = {
 }
 
 
-def read_bandwidth_gbs(threads: int) -> float:
-    """Median of 5 passes summing 1 GB, split over ``threads`` threads (the decode
-    limit's denominator: the engines read their weights with that many threads;
-    one thread alone reads ~35 % less here)."""
-    a = np.ones(1 << 28, dtype=np.float32)
-    parts = np.array_split(a, threads)
-    times = []
-    for _ in range(5):
-        workers = [threading.Thread(target=part.sum) for part in parts]
-        start = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        times.append(time.perf_counter() - start)
-    return a.nbytes / statistics.median(times) / 1e9
+class BandwidthProbe:
+    """Read bandwidth, measured on demand: the median of 5 passes summing 1 GB,
+    split over ``threads`` threads (the engines read their weights with that
+    many threads; one thread alone reads ~35 % less here). The buffer is
+    allocated once."""
+
+    def __init__(self, threads: int) -> None:
+        self.buffer = np.ones(1 << 28, dtype=np.float32)
+        self.parts = np.array_split(self.buffer, threads)
+
+    def read_gbs(self) -> float:
+        times = []
+        for _ in range(5):
+            workers = [threading.Thread(target=part.sum) for part in self.parts]
+            start = time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            times.append(time.perf_counter() - start)
+        return self.buffer.nbytes / statistics.median(times) / 1e9
 
 
 def decode_bytes(path: Path) -> int:
@@ -157,15 +172,22 @@ def decode_bytes(path: Path) -> int:
     return total
 
 
-def _sample(engine: Engine, prompt: list[int], gen: int) -> None:
+def _sample(engine: Engine, prompt: list[int], gen: int, probe: BandwidthProbe) -> None:
     gc.collect()
     mx.clear_cache()
+    engine.read_gbs.append(probe.read_gbs())
     start = time.perf_counter()
     p, d = engine.run(prompt, gen)
     engine.spent += time.perf_counter() - start
     engine.prefill.append(p)
     engine.decode.append(d)
-    print(f"  {engine.name:<18} prefill {p:8.1f}  decode {d:7.2f}", flush=True)
+    # A runner in another process reports its own peak (llama.cpp: peak RSS).
+    engine.peak_gb = max(engine.peak_gb, getattr(engine.run, "peak_gb", 0.0))
+    print(
+        f"  {engine.name:<18} prefill {p:8.1f}  decode {d:7.2f}  "
+        f"(read {engine.read_gbs[-1]:.1f} GB/s)",
+        flush=True,
+    )
 
 
 def _unload(engine: Engine) -> None:
@@ -176,32 +198,45 @@ def _unload(engine: Engine) -> None:
     gc.collect()
 
 
-def measure_mlx(
-    path: Path, prompt: list[int], gen: int, repeats: int, budget: float
+def measure_row(
+    path: Path,
+    prompt: list[int],
+    gen: int,
+    repeats: int,
+    budget: float,
+    probe: BandwidthProbe,
+    *,
+    mlx: bool,
+    gguf: Path | None,
 ) -> list[Engine]:
-    """Round 1: each engine alone (its peak memory is measured then); later
-    rounds: all loaded, interleaved, the order reversed each round."""
+    """Round 1: each MLX engine alone (its peak memory is measured then), then
+    llama.cpp; later rounds: all loaded, interleaved with llama.cpp, the order
+    reversed each round."""
     engines = []
-    for name, make in MLX_ENGINES.items():
-        gc.collect()
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        run, nbytes = make(path)
-        engine = Engine(name, run, nbytes)
-        run(prompt[:8], 2)  # warm-up: first-call allocation and compilation
-        _sample(engine, prompt, gen)
-        engine.peak_gb = mx.get_peak_memory() / 1e9
-        _unload(engine)  # before the next engine is measured
-        engines.append(engine)
+    if mlx:
+        for name, make in MLX_ENGINES.items():
+            gc.collect()
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            engine = Engine(name, *make(path))
+            engine.run(prompt[:8], 2)  # warm-up: first-call allocation and compilation
+            _sample(engine, prompt, gen, probe)
+            engine.peak_gb = mx.get_peak_memory() / 1e9
+            _unload(engine)  # before the next engine is measured
+            engines.append(engine)
+    if gguf is not None:
+        engines.append(Engine("llama.cpp", _llama_cpp_runner(gguf, prompt, gen), 0))
+        _sample(engines[-1], prompt, gen, probe)
     if repeats > 1:
         for engine in engines:
-            engine.run, _ = MLX_ENGINES[engine.name](path)
+            if engine.name in MLX_ENGINES:
+                engine.run, _ = MLX_ENGINES[engine.name](path)
         order = list(engines)
         for _ in range(repeats - 1):
             order.reverse()
             for engine in order:
                 if engine.spent <= budget:
-                    _sample(engine, prompt, gen)
+                    _sample(engine, prompt, gen, probe)
         for engine in engines:
             _unload(engine)
     return engines
@@ -230,34 +265,37 @@ def gguf_for(path: Path, bits: int | None, hf_bf16: Path) -> Path | None:
     return out
 
 
-def measure_llama_cpp(gguf: Path, prompt: list[int], gen: int, repeats: int) -> Engine:
+def _llama_cpp_runner(gguf: Path, prompt: list[int], gen: int):
+    """A run of llama.cpp in its own process (``run.peak_gb``: the largest peak RSS seen)."""
     python = LLAMA_VENV / "bin" / "python"
     threads = mlx_loom.cpu.native.threads() or 2
-    done = subprocess.run(
-        [
-            str(python),
-            str(HERE / "llama_cpp_tool.py"),
-            "run",
-            str(gguf),
-            "--prompt",
-            ",".join(map(str, prompt)),
-            "--gen",
-            str(gen),
-            "--threads",
-            str(threads),
-            "--repeats",
-            str(repeats),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    engine = Engine("llama.cpp", None, 0, peak_gb=result["peak_gb"])
-    for p, d in result["runs"]:
-        engine.prefill.append(p)
-        engine.decode.append(d)
-    return engine
+
+    def run(prompt_ids, n):
+        done = subprocess.run(
+            [
+                str(python),
+                str(HERE / "llama_cpp_tool.py"),
+                "run",
+                str(gguf),
+                "--prompt",
+                ",".join(map(str, prompt_ids)),
+                "--gen",
+                str(n),
+                "--threads",
+                str(threads),
+                "--repeats",
+                "1",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        run.peak_gb = max(run.peak_gb, result["peak_gb"])
+        return result["runs"][0]
+
+    run.peak_gb = 0.0
+    return run
 
 
 def bf16_source(row: Row) -> Path:
@@ -304,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         wanted = set(args.rows.split(","))
         table = [r for r in table if r.name in wanted]
     threads = mlx_loom.cpu.native.threads() or 2
-    bandwidth = read_bandwidth_gbs(threads)
-    print(f"mlx {mx.__version__}; read {bandwidth:.1f} GB/s on {threads} threads", flush=True)
+    probe = BandwidthProbe(threads)
+    print(f"mlx {mx.__version__}; bandwidth read on {threads} threads before every run", flush=True)
     results = []
     for row in table:
         path = build(row)
@@ -315,14 +353,21 @@ def main(argv: list[str] | None = None) -> int:
             0, row.config["vocab_size"], (prompt_len,), key=mx.random.key(1)
         ).tolist()
         print(f"{row.name}: prompt {prompt_len}, decode {gen}", flush=True)
-        engines = []
-        if args.engines in ("all", "mlx"):
-            engines += measure_mlx(path, prompt, gen, args.repeats, args.budget)
         gguf = gguf_for(path, row.bits, bf16_source(row)) if args.engines != "mlx" else None
-        if gguf is not None:
-            engines.append(measure_llama_cpp(gguf, prompt, gen, args.repeats))
-        limit = bandwidth * 1e9 / decode_bytes(path)
+        engines = measure_row(
+            path,
+            prompt,
+            gen,
+            args.repeats,
+            args.budget,
+            probe,
+            mlx=args.engines in ("all", "mlx"),
+            gguf=gguf,
+        )
+        step_bytes = decode_bytes(path)
         for e in engines:
+            runs = zip(e.decode, e.read_gbs, strict=True)
+            pct = [100 * d * step_bytes / (bw * 1e9) for d, bw in runs]
             entry = {
                 "row": row.name,
                 "engine": e.name,
@@ -330,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
                 "prefill_tps": statistics.median(e.prefill),
                 "decode_tps": statistics.median(e.decode),
                 "peak_gb": e.peak_gb,
-                "bandwidth_pct": 100 * statistics.median(e.decode) / limit,
+                "read_gbs": statistics.median(e.read_gbs),
+                "bandwidth_pct": statistics.median(pct),
             }
             results.append(entry)
         gc.collect()
@@ -343,10 +389,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(results: list[dict]) -> None:
     print(
-        "| row | engine | prefill tok/s | decode tok/s | peak GB | % of bandwidth limit | "
-        "decode vs mlx-lm |"
+        "| row | engine | prefill tok/s | decode tok/s | peak GB | read GB/s | "
+        "% of bandwidth limit | decode vs mlx-lm |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     base = {r["row"]: r["decode_tps"] for r in results if r["engine"] == "mlx-lm"}
     order = {name: i for i, name in enumerate([*MLX_ENGINES, "llama.cpp"])}
     rows_seen = list(dict.fromkeys(r["row"] for r in results))
@@ -355,7 +401,8 @@ def print_table(results: list[dict]) -> None:
         ratio = r["decode_tps"] / base[r["row"]] if base.get(r["row"]) else float("nan")
         print(
             f"| {r['row']} | {r['engine']} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | "
-            f"{r['peak_gb']:.3f} | {r['bandwidth_pct']:.0f} % | {ratio:.2f}x |"
+            f"{r['peak_gb']:.3f} | {r.get('read_gbs', float('nan')):.1f} | "
+            f"{r['bandwidth_pct']:.0f} % | {ratio:.2f}x |"
         )
 
 
