@@ -15,9 +15,10 @@
 namespace loom_cpu {
 namespace {
 
-// How long an idle worker spins before it sleeps. Long enough to bridge the
-// gap between two products of one decode step, short enough not to hold a
-// core that other processes want.
+// How long an idle worker spins (yielding its core to any other runnable
+// thread as it goes) before it sleeps. Long enough to bridge the gap between
+// two products of one decode step, short enough not to hold a core that
+// other processes want.
 constexpr auto kSpin = std::chrono::microseconds(200);
 
 // When the caller, done with its share, then waits for the workers longer
@@ -172,6 +173,13 @@ class Pool {
         cpu_relax();
         if (++spins == 64) {
           spins = 0;
+          // Let a runnable thread have this core while we wait: between two
+          // products the thread that builds the next step's graph (the
+          // interpreter) needs it, and a worker that only pauses keeps it
+          // from that thread for half of every time slice. Measured, two
+          // threads, per token: 350M 4-bit (int8 activations) ~26 -> ~21 ms,
+          // 350M bf16 ~52 -> ~47 ms, a 4-layer model ~2.0 -> ~1.2 ms.
+          sched_yield();
           if (std::chrono::steady_clock::now() > deadline) {
             std::unique_lock<std::mutex> lock(wake_mutex_);
             sleepers_.fetch_add(1, std::memory_order_acq_rel);
