@@ -13,8 +13,9 @@ Exactly these four classes are swapped (``type(m) is nn.Linear``, not
 subclasses: a subclass may compute something else), and only affine
 quantization (the only mode the loader accepts). On ``cpu-native-int8-act``
 the 4-bit quantized ones are marked ``int8_activations``: their products of
-at most 32 rows run against int8 activations (the kernel's stated bound). The same pass swaps the
-norm and RoPE modules for their one-node versions (:mod:`mlx_loom.cpu.ops`).
+at most 32 rows run against int8 activations (the kernel's stated bound).
+The same pass swaps the norm and RoPE modules for their one-node versions
+(:mod:`mlx_loom.cpu.ops`).
 """
 
 from __future__ import annotations
