@@ -176,10 +176,11 @@ void affine_row(
   }
 }
 
-// One block of 64 4-bit codes against MT activation rows: acc[m] lane j
-// gathers codes 8j..8j+7 of the block, in order.
+// One chunk of 64 4-bit codes against MT activation rows: part[m] lane j
+// sums codes 8j..8j+7 of the chunk, in order.
 template <int MT>
-inline void affine4_block(const float* const* xs, const uint8_t* wrow, int k, __m256* acc) {
+LOOM_HOT void affine4_chunk(
+    const float* const* xs, const uint8_t* wrow, int k, __m256* part) {
   __m256i q[8];
   load_codes64_4bit(wrow + k / 2, q);
   __m256 a[MT][2];
@@ -196,15 +197,34 @@ inline void affine4_block(const float* const* xs, const uint8_t* wrow, int k, __
     }
   }
   for (int m = 0; m < MT; ++m) {
-    acc[m] = _mm256_add_ps(acc[m], _mm256_add_ps(a[m][0], a[m][1]));
+    part[m] = _mm256_add_ps(a[m][0], a[m][1]);
   }
 }
 
-// 4-bit rows, decoded 64 codes at a time in-lane. Groups of 64 or 128 take
-// whole blocks; with groups of 32 a block holds two groups (lanes 0-3 and
-// 4-7), so its partial is scaled by a vector of their two scales, and a row
-// whose length is an odd number of such groups ends with one 32-code block
-// on 128-bit vectors.
+// The last 32 codes of a row, on 128-bit vectors (x permuted the same way).
+template <int MT>
+LOOM_HOT void affine4_last32(
+    const float* const* xs, const uint8_t* wrow, int k, float* sums) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + k / 2));
+  __m128 acc[MT];
+  for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm_setzero_ps();
+  }
+  for (int c = 0; c < 8; ++c) {
+    const __m128 qf = _mm_cvtepi32_ps(_mm_and_si128(_mm_srli_epi32(v, 4 * c), _mm_set1_epi32(0xF)));
+    for (int m = 0; m < MT; ++m) {
+      acc[m] = _mm_fmadd_ps(_mm_loadu_ps(xs[m] + k + 4 * c), qf, acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m128 h = _mm_add_ps(acc[m], _mm_movehl_ps(acc[m], acc[m]));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    sums[m] = _mm_cvtss_f32(h);
+  }
+}
+
+// 4-bit rows, decoded 64 codes at a time in-lane (affine4_groups says how
+// groups and the bias terms are summed).
 template <int MT, int SD>
 void affine4_row(
     const float* const* xs,
@@ -215,69 +235,15 @@ void affine4_row(
     int K,
     int group_size,
     float* res) {
-  __m256 tot[MT];
-  float bsum[MT];
-  float tail[MT];
-  for (int m = 0; m < MT; ++m) {
-    tot[m] = _mm256_setzero_ps();
-    bsum[m] = 0.0f;
-    tail[m] = 0.0f;
-  }
-  const int groups = K / group_size;
-  if (group_size >= 64) {
-    for (int g = 0; g < groups; ++g) {
-      const int k0 = g * group_size;
-      __m256 acc[MT];
-      for (int m = 0; m < MT; ++m) {
-        acc[m] = _mm256_setzero_ps();
-      }
-      for (int k = k0; k < k0 + group_size; k += 64) {
-        affine4_block<MT>(xs, wrow, k, acc);
-      }
-      const __m256 sv = _mm256_set1_ps(load_scalar(srow, SD, g));
-      for (int m = 0; m < MT; ++m) {
-        tot[m] = _mm256_fmadd_ps(sv, acc[m], tot[m]);
-      }
-    }
-  } else {
-    const int K64 = K & ~63;
-    for (int k = 0; k < K64; k += 64) {
-      __m256 acc[MT];
-      for (int m = 0; m < MT; ++m) {
-        acc[m] = _mm256_setzero_ps();
-      }
-      affine4_block<MT>(xs, wrow, k, acc);
-      const int g = k / 32;
-      const __m256 sv = _mm256_set_m128(
-          _mm_set1_ps(load_scalar(srow, SD, g + 1)), _mm_set1_ps(load_scalar(srow, SD, g)));
-      for (int m = 0; m < MT; ++m) {
-        tot[m] = _mm256_fmadd_ps(sv, acc[m], tot[m]);
-      }
-    }
-    if (K64 < K) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + K64 / 2));
-      __m128 acc[MT];
-      for (int m = 0; m < MT; ++m) {
-        acc[m] = _mm_setzero_ps();
-      }
-      for (int c = 0; c < 8; ++c) {
-        const __m128 qf = _mm_cvtepi32_ps(_mm_and_si128(_mm_srli_epi32(v, 4 * c), _mm_set1_epi32(0xF)));
-        for (int m = 0; m < MT; ++m) {
-          acc[m] = _mm_fmadd_ps(_mm_loadu_ps(xs[m] + K64 + 4 * c), qf, acc[m]);
-        }
-      }
-      const float s = load_scalar(srow, SD, groups - 1);
-      for (int m = 0; m < MT; ++m) {
-        __m128 h = _mm_add_ps(acc[m], _mm_movehl_ps(acc[m], acc[m]));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        tail[m] = s * _mm_cvtss_f32(h);
-      }
-    }
-  }
-  bias_terms<MT, SD>(xsums, brow, groups, bsum);
-  for (int m = 0; m < MT; ++m) {
-    res[m] = (hsum(tot[m]) + tail[m]) + bsum[m];
-  }
+  affine4_groups<MT, SD>(
+      [&](int k, __m256* part) { affine4_chunk<MT>(xs, wrow, k, part); },
+      [&](int k, float* sums) { affine4_last32<MT>(xs, wrow, k, sums); },
+      xsums,
+      srow,
+      brow,
+      K,
+      group_size,
+      res);
 }
 
 template <int MT>

@@ -56,7 +56,7 @@ inline void block_step(const float* x, float* step, float* inv_step) {
 // lanes 0-3 of the result sum the first block's products, lanes 4-7 the
 // second's, each as an exact integer converted to fp32 and times its step.
 template <int MT>
-inline void chunk64(
+LOOM_HOT void chunk64(
     const uint8_t* w, const int8_t* const* xq, const float* const* steps, int k, __m256* part) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k / 2));
   const __m256i nib = _mm256_set1_epi8(0x0F);
@@ -77,7 +77,7 @@ inline void chunk64(
 
 // The last 32 codes of a row whose length is an odd number of 32-blocks.
 template <int MT>
-inline void chunk32(
+LOOM_HOT void chunk32(
     const uint8_t* w, const int8_t* const* xq, const float* const* steps, int k, float* part) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2));
   const __m128i nib = _mm_set1_epi8(0x0F);
@@ -105,56 +105,15 @@ void int8_row(
     int K,
     int group_size,
     float* res) {
-  __m256 tot[MT];
-  float tail[MT];
-  float bsum[MT];
-  for (int m = 0; m < MT; ++m) {
-    tot[m] = _mm256_setzero_ps();
-    tail[m] = 0.0f;
-  }
-  const int groups = K / group_size;
-  __m256 part[MT];
-  if (group_size >= 64) {
-    for (int g = 0; g < groups; ++g) {
-      const int k0 = g * group_size;
-      __m256 acc[MT];
-      chunk64<MT>(wrow, xq, steps, k0, acc);
-      for (int k = k0 + 64; k < k0 + group_size; k += 64) {
-        chunk64<MT>(wrow, xq, steps, k, part);
-        for (int m = 0; m < MT; ++m) {
-          acc[m] = _mm256_add_ps(acc[m], part[m]);
-        }
-      }
-      const __m256 sv = _mm256_set1_ps(load_scalar(srow, SD, g));
-      for (int m = 0; m < MT; ++m) {
-        tot[m] = _mm256_fmadd_ps(sv, acc[m], tot[m]);
-      }
-    }
-  } else {
-    // Groups of 32: a chunk's two blocks are two groups, scaled as a vector.
-    const int K64 = K & ~63;
-    for (int k = 0; k < K64; k += 64) {
-      chunk64<MT>(wrow, xq, steps, k, part);
-      const int g = k / 32;
-      const __m256 sv = _mm256_set_m128(
-          _mm_set1_ps(load_scalar(srow, SD, g + 1)), _mm_set1_ps(load_scalar(srow, SD, g)));
-      for (int m = 0; m < MT; ++m) {
-        tot[m] = _mm256_fmadd_ps(sv, part[m], tot[m]);
-      }
-    }
-    if (K64 < K) {
-      float last[MT];
-      chunk32<MT>(wrow, xq, steps, K64, last);
-      const float s = load_scalar(srow, SD, groups - 1);
-      for (int m = 0; m < MT; ++m) {
-        tail[m] = s * last[m];
-      }
-    }
-  }
-  bias_terms<MT, SD>(xsums, brow, groups, bsum);
-  for (int m = 0; m < MT; ++m) {
-    res[m] = (hsum(tot[m]) + tail[m]) + bsum[m];
-  }
+  affine4_groups<MT, SD>(
+      [&](int k, __m256* part) { chunk64<MT>(wrow, xq, steps, k, part); },
+      [&](int k, float* sums) { chunk32<MT>(wrow, xq, steps, k, sums); },
+      xsums,
+      srow,
+      brow,
+      K,
+      group_size,
+      res);
 }
 
 template <int MT>

@@ -98,10 +98,8 @@ def test_loom_serve_loads_the_path_it_is_given(family_checkpoint, loaded, capsys
     )
 
 
-def test_the_server_answers_on_the_native_kernels(family_checkpoint):
-    model, tok = mlx_loom.load(family_checkpoint)
-    assert model.cpu_path.kernel_set == "cpu-native"
-    expected = mlx_loom.generate(model, tok, "hello", max_tokens=6)
+def served_completion(model, tok) -> str:
+    """What a server on ``model`` answers to a 6-token completion of "hello"."""
     server = make_server(model, tok, host="127.0.0.1", port=0, model_id="m")
     server.start_in_background()
     try:
@@ -111,10 +109,16 @@ def test_the_server_answers_on_the_native_kernels(family_checkpoint):
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=30) as reply:
-            body = json.loads(reply.read())
+            return json.loads(reply.read())["choices"][0]["text"]
     finally:
         server.stop()
-    assert body["choices"][0]["text"] == expected
+
+
+def test_the_server_answers_on_the_native_kernels(family_checkpoint):
+    model, tok = mlx_loom.load(family_checkpoint)
+    assert model.cpu_path.kernel_set == "cpu-native"
+    expected = mlx_loom.generate(model, tok, "hello", max_tokens=6)
+    assert served_completion(model, tok) == expected
 
 
 # --- int8 activations: 4-bit checkpoints, every door --------------------------
@@ -137,19 +141,7 @@ def test_int8_activations_reach_the_api_and_the_server(q4_checkpoint):
     model, tok = mlx_loom.load(q4_checkpoint, cpu_kernels="cpu-native-int8-act")
     assert model.cpu_path.kernel_set == "cpu-native-int8-act" and int8_modules(model) > 0
     expected = mlx_loom.generate(model, tok, "hello", max_tokens=6)
-    server = make_server(model, tok, host="127.0.0.1", port=0, model_id="m")
-    server.start_in_background()
-    try:
-        request = urllib.request.Request(
-            f"{server.url}/v1/completions",
-            data=json.dumps({"prompt": "hello", "max_tokens": 6}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=30) as reply:
-            body = json.loads(reply.read())
-    finally:
-        server.stop()
-    assert body["choices"][0]["text"] == expected
+    assert served_completion(model, tok) == expected
 
 
 def test_int8_activations_reach_generate_chat_and_serve(q4_checkpoint, loaded, capsys, monkeypatch):

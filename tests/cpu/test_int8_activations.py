@@ -175,29 +175,19 @@ def _rounding_in_front_of_every_4bit_product(monkeypatch) -> None:
         q = mx.clip(mx.round(blocks * inv), -127, 127)
         return (q * (amax / 127.0)).reshape(x.shape).astype(x.dtype)
 
-    def linear(self, x):
-        return nat.affine_matmul(
-            rounded(x) if self.bits == 4 else x,
-            self["weight"],
-            self["scales"],
-            self["biases"],
-            self.bits,
-            self.group_size,
-            self.get("bias"),
-        )
-
-    def head(self, x):
-        return nat.affine_matmul(
-            rounded(x) if self.bits == 4 else x,
-            self["weight"],
-            self["scales"],
-            self["biases"],
-            self.bits,
-            self.group_size,
-        )
-
-    monkeypatch.setattr(layers.NativeQuantizedLinear, "__call__", linear)
-    monkeypatch.setattr(layers.NativeQuantizedEmbedding, "as_linear", head)
+    # The fp32 kernel on the rounded input: what the int8 kernel states it computes.
+    linear = layers.NativeQuantizedLinear.__call__
+    head = layers.NativeQuantizedEmbedding.as_linear
+    monkeypatch.setattr(
+        layers.NativeQuantizedLinear,
+        "__call__",
+        lambda self, x: linear(self, rounded(x) if self.bits == 4 else x),
+    )
+    monkeypatch.setattr(
+        layers.NativeQuantizedEmbedding,
+        "as_linear",
+        lambda self, x: head(self, rounded(x) if self.bits == 4 else x),
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -214,3 +204,18 @@ def test_each_family_computes_its_forward_with_int8_activations(checkpoints, fam
     gap = max_relative_gap(mine, emulated)
     assert gap <= 1e-4
     assert max_relative_gap(mine, native_run) > 10 * max(gap, 1e-7)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_verify_window_equals_one_token_steps_bit_for_bit(checkpoints, family):  # noqa: F811
+    # Each activation row is quantized on its own, so a speculative verify
+    # window (several rows in one product) reproduces one-token decode.
+    model, make_cache = ours(checkpoints(family, "q4"), "float32", "cpu-native-int8-act")
+    window = [11, 23, 5, 77]
+    stepped, windowed = make_cache(), make_cache()
+    model(mx.array([[1, 5, 7, 42, 99]]), cache=stepped)
+    model(mx.array([[1, 5, 7, 42, 99]]), cache=windowed)
+    steps = [model(mx.array([[t]]), cache=stepped)[0, -1] for t in window]
+    together = model(mx.array([window]), cache=windowed)[0]
+    for i, logits in enumerate(steps):
+        assert mx.array_equal(together[i], logits), f"position {i}"

@@ -35,8 +35,9 @@ with Q8 activations: ~2x the products' speed for an error stated and tested
 (at most ``sum_k |w_k| step_k / 2`` per output over the dequantized weights
 ``w``; docs/cpu.md). The default is ``cpu-native`` where it can run and
 ``cpu-ops`` where it cannot — ``loom explain`` says which and why; the int8
-set is never a default, since it changes the numbers. Asking for a native set where it cannot run is a
-refusal naming the reason, never a quiet switch to ``cpu-ops``.
+set is never a default, since it changes the numbers. Asking for a native
+set where it cannot run is a refusal naming the reason, never a quiet
+switch to ``cpu-ops``.
 
 A host pins either choice with :meth:`mlx_loom.Registry.with_`; a run may
 then only ask for the pinned value.
