@@ -42,3 +42,17 @@ def test_constants_restated_for_the_parser_equal_their_sources():
     from mlx_loom.cli import flags
 
     assert (flags.KV_BITS, flags.KV_GROUP_SIZES) == (KV_BITS, KV_GROUP_SIZES)
+
+
+def test_the_parsers_cpu_choices_equal_the_registered_ones():
+    # The CLI restates them so that building the parser imports no MLX.
+    import argparse
+
+    from mlx_loom.cli.generate_cmd import add_cpu_path_options
+    from mlx_loom.cpu.path import COMPUTE_DTYPES, KERNEL_SETS
+
+    parser = argparse.ArgumentParser()
+    add_cpu_path_options(parser)
+    choices = {a.dest: a.choices for a in parser._actions if a.choices}
+    assert set(choices["cpu_kernels"]) == set(KERNEL_SETS)
+    assert set(choices["compute_dtype"]) == set(COMPUTE_DTYPES)
