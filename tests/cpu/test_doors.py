@@ -127,10 +127,8 @@ INT8 = ["--compute-dtype", "float32", "--cpu-kernels", "cpu-native-int8-act"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def q4_checkpoint(request, tmp_path_factory):
-    from .test_model_parity import _write
-
-    return _write(request.param, "q4", tmp_path_factory.mktemp(f"{request.param}-q4"))
+def q4_checkpoint(request, checkpoints):
+    return checkpoints(request.param, "q4")
 
 
 def int8_modules(model) -> int:

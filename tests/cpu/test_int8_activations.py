@@ -29,7 +29,6 @@ from mlx_loom.cpu import layers, native
 from mlx_loom.cpu.path import resolve_cpu_path
 
 from .test_model_parity import FAMILIES, greedy, max_relative_gap, ours
-from .test_model_parity import checkpoints as checkpoints  # noqa: F401  (fixture)
 
 nat = native.module()
 U = 2.0**-23
@@ -191,7 +190,7 @@ def _rounding_in_front_of_every_4bit_product(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_each_family_computes_its_forward_with_int8_activations(checkpoints, family, monkeypatch):  # noqa: F811
+def test_each_family_computes_its_forward_with_int8_activations(checkpoints, family, monkeypatch):
     path = checkpoints(family, "q4")
     model, make_cache = ours(path, "float32", "cpu-native-int8-act")
     marked = [m for _, m in model.module.named_modules() if getattr(m, "int8_activations", False)]
@@ -207,7 +206,7 @@ def test_each_family_computes_its_forward_with_int8_activations(checkpoints, fam
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_verify_window_equals_one_token_steps_bit_for_bit(checkpoints, family):  # noqa: F811
+def test_a_verify_window_equals_one_token_steps_bit_for_bit(checkpoints, family):
     # Each activation row is quantized on its own, so a speculative verify
     # window (several rows in one product) reproduces one-token decode.
     model, make_cache = ours(checkpoints(family, "q4"), "float32", "cpu-native-int8-act")

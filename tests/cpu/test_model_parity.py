@@ -1,8 +1,9 @@
 """Every family on every CPU path, against mlx-lm run in the same compute dtype.
 
-Checkpoints: each family's tiny config (its ``ModelType.tiny_config``) with
-random weights stored in bf16, and the same quantized to 4 bits (group 64)
-by mlx-lm's converter, which keeps bf16 scales — how mlx-community ships.
+Checkpoints (``conftest.py``): each family's tiny config (its
+``ModelType.tiny_config``) with random weights stored in bf16, and the same
+quantized to 4 bits (group 64) by mlx-lm's converter, which keeps bf16
+scales — how mlx-community ships.
 
 * ``cpu-ops`` + ``float32`` runs MLX's operations on fp32 activations, the
   same graph as mlx-lm after ``model.set_dtype(mx.float32)``: logits equal
@@ -26,54 +27,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 
-from mlx_loom.host import build_model, default_host, resolve_model
-from mlx_loom.testing.checkpoints import write_checkpoint
+from mlx_loom.host import build_model, resolve_model
 
 FAMILIES = ["llama", "qwen3_next", "gemma4_text"]
 PROMPT = [1, 5, 7, 42, 99, 3, 17, 200, 8, 64, 31, 2]
 STEPS = 6
 FP32_TOL = 1e-4
 BF16_SLACK = 1.1
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    made: dict[tuple[str, str], Path] = {}
-
-    def get(family: str, kind: str) -> Path:
-        key = (family, kind)
-        if key not in made:
-            root = tmp_path_factory.mktemp(f"{family}-{kind}")
-            made[key] = _write(family, kind, root)
-        return made[key]
-
-    return get
-
-
-def _write(family: str, kind: str, root: Path) -> Path:
-    mt = default_host().registry.model_type(family)
-    config = dict(mt.tiny_config)
-    spec = {
-        name: (shape, "bfloat16" if dtype in ("float32", "F32", "BF16", "bfloat16") else dtype)
-        for name, (shape, dtype) in mt.checkpoint_tensors(config).items()
-    }
-    bf16 = write_checkpoint(root / "bf16", config, spec, seed=3)
-    if kind == "bf16":
-        return bf16
-    from mlx_lm.utils import load_model, quantize_model, save_config
-
-    model, cfg = load_model(bf16)
-    model, cfg = quantize_model(model, cfg, 64, 4)
-    dst = root / "q4"
-    dst.mkdir()
-    mx.save_safetensors(str(dst / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    save_config(cfg, dst / "config.json")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (bf16 / name).exists():
-            (dst / name).write_bytes((bf16 / name).read_bytes())
-    return dst
 
 
 def ours(path: Path, compute_dtype: str, cpu_kernels: str):

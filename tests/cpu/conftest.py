@@ -1,0 +1,53 @@
+"""Checkpoints shared by the CPU tests: each family's tiny config with random
+weights stored in bf16, and the same quantized to 4 bits (group 64) by
+mlx-lm's converter, which keeps bf16 scales — how mlx-community ships."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_loom.host import default_host
+from mlx_loom.testing.checkpoints import write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """``checkpoints(family, "bf16" | "q4")``: written once per session."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, kind: str) -> Path:
+        key = (family, kind)
+        if key not in made:
+            root = tmp_path_factory.mktemp(f"{family}-{kind}")
+            made[key] = _write(family, kind, root)
+        return made[key]
+
+    return get
+
+
+def _write(family: str, kind: str, root: Path) -> Path:
+    mt = default_host().registry.model_type(family)
+    config = dict(mt.tiny_config)
+    spec = {
+        name: (shape, "bfloat16" if dtype in ("float32", "F32", "BF16", "bfloat16") else dtype)
+        for name, (shape, dtype) in mt.checkpoint_tensors(config).items()
+    }
+    bf16 = write_checkpoint(root / "bf16", config, spec, seed=3)
+    if kind == "bf16":
+        return bf16
+    from mlx_lm.utils import load_model, quantize_model, save_config
+
+    model, cfg = load_model(bf16)
+    model, cfg = quantize_model(model, cfg, 64, 4)
+    dst = root / "q4"
+    dst.mkdir()
+    mx.save_safetensors(str(dst / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    save_config(cfg, dst / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (bf16 / name).exists():
+            (dst / name).write_bytes((bf16 / name).read_bytes())
+    return dst
