@@ -70,6 +70,44 @@ NB_MODULE(_native, m) {
       "products of at most SMALL_ROWS rows.");
 
   m.def(
+      "gated_dense_matmul",
+      [](const mlx::core::array& x, const mlx::core::array& gate, const mlx::core::array& up) {
+        return loom_cpu::gated_dense_matmul(x, gate, up);
+      },
+      "x"_a,
+      "gate"_a,
+      "up"_a,
+      "silu(x @ gate.T) * (x @ up.T) as one node for float32 x; bit-equal to the two "
+      "dense_matmul calls and silu_mul.");
+  m.def(
+      "gated_affine_matmul",
+      [](const mlx::core::array& x,
+         const mlx::core::array& gate,
+         const mlx::core::array& gate_scales,
+         const mlx::core::array& gate_biases,
+         const mlx::core::array& up,
+         const mlx::core::array& up_scales,
+         const mlx::core::array& up_biases,
+         int bits,
+         int group_size,
+         bool int8_activations) {
+        return loom_cpu::gated_affine_matmul(
+            x, gate, gate_scales, gate_biases, up, up_scales, up_biases, bits, group_size,
+            int8_activations);
+      },
+      "x"_a,
+      "gate"_a,
+      "gate_scales"_a,
+      "gate_biases"_a,
+      "up"_a,
+      "up_scales"_a,
+      "up_biases"_a,
+      "bits"_a,
+      "group_size"_a,
+      "int8_activations"_a = false,
+      "silu(x @ dequantize(gate).T) * (x @ dequantize(up).T) as one node for float32 x; "
+      "bit-equal to the two affine_matmul calls and silu_mul.");
+  m.def(
       "rms_norm",
       [](const mlx::core::array& x, const std::optional<mlx::core::array>& w, float eps) {
         return loom_cpu::rms_norm(x, w, eps);
@@ -96,6 +134,15 @@ NB_MODULE(_native, m) {
       "offsets"_a,
       "mx.fast.rope for x [..., L, D] with float32 inverse frequencies [dims / 2] and int32 "
       "offsets [1] or [batch]; fp32 arithmetic.");
+  m.def(
+      "silu_mul",
+      [](const mlx::core::array& gate, const mlx::core::array& up) {
+        return loom_cpu::silu_mul(gate, up);
+      },
+      "gate"_a,
+      "up"_a,
+      "silu(gate) * up for float32 arrays of one shape, as one node; equals MLX's own "
+      "(compiled) evaluation bit for bit.");
   m.def(
       "attention",
       [](const mlx::core::array& q,

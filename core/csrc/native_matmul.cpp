@@ -7,6 +7,7 @@
 
 #include "kernels.h"
 #include "native_common.h"
+#include "ops.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/utils.h"
@@ -49,13 +50,14 @@ mx::array finish_op(
     int group_size,
     bool has_bias,
     bool int8_x,
+    bool gated,
     mx::Stream stream) {
   auto out_shape = inputs[0].shape();
   out_shape.back() = N;
   return mx::array(
       std::move(out_shape),
       out_dtype,
-      std::make_shared<NativeMatmul>(stream, bits, group_size, has_bias, int8_x),
+      std::make_shared<NativeMatmul>(stream, bits, group_size, has_bias, int8_x, gated),
       std::move(inputs));
 }
 
@@ -65,112 +67,186 @@ thread_local Scratch sum_scratch;
 thread_local Scratch gemm_scratch;
 thread_local Scratch int8_scratch;
 thread_local Scratch step_scratch;
+thread_local Scratch gate_scratch;
+thread_local Scratch up_scratch;
 
 // Below this many multiply-adds a product runs on the calling thread alone:
 // waking a worker costs more than it saves.
 constexpr long long kParallelMacs = 1 << 16;
 
+// x as fp32 (the kernels' activations), upcast once per call if needed.
+const float* f32_x(const Product& p, const void* x_raw, int x_dtype) {
+  if (x_dtype == kF32) {
+    return static_cast<const float*>(x_raw);
+  }
+  const size_t count = static_cast<size_t>(p.M) * p.K;
+  float* buf = x_scratch.get(count + 8);
+  to_f32(x_raw, x_dtype, buf, count);
+  return buf;
+}
+
+// The activations of a matrix-vector product (at most kSmallRows rows) as
+// its kernel reads them, prepared once per call -- and once for both
+// products of a gated pair, which share x, K, bits and group size.
+struct VectorInput {
+  const float* x = nullptr;      // fp32 kernels: x (reordered for 4-bit codes)
+  const float* xsum = nullptr;   // affine: per-group sums of x
+  const int8_t* xq = nullptr;    // int8 activations (null: the fp32 kernels)
+  const float* steps = nullptr;  // their block steps
+};
+
+VectorInput prepare_vector(const Product& p, bool int8_x) {
+  VectorInput v;
+  v.x = p.x;
+  if (p.bits == 0) {
+    return v;
+  }
+  float* sums = sum_scratch.get(static_cast<size_t>(p.M) * (p.K / p.group_size) + 8);
+  v.xsum = sums;
+  if (int8_x) {
+    auto* xq = reinterpret_cast<int8_t*>(int8_scratch.get(int8_x_bytes(p.M, p.K) / 4 + 8));
+    float* steps = step_scratch.get(int8_x_steps(p.M, p.K) + 8);
+    prepare_int8_x(p, xq, steps, sums);
+    v.xq = xq;
+    v.steps = steps;
+    return v;
+  }
+  float* perm = p.bits == 4 ? perm_scratch.get(static_cast<size_t>(p.M) * p.K + 8) : nullptr;
+  prepare_affine_x(p, perm, sums);
+  if (perm != nullptr) {
+    v.x = perm;
+  }
+  return v;
+}
+
+void vector_rows(Product p, const VectorInput& v, int n0, int n1) {
+  if (v.xq != nullptr) {
+    gemv4_int8_rows(p, v.xq, v.steps, v.xsum, n0, n1);
+    return;
+  }
+  p.x = v.x;
+  gemv_rows(p, v.xsum, n0, n1);
+}
+
+// Contiguous chunks of output rows, several per thread so that a thread
+// that starts late (another process on its core) delays little.
+struct RowChunks {
+  int tasks = 1;
+  int chunk = 0;
+};
+
+RowChunks row_chunks(int N, long long macs) {
+  RowChunks c;
+  c.tasks = macs < kParallelMacs ? 1 : std::min(pool_threads() * 4, std::max(1, N / 8));
+  c.chunk = (N + c.tasks - 1) / c.tasks;
+  c.tasks = (N + c.chunk - 1) / c.chunk;
+  return c;
+}
+
+long long macs_of(const Product& p) {
+  return static_cast<long long>(p.M) * p.N * std::max(p.K, 1);
+}
+
+// The blocked GEMM over every product in `products` (one region).
+void gemm_all(const Product* products, int count) {
+  const int block = gemm_block_rows();
+  const int per = (products[0].N + block - 1) / block;
+  long long macs = 0;
+  for (int i = 0; i < count; ++i) {
+    macs += macs_of(products[i]);
+  }
+  const size_t scratch_floats = gemm_scratch_floats(products[0].M);
+  if (macs < kParallelMacs) {
+    float* scratch = gemm_scratch.get(scratch_floats);
+    for (int i = 0; i < count; ++i) {
+      gemm_rows(products[i], 0, products[i].N, scratch);
+    }
+    return;
+  }
+  parallel_for(per * count, [&](int t) {
+    const Product& p = products[t / per];
+    const int n0 = (t % per) * block;
+    gemm_rows(p, n0, std::min(p.N, n0 + block), gemm_scratch.get(scratch_floats));
+  });
+}
+
 void run_product(Product p, const void* x_raw, int x_dtype, bool int8_x) {
   if (p.M == 0 || p.N == 0) {
     return;
   }
-  const size_t x_count = static_cast<size_t>(p.M) * p.K;
-  if (x_dtype == kF32) {
-    p.x = static_cast<const float*>(x_raw);
-  } else {
-    float* buf = x_scratch.get(x_count + 8);
-    to_f32(x_raw, x_dtype, buf, x_count);
-    p.x = buf;
-  }
-  const int threads = pool_threads();
-  const long long macs = static_cast<long long>(p.M) * p.N * std::max(p.K, 1);
-  if (p.M <= kSmallRows) {
-    // Rows are split into contiguous chunks, several per thread so a thread
-    // that starts late (another process on its core) delays little.
-    int tasks = macs < kParallelMacs ? 1 : std::min(threads * 4, std::max(1, p.N / 8));
-    const int chunk = (p.N + tasks - 1) / tasks;
-    tasks = (p.N + chunk - 1) / chunk;
-    const float* xsum = nullptr;
-    if (int8_x) {
-      float* sums = sum_scratch.get(static_cast<size_t>(p.M) * (p.K / p.group_size) + 8);
-      auto* xq = reinterpret_cast<int8_t*>(int8_scratch.get(int8_x_bytes(p.M, p.K) / 4 + 8));
-      float* steps = step_scratch.get(int8_x_steps(p.M, p.K) + 8);
-      prepare_int8_x(p, xq, steps, sums);
-      parallel_for(tasks, [&](int t) {
-        const int n0 = t * chunk;
-        gemv4_int8_rows(p, xq, steps, sums, n0, std::min(p.N, n0 + chunk));
-      });
-      return;
-    }
-    if (p.bits != 0) {
-      float* sums = sum_scratch.get(static_cast<size_t>(p.M) * (p.K / p.group_size) + 8);
-      float* perm = p.bits == 4 ? perm_scratch.get(x_count + 8) : nullptr;
-      prepare_affine_x(p, perm, sums);
-      if (perm != nullptr) {
-        p.x = perm;
-      }
-      xsum = sums;
-    }
-    parallel_for(tasks, [&](int t) {
-      const int n0 = t * chunk;
-      gemv_rows(p, xsum, n0, std::min(p.N, n0 + chunk));
-    });
+  p.x = f32_x(p, x_raw, x_dtype);
+  if (p.M > kSmallRows) {
+    gemm_all(&p, 1);
     return;
   }
-  const int block = gemm_block_rows();
-  const int tasks = (p.N + block - 1) / block;
-  const size_t scratch_floats = gemm_scratch_floats(p.M);
-  parallel_for(macs < kParallelMacs ? 1 : tasks, [&](int t) {
-    float* scratch = gemm_scratch.get(scratch_floats);
-    if (macs < kParallelMacs) {
-      gemm_rows(p, 0, p.N, scratch);
-      return;
-    }
-    const int n0 = t * block;
-    gemm_rows(p, n0, std::min(p.N, n0 + block), scratch);
+  const VectorInput v = prepare_vector(p, int8_x);
+  const RowChunks c = row_chunks(p.N, macs_of(p));
+  parallel_for(c.tasks, [&](int t) {
+    const int n0 = t * c.chunk;
+    vector_rows(p, v, n0, std::min(p.N, n0 + c.chunk));
   });
 }
 
-}  // namespace
+// silu(x @ G.T) * (x @ U.T): both products' rows of a chunk, then the gate
+// over that chunk, so the pair is one region (one node) and x is prepared
+// once. Every output equals the unfused gate product, up product and
+// silu_mul bit for bit (the same kernels, the same per-row arithmetic).
+void run_gated(Product g, Product u, const float* x, bool int8_x, float* out) {
+  if (g.M == 0 || g.N == 0) {
+    return;
+  }
+  const int M = g.M;
+  const int N = g.N;
+  const size_t count = static_cast<size_t>(M) * N;
+  float* gate = gate_scratch.get(count + 8);
+  float* up = up_scratch.get(count + 8);
+  g.x = u.x = x;
+  g.out = gate;
+  u.out = up;
+  g.out_dtype = u.out_dtype = kF32;
+  if (M > kSmallRows) {
+    const Product pair[2] = {g, u};
+    gemm_all(pair, 2);
+    const RowChunks c = row_chunks(M, static_cast<long long>(count) * 8);
+    parallel_for(c.tasks, [&](int t) {
+      const size_t m0 = static_cast<size_t>(t) * c.chunk;
+      const size_t m1 = std::min(static_cast<size_t>(M), m0 + c.chunk);
+      silu_mul(gate, up, out, m0 * N, m1 * N);
+    });
+    return;
+  }
+  const VectorInput v = prepare_vector(g, int8_x);
+  const RowChunks c = row_chunks(N, 2 * macs_of(g));
+  parallel_for(c.tasks, [&](int t) {
+    const int n0 = t * c.chunk;
+    const int n1 = std::min(N, n0 + c.chunk);
+    vector_rows(g, v, n0, n1);
+    vector_rows(u, v, n0, n1);
+    for (int m = 0; m < M; ++m) {
+      const size_t row = static_cast<size_t>(m) * N;
+      silu_mul(gate + row, up + row, out + row, n0, n1);
+    }
+  });
+}
 
-mx::array dense_matmul(
-    const mx::array& x,
-    const mx::array& w,
-    const std::optional<mx::array>& bias,
-    mx::StreamOrDevice s) {
-  check_runnable();
-  mx::Stream stream = cpu_stream(s);
+// A dense weight's shape: [N, K].
+void check_dense(const mx::array& w) {
   require(w.ndim() == 2 && is_float(w.dtype()), [&] {
     return std::string(
         "[loom native kernels] a dense weight must be a 2-D float32, bfloat16 or float16 "
         "matrix, got shape " +
         shape_str(w) + " " + dtype_str(w.dtype()) + ".");
   });
-  const int N = w.shape(0);
-  const int K = w.shape(1);
-  check_x(x, K);
-  check_bias(bias, N);
-  mx::Dtype out = mx::promote_types(x.dtype(), w.dtype());
-  std::vector<mx::array> inputs = {x, w};
-  if (bias) {
-    out = mx::promote_types(out, bias->dtype());
-    inputs.push_back(*bias);
-  }
-  return finish_op(std::move(inputs), out, N, 0, 0, bias.has_value(), false, stream);
 }
 
-mx::array affine_matmul(
-    const mx::array& x,
+// An affine-quantized weight with its scales and biases; returns K.
+int check_affine(
     const mx::array& w,
     const mx::array& scales,
     const mx::array& biases,
     int bits,
     int group_size,
-    const std::optional<mx::array>& bias,
-    bool int8_activations,
-    mx::StreamOrDevice s) {
-  check_runnable();
-  mx::Stream stream = cpu_stream(s);
+    bool int8_activations) {
   require(!int8_activations || bits == 4, [&] {
     return std::string(
         "[loom native kernels] int8 activations are implemented for 4-bit weights only, got " +
@@ -199,7 +275,6 @@ mx::array affine_matmul(
     return std::string("[loom native kernels] the unpacked row length " + std::to_string(K) +
         " is not a positive multiple of the group size " + std::to_string(group_size) + ".");
   });
-  check_x(x, K);
   for (const mx::array* a : {&scales, &biases}) {
     require(
         a->ndim() == 2 && a->shape(0) == N && a->shape(1) == K / group_size &&
@@ -213,6 +288,62 @@ mx::array affine_matmul(
   require(scales.dtype() == biases.dtype(), [&] {
     return std::string("[loom native kernels] scales and biases must share one dtype.");
   });
+  return K;
+}
+
+// The two weights of a gated pair must be read the same way.
+void check_pair(const mx::array& gate, const mx::array& up, const char* what) {
+  require(gate.shape() == up.shape() && gate.dtype() == up.dtype(), [&] {
+    return std::string("[loom native kernels] the gate and up ") + what +
+        " must share one shape and dtype, got " + shape_str(gate) + " " +
+        dtype_str(gate.dtype()) + " and " + shape_str(up) + " " + dtype_str(up.dtype()) + ".";
+  });
+}
+
+void check_gated_x(const mx::array& x) {
+  require(x.dtype() == mx::float32, [&] {
+    return std::string("[loom native kernels] a gated product takes float32 x, got " +
+        dtype_str(x.dtype()) + ".");
+  });
+}
+
+}  // namespace
+
+mx::array dense_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const std::optional<mx::array>& bias,
+    mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  check_dense(w);
+  const int N = w.shape(0);
+  check_x(x, w.shape(1));
+  check_bias(bias, N);
+  mx::Dtype out = mx::promote_types(x.dtype(), w.dtype());
+  std::vector<mx::array> inputs = {x, w};
+  if (bias) {
+    out = mx::promote_types(out, bias->dtype());
+    inputs.push_back(*bias);
+  }
+  return finish_op(std::move(inputs), out, N, 0, 0, bias.has_value(), false, false, stream);
+}
+
+mx::array affine_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int bits,
+    int group_size,
+    const std::optional<mx::array>& bias,
+    bool int8_activations,
+    mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  const int K = check_affine(w, scales, biases, bits, group_size, int8_activations);
+  const int N = w.shape(0);
+  check_x(x, K);
   check_bias(bias, N);
   mx::Dtype out = mx::promote_types(x.dtype(), scales.dtype());
   std::vector<mx::array> inputs = {x, w, scales, biases};
@@ -221,7 +352,45 @@ mx::array affine_matmul(
     inputs.push_back(*bias);
   }
   return finish_op(
-      std::move(inputs), out, N, bits, group_size, bias.has_value(), int8_activations, stream);
+      std::move(inputs), out, N, bits, group_size, bias.has_value(), int8_activations, false,
+      stream);
+}
+
+mx::array gated_dense_matmul(
+    const mx::array& x, const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  check_dense(gate);
+  check_pair(gate, up, "weights");
+  check_x(x, gate.shape(1));
+  check_gated_x(x);
+  return finish_op({x, gate, up}, mx::float32, gate.shape(0), 0, 0, false, false, true, stream);
+}
+
+mx::array gated_affine_matmul(
+    const mx::array& x,
+    const mx::array& gate,
+    const mx::array& gate_scales,
+    const mx::array& gate_biases,
+    const mx::array& up,
+    const mx::array& up_scales,
+    const mx::array& up_biases,
+    int bits,
+    int group_size,
+    bool int8_activations,
+    mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  const int K = check_affine(gate, gate_scales, gate_biases, bits, group_size, int8_activations);
+  check_pair(gate, up, "weights");
+  check_pair(gate_scales, up_scales, "scales");
+  check_pair(gate_biases, up_biases, "biases");
+  check_affine(up, up_scales, up_biases, bits, group_size, int8_activations);
+  check_x(x, K);
+  check_gated_x(x);
+  return finish_op(
+      {x, gate, gate_scales, gate_biases, up, up_scales, up_biases}, mx::float32, gate.shape(0),
+      bits, group_size, false, int8_activations, true, stream);
 }
 
 void NativeMatmul::eval_cpu(
@@ -235,29 +404,35 @@ void NativeMatmul::eval_cpu(
     inputs.push_back(row_contiguous(a, stream()));
   }
   const mx::array& x = inputs[0];
-  const mx::array& w = inputs[1];
-  Product p;
-  p.K = x.shape(-1);
-  p.M = p.K > 0 ? static_cast<int>(x.size() / p.K) : static_cast<int>(out.size() / w.shape(0));
-  p.N = w.shape(0);
-  p.w = w.data<void>();
-  p.bits = bits_;
-  p.group_size = group_size_;
-  int next = 2;
-  if (bits_ == 0) {
-    p.w_dtype = code_of(w.dtype());
-  } else {
-    p.scales = inputs[2].data<void>();
-    p.biases = inputs[3].data<void>();
-    p.s_dtype = code_of(inputs[2].dtype());
-    next = 4;
-  }
+  // The product of the weight starting at inputs[first] (dense: the weight;
+  // affine: weight, scales, biases).
+  auto product_at = [&](size_t first) {
+    const mx::array& w = inputs[first];
+    Product p;
+    p.K = x.shape(-1);
+    p.M = p.K > 0 ? static_cast<int>(x.size() / p.K) : static_cast<int>(out.size() / w.shape(0));
+    p.N = w.shape(0);
+    p.w = w.data<void>();
+    p.bits = bits_;
+    p.group_size = group_size_;
+    if (bits_ == 0) {
+      p.w_dtype = code_of(w.dtype());
+    } else {
+      p.scales = inputs[first + 1].data<void>();
+      p.biases = inputs[first + 2].data<void>();
+      p.s_dtype = code_of(inputs[first + 1].dtype());
+    }
+    p.out = out.data<void>();
+    p.out_dtype = code_of(out.dtype());
+    return p;
+  };
+  const size_t per_weight = bits_ == 0 ? 1 : 3;
+  Product p = product_at(1);
   if (has_bias_) {
-    p.bias = inputs[next].data<void>();
-    p.b_dtype = code_of(inputs[next].dtype());
+    const mx::array& b = inputs[1 + per_weight];
+    p.bias = b.data<void>();
+    p.b_dtype = code_of(b.dtype());
   }
-  p.out = out.data<void>();
-  p.out_dtype = code_of(out.dtype());
 
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) {
@@ -267,6 +442,11 @@ void NativeMatmul::eval_cpu(
   // int8 activations serve the matrix-vector sizes; larger products
   // (prefill) run the fp32 GEMM either way.
   const bool int8_x = int8_x_ && p.M <= kSmallRows;
+  if (gated_) {
+    encoder.dispatch([g = p, u = product_at(1 + per_weight), x_raw = x.data<float>(),
+                      y = out.data<float>(), int8_x]() { run_gated(g, u, x_raw, int8_x, y); });
+    return;
+  }
   encoder.dispatch([p, x_raw = x.data<void>(), x_dtype = code_of(x.dtype()), int8_x]() {
     run_product(p, x_raw, x_dtype, int8_x);
   });
@@ -279,7 +459,7 @@ void NativeMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array
 bool NativeMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto* o = dynamic_cast<const NativeMatmul*>(&other);
   return o != nullptr && o->bits_ == bits_ && o->group_size_ == group_size_ &&
-      o->has_bias_ == has_bias_ && o->int8_x_ == int8_x_;
+      o->has_bias_ == has_bias_ && o->int8_x_ == int8_x_ && o->gated_ == gated_;
 }
 
 std::vector<mx::Shape> NativeMatmul::output_shapes(const std::vector<mx::array>& inputs) {

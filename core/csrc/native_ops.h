@@ -1,5 +1,5 @@
-// The MLX primitive behind the native norm, rotary embedding and attention
-// (one graph node each, where MLX's CPU backend builds a fallback graph).
+// The MLX primitive behind the native norm, rotary embedding, attention and
+// SwiGLU gate (one graph node each, where MLX's CPU backend builds a fallback graph).
 #pragma once
 
 #include <optional>
@@ -38,9 +38,13 @@ mx::array attention(
     const std::optional<mx::array>& mask,
     mx::StreamOrDevice s = {});
 
+// silu(gate) * up for float32 gate and up of one shape: mlx_lm's compiled
+// SwiGLU, bit for bit (the same operations, vectorized).
+mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
+
 class NativeOp : public mx::Primitive {
  public:
-  enum Kind : int { kNorm = 0, kRope = 1, kAttention = 2 };
+  enum Kind : int { kNorm = 0, kRope = 1, kAttention = 2, kSiluMul = 3 };
 
   NativeOp(mx::Stream stream, Kind kind, float fparam, int iparam, bool flag)
       : mx::Primitive(stream), kind_(kind), fparam_(fparam), iparam_(iparam), flag_(flag) {}
@@ -49,7 +53,16 @@ class NativeOp : public mx::Primitive {
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
   const char* name() const override {
-    return kind_ == kNorm ? "LoomRMSNorm" : (kind_ == kRope ? "LoomRoPE" : "LoomAttention");
+    switch (kind_) {
+      case kNorm:
+        return "LoomRMSNorm";
+      case kRope:
+        return "LoomRoPE";
+      case kAttention:
+        return "LoomAttention";
+      default:
+        return "LoomSiluMul";
+    }
   }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;

@@ -1,5 +1,5 @@
-// RMS norm, rotary embedding and softmax attention: AVX2 + FMA + F16C, fp32
-// arithmetic. Built with the same flags and the same rule as
+// RMS norm, rotary embedding, softmax attention and the SwiGLU gate: AVX2 +
+// FMA + F16C, fp32 arithmetic. Built with the same flags and the same rule as
 // kernels_avx2.cpp: no C++ library header with templates or inline
 // functions, helpers with internal linkage only.
 //
@@ -7,7 +7,8 @@
 // fp32, outputs are rounded once to their dtype (bf16 as MLX rounds it).
 // These are not MLX's operation orders, so results differ from MLX's
 // fallbacks by fp32 rounding (the tests bound it), never by a dtype: MLX's
-// half-precision fallbacks round intermediate results, these do not.
+// half-precision fallbacks round intermediate results, these do not. The
+// SwiGLU gate is the exception: it repeats MLX's own operations (below).
 
 #include <immintrin.h>
 
@@ -215,6 +216,74 @@ void attention_heads(const AttentionJob& job, int t0, int t1, float* scratch) {
         acc[i] *= inv;
       }
       row_store(job.out, job.out_dtype, (static_cast<size_t>(t) * L + l) * Dv, acc, Dv);
+    }
+  }
+}
+
+namespace {
+
+// MLX's CPU exp (mlx/backend/cpu/simd/math.h), lane for lane: 2^(x log2 e)
+// split at the nearest integer (halves rounded up), a degree-6 polynomial (Cephes constants) in
+// the fractional part, the integer part shifted into the exponent; NaN kept,
+// +inf above 88, 0 below -88.
+inline __m256 mlx_exp(__m256 x_init) {
+  const __m256 x = _mm256_mul_ps(x_init, _mm256_set1_ps(1.442695f));
+  // MLX adds a double 0.5, so the rounding to the nearest integer happens
+  // in double (a float add would round x + 0.5 itself just below a half).
+  const __m256d half = _mm256_set1_pd(0.5);
+  const __m256d lo = _mm256_floor_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), half));
+  const __m256d hi = _mm256_floor_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), half));
+  const __m256 ipart = _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
+  const __m256 fpart = _mm256_sub_ps(x, ipart);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.0f));
+  const __m256i epart =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127)), 23);
+  __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(epart), p);
+  r = _mm256_blendv_ps(r, x_init, _mm256_cmp_ps(x_init, x_init, _CMP_UNORD_Q));
+  r = _mm256_blendv_ps(
+      r, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(x_init, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+  r = _mm256_blendv_ps(
+      r, _mm256_setzero_ps(), _mm256_cmp_ps(x_init, _mm256_set1_ps(-88.0f), _CMP_LT_OQ));
+  return r;
+}
+
+// MLX's CPU sigmoid: y = 1 / (1 + exp(|x|)), then y for x < 0 and 1 - y else.
+inline __m256 mlx_sigmoid(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  const __m256 y = _mm256_div_ps(one, _mm256_add_ps(one, mlx_exp(ax)));
+  return _mm256_blendv_ps(_mm256_sub_ps(one, y), y, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+}
+
+}  // namespace
+
+void silu_mul(const float* gate, const float* up, float* out, size_t i0, size_t i1) {
+  size_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 silu = _mm256_mul_ps(g, mlx_sigmoid(g));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+  if (i < i1) {
+    // The tail through the same lanes (padded with zeros, stored partially).
+    float g[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float u[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float r[8];
+    const size_t n = i1 - i;
+    for (size_t j = 0; j < n; ++j) {
+      g[j] = gate[i + j];
+      u[j] = up[i + j];
+    }
+    const __m256 gv = _mm256_loadu_ps(g);
+    _mm256_storeu_ps(r, _mm256_mul_ps(_mm256_mul_ps(gv, mlx_sigmoid(gv)), _mm256_loadu_ps(u)));
+    for (size_t j = 0; j < n; ++j) {
+      out[i + j] = r[j];
     }
   }
 }

@@ -1,12 +1,14 @@
-"""Which attention kernel the forward being built uses: a context variable, set per model call.
+"""Which native kernels the forward being built uses: a context variable, set per model call.
 
 :meth:`mlx_loom.Model.__call__` sets it for the duration of the call when the
 model's CPU kernel set runs on the native extension (``cpu-native``,
-``cpu-native-int8-act``; :mod:`mlx_loom.cpu.ops`), and the core's plain KV
-view reads it. A context variable, not a global: two models in one process,
-or two threads building graphs, never see each other's choice. Imports
-nothing heavy, so that the cache and model modules can read it without
-pulling in the kernel sets.
+``cpu-native-int8-act``; :mod:`mlx_loom.cpu.ops`). Two kinds of graph code
+read it instead of being swapped like modules: the core's plain KV view (its
+attention) and the core's :func:`~mlx_loom.nn.swiglu` (a function, used by
+every family's gated MLP and expert layers). A context variable, not a
+global: two models in one process, or two threads building graphs, never see
+each other's choice. Imports nothing heavy, so that the cache, the model and
+``mlx_loom.nn`` can read it without pulling in the kernel sets.
 """
 
 from __future__ import annotations
@@ -14,30 +16,51 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from .native import NATIVE_KERNEL_SETS
 
 AttentionKernel = Callable[..., Any]
+SiluMulKernel = Callable[[Any, Any], Any]
 
-_ATTENTION: contextvars.ContextVar[AttentionKernel | None] = contextvars.ContextVar(
-    "mlx_loom_cpu_attention", default=None
+
+@dataclass(frozen=True)
+class NativeForward:
+    """The native kernels a forward on a native kernel set builds with."""
+
+    attention: AttentionKernel
+    #: ``silu(gate) * up`` for float32 operands (bit-equal to MLX's own).
+    silu_mul: SiluMulKernel
+
+
+_NATIVE: contextvars.ContextVar[NativeForward | None] = contextvars.ContextVar(
+    "mlx_loom_cpu_native_forward", default=None
 )
 
 
 def current_attention() -> AttentionKernel | None:
     """The attention kernel of the forward being built on this thread, if any."""
-    return _ATTENTION.get()
+    native = _NATIVE.get()
+    return native.attention if native is not None else None
+
+
+def current_silu_mul() -> SiluMulKernel | None:
+    """The SwiGLU gate kernel of the forward being built on this thread, if any."""
+    native = _NATIVE.get()
+    return native.silu_mul if native is not None else None
 
 
 @contextlib.contextmanager
 def forward_kernels(kernel_set: str | None) -> Iterator[None]:
-    """Build the enclosed forward with the native attention if ``kernel_set`` runs natively."""
-    kernel = None
+    """Build the enclosed forward with the native kernels if ``kernel_set`` runs natively."""
+    native = None
     if kernel_set in NATIVE_KERNEL_SETS:
-        from .ops import attention as kernel
-    token = _ATTENTION.set(kernel)
+        from . import ops
+
+        native = NativeForward(attention=ops.attention, silu_mul=ops.silu_mul)
+    token = _NATIVE.set(native)
     try:
         yield
     finally:
-        _ATTENTION.reset(token)
+        _NATIVE.reset(token)

@@ -14,8 +14,8 @@ subclasses: a subclass may compute something else), and only affine
 quantization (the only mode the loader accepts). On ``cpu-native-int8-act``
 the 4-bit quantized ones are marked ``int8_activations``: their products of
 at most 32 rows run against int8 activations (the kernel's stated bound).
-The same pass swaps the norm and RoPE modules for their one-node versions
-(:mod:`mlx_loom.cpu.ops`).
+The same pass swaps the norm and RoPE modules, and the core's gated MLP, for
+their one-node versions (:mod:`mlx_loom.cpu.ops`).
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ SWAPS: dict[type[nn.Module], type[nn.Module]] = {
 
 @functools.cache
 def op_swaps() -> dict[type[nn.Module], type[nn.Module]]:
-    """The norm and RoPE classes and their one-node versions (imported on first use:
-    :mod:`mlx_loom.nn` imports the host, which imports this module)."""
+    """The norm, RoPE and gated MLP classes and their one-node versions (imported on
+    first use: :mod:`mlx_loom.nn` imports the host, which imports this module)."""
+    from ..nn.mlp import GatedMLP
     from ..nn.rope import FreqsRoPE
     from . import ops
 
@@ -118,6 +119,7 @@ def op_swaps() -> dict[type[nn.Module], type[nn.Module]]:
         nn.RMSNorm: ops.NativeRMSNorm,
         nn.RoPE: ops.NativeRoPE,
         FreqsRoPE: ops.NativeFreqsRoPE,
+        GatedMLP: ops.NativeGatedMLP,
     }
 
 
