@@ -144,6 +144,12 @@ NB_MODULE(_native, m) {
       "silu(gate) * up for float32 arrays of one shape, as one node; equals MLX's own "
       "(compiled) evaluation bit for bit.");
   m.def(
+      "log_softmax",
+      [](const mlx::core::array& x) { return loom_cpu::log_softmax(x); },
+      "x"_a,
+      "x - logsumexp(x, axis=-1, keepdims=True) for float32 x, as one node; equals MLX's own "
+      "evaluation bit for bit.");
+  m.def(
       "attention",
       [](const mlx::core::array& q,
          const mlx::core::array& k,

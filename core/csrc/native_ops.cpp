@@ -181,6 +181,16 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevic
   return make_op(gate.shape(), mx::float32, NativeOp::kSiluMul, 0.0f, 0, false, {gate, up}, stream);
 }
 
+mx::array log_softmax(const mx::array& x, mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  require(x.dtype() == mx::float32 && x.ndim() >= 1 && x.shape(-1) > 0, [&] {
+    return std::string("[loom native kernels] log_softmax takes float32 x with a last axis, got " +
+        shape_str(x) + " " + dtype_str(x.dtype()) + ".");
+  });
+  return make_op(x.shape(), mx::float32, NativeOp::kLogSoftmax, 0.0f, 0, false, {x}, stream);
+}
+
 void NativeOp::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::array>& outputs) {
   mx::array& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -228,6 +238,16 @@ void NativeOp::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::array
       split(blocks, 64 * 8, [&](int a, int b) {
         silu_mul(gate, up, y, static_cast<size_t>(a) * 64, std::min(n, static_cast<size_t>(b) * 64));
       });
+    });
+    return;
+  }
+  if (kind_ == kLogSoftmax) {
+    const float* x = in[0].data<float>();
+    float* y = out.data<float>();
+    const int V = in[0].shape(-1);
+    const int rows = static_cast<int>(in[0].size() / V);
+    encoder.dispatch([x, y, V, rows]() {
+      split(rows, static_cast<long long>(V) * 8, [&](int a, int b) { log_softmax_rows(x, y, V, a, b); });
     });
     return;
   }

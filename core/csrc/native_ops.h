@@ -42,9 +42,13 @@ mx::array attention(
 // SwiGLU, bit for bit (the same operations, vectorized).
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
 
+// x - logsumexp(x, -1, keepdims=True) for float32 x: MLX's own arithmetic,
+// bit for bit (the log-probabilities a sampler reads).
+mx::array log_softmax(const mx::array& x, mx::StreamOrDevice s = {});
+
 class NativeOp : public mx::Primitive {
  public:
-  enum Kind : int { kNorm = 0, kRope = 1, kAttention = 2, kSiluMul = 3 };
+  enum Kind : int { kNorm = 0, kRope = 1, kAttention = 2, kSiluMul = 3, kLogSoftmax = 4 };
 
   NativeOp(mx::Stream stream, Kind kind, float fparam, int iparam, bool flag)
       : mx::Primitive(stream), kind_(kind), fparam_(fparam), iparam_(iparam), flag_(flag) {}
@@ -60,6 +64,8 @@ class NativeOp : public mx::Primitive {
         return "LoomRoPE";
       case kAttention:
         return "LoomAttention";
+      case kLogSoftmax:
+        return "LoomLogSoftmax";
       default:
         return "LoomSiluMul";
     }

@@ -97,4 +97,12 @@ void attention_heads(const AttentionJob& job, int t0, int t1, float* scratch);
 // time (~25 ns an element here: ~1.6 ms of a 350M model's decode step).
 void silu_mul(const float* gate, const float* up, float* out, size_t i0, size_t i1);
 
+// out = x - logsumexp(x) for rows [r0, r1) of a row-major float32 [rows, V]
+// array, with MLX's CPU arithmetic: the row maximum, each exp(x - max) by
+// its exp (eight lanes at a time), their sum in column order, logf of the
+// sum plus the maximum (the maximum itself when it is infinite). Equals
+// `logits - mx.logsumexp(logits, -1, keepdims=True)` bit for bit; MLX
+// evaluates it one element at a time (~0.9 ms of a 32000-word vocabulary).
+void log_softmax_rows(const float* x, float* out, int V, int r0, int r1);
+
 }  // namespace loom_cpu

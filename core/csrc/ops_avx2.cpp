@@ -288,4 +288,68 @@ void silu_mul(const float* gate, const float* up, float* out, size_t i0, size_t 
   }
 }
 
+void log_softmax_rows(const float* x, float* out, int V, int r0, int r1) {
+  float exps[256];
+  for (int r = r0; r < r1; ++r) {
+    const float* row = x + static_cast<size_t>(r) * V;
+    float* dst = out + static_cast<size_t>(r) * V;
+    // The maximum: order does not matter for it (but NaN wins, as in MLX).
+    __m256 vmax = _mm256_set1_ps(-__builtin_inff());
+    __m256 nan = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= V; i += 8) {
+      const __m256 v = _mm256_loadu_ps(row + i);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      vmax = _mm256_max_ps(v, vmax);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmax);
+    float top = lanes[0];
+    for (int j = 1; j < 8; ++j) {
+      top = lanes[j] > top ? lanes[j] : top;
+    }
+    bool has_nan = _mm256_movemask_ps(nan) != 0;
+    for (; i < V; ++i) {
+      has_nan = has_nan || row[i] != row[i];
+      top = row[i] > top ? row[i] : top;
+    }
+    if (has_nan) {
+      top = __builtin_nanf("");
+    }
+    // exp(x - max) eight at a time, summed one by one in column order.
+    const __m256 vtop = _mm256_set1_ps(top);
+    float sum = 0.0f;
+    for (int k0 = 0; k0 < V; k0 += 256) {
+      const int n = V - k0 < 256 ? V - k0 : 256;
+      int j = 0;
+      for (; j + 8 <= n; j += 8) {
+        _mm256_storeu_ps(exps + j, mlx_exp(_mm256_sub_ps(_mm256_loadu_ps(row + k0 + j), vtop)));
+      }
+      if (j < n) {
+        float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int t = 0; t < n - j; ++t) {
+          tail[t] = row[k0 + j + t] - top;
+        }
+        _mm256_storeu_ps(tail, mlx_exp(_mm256_loadu_ps(tail)));
+        for (int t = 0; t < n - j; ++t) {
+          exps[j + t] = tail[t];
+        }
+      }
+      for (int t = 0; t < n; ++t) {
+        sum += exps[t];
+      }
+    }
+    const bool inf = top == __builtin_inff() || top == -__builtin_inff();
+    const float lse = inf ? top : __builtin_logf(sum) + top;
+    const __m256 vlse = _mm256_set1_ps(lse);
+    i = 0;
+    for (; i + 8 <= V; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_sub_ps(_mm256_loadu_ps(row + i), vlse));
+    }
+    for (; i < V; ++i) {
+      dst[i] = row[i] - lse;
+    }
+  }
+}
+
 }  // namespace loom_cpu

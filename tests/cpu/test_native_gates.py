@@ -1,4 +1,4 @@
-"""The native SwiGLU gate and the gated (gate + up) product: bit-equal to what they replace.
+"""The native SwiGLU gate, gated gate+up product and log-softmax: bit-equal to MLX.
 
 ``silu_mul`` repeats MLX's own element-wise arithmetic (its exp polynomial,
 its rounding to the nearest integer in double, the same fused multiply-adds),
@@ -6,8 +6,11 @@ so it is compared bit for bit with the compiled MLX function mlx-lm uses and
 with the eager graph. The gated product runs the same kernels as two separate
 products, so it is compared bit for bit with them followed by ``silu_mul``,
 on both kernel paths (matrix-vector up to SMALL_ROWS rows, GEMM above) and
-for every width. Then: how a model picks both up, per family, and that its
-logits are those of the unfused graph bit for bit.
+for every width. ``log_softmax`` repeats MLX's logsumexp (the same exps,
+summed in the same order), compared bit for bit with ``logits -
+mx.logsumexp(logits)``. Then: how a model and the engine pick them up, per
+family, and that logits and log-probabilities are those of MLX's graph bit
+for bit.
 """
 
 from __future__ import annotations
@@ -315,3 +318,90 @@ def test_each_family_decodes_bit_equal_with_and_without_the_native_gates(
     plain = decode_logits(model)
     assert not any(n.startswith("LoomGated") or n == "LoomSiluMul" for n in labels(plain, tmp_path))
     assert_bit_equal(fused, plain)
+
+
+# --- log-softmax ---------------------------------------------------------------
+
+
+def mlx_log_softmax(x: mx.array) -> mx.array:
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("V", [1, 7, 255, 256, 257, 8192, 32000])
+@pytest.mark.parametrize("scale", [0.1, 4.0, 60.0, 400.0])
+def test_log_softmax_equals_mlx_bit_for_bit(V, scale):
+    x = rand((3, V), seed=21, scale=scale)
+    assert_bit_equal(nat.log_softmax(x), mlx_log_softmax(x))
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        [np.inf, 1.0, 2.0],
+        [-np.inf, -np.inf, -np.inf],
+        [np.nan, 1.0, 2.0],
+        [1.0, 2.0, np.nan],
+        [-np.inf, 0.0, 5.0],
+        [0.0, -0.0, 0.0],
+        [3.4e38, -3.4e38, 1.0],
+    ],
+)
+def test_log_softmax_keeps_mlx_results_for_infinite_and_nan_logits(row):
+    x = mx.array(np.array([row * 5], np.float32))  # 15 columns: lanes and a tail
+    assert_bit_equal(nat.log_softmax(x), mlx_log_softmax(x))
+
+
+def test_log_softmax_rows_are_independent_and_shape_is_kept():
+    x = rand((2, 3, 1000), seed=22, scale=5.0)
+    got = nat.log_softmax(x)
+    assert_bit_equal(got, mlx_log_softmax(x))
+    assert_bit_equal(got[1, 2], nat.log_softmax(x[1, 2]))
+
+
+def test_log_softmax_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="float32"):
+        nat.log_softmax(mx.zeros((2, 8), mx.bfloat16))
+
+
+def test_logprobs_take_the_native_kernel_only_inside_native_kernels(tmp_path):
+    from mlx_loom.generate.sampling import logprobs_from_logits
+
+    logits = rand((2, 500), seed=23, scale=3.0)
+    assert "LoomLogSoftmax" not in labels(logprobs_from_logits(logits), tmp_path)
+    with forward_kernels("cpu-native-int8-act"):
+        inside = logprobs_from_logits(logits)
+        assert "LoomLogSoftmax" in labels(inside, tmp_path)
+        half = logprobs_from_logits(logits.astype(mx.bfloat16))
+        assert "LoomLogSoftmax" not in labels(half, tmp_path)
+    assert_bit_equal(inside, mlx_log_softmax(logits))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next", "gemma4_text"])
+def test_the_engine_reports_mlx_log_probabilities_on_the_native_kernels(
+    family, checkpoints, monkeypatch
+):
+    import importlib
+
+    import mlx_loom
+    from mlx_loom.generate.loop import generate_tokens
+
+    sampling = importlib.import_module("mlx_loom.generate.sampling")
+    model, _ = mlx_loom.load(
+        checkpoints(family, "q4"), compute_dtype="float32", cpu_kernels="cpu-native"
+    )
+    used = []
+    kernel = ops.log_softmax
+    monkeypatch.setattr(ops, "log_softmax", lambda x: used.append(x.shape) or kernel(x))
+
+    def run():
+        steps = generate_tokens(model, [1, 2, 3], model.make_cache(), max_tokens=6)
+        return [(token, np.asarray(lp)) for token, lp in steps]
+
+    native_run = run()
+    assert len(used) == 6
+    monkeypatch.setattr(sampling, "current_log_softmax", lambda: None)
+    plain_run = run()
+    assert len(used) == 6
+    assert [t for t, _ in native_run] == [t for t, _ in plain_run]
+    for (_, a), (_, b) in zip(native_run, plain_run, strict=True):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -167,6 +168,12 @@ class Model:
         """
         mx.eval(_arrays(self.module, constants_only=False))
 
+    def native_kernels(self) -> AbstractContextManager[None]:
+        """The context in which graph code for this model picks up its native CPU
+        kernels (:mod:`mlx_loom.cpu.forward`): every forward runs in it, and the
+        engine builds its log-probabilities from the logits in it."""
+        return forward_kernels(self.cpu_path.kernel_set if self.cpu_path is not None else None)
+
     def __call__(
         self,
         inputs: mx.array,
@@ -176,7 +183,7 @@ class Model:
     ) -> mx.array:
         """Logits for ``inputs``; ``adapters`` names each row's adapter from
         :attr:`adapter_set` (``None`` for a row: the base model)."""
-        with forward_kernels(self.cpu_path.kernel_set if self.cpu_path is not None else None):
+        with self.native_kernels():
             step = self.compiled_step
             if (
                 step is not None

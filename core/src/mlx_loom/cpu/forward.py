@@ -2,10 +2,13 @@
 
 :meth:`mlx_loom.Model.__call__` sets it for the duration of the call when the
 model's CPU kernel set runs on the native extension (``cpu-native``,
-``cpu-native-int8-act``; :mod:`mlx_loom.cpu.ops`). Two kinds of graph code
-read it instead of being swapped like modules: the core's plain KV view (its
-attention) and the core's :func:`~mlx_loom.nn.swiglu` (a function, used by
-every family's gated MLP and expert layers). A context variable, not a
+``cpu-native-int8-act``; :mod:`mlx_loom.cpu.ops`), and the engine sets it
+(:meth:`mlx_loom.Model.native_kernels`) around the log-probabilities it
+computes from a model's logits. Graph code that is a function rather than a
+module reads it instead of being swapped: the core's plain KV view (its
+attention), the core's :func:`~mlx_loom.nn.swiglu` (used by every family's
+gated MLP and expert layers) and
+:func:`~mlx_loom.generate.sampling.logprobs_from_logits`. A context variable, not a
 global: two models in one process, or two threads building graphs, never see
 each other's choice. Imports nothing heavy, so that the cache, the model and
 ``mlx_loom.nn`` can read it without pulling in the kernel sets.
@@ -23,6 +26,7 @@ from .native import NATIVE_KERNEL_SETS
 
 AttentionKernel = Callable[..., Any]
 SiluMulKernel = Callable[[Any, Any], Any]
+LogSoftmaxKernel = Callable[[Any], Any]
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,8 @@ class NativeForward:
     attention: AttentionKernel
     #: ``silu(gate) * up`` for float32 operands (bit-equal to MLX's own).
     silu_mul: SiluMulKernel
+    #: ``x - logsumexp(x, -1)`` for float32 x (bit-equal to MLX's own).
+    log_softmax: LogSoftmaxKernel
 
 
 _NATIVE: contextvars.ContextVar[NativeForward | None] = contextvars.ContextVar(
@@ -51,6 +57,12 @@ def current_silu_mul() -> SiluMulKernel | None:
     return native.silu_mul if native is not None else None
 
 
+def current_log_softmax() -> LogSoftmaxKernel | None:
+    """The log-softmax kernel of the graph being built on this thread, if any."""
+    native = _NATIVE.get()
+    return native.log_softmax if native is not None else None
+
+
 @contextlib.contextmanager
 def forward_kernels(kernel_set: str | None) -> Iterator[None]:
     """Build the enclosed forward with the native kernels if ``kernel_set`` runs natively."""
@@ -58,7 +70,9 @@ def forward_kernels(kernel_set: str | None) -> Iterator[None]:
     if kernel_set in NATIVE_KERNEL_SETS:
         from . import ops
 
-        native = NativeForward(attention=ops.attention, silu_mul=ops.silu_mul)
+        native = NativeForward(
+            attention=ops.attention, silu_mul=ops.silu_mul, log_softmax=ops.log_softmax
+        )
     token = _NATIVE.set(native)
     try:
         yield

@@ -24,7 +24,11 @@ They reach the model the way the matrix kernels do, without family code:
   exp polynomial, the same fused multiply-adds) eight lanes at a time, so it
   is bit-equal to the compiled MLX function it replaces. MLX's CPU backend
   evaluates that function one element at a time: ~1.7 ms of a 350M Llama's
-  decode step (24 gates of 2816), ~0.25 ms here.
+  decode step (24 gates of 2816), ~0.25 ms here;
+* the engine's log-probabilities (``logits - logsumexp(logits)``, float32)
+  run :func:`log_softmax`, MLX's arithmetic again (the exps eight lanes at
+  a time, their sum in MLX's order): ~0.9 ms a token over a 32000-word
+  vocabulary with MLX's element-at-a-time evaluation, ~0.1 ms here.
 
 What stays on MLX's operations, by design: attention with sinks, quantized
 KV views (their own products), families' direct ``mx.fast.rms_norm`` calls
@@ -192,3 +196,8 @@ def attention(
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) * up`` for float32 operands of one shape, as one native node."""
     return native.module().silu_mul(gate, up)
+
+
+def log_softmax(x: mx.array) -> mx.array:
+    """``x - logsumexp(x, axis=-1, keepdims=True)`` for float32 x, as one native node."""
+    return native.module().log_softmax(x)

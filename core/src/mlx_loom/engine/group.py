@@ -249,7 +249,8 @@ class DecodeGroup:
                         part = logits if B == 1 else logits[j : j + 1]
                 parts.append(part)
             logits = parts[0] if B == 1 else mx.concatenate(parts)
-        logprobs = logprobs_from_logits(logits)
+        with self.model.native_kernels():
+            logprobs = logprobs_from_logits(logits)
         tokens = self._sample(logprobs, failed)
         chosen = mx.take_along_axis(logprobs, tokens[:, None].astype(mx.int32), axis=-1)[:, 0]
         extras = []

@@ -137,7 +137,8 @@ class ModelDrafter:
         dists = []
         for _ in range(k):
             logits = self.model(mx.array(feed, mx.uint32)[None], self.caches)[:, -1, :]
-            logprobs = logprobs_from_logits(logits)
+            with self.model.native_kernels():
+                logprobs = logprobs_from_logits(logits)
             if self.sampler is None:
                 token = int(mx.argmax(logprobs, axis=-1).item())
             else:
@@ -242,7 +243,8 @@ class SpeculativeGroup(DecodeGroup):
             width = 1 + len(drafts)
             try:
                 row_logits = self._process(row, logits[j, :width], drafts)
-                logprobs = logprobs_from_logits(row_logits)
+                with self.model.native_kernels():
+                    logprobs = logprobs_from_logits(row_logits)
                 choices.append((logprobs, *_choose(row, logprobs, drafts, q)))
             except BaseException as err:  # a user's processor: this row fails alone
                 failed[j] = err

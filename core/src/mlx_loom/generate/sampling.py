@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlx_loom.cpu.forward import current_log_softmax
 from mlx_loom.errors import RequestError
 from mlx_loom.generate.logits import (
     LogitsProcessor,
@@ -264,8 +265,13 @@ def logprobs_from_logits(logits: mx.array) -> mx.array:
 
     This is what the loop feeds the sampler (after the logits processors):
     ``logits - logsumexp(logits)`` over the vocabulary axis, as mlx-lm's
-    batched generator computes it.
+    batched generator computes it. Built inside a model's native kernels
+    (:meth:`mlx_loom.Model.native_kernels`), float32 logits take one native
+    node with MLX's exact arithmetic (bit-equal).
     """
+    native = current_log_softmax()
+    if native is not None and logits.dtype == mx.float32:
+        return native(logits)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
