@@ -4,6 +4,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "cpu_features.h"
 #include "native_matmul.h"
@@ -32,6 +33,7 @@ NB_MODULE(_native, m) {
       "The instruction sets the kernels need that this CPU lacks ('' when none).");
   m.def("threads", &loom_cpu::pool_threads, "Threads one product runs on.");
   m.attr("SMALL_ROWS") = loom_cpu::kSmallRows;
+  m.attr("MAX_PARTS") = loom_cpu::kMaxParts;
 
   m.def(
       "dense_matmul",
@@ -107,6 +109,36 @@ NB_MODULE(_native, m) {
       "int8_activations"_a = false,
       "silu(x @ dequantize(gate).T) * (x @ dequantize(up).T) as one node for float32 x; "
       "bit-equal to the two affine_matmul calls and silu_mul.");
+  m.def(
+      "multi_dense_matmul",
+      [](const mlx::core::array& x, const std::vector<mlx::core::array>& weights) {
+        return loom_cpu::multi_dense_matmul(x, weights);
+      },
+      "x"_a,
+      "weights"_a,
+      "[x @ w.T for w in weights] as one node (weights of one row length and dtype); each "
+      "output equals dense_matmul bit for bit.");
+  m.def(
+      "multi_affine_matmul",
+      [](const mlx::core::array& x,
+         const std::vector<mlx::core::array>& weights,
+         const std::vector<mlx::core::array>& scales,
+         const std::vector<mlx::core::array>& biases,
+         int bits,
+         int group_size,
+         bool int8_activations) {
+        return loom_cpu::multi_affine_matmul(
+            x, weights, scales, biases, bits, group_size, int8_activations);
+      },
+      "x"_a,
+      "weights"_a,
+      "scales"_a,
+      "biases"_a,
+      "bits"_a,
+      "group_size"_a,
+      "int8_activations"_a = false,
+      "[x @ dequantize(w).T for each weight] as one node (one width, group size and scale "
+      "dtype); each output equals affine_matmul bit for bit.");
   m.def(
       "rms_norm",
       [](const mlx::core::array& x, const std::optional<mlx::core::array>& w, float eps) {

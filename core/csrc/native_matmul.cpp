@@ -1,6 +1,7 @@
 #include "native_matmul.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <sstream>
 #include <stdexcept>
@@ -147,12 +148,14 @@ long long macs_of(const Product& p) {
   return static_cast<long long>(p.M) * p.N * std::max(p.K, 1);
 }
 
-// The blocked GEMM over every product in `products` (one region).
+// The blocked GEMM over every product in `products` (one region; they share
+// x, so M and K).
 void gemm_all(const Product* products, int count) {
   const int block = gemm_block_rows();
-  const int per = (products[0].N + block - 1) / block;
+  int first[kMaxParts + 1] = {0};
   long long macs = 0;
   for (int i = 0; i < count; ++i) {
+    first[i + 1] = first[i] + (products[i].N + block - 1) / block;
     macs += macs_of(products[i]);
   }
   const size_t scratch_floats = gemm_scratch_floats(products[0].M);
@@ -163,9 +166,13 @@ void gemm_all(const Product* products, int count) {
     }
     return;
   }
-  parallel_for(per * count, [&](int t) {
-    const Product& p = products[t / per];
-    const int n0 = (t % per) * block;
+  parallel_for(first[count], [&](int t) {
+    int i = 0;
+    while (t >= first[i + 1]) {
+      ++i;
+    }
+    const Product& p = products[i];
+    const int n0 = (t - first[i]) * block;
     gemm_rows(p, n0, std::min(p.N, n0 + block), gemm_scratch.get(scratch_floats));
   });
 }
@@ -184,6 +191,43 @@ void run_product(Product p, const void* x_raw, int x_dtype, bool int8_x) {
   parallel_for(c.tasks, [&](int t) {
     const int n0 = t * c.chunk;
     vector_rows(p, v, n0, std::min(p.N, n0 + c.chunk));
+  });
+}
+
+// Several products of one x (an attention's q, k and v projections) as one
+// region: chunks run over their rows laid end to end, x is prepared once.
+// Each output equals its own product's bit for bit.
+void run_multi(const Product* parts, int count, const void* x_raw, int x_dtype, bool int8_x) {
+  if (parts[0].M == 0) {
+    return;
+  }
+  Product ps[kMaxParts];
+  const float* x = f32_x(parts[0], x_raw, x_dtype);
+  int first[kMaxParts + 1] = {0};
+  long long macs = 0;
+  for (int i = 0; i < count; ++i) {
+    ps[i] = parts[i];
+    ps[i].x = x;
+    first[i + 1] = first[i] + ps[i].N;
+    macs += macs_of(ps[i]);
+  }
+  if (ps[0].M > kSmallRows) {
+    gemm_all(ps, count);
+    return;
+  }
+  const VectorInput v = prepare_vector(ps[0], int8_x);
+  const int rows = first[count];
+  const RowChunks c = row_chunks(rows, macs);
+  parallel_for(c.tasks, [&](int t) {
+    const int r0 = t * c.chunk;
+    const int r1 = std::min(rows, r0 + c.chunk);
+    for (int i = 0; i < count; ++i) {
+      const int a = std::max(r0, first[i]);
+      const int b = std::min(r1, first[i + 1]);
+      if (a < b) {
+        vector_rows(ps[i], v, a - first[i], b - first[i]);
+      }
+    }
   });
 }
 
@@ -393,11 +437,109 @@ mx::array gated_affine_matmul(
       bits, group_size, false, int8_activations, true, stream);
 }
 
+namespace {
+
+void check_parts(size_t count) {
+  require(count >= 1 && count <= static_cast<size_t>(kMaxParts), [&] {
+    return std::string("[loom native kernels] a multi-output product takes 1 to " +
+        std::to_string(kMaxParts) + " weights, got " + std::to_string(count) + ".");
+  });
+}
+
+std::vector<mx::array> finish_multi(
+    std::vector<mx::array> inputs,
+    std::vector<mx::Shape> shapes,
+    mx::Dtype out_dtype,
+    int bits,
+    int group_size,
+    bool int8_x,
+    mx::Stream stream) {
+  const int parts = static_cast<int>(shapes.size());
+  std::vector<mx::Dtype> dtypes(shapes.size(), out_dtype);
+  return mx::array::make_arrays(
+      std::move(shapes),
+      dtypes,
+      std::make_shared<NativeMatmul>(stream, bits, group_size, false, int8_x, false, parts),
+      std::move(inputs));
+}
+
+mx::Shape with_last(const mx::array& x, int n) {
+  auto shape = x.shape();
+  shape.back() = n;
+  return shape;
+}
+
+}  // namespace
+
+std::vector<mx::array> multi_dense_matmul(
+    const mx::array& x, const std::vector<mx::array>& weights, mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  check_parts(weights.size());
+  std::vector<mx::array> inputs = {x};
+  std::vector<mx::Shape> shapes;
+  for (const auto& w : weights) {
+    check_dense(w);
+    require(w.shape(1) == weights[0].shape(1) && w.dtype() == weights[0].dtype(), [&] {
+      return std::string(
+          "[loom native kernels] the weights of a multi-output product must share their row "
+          "length and dtype, got " +
+          shape_str(weights[0]) + " " + dtype_str(weights[0].dtype()) + " and " + shape_str(w) +
+          " " + dtype_str(w.dtype()) + ".");
+    });
+    inputs.push_back(w);
+    shapes.push_back(with_last(x, w.shape(0)));
+  }
+  check_x(x, weights[0].shape(1));
+  return finish_multi(
+      std::move(inputs), std::move(shapes), mx::promote_types(x.dtype(), weights[0].dtype()), 0,
+      0, false, stream);
+}
+
+std::vector<mx::array> multi_affine_matmul(
+    const mx::array& x,
+    const std::vector<mx::array>& weights,
+    const std::vector<mx::array>& scales,
+    const std::vector<mx::array>& biases,
+    int bits,
+    int group_size,
+    bool int8_activations,
+    mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  check_parts(weights.size());
+  require(scales.size() == weights.size() && biases.size() == weights.size(), [&] {
+    return std::string(
+        "[loom native kernels] a multi-output product needs one scales and one biases array per "
+        "weight.");
+  });
+  std::vector<mx::array> inputs = {x};
+  std::vector<mx::Shape> shapes;
+  int K = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const int k = check_affine(weights[i], scales[i], biases[i], bits, group_size, int8_activations);
+    require(i == 0 || (k == K && scales[i].dtype() == scales[0].dtype()), [&] {
+      return std::string(
+          "[loom native kernels] the weights of a multi-output product must share their row "
+          "length and scale dtype.");
+    });
+    K = k;
+    inputs.insert(inputs.end(), {weights[i], scales[i], biases[i]});
+    shapes.push_back(with_last(x, weights[i].shape(0)));
+  }
+  check_x(x, K);
+  return finish_multi(
+      std::move(inputs), std::move(shapes), mx::promote_types(x.dtype(), scales[0].dtype()), bits,
+      group_size, int8_activations, stream);
+}
+
 void NativeMatmul::eval_cpu(
     const std::vector<mx::array>& raw_inputs,
     std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+  }
   mx::array& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   // The kernels read row-contiguous memory (weights always are).
   std::vector<mx::array> inputs;
   for (const auto& a : raw_inputs) {
@@ -438,10 +580,25 @@ void NativeMatmul::eval_cpu(
   for (const auto& a : inputs) {
     encoder.set_input_array(a);
   }
-  encoder.set_output_array(out);
+  for (auto& o : outputs) {
+    encoder.set_output_array(o);
+  }
   // int8 activations serve the matrix-vector sizes; larger products
   // (prefill) run the fp32 GEMM either way.
   const bool int8_x = int8_x_ && p.M <= kSmallRows;
+  if (parts_ > 1) {
+    std::array<Product, kMaxParts> parts;
+    for (int i = 0; i < parts_; ++i) {
+      parts[i] = product_at(1 + i * per_weight);
+      parts[i].N = outputs[i].shape(-1);
+      parts[i].out = outputs[i].data<void>();
+    }
+    encoder.dispatch([parts, count = parts_, x_raw = x.data<void>(),
+                      x_dtype = code_of(x.dtype()), int8_x]() {
+      run_multi(parts.data(), count, x_raw, x_dtype, int8_x);
+    });
+    return;
+  }
   if (gated_) {
     encoder.dispatch([g = p, u = product_at(1 + per_weight), x_raw = x.data<float>(),
                       y = out.data<float>(), int8_x]() { run_gated(g, u, x_raw, int8_x, y); });
@@ -459,13 +616,19 @@ void NativeMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array
 bool NativeMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto* o = dynamic_cast<const NativeMatmul*>(&other);
   return o != nullptr && o->bits_ == bits_ && o->group_size_ == group_size_ &&
-      o->has_bias_ == has_bias_ && o->int8_x_ == int8_x_ && o->gated_ == gated_;
+      o->has_bias_ == has_bias_ && o->int8_x_ == int8_x_ && o->gated_ == gated_ &&
+      o->parts_ == parts_;
 }
 
 std::vector<mx::Shape> NativeMatmul::output_shapes(const std::vector<mx::array>& inputs) {
-  auto shape = inputs[0].shape();
-  shape.back() = inputs[1].shape(0);
-  return {shape};
+  const size_t per_weight = bits_ == 0 ? 1 : 3;
+  std::vector<mx::Shape> shapes;
+  for (int i = 0; i < parts_; ++i) {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1 + i * per_weight].shape(0);
+    shapes.push_back(std::move(shape));
+  }
+  return shapes;
 }
 
 }  // namespace loom_cpu

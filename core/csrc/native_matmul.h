@@ -19,6 +19,9 @@ namespace mx = mlx::core;
 // rows (11.8 against 23.8 GMAC/s at 32) and faster from 64 on.
 constexpr int kSmallRows = 32;
 
+// Most weights one multi-output product takes.
+constexpr int kMaxParts = 8;
+
 mx::array dense_matmul(
     const mx::array& x,
     const mx::array& w,
@@ -56,29 +59,62 @@ mx::array gated_affine_matmul(
     bool int8_activations = false,
     mx::StreamOrDevice s = {});
 
+// x @ w_i.T for several weights of one row length read the same way (all
+// dense of one dtype, or all affine of one width, group size and scale
+// dtype), as one node with one output each: the projections of one
+// activation (an attention's q, k and v) in one pool region, x prepared
+// once. Each output equals dense_matmul / affine_matmul bit for bit.
+std::vector<mx::array> multi_dense_matmul(
+    const mx::array& x, const std::vector<mx::array>& weights, mx::StreamOrDevice s = {});
+
+std::vector<mx::array> multi_affine_matmul(
+    const mx::array& x,
+    const std::vector<mx::array>& weights,
+    const std::vector<mx::array>& scales,
+    const std::vector<mx::array>& biases,
+    int bits,
+    int group_size,
+    bool int8_activations = false,
+    mx::StreamOrDevice s = {});
+
 class NativeMatmul : public mx::Primitive {
  public:
   // int8_x: matrix-vector products quantize the activations to int8
   // (kernels.h, 4-bit weights only). gated: the inputs hold a gate and an
-  // up weight and the output is silu(gate product) * up product.
+  // up weight and the output is silu(gate product) * up product. parts:
+  // the number of weights of a multi-output product (one output each; 1
+  // for the other kinds).
   NativeMatmul(
-      mx::Stream stream, int bits, int group_size, bool has_bias, bool int8_x, bool gated)
+      mx::Stream stream,
+      int bits,
+      int group_size,
+      bool has_bias,
+      bool int8_x,
+      bool gated,
+      int parts = 1)
       : mx::Primitive(stream),
         bits_(bits),
         group_size_(group_size),
         has_bias_(has_bias),
         int8_x_(int8_x),
-        gated_(gated) {}
+        gated_(gated),
+        parts_(parts) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
   const char* name() const override {
     if (bits_ == 0) {
+      if (parts_ > 1) {
+        return "LoomMultiDenseMatmul";
+      }
       return gated_ ? "LoomGatedDenseMatmul" : "LoomDenseMatmul";
     }
     if (gated_) {
       return int8_x_ ? "LoomGatedAffineMatmulInt8x" : "LoomGatedAffineMatmul";
+    }
+    if (parts_ > 1) {
+      return int8_x_ ? "LoomMultiAffineMatmulInt8x" : "LoomMultiAffineMatmul";
     }
     return int8_x_ ? "LoomAffineMatmulInt8x" : "LoomAffineMatmul";
   }
@@ -91,6 +127,7 @@ class NativeMatmul : public mx::Primitive {
   bool has_bias_;
   bool int8_x_;
   bool gated_;
+  int parts_;
 };
 
 }  // namespace loom_cpu

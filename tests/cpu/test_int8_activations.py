@@ -27,6 +27,7 @@ import pytest
 
 from mlx_loom.cpu import layers, native, ops
 from mlx_loom.cpu.path import resolve_cpu_path
+from mlx_loom.nn import projections
 
 from .test_model_parity import FAMILIES, greedy, max_relative_gap, ours
 
@@ -187,9 +188,11 @@ def _rounding_in_front_of_every_4bit_product(monkeypatch) -> None:
         "as_linear",
         lambda self, x: head(self, rounded(x) if self.bits == 4 else x),
     )
-    # Gate and up as two products, so both pass through the patched call
-    # (the fused pair is bit-equal to them: test_native_gates.py).
+    # Gate and up, and q, k and v, as separate products, so that each passes
+    # through the patched call (the fused nodes are bit-equal to them:
+    # test_native_gates.py, test_native_kernels.py).
     monkeypatch.setattr(ops.NativeGatedMLP, "_gated", lambda self, x: None)
+    monkeypatch.setattr(projections, "project_together", lambda x, modules: None)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

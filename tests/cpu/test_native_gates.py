@@ -300,24 +300,142 @@ def decode_logits(model, tokens=(1, 2, 3)):
     return model(mx.array([[4]]), cache)
 
 
+FUSED = ("LoomGated", "LoomMulti", "LoomSiluMul")
+
+
 @pytest.mark.parametrize("kernels", ["cpu-native", "cpu-native-int8-act"])
-def test_each_family_decodes_bit_equal_with_and_without_the_native_gates(
+def test_each_family_decodes_bit_equal_with_and_without_the_fused_nodes(
     family_checkpoint, kernels, monkeypatch, tmp_path
 ):
     import mlx_loom
+    from mlx_loom.nn import projections
 
     family, path = family_checkpoint
     model, _ = mlx_loom.load(path, compute_dtype="float32", cpu_kernels=kernels)
     fused = decode_logits(model)
     names = labels(fused, tmp_path)
-    if family in ("llama", "qwen3_next"):  # SwiGLU families; Gemma 4's GeGLU stays on MLX
+    # Every family projects q, k and v together; the SwiGLU ones (not Gemma
+    # 4, whose GeGLU stays on MLX) also fuse their MLP's gate.
+    assert any(n.startswith("LoomMulti") for n in names), names
+    if family in ("llama", "qwen3_next"):
         assert any(n.startswith("LoomGated") or n == "LoomSiluMul" for n in names), names
     mx.eval(fused)
     monkeypatch.setattr(activations, "current_silu_mul", lambda: None)
     monkeypatch.setattr(ops.NativeGatedMLP, "_gated", lambda self, x: None)
+    monkeypatch.setattr(projections, "project_together", lambda x, modules: None)
     plain = decode_logits(model)
-    assert not any(n.startswith("LoomGated") or n == "LoomSiluMul" for n in labels(plain, tmp_path))
+    assert not any(n.startswith(FUSED) for n in labels(plain, tmp_path))
     assert_bit_equal(fused, plain)
+
+
+# --- projections of one activation --------------------------------------------
+
+
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("bits,int8", [(4, True), (4, False), (8, False), (3, False)])
+def test_a_multi_output_affine_product_equals_each_product(M, bits, int8):
+    x = rand((1, M, 256), seed=24)
+    parts = [quantized(N, 256, bits, 64, mx.bfloat16, seed) for seed, N in enumerate((96, 40, 8))]
+    outs = nat.multi_affine_matmul(x, *(list(t) for t in zip(*parts, strict=True)), bits, 64, int8)
+    assert len(outs) == 3
+    for out, (w, s, b) in zip(outs, parts, strict=True):
+        assert_bit_equal(out, nat.affine_matmul(x, w, s, b, bits, 64, None, int8))
+
+
+@pytest.mark.parametrize("M", ROWS)
+def test_a_multi_output_dense_product_equals_each_product(M):
+    x = rand((M, 300), seed=25)
+    weights = [rand((N, 300), mx.bfloat16, seed=N) for N in (67, 9)]
+    for out, w in zip(nat.multi_dense_matmul(x, weights), weights, strict=True):
+        assert_bit_equal(out, nat.dense_matmul(x, w))
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: nat.multi_dense_matmul(mx.zeros((1, 8)), []), "1 to"),
+        (
+            lambda: nat.multi_dense_matmul(mx.zeros((1, 8)), [mx.zeros((4, 8)), mx.zeros((4, 9))]),
+            "row length",
+        ),
+        (
+            lambda: nat.multi_affine_matmul(
+                mx.zeros((1, 64)),
+                [quantized(8, 64, 4, 64, mx.float32, 1)[0]],
+                [],
+                [],
+                4,
+                64,
+            ),
+            "one scales",
+        ),
+        (
+            lambda: nat.multi_affine_matmul(
+                mx.zeros((1, 64)),
+                *(
+                    list(t)
+                    for t in zip(
+                        quantized(8, 64, 4, 64, mx.float32, 1),
+                        quantized(8, 64, 4, 64, mx.bfloat16, 2),
+                        strict=True,
+                    )
+                ),
+                4,
+                64,
+            ),
+            "scale dtype",
+        ),
+    ],
+)
+def test_multi_output_products_refuse_what_they_cannot_share(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def native_linears(*sizes, bits=4, bias=False, K=64):
+    mods = [nn.Linear(K, n, bias=bias) for n in sizes]
+    out = []
+    for m in mods:
+        mx.eval(m.parameters())
+        m = nn.QuantizedLinear.from_linear(m, group_size=32, bits=bits) if bits else m
+        layers.swap_in(m, mx.float32)
+        out.append(m)
+    return out
+
+
+def test_project_runs_linears_read_the_same_way_as_one_node(tmp_path):
+    from mlx_loom.nn import project
+
+    x = rand((1, 2, 64), seed=26)
+    q, k, v = native_linears(32, 16, 16)
+    outs = project(x, q, k, v)
+    names = labels(mx.concatenate(outs, axis=-1), tmp_path)
+    assert names.count("LoomMultiAffineMatmul") == 1 and "LoomAffineMatmul" not in names
+    for out, m in zip(outs, (q, k, v), strict=True):
+        assert_bit_equal(out, m(x))
+
+
+@pytest.mark.parametrize(
+    "mods",
+    [
+        lambda: native_linears(32, 16, bits=4) + native_linears(16, bits=8),
+        lambda: native_linears(32) + native_linears(16, bits=0),
+        lambda: native_linears(32, 16, bias=True),
+        lambda: native_linears(32),
+        lambda: [nn.Linear(64, 32), nn.Linear(64, 16)],
+    ],
+    ids=["mixed-widths", "mixed-kinds", "biases", "one", "not-native"],
+)
+def test_project_calls_each_layer_where_they_are_not_read_the_same_way(mods, tmp_path):
+    from mlx_loom.nn import project
+
+    layers_ = mods()
+    x = rand((1, 1, 64), seed=27)
+    outs = project(x, *layers_)
+    assert len(outs) == len(layers_)
+    assert not any(n.startswith("LoomMulti") for n in labels(outs[0], tmp_path))
+    for out, m in zip(outs, layers_, strict=True):
+        assert_bit_equal(out, m(x))
 
 
 # --- log-softmax ---------------------------------------------------------------

@@ -21,6 +21,7 @@ their one-node versions (:mod:`mlx_loom.cpu.ops`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -96,6 +97,51 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
             None,
             self.int8_activations,
         )
+
+
+def project_together(x: mx.array, modules: Sequence[nn.Module]) -> list[mx.array] | None:
+    """``[m(x) for m in modules]`` as one native node, or ``None`` where it does not apply.
+
+    Applies to two or more native linears (one class, no biases) read the
+    same way: dense of one dtype and row length, or affine of one width,
+    group size, scale dtype, row length and activation kind. Each output
+    equals the module's own call bit for bit (the same kernel on the same
+    rows); the node saves the other calls' graph nodes, their pool regions
+    and, on the int8 set, their quantization of x.
+    """
+    if len(modules) < 2:
+        return None
+    kind = type(modules[0])
+    if kind not in (NativeLinear, NativeQuantizedLinear):
+        return None  # also where the extension is absent: nothing was swapped
+    if any(type(m) is not kind or "bias" in m for m in modules):
+        return None
+    if len(modules) > native.module().MAX_PARTS:
+        return None
+    if kind is NativeLinear:
+        weights = [m["weight"] for m in modules]
+        if len({(w.shape[1], w.dtype) for w in weights}) != 1:
+            return None
+        return native.module().multi_dense_matmul(x, weights)
+    if kind is NativeQuantizedLinear:
+        quantized = [m for m in modules if isinstance(m, NativeQuantizedLinear)]
+        first = quantized[0]
+        read_as = {
+            (m.bits, m.group_size, m.int8_activations, m["weight"].shape[1], m["scales"].dtype)
+            for m in quantized
+        }
+        if len(read_as) != 1:
+            return None
+        return native.module().multi_affine_matmul(
+            x,
+            [m["weight"] for m in quantized],
+            [m["scales"] for m in quantized],
+            [m["biases"] for m in quantized],
+            first.bits,
+            first.group_size,
+            first.int8_activations,
+        )
+    return None
 
 
 #: What each swapped class becomes.

@@ -5,6 +5,8 @@ is solved once, one way, so three families do not carry three versions.
 
 * :mod:`.activations` — ``swiglu``/``geglu``, compiled as mlx-lm compiles them;
 * :mod:`.mlp` — :class:`GatedMLP` (Hugging Face module names);
+* :mod:`.projections` — :func:`project`, several projections of one
+  activation (one node on the native CPU kernels);
 * :mod:`.experts` — stacked expert projections, :class:`SwitchGLU`, and the
   per-backend expert kernels (one bf16-on-CPU strategy, measured);
 * :mod:`.rope` — every RoPE kind the families read, validated and built;
@@ -35,6 +37,7 @@ from .loading import (
     load_checkpoint,
 )
 from .mlp import GatedMLP
+from .projections import project
 from .rope import (
     ROPE_KINDS,
     DynamicScaling,
@@ -75,6 +78,7 @@ __all__ = [
     "load_checkpoint",
     "make_rope",
     "parse_rope_scaling",
+    "project",
     "swiglu",
     "switch_glu",
 ]

@@ -28,7 +28,7 @@ from mlx_loom.cache import (
     append_kv,
     create_attention_mask,
 )
-from mlx_loom.nn import GatedMLP, SwitchGLU, geglu, make_rope
+from mlx_loom.nn import GatedMLP, SwitchGLU, geglu, make_rope, project
 from mlx_loom.nn.experts import ExpertKernel
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_gemma4.config import FULL, SLIDING, Gemma4TextConfig
@@ -87,11 +87,21 @@ class Attention(nn.Module):
             scaling=rope.scaling,
         )
 
-    def _own_kv(self, x: mx.array, cache: Any) -> DonorView:
-        B, L, _ = x.shape
-        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+    def _projections(self, x: mx.array) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """Queries, and this layer's own raw keys and values (``None`` where it borrows them;
+        values ``None`` too with ``attention_k_eq_v``)."""
+        if not self.owns_kv:
+            return self.q_proj(x), None, None
+        if self.k_eq_v:
+            queries, keys = project(x, self.q_proj, self.k_proj)
+            return queries, keys, None
+        return project(x, self.q_proj, self.k_proj, self.v_proj)
+
+    def _own_kv(self, keys: mx.array, values: mx.array | None, cache: Any) -> DonorView:
+        B, L, _ = keys.shape
+        keys = keys.reshape(B, L, self.n_kv_heads, self.head_dim)
         # attention_k_eq_v: values are the raw key projection (before k_norm).
-        values = keys if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        values = keys if values is None else values.reshape(B, L, self.n_kv_heads, -1)
         offset = mx.array(cache.offset) if cache is not None else 0
         keys = self.rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
         values = self.v_norm(values).transpose(0, 2, 1, 3)
@@ -103,9 +113,10 @@ class Attention(nn.Module):
         self, x: mx.array, mask: Any, cache: Any, share: DonorView | None
     ) -> tuple[mx.array, DonorView]:
         B, L, _ = x.shape
-        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim))
-        if self.owns_kv:
-            share = self._own_kv(x, cache)
+        queries, keys, values = self._projections(x)
+        queries = self.q_norm(queries.reshape(B, L, self.n_heads, self.head_dim))
+        if keys is not None:
+            share = self._own_kv(keys, values, cache)
         elif share is None:
             raise RuntimeError("a KV-shared layer ran without its donor's keys/values")
         queries = self.rope(queries.transpose(0, 2, 1, 3), offset=share.offset)

@@ -20,7 +20,7 @@ from mlx_loom.cache import (
     append_kv,
     create_attention_mask,
 )
-from mlx_loom.nn import GatedMLP, make_rope
+from mlx_loom.nn import GatedMLP, make_rope, project
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 
 from .config import MiniCPM5Config
@@ -51,9 +51,10 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0  # an array for batch caches
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         # The cache's view owns the attention arithmetic of its storage codec.

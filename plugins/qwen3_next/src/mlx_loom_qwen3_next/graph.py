@@ -20,7 +20,7 @@ import mlx.nn as nn
 
 from mlx_loom.cache import KVCache, append_kv, create_attention_mask
 from mlx_loom.cache.recurrent import RecurrentCache
-from mlx_loom.nn import GatedMLP, SwitchGLU, make_rope
+from mlx_loom.nn import GatedMLP, SwitchGLU, make_rope, project
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_qwen3_next.config import HybridConfig, Qwen3_5Config
 from mlx_loom_qwen3_next.kernels import (
@@ -124,10 +124,11 @@ class GatedAttention(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
         B, L, _ = x.shape
-        q, gate = mx.split(self.q_proj(x).reshape(B, L, self.n_heads, -1), 2, axis=-1)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q, gate = mx.split(q.reshape(B, L, self.n_heads, -1), 2, axis=-1)
         gate = gate.reshape(B, L, -1)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, self.n_kv_heads, -1)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(k).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
@@ -226,8 +227,8 @@ class FusedGatedDeltaNet(GatedDeltaNet):
         B, S, _ = x.shape
         nk, dk, dv = self.n_k_heads, self.head_k_dim, self.head_v_dim
         per_k = self.n_v_heads // nk  # value heads served by each key head
-        qkvz = self.in_proj_qkvz(x).reshape(B, S, nk, -1)
-        ba = self.in_proj_ba(x).reshape(B, S, nk, -1)
+        qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
+        qkvz, ba = qkvz.reshape(B, S, nk, -1), ba.reshape(B, S, nk, -1)
         q, k, v, z = mx.split(qkvz, [dk, 2 * dk, 2 * dk + per_k * dv], axis=-1)
         b, a = mx.split(ba, [per_k], axis=-1)
         qkv = mx.concatenate(
@@ -250,8 +251,8 @@ class SplitGatedDeltaNet(GatedDeltaNet):
 
     def project(self, x):
         B, S, _ = x.shape
-        z = self.in_proj_z(x).reshape(B, S, self.n_v_heads, self.head_v_dim)
-        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        qkv, z, b, a = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        return qkv, z.reshape(B, S, self.n_v_heads, self.head_v_dim), b, a
 
 
 # --- mixture of experts -----------------------------------------------------------
