@@ -94,6 +94,18 @@ def _native_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, ma
     return attention(q, k, v, scale=scale, mask=mask)
 
 
+def _native_swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    from .ops import silu_mul
+
+    return silu_mul(gate, up)
+
+
+def _native_log_softmax(x: mx.array) -> mx.array:
+    from .ops import log_softmax
+
+    return log_softmax(x)
+
+
 def _native_kernels(matmul: str, provider: Provider) -> tuple[Kernel, ...]:
     """The registrations of a kernel set on the native extension; ``matmul``
     describes its products (the one thing the native sets differ in)."""
@@ -121,6 +133,22 @@ def _native_kernels(matmul: str, provider: Provider) -> tuple[Kernel, ...]:
             _native_attention,
             description="mlx_loom.cpu._native attention over plain KV views "
             "(no sinks; quantized views keep their own products)",
+            provider=provider,
+        ),
+        Kernel(
+            "swiglu",
+            "cpu",
+            _native_swiglu,
+            description="mlx_loom.cpu._native silu_mul: mlx_loom.nn.swiglu in float32, "
+            "bit-equal to MLX's; with GatedMLP's gate and up projections, one product node",
+            provider=provider,
+        ),
+        Kernel(
+            "log_softmax",
+            "cpu",
+            _native_log_softmax,
+            description="mlx_loom.cpu._native log_softmax: the engine's float32 "
+            "log-probabilities, bit-equal to MLX's logsumexp",
             provider=provider,
         ),
     )
@@ -172,7 +200,11 @@ def cpu_kernel_sets() -> dict[str, KernelSet]:
             "compiled AVX2/FMA kernels: multithreaded matrix-vector and blocked GEMM products "
             "for fp32/bf16/fp16 and affine 2-8 bit weights, RMS norm, RoPE and attention as "
             "one node each; fp32 accumulation",
-            _native_kernels("mlx_loom.cpu._native dense_matmul / affine_matmul", core),
+            _native_kernels(
+                "mlx_loom.cpu._native dense_matmul / affine_matmul (projections of one "
+                "activation through mlx_loom.nn.project: one multi-output node)",
+                core,
+            ),
             lambda: native.unavailable_reason(),
         ),
         "cpu-native-int8-act": KernelSet(
@@ -181,7 +213,8 @@ def cpu_kernel_sets() -> dict[str, KernelSet]:
             "quantized to int8 per 32 columns: integer multiply-adds, bounded error",
             _native_kernels(
                 "mlx_loom.cpu._native affine_matmul(int8_activations=True) for 4-bit weights, "
-                "dense_matmul / affine_matmul otherwise",
+                "dense_matmul / affine_matmul otherwise (projections of one activation through "
+                "mlx_loom.nn.project: one multi-output node)",
                 core,
             ),
             lambda: native.unavailable_reason(),
