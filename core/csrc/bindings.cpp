@@ -188,8 +188,9 @@ NB_MODULE(_native, m) {
          const mlx::core::array& v,
          float scale,
          bool causal,
-         const std::optional<mlx::core::array>& mask) {
-        return loom_cpu::attention(q, k, v, scale, causal, mask);
+         const std::optional<mlx::core::array>& mask,
+         const std::optional<mlx::core::array>& lengths) {
+        return loom_cpu::attention(q, k, v, scale, causal, mask, lengths);
       },
       "q"_a,
       "k"_a,
@@ -197,6 +198,8 @@ NB_MODULE(_native, m) {
       "scale"_a,
       "causal"_a = false,
       "mask"_a = nb::none(),
+      "lengths"_a = nb::none(),
       "softmax(scale * q k^T + mask) v for q [B, Hq, L, D], k/v [B, Hkv, S, D]; an additive "
-      "float32 mask broadcastable to [B, Hq, L, S]; fp32 arithmetic.");
+      "float32 mask broadcastable to [B, Hq, L, S]; lengths (int32 [1] or [B]): each batch "
+      "row attends over its first lengths[b] keys; fp32 arithmetic.");
 }

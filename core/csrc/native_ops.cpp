@@ -132,6 +132,7 @@ mx::array attention(
     float scale,
     bool causal,
     const std::optional<mx::array>& mask,
+    const std::optional<mx::array>& lengths,
     mx::StreamOrDevice s) {
   check_runnable();
   mx::Stream stream = cpu_stream(s);
@@ -162,9 +163,20 @@ mx::array attention(
     });
     inputs.push_back(mx::broadcast_to(*mask, {B, Hq, L, S}, stream));
   }
+  if (lengths) {
+    require(
+        lengths->ndim() == 1 && lengths->dtype() == mx::int32 &&
+            (lengths->shape(0) == 1 || lengths->shape(0) == B),
+        [&] {
+          return std::string("[loom native kernels] attention's lengths must be int32 [1] or [" +
+              std::to_string(B) + "], got " + shape_str(*lengths) + " " +
+              dtype_str(lengths->dtype()) + ".");
+        });
+    inputs.push_back(*lengths);
+  }
   return make_op(
-      {B, Hq, L, Dv}, q.dtype(), NativeOp::kAttention, scale, mask ? 1 : 0, causal,
-      std::move(inputs), stream);
+      {B, Hq, L, Dv}, q.dtype(), NativeOp::kAttention, scale, (mask ? 1 : 0) | (lengths ? 2 : 0),
+      causal, std::move(inputs), stream);
 }
 
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
@@ -294,7 +306,14 @@ void NativeOp::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::array
   }
   job.scale = fparam_;
   job.causal = flag_;
-  job.mask = iparam_ != 0 ? in[3].data<float>() : nullptr;
+  size_t next = 3;
+  if ((iparam_ & 1) != 0) {
+    job.mask = in[next++].data<float>();
+  }
+  if ((iparam_ & 2) != 0) {
+    job.lengths = in[next].data<int32_t>();
+    job.n_lengths = in[next].shape(0);
+  }
   encoder.dispatch([job]() {
     const long long each = static_cast<long long>(job.L) * job.S * (job.D + job.Dv);
     const size_t floats = attention_scratch_floats(job);

@@ -28,7 +28,8 @@ mx::array rope(
 
 // mx.fast.scaled_dot_product_attention's result for q [B, Hq, L, D],
 // k [B, Hkv, S, D], v [B, Hkv, S, Dv]; mask: none, causal, or an additive
-// float32 array broadcastable to [B, Hq, L, S].
+// float32 array broadcastable to [B, Hq, L, S]; lengths: optional int32 [1]
+// or [B], the keys each batch row attends over (the first lengths[b]).
 mx::array attention(
     const mx::array& q,
     const mx::array& k,
@@ -36,6 +37,7 @@ mx::array attention(
     float scale,
     bool causal,
     const std::optional<mx::array>& mask,
+    const std::optional<mx::array>& lengths = std::nullopt,
     mx::StreamOrDevice s = {});
 
 // silu(gate) * up for float32 gate and up of one shape: mlx_lm's compiled
@@ -76,7 +78,7 @@ class NativeOp : public mx::Primitive {
  private:
   Kind kind_;
   float fparam_;  // eps, RoPE scale or attention scale
-  int iparam_;    // RoPE dims; has-weight / has-mask for the others
+  int iparam_;    // RoPE dims; has-weight for the norm; attention: 1 has-mask | 2 has-lengths
   bool flag_;     // RoPE traditional; attention causal
 };
 

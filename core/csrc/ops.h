@@ -84,6 +84,11 @@ struct AttentionJob {
   float scale = 1.0f;
   bool causal = false;
   const float* mask = nullptr;
+  // Optional: batch row b attends over its first lengths[b] keys only
+  // (lengths[0] for every row when n_lengths is 1), clamped to [0, S]: a
+  // compiled decode step passes its whole key buffer and the valid length.
+  const int32_t* lengths = nullptr;
+  int n_lengths = 0;
 };
 // Scratch one call of attention_heads needs, in floats.
 size_t attention_scratch_floats(const AttentionJob& job);

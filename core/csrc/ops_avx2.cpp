@@ -171,10 +171,16 @@ void attention_heads(const AttentionJob& job, int t0, int t1, float* scratch) {
         (b * job.k_strides[0] + hk * job.k_strides[1]) * esize;
     const char* vbase = static_cast<const char*>(job.v) +
         (b * job.v_strides[0] + hk * job.v_strides[1]) * esize;
+    int keys = S;
+    if (job.lengths != nullptr) {
+      const int32_t n = job.lengths[job.n_lengths == 1 ? 0 : b];
+      keys = n < 0 ? 0 : (n > S ? S : n);
+    }
     for (int l = 0; l < L; ++l) {
       const size_t qfirst = (static_cast<size_t>(t) * L + l) * D;
       row_to_f32(job.q, job.dtype, qfirst, D, qrow);
-      const int visible = job.causal ? (S - L + l + 1) : S;
+      int visible = job.causal ? (keys - L + l + 1) : keys;
+      visible = visible < 0 ? 0 : visible;
       const float* mrow =
           job.mask != nullptr ? job.mask + (static_cast<size_t>(t) * L + l) * S : nullptr;
       float top = -__builtin_inff();

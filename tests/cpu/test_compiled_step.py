@@ -52,7 +52,8 @@ def counted(monkeypatch):
 
 @pytest.fixture
 def compiled_on(monkeypatch):
-    monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "1")
+    """The default, also where the environment running the tests turned it off."""
+    monkeypatch.delenv("MLX_LOOM_COMPILED_STEP", raising=False)
 
 
 def test_a_native_llama_decodes_through_the_compiled_step_bit_for_bit(
@@ -138,14 +139,16 @@ def test_a_batch_decodes_on_the_ordinary_forward_with_the_same_tokens(llama, cou
     assert [tokens for tokens, _ in rows] == alone
 
 
-def test_loom_explain_says_whether_the_decode_step_is_compiled(llama, capsys, monkeypatch):
+def test_loom_explain_says_whether_the_decode_step_is_compiled(
+    llama, capsys, monkeypatch, compiled_on
+):
     from mlx_loom.cli.main import main
 
     assert main(["explain", str(llama)]) == 0
-    assert "eager (off unless MLX_LOOM_COMPILED_STEP=1" in capsys.readouterr().out
-    monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "1")
-    assert main(["explain", str(llama)]) == 0
     assert "decode step            compiled where one token" in capsys.readouterr().out
+    monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "0")
+    assert main(["explain", str(llama)]) == 0
+    assert "eager (MLX_LOOM_COMPILED_STEP=0 turns it off)" in capsys.readouterr().out
     assert main(["explain", str(llama), "--cpu-kernels", "cpu-ops"]) == 0
     assert "eager (compiled only on the native CPU kernel sets)" in capsys.readouterr().out
 
@@ -154,8 +157,9 @@ def test_why_a_model_runs_eager_is_named(monkeypatch):
     from mlx_loom.engine.compiled_step import not_compiled_because
 
     caps = frozenset({"generate", "compiled-step"})
-    assert "MLX_LOOM_COMPILED_STEP=1" in not_compiled_because("cpu-native", caps)
-    monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "1")
+    monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "0")
+    assert "MLX_LOOM_COMPILED_STEP=0" in not_compiled_because("cpu-native", caps)
+    monkeypatch.delenv("MLX_LOOM_COMPILED_STEP")
     assert not_compiled_because("cpu-native", caps) is None
     assert not_compiled_because("cpu-native-int8-act", caps) is None
     assert "native CPU kernel sets" in not_compiled_because("cpu-ops", caps)
@@ -163,3 +167,39 @@ def test_why_a_model_runs_eager_is_named(monkeypatch):
     assert "does not declare" in not_compiled_because("cpu-native", frozenset({"generate"}))
     # a split model's pipeline stages call async_eval mid-forward: never traced
     assert "split" in not_compiled_because("cpu-native", caps, split=True)
+
+
+def test_the_compiled_step_attends_only_over_the_filled_slots(llama, compiled_on, tmp_path):
+    import re
+
+    model, _ = mlx_loom.load(llama, compute_dtype="float32", cpu_kernels="cpu-native")
+    cache = model.make_cache()
+    mx.eval(model(mx.array([[1, 2, 3]]), cache))
+    out = model(mx.array([[4]]), cache)  # compiled: the buffer is 256 slots, 4 filled
+    path = tmp_path / "step.dot"
+    mx.export_to_dot(str(path), out)
+    names = re.findall(r'label ="([A-Za-z_]+)', path.read_text())
+    assert "LoomAttention" in names
+    # no mask over the buffer is built: the kernel takes the filled length
+    assert "LessEqual" not in names and "Select" not in names
+
+
+def test_native_attention_lengths_read_only_the_first_keys():
+    from mlx_loom.cpu import native
+
+    nat = native.module()
+    q = mx.random.normal((2, 4, 1, 16), key=mx.random.key(1))
+    k = mx.random.normal((2, 2, 10, 16), key=mx.random.key(2))
+    v = mx.random.normal((2, 2, 10, 16), key=mx.random.key(3))
+    lengths = mx.array([7, 3], dtype=mx.int32)
+    got = nat.attention(q, k, v, 0.25, False, None, lengths)
+    for b, n in enumerate((7, 3)):
+        alone = nat.attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], 0.25)
+        assert mx.array_equal(got[b : b + 1], alone)
+    # past the buffer: clamped to it
+    assert mx.array_equal(
+        nat.attention(q, k, v, 0.25, False, None, mx.array([99], dtype=mx.int32)),
+        nat.attention(q, k, v, 0.25),
+    )
+    with pytest.raises(ValueError, match="lengths"):
+        nat.attention(q, k, v, 0.25, False, None, mx.array([1, 2, 3], dtype=mx.int32))

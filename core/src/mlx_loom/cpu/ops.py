@@ -172,12 +172,21 @@ def fits(module: nn.Module) -> bool:
 
 
 def attention(
-    queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Any
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: Any,
+    lengths: mx.array | None = None,
 ) -> mx.array:
     """``mx.fast.scaled_dot_product_attention(q, k, v, scale=, mask=)`` as one native node.
 
     ``mask``: ``None``, ``"causal"``, or an array broadcastable to
-    ``[B, Hq, L, S]`` — boolean (``True`` attends) or additive.
+    ``[B, Hq, L, S]`` — boolean (``True`` attends) or additive. ``lengths``
+    (int32 ``[1]`` or ``[B]``): batch row ``b`` attends over its first
+    ``lengths[b]`` keys only — what a compiled step that passes its whole
+    key buffer needs, without reading (or masking) the slots past the end.
     """
     if keys.dtype != queries.dtype:
         keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
@@ -190,7 +199,7 @@ def attention(
             additive = mask.astype(mx.float32)
     elif mask is not None and not causal:
         raise ValueError(f"attention mask {mask!r} is not None, 'causal' or an array")
-    return native.module().attention(queries, keys, values, float(scale), causal, additive)
+    return native.module().attention(queries, keys, values, float(scale), causal, additive, lengths)
 
 
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
