@@ -68,7 +68,6 @@ thread_local Scratch sum_scratch;
 thread_local Scratch gemm_scratch;
 thread_local Scratch int8_scratch;
 thread_local Scratch step_scratch;
-thread_local Scratch gate_scratch;
 thread_local Scratch up_scratch;
 
 // Below this many multiply-adds a product runs on the calling thread alone:
@@ -233,8 +232,10 @@ void run_multi(const Product* parts, int count, const void* x_raw, int x_dtype, 
 
 // silu(x @ G.T) * (x @ U.T): both products' rows of a chunk, then the gate
 // over that chunk, so the pair is one region (one node) and x is prepared
-// once. Every output equals the unfused gate product, up product and
-// silu_mul bit for bit (the same kernels, the same per-row arithmetic).
+// once. The gate product is written into `out` and gated in place (only the
+// up product needs scratch). Every output equals the unfused gate product,
+// up product and silu_mul bit for bit (the same kernels, the same per-row
+// arithmetic).
 void run_gated(Product g, Product u, const float* x, bool int8_x, float* out) {
   if (g.M == 0 || g.N == 0) {
     return;
@@ -242,10 +243,9 @@ void run_gated(Product g, Product u, const float* x, bool int8_x, float* out) {
   const int M = g.M;
   const int N = g.N;
   const size_t count = static_cast<size_t>(M) * N;
-  float* gate = gate_scratch.get(count + 8);
   float* up = up_scratch.get(count + 8);
   g.x = u.x = x;
-  g.out = gate;
+  g.out = out;
   u.out = up;
   g.out_dtype = u.out_dtype = kF32;
   if (M > kSmallRows) {
@@ -255,7 +255,7 @@ void run_gated(Product g, Product u, const float* x, bool int8_x, float* out) {
     parallel_for(c.tasks, [&](int t) {
       const size_t m0 = static_cast<size_t>(t) * c.chunk;
       const size_t m1 = std::min(static_cast<size_t>(M), m0 + c.chunk);
-      silu_mul(gate, up, out, m0 * N, m1 * N);
+      silu_mul(out, up, out, m0 * N, m1 * N);
     });
     return;
   }
@@ -268,7 +268,7 @@ void run_gated(Product g, Product u, const float* x, bool int8_x, float* out) {
     vector_rows(u, v, n0, n1);
     for (int m = 0; m < M; ++m) {
       const size_t row = static_cast<size_t>(m) * N;
-      silu_mul(gate + row, up + row, out + row, n0, n1);
+      silu_mul(out + row, up + row, out + row, n0, n1);
     }
   });
 }

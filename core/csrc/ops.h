@@ -95,11 +95,12 @@ size_t attention_scratch_floats(const AttentionJob& job);
 // Query heads [t0, t1) of the flattened (b, h) range.
 void attention_heads(const AttentionJob& job, int t0, int t1, float* scratch);
 
-// out[i] = silu(gate[i]) * up[i] for i in [i0, i1), float32, computed with
-// exactly the operations of MLX's CPU backend (its exp polynomial and the
-// same fused multiply-adds, eight lanes at a time), so the result equals
-// mlx_lm's compiled SwiGLU bit for bit. MLX evaluates it one element at a
-// time (~25 ns an element here: ~1.6 ms of a 350M model's decode step).
+// out[i] = silu(gate[i]) * up[i] for i in [i0, i1), float32 (out may be
+// gate), computed with exactly the operations of MLX's CPU backend (its exp
+// polynomial and the same fused multiply-adds, eight lanes at a time), so
+// the result equals mlx_lm's compiled SwiGLU bit for bit. MLX evaluates it
+// one element at a time (~25 ns an element here: ~1.6 ms of a 350M model's
+// decode step).
 void silu_mul(const float* gate, const float* up, float* out, size_t i0, size_t i1);
 
 // out = x - logsumexp(x) for rows [r0, r1) of a row-major float32 [rows, V]
