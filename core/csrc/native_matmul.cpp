@@ -176,27 +176,11 @@ void gemm_all(const Product* products, int count) {
   });
 }
 
-void run_product(Product p, const void* x_raw, int x_dtype, bool int8_x) {
-  if (p.M == 0 || p.N == 0) {
-    return;
-  }
-  p.x = f32_x(p, x_raw, x_dtype);
-  if (p.M > kSmallRows) {
-    gemm_all(&p, 1);
-    return;
-  }
-  const VectorInput v = prepare_vector(p, int8_x);
-  const RowChunks c = row_chunks(p.N, macs_of(p));
-  parallel_for(c.tasks, [&](int t) {
-    const int n0 = t * c.chunk;
-    vector_rows(p, v, n0, std::min(p.N, n0 + c.chunk));
-  });
-}
-
-// Several products of one x (an attention's q, k and v projections) as one
-// region: chunks run over their rows laid end to end, x is prepared once.
-// Each output equals its own product's bit for bit.
-void run_multi(const Product* parts, int count, const void* x_raw, int x_dtype, bool int8_x) {
+// One product, or several of one x (an attention's q, k and v projections)
+// as one region: chunks run over their rows laid end to end, x is prepared
+// once. Each output equals its own product's bit for bit.
+void run_products(
+    const Product* parts, int count, const void* x_raw, int x_dtype, bool int8_x) {
   if (parts[0].M == 0) {
     return;
   }
@@ -210,12 +194,15 @@ void run_multi(const Product* parts, int count, const void* x_raw, int x_dtype, 
     first[i + 1] = first[i] + ps[i].N;
     macs += macs_of(ps[i]);
   }
+  const int rows = first[count];
+  if (rows == 0) {
+    return;
+  }
   if (ps[0].M > kSmallRows) {
     gemm_all(ps, count);
     return;
   }
   const VectorInput v = prepare_vector(ps[0], int8_x);
-  const int rows = first[count];
   const RowChunks c = row_chunks(rows, macs);
   parallel_for(c.tasks, [&](int t) {
     const int r0 = t * c.chunk;
@@ -586,26 +573,20 @@ void NativeMatmul::eval_cpu(
   // int8 activations serve the matrix-vector sizes; larger products
   // (prefill) run the fp32 GEMM either way.
   const bool int8_x = int8_x_ && p.M <= kSmallRows;
-  if (parts_ > 1) {
-    std::array<Product, kMaxParts> parts;
-    for (int i = 0; i < parts_; ++i) {
-      parts[i] = product_at(1 + i * per_weight);
-      parts[i].N = outputs[i].shape(-1);
-      parts[i].out = outputs[i].data<void>();
-    }
-    encoder.dispatch([parts, count = parts_, x_raw = x.data<void>(),
-                      x_dtype = code_of(x.dtype()), int8_x]() {
-      run_multi(parts.data(), count, x_raw, x_dtype, int8_x);
-    });
-    return;
-  }
   if (gated_) {
     encoder.dispatch([g = p, u = product_at(1 + per_weight), x_raw = x.data<float>(),
                       y = out.data<float>(), int8_x]() { run_gated(g, u, x_raw, int8_x, y); });
     return;
   }
-  encoder.dispatch([p, x_raw = x.data<void>(), x_dtype = code_of(x.dtype()), int8_x]() {
-    run_product(p, x_raw, x_dtype, int8_x);
+  std::array<Product, kMaxParts> parts;
+  parts[0] = p;
+  for (int i = 1; i < parts_; ++i) {
+    parts[i] = product_at(1 + i * per_weight);
+    parts[i].out = outputs[i].data<void>();
+  }
+  encoder.dispatch([parts, count = parts_, x_raw = x.data<void>(),
+                    x_dtype = code_of(x.dtype()), int8_x]() {
+    run_products(parts.data(), count, x_raw, x_dtype, int8_x);
   });
 }
 

@@ -81,8 +81,10 @@ def describe(kernel_set: str | None, capabilities: frozenset[str], *, split: boo
 class _WindowView:
     """The whole key/value buffer, attended over its first ``offset + 1`` slots."""
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array) -> None:
-        self.keys, self.values, self.offset = keys, values, offset
+    def __init__(
+        self, keys: mx.array, values: mx.array, offset: mx.array, lengths: mx.array
+    ) -> None:
+        self.keys, self.values, self.offset, self.lengths = keys, values, offset, lengths
 
     def attend(
         self, queries: mx.array, *, scale: float, mask: Any, sinks: mx.array | None = None
@@ -91,10 +93,11 @@ class _WindowView:
             raise NotImplementedError("the compiled step attends one query, without sinks")
         kernel = current_attention()
         if kernel is not None:
-            # The native kernel reads only the valid slots (their count, an
+            # The native kernel reads only the filled slots (their count, an
             # array, rides in the trace).
-            lengths = (self.offset + 1).astype(mx.int32).reshape(1)
-            return kernel(queries, self.keys, self.values, scale=scale, mask=None, lengths=lengths)
+            return kernel(
+                queries, self.keys, self.values, scale=scale, mask=None, lengths=self.lengths
+            )
         valid = mx.arange(self.keys.shape[2]) <= self.offset
         return mx.fast.scaled_dot_product_attention(
             queries, self.keys, self.values, scale=scale, mask=valid
@@ -102,10 +105,14 @@ class _WindowView:
 
 
 class _TracedKV:
-    """A KV cache as the traced step sees it: the full buffers and an array offset."""
+    """A KV cache as the traced step sees it: the full buffers, an array offset and
+    the filled length after this token (``offset + 1``, int32 ``[1]``, shared by every
+    layer of the step)."""
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array) -> None:
-        self.keys, self.values, self.offset = keys, values, offset
+    def __init__(
+        self, keys: mx.array, values: mx.array, offset: mx.array, lengths: mx.array
+    ) -> None:
+        self.keys, self.values, self.offset, self.lengths = keys, values, offset, lengths
 
     def make_mask(
         self, N: int, *, window_size: int | None = None, return_array: bool = False
@@ -118,7 +125,7 @@ class _TracedKV:
         start = self.offset[None]
         self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
         self.values = mx.slice_update(self.values, values, start, axes=(2,))
-        return _WindowView(self.keys, self.values, self.offset)
+        return _WindowView(self.keys, self.values, self.offset, self.lengths)
 
 
 class CompiledStep:
@@ -153,6 +160,7 @@ class CompiledStep:
     def _forward(
         self, inputs: mx.array, offset: mx.array, keys: list[mx.array], values: list[mx.array]
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
-        traced = [_TracedKV(k, v, offset) for k, v in zip(keys, values, strict=True)]
+        lengths = (offset + 1).reshape(1)
+        traced = [_TracedKV(k, v, offset, lengths) for k, v in zip(keys, values, strict=True)]
         logits = self._module(inputs, cache=traced)
         return logits, [t.keys for t in traced], [t.values for t in traced]
