@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import cast
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,12 +93,14 @@ def read_adapter(path: str | os.PathLike[str]) -> Adapter:
             fix="point at the adapter directory the trainer finished writing",
         )
     read_safetensors_header(weights)
-    tensors = mx.load(str(weights), format="safetensors")
+    # Without return_metadata, mx.load of a safetensors file is a dict of arrays.
+    tensors = cast(dict[str, mx.array], mx.load(str(weights), format="safetensors"))
     return Adapter(path=path, config=config, tensors=tensors)
 
 
 def _factor_shapes(target: Target, rank: int, dora: bool) -> dict[str, tuple[int, ...]]:
     r = rank
+    out: dict[str, tuple[int, ...]]
     if target.kind == "linear":
         out = {"lora_a": (target.cols, r), "lora_b": (r, target.rows)}
     elif target.kind == "expert":

@@ -28,7 +28,7 @@ def _load() -> tuple[ModuleType | None, str]:
     try:
         import mlx.core  # noqa: F401  (registers mx.array for the extension's signatures)
 
-        from . import _native
+        from . import _native  # type: ignore[attr-defined]  # compiled; no stub
     except ImportError as err:
         if sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64"):
             why = (

@@ -14,7 +14,7 @@ it is disambiguated). Generation stops at the model's context
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +96,7 @@ def stream_generate(
     draft: str | None = None,
     adapter: str | None = None,
     **sampling: Any,
-) -> Iterator[GenerationResponse]:
+) -> Generator[GenerationResponse, None, None]:
     """Generate from ``prompt``, yielding a :class:`GenerationResponse` per token.
 
     ``sampling`` takes the :class:`SamplingParams` fields (``temperature``

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -139,7 +139,10 @@ def _ids(target: Target, n: int, seed: int) -> list[int]:
 
 
 def _forward(model: Model, ids: Sequence[int] | Sequence[Sequence[int]], cache: Any) -> mx.array:
-    rows = [list(ids)] if ids and isinstance(ids[0], int) else [list(r) for r in ids]
+    if ids and isinstance(ids[0], int):
+        rows = [list(cast(Sequence[int], ids))]
+    else:
+        rows = [list(r) for r in cast(Sequence[Sequence[int]], ids)]
     logits = model(mx.array(rows, dtype=mx.int32), cache)
     mx.eval(logits)
     return logits
@@ -153,9 +156,14 @@ def _close(actual: mx.array, expected: mx.array) -> tuple[bool, float]:
     a, b = actual.astype(mx.float32), expected.astype(mx.float32)
     if a.shape != b.shape:
         return False, float("inf")
-    diff = mx.abs(a - b).max().item()
-    scale = max(1.0, mx.abs(b).max().item())
+    diff = _real(mx.abs(a - b).max())
+    scale = max(1.0, _real(mx.abs(b).max()))
     return diff <= _tolerance(expected.dtype) * scale, diff
+
+
+def _real(scalar: mx.array) -> float:
+    """A real scalar's value (``mx.array.item`` is typed to allow complex results)."""
+    return cast(float, scalar.item())
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
@@ -172,7 +180,7 @@ def _offsets(cache: Sequence[Any]) -> list[int]:
     out = []
     for c in cache:
         off = c.offset
-        out.append(int(off) if isinstance(off, int) else int(mx.array(off).max().item()))
+        out.append(int(off) if isinstance(off, int) else int(_real(mx.array(off).max())))
     return out
 
 
@@ -652,11 +660,13 @@ def check_batch_equals_single(target: Target) -> CheckResult:
         return s
     model = target.model
     prompts = [_ids(target, 4, seed=15), _ids(target, 7, seed=16), _ids(target, 2, seed=17)]
-    batch = [tokens for tokens, _ in batch_generate_tokens(model, prompts, max_tokens=NEW_TOKENS)]
+    batched = [t for t, _ in batch_generate_tokens(model, prompts, max_tokens=NEW_TOKENS)]
     singles = [[t for t, _ in _decode(model, p)] for p in prompts]
-    for i, (b, s) in enumerate(zip(batch, singles, strict=True)):
-        if b != s:
-            return failed(name, f"prompt {i} (length {len(prompts[i])}): batched {b}, alone {s}")
+    for i, (b, alone) in enumerate(zip(batched, singles, strict=True)):
+        if b != alone:
+            return failed(
+                name, f"prompt {i} (length {len(prompts[i])}): batched {b}, alone {alone}"
+            )
     return passed(
         name,
         f"{len(prompts)} prompts of lengths {[len(p) for p in prompts]}: "
@@ -866,7 +876,8 @@ def check_parallel_plan(target: Target) -> CheckResult:
     if impl.parallel is None:
         return skipped(name)
     plan = impl.parallel(target.resolved.family_config)
-    whole = sum(v.nbytes for _, v in tree_flatten(target.model.module.parameters()))
+    flat = cast(list[tuple[str, mx.array]], tree_flatten(target.model.module.parameters()))
+    whole = sum(v.nbytes for _, v in flat)
     done = []
     for mode, declared in (("tensor", plan.tensor), ("pipeline", plan.pipeline)):
         if declared is None:
