@@ -40,6 +40,7 @@ from ..engine import (
 from ..generate import SamplingParams
 from ..host import PROMPT_CACHE
 from ..model import Model
+from ..parallel.service import LockstepService
 from ..parallel.serving import describe
 from ..text import Tokenizer
 
@@ -161,10 +162,12 @@ class GenerationWorker:
             adapter=job.adapter,
             speculation=job.speculation,
         )
-        if self.model.parallel is None:
-            job._handle = self.service.submit(request, sink=job._sink)
-        else:  # the other ranks build the same request from its description
-            job._handle = self.service.submit(request, sink=job._sink, spec=describe(job))
+        service = self.service
+        if isinstance(service, LockstepService):
+            # the other ranks build the same request from its description
+            job._handle = service.submit(request, sink=job._sink, spec=describe(job))
+        else:
+            job._handle = service.submit(request, sink=job._sink)
         if job.cancelled:
             job._handle.cancel()
 
