@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
@@ -204,7 +204,7 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> l
 def _token_id(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, mx.array) and value.ndim == 0:
-            return int(value.item())
+            return int(cast(int, value.item()))
         raise TypeError(value)
     return int(value)
 
@@ -459,12 +459,13 @@ def _check_speculation(
     sampler: SamplerFn | None,
 ) -> None:
     model.require(SPECULATIVE, asked="speculative decoding")
-    if getattr(model, "parallel", None) is not None:
+    parallel = getattr(model, "parallel", None)
+    if parallel is not None:
         # The other ranks rebuild each request from a plain description; a
         # drafter (and its own model) is not part of it, so they would diverge.
         raise ParallelRefused(
             "Speculative decoding is not supported for a model split across ranks "
-            f"(--parallel {model.parallel.mode}).",
+            f"(--parallel {parallel.mode}).",
             fix="Drop the draft (draft_model / --draft-model / --draft), or run the model in "
             "one process.",
         )

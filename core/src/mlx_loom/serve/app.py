@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ..engine import EngineSettings, Speculation
 from ..engine.request import encode_prompt, kv_quantization, make_request
@@ -98,7 +98,7 @@ class Choice:
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[schemas.ToolCallOut] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: schemas.FinishReason | None = None
 
     @property
     def done(self) -> bool:
@@ -201,7 +201,7 @@ class ServeApp:
             quantized_kv_start=quantized_kv_start,
             kv_codec=kv_codec,
         )
-        self.kv = {
+        self.kv: dict[str, Any] = {
             "kv_bits": kv_bits,
             "kv_group_size": kv_group_size,
             "quantized_kv_start": quantized_kv_start,
@@ -694,7 +694,7 @@ class ServeApp:
         if choice.parser is None:
             choice.content.append(piece.text)
             if piece.finish_reason is not None:
-                choice.finish_reason = piece.finish_reason
+                choice.finish_reason = _finish_reason(piece.finish_reason)
             return []
         final = piece.finish_reason is not None
         events = choice.parser.feed(piece.text)
@@ -726,13 +726,13 @@ class ServeApp:
         if final:
             reason = piece.finish_reason
             choice.finish_reason = (
-                "tool_calls" if reason == "stop" and choice.tool_calls else reason
+                "tool_calls" if reason == "stop" and choice.tool_calls else _finish_reason(reason)
             )
         return deltas
 
     def response(self, prep: Prepared) -> dict[str, Any]:
         """The whole (non-streamed) answer, from what each choice's job produced."""
-        envelope = dict(id=prep.id, created=prep.created, model=prep.model, usage=self._usage(prep))
+        usage = self._usage(prep)
         if prep.chat:
             out = []
             for c in prep.choices:
@@ -750,7 +750,9 @@ class ServeApp:
                         finish_reason=c.finish_reason,
                     )
                 )
-            return schemas.ChatCompletionResponse(choices=out, **envelope).model_dump()
+            return schemas.ChatCompletionResponse(
+                id=prep.id, created=prep.created, model=prep.model, usage=usage, choices=out
+            ).model_dump()
         texts = [
             schemas.CompletionChoice(
                 index=c.index,
@@ -762,7 +764,9 @@ class ServeApp:
             )
             for c in prep.choices
         ]
-        return schemas.CompletionResponse(choices=texts, **envelope).model_dump()
+        return schemas.CompletionResponse(
+            id=prep.id, created=prep.created, model=prep.model, usage=usage, choices=texts
+        ).model_dump()
 
     def _chunk(self, prep: Prepared, choices: list[Any], usage: schemas.Usage | None = None):
         cls = schemas.ChatCompletionChunk if prep.chat else schemas.CompletionResponse
@@ -803,16 +807,16 @@ class ServeApp:
         offset = sum(len(self._token_text(p.token)) for p in choice.pieces)
         self.absorb(prep, choice, piece)
         if piece.text or choice.done or prep.report_logprobs:
-            logprobs = (
+            text_logprobs = (
                 self._completion_logprobs(prep, [piece], offset) if prep.report_logprobs else None
             )
-            item = schemas.CompletionChoice(
+            text_item = schemas.CompletionChoice(
                 index=choice.index,
                 text=piece.text,
-                logprobs=logprobs,
+                logprobs=text_logprobs,
                 finish_reason=choice.finish_reason,
             )
-            out.append(self._chunk(prep, [item]))
+            out.append(self._chunk(prep, [text_item]))
         return out
 
     def last_chunks(self, prep: Prepared) -> list[dict[str, Any]]:
@@ -829,6 +833,11 @@ def _check_count(name: str, value: Any, flag: str, example: int) -> None:
             f"{name}={value!r} is invalid; it must be an int >= 1.",
             fix=f"pass a positive {flag}, such as {example}",
         )
+
+
+def _finish_reason(reason: str | None) -> schemas.FinishReason | None:
+    """The engine's finish reason (``stop``, ``length``) as the wire's literal type."""
+    return cast("schemas.FinishReason | None", reason)
 
 
 def _tool_call_out(call: ToolCall) -> schemas.ToolCallOut:
