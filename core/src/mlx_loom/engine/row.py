@@ -1,10 +1,10 @@
 """One request inside the engine: its own sampler, penalties, text and counters.
 
 A row carries everything that makes its tokens its own, so a row's output
-does not depend on its neighbours in a batch: its PRNG key (the
-:class:`~mlx_loom.generate.sampling.Sampler` owns it), its logits processors
-with their own token window, its detokenizer and stop-string matcher, its
-budget. The caches it is fed through belong to the decode group it is in.
+does not depend on its neighbours in a batch: its token picker
+(:class:`~mlx_loom.engine.next_token.TokenPicker`: its logits processors
+over its own token history, and its sampler, which owns its PRNG key), its
+detokenizer and stop-string matcher, its budget. The caches it is fed through belong to the decode group it is in.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_loom.engine.events import TokenEvent
+from mlx_loom.engine.next_token import TokenPicker
 from mlx_loom.engine.request import Request
-from mlx_loom.generate.logits import make_logits_processors
-from mlx_loom.generate.sampling import make_sampler
 from mlx_loom.text import StopStrings
 
 if TYPE_CHECKING:
@@ -44,15 +43,8 @@ class Row:
         self.speculation: Any = None
         self.produced = 0
         self.finished = False
-        params = request.params
-        self.greedy = request.sampler is None and params.greedy
-        self.sampler = request.sampler if request.sampler is not None else make_sampler(params)
-        self.processors = [*make_logits_processors(params), *request.logits_processors]
-        # Penalties see every token so far: what the caches held, the prompt,
-        # then each generated token (mlx-lm's generate_step feeds them the same).
-        self.context: mx.array | None = None
-        if self.processors:
-            self.context = mx.array([*request.history, *request.prompt], mx.uint32)
+        #: How this row's logits become its tokens, whichever way it decodes.
+        self.picker = TokenPicker(request)
         tok = request.tokenizer
         self.detok = tok.detokenizer() if tok is not None else None
         self.stops = StopStrings(request.stop)

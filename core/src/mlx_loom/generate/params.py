@@ -304,6 +304,7 @@ class SamplingParams(BaseModel):
                 f"(vocab_size={vocab_size}).",
                 fix="remove those entries from logit_bias, or use token ids from this "
                 "model's tokenizer",
+                param="logit_bias",
             )
 
 
@@ -330,10 +331,14 @@ def _reject_unknown_options(data: dict[str, Any]) -> None:
                 f"unknown sampling option {name!r}; did you mean {suggestion!r}? "
                 f"Valid options: {valid}.",
                 fix=f"rename {name!r} to {suggestion!r}",
+                param=name,
+                code="unknown_parameter",
             )
         raise RequestError(
             f"unknown sampling option {name!r}. Valid options: {valid}.",
             fix=f"remove {name!r} or use one of the valid options",
+            param=name,
+            code="unknown_parameter",
         )
 
 
@@ -355,4 +360,5 @@ def _to_request_error(exc: ValidationError) -> RequestError:
     return RequestError(
         f"invalid sampling parameter: {found}: {reason}. Valid: {rule.valid}.",
         fix=rule.fix,
+        param=field,
     )

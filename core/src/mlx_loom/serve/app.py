@@ -4,27 +4,34 @@
 handler's thread, before the job is queued, so a bad request is answered at
 once (never after waiting for another client's generation) and every
 failure carries the request field at fault in ``param``.
+
+What a request asks of the model — its prompt ids, sampling values, stop
+strings, speculation — is checked by the engine's one validator,
+:func:`~mlx_loom.engine.make_request`, whose errors name the field; this
+module checks only what the wire format adds (the JSON schema, the
+server's own limits, chat templates, which model or adapter is named) and
+maps the engine's errors to HTTP answers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from ..cache import validate_kv_quantization
 from ..engine import EngineSettings, Speculation
-from ..engine.request import MAX_DRAFT
+from ..engine.request import encode_prompt, kv_quantization, make_request
 from ..errors import CapabilityRefused, LoomError, RequestError, TemplateBudgetExceeded
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
-from ..host import GENERATE, KV_QUANTIZATION, Registry
+from ..host import GENERATE, Registry
 from ..model import Model
-from ..text import StopStrings, TemplateBudget, Tokenizer
+from ..text import TemplateBudget, Tokenizer
 from ..text.output_parser import Content, OutputParser, Reasoning, ToolCallFound
 from ..text.tool_calls import ToolCall
 from . import schemas
@@ -91,7 +98,7 @@ class Choice:
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[schemas.ToolCallOut] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: schemas.FinishReason | None = None
 
     @property
     def done(self) -> bool:
@@ -186,21 +193,15 @@ class ServeApp:
         self.default_max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
         self.created = int(time.time())
         self.chat_template_args = _template_args(chat_template_args)
-        validate_kv_quantization(
+        # Checked now, so a bad --kv-* flag fails start-up, not the first request.
+        kv_quantization(
+            model,
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
             quantized_kv_start=quantized_kv_start,
             kv_codec=kv_codec,
-            kinds=model.binding.cache_kinds,
         )
-        if kv_bits is not None or kv_codec is not None:
-            asked = " ".join(
-                f"{flag} {value}"
-                for flag, value in (("--kv-bits", kv_bits), ("--kv-codec", kv_codec))
-                if value is not None
-            )
-            model.require(KV_QUANTIZATION, asked=asked)
-        self.kv = {
+        self.kv: dict[str, Any] = {
             "kv_bits": kv_bits,
             "kv_group_size": kv_group_size,
             "quantized_kv_start": quantized_kv_start,
@@ -352,51 +353,14 @@ class ServeApp:
             out[int(key)] = bias
         return out
 
-    def _sampling(self, options: dict[str, Any], *, renamed: dict[str, str]) -> SamplingParams:
-        """Parse with :meth:`SamplingParams.parse`; a failure names the request field at fault.
+    def _check_prompt_tokens(self, ids: Sequence[int], param: str) -> None:
+        """The server's own bound on prompt tokens (``--max-prompt-tokens``).
 
-        ``renamed`` maps a SamplingParams field to the request field it came
-        from (chat's ``top_logprobs`` arrives as ``logprobs``).
+        The context's bound is the engine's (``make_request``); the tighter of
+        the two speaks.
         """
-        try:
-            params = SamplingParams.parse(**options)
-        except RequestError as err:
-            name = _failing_option(options)
-            raise from_loom_error(err, param=renamed.get(name, name)) from None
-        vocab = self.model.vocab_size
-        if vocab is not None:
-            try:
-                params.validate_logit_bias(vocab)
-            except RequestError as err:
-                raise from_loom_error(err, param="logit_bias") from None
-        return params
-
-    def _check_prompt(self, ids: Sequence[int], param: str) -> None:
-        if not ids:
-            raise HttpError(
-                400,
-                f"The {param} encodes to no tokens.",
-                fix="pass a non-empty prompt (text or token ids)",
-                param=param,
-                code="empty_prompt",
-            )
-        vocab = self.model.vocab_size
-        # min/max first: a Python scan of a huge prompt holds the GIL (~0.2 s
-        # for 700k ids), stalling every other thread; the builtins take ~10 ms.
-        if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise HttpError(
-                    400,
-                    f"The {param} holds token id(s) {bad[:5]} outside the vocabulary "
-                    f"(ids 0..{vocab - 1}).",
-                    fix="encode the prompt with this model's tokenizer",
-                    param=param,
-                    code="invalid_token",
-                )
         limit = self.model.context_length
         bound = self.max_prompt_tokens
-        # The tighter of the two bounds speaks: the server's, or the context.
         if len(ids) > bound and (limit is None or bound < limit):
             raise HttpError(
                 400,
@@ -405,17 +369,6 @@ class ServeApp:
                 fix="shorten the prompt, or start the server with a higher --max-prompt-tokens",
                 param=param,
                 code="prompt_too_long",
-            )
-        if limit is not None and len(ids) >= limit:
-            # Generation stops at the context (see _room); a prompt that fills
-            # it leaves no room for a single token.
-            raise HttpError(
-                400,
-                f"The {param} is {len(ids)} tokens long; this model's context "
-                f"(max_position_embeddings) is {limit} tokens, which leaves no room to generate.",
-                fix=f"shorten the prompt to fewer than {limit} tokens",
-                param=param,
-                code="context_length_exceeded",
             )
 
     def _check_prompt_chars(self, text: str, param: str) -> None:
@@ -431,36 +384,15 @@ class ServeApp:
                 code="prompt_too_long",
             )
 
-    def _room(self, prompt_tokens: int, max_tokens: int) -> int:
-        """``max_tokens``, cut to the room the context leaves after the prompt.
-
-        The context bounds prompt and completion together, as in the OpenAI
-        API; a generation that reaches it ends with ``finish_reason:
-        "length"``, as one that reaches ``max_tokens`` does. ``loom chat``
-        cuts its replies at the context the same way.
-        """
-        limit = self.model.context_length
-        return max_tokens if limit is None else min(max_tokens, limit - prompt_tokens)
-
     def _text_prompt(self, request: schemas.CompletionRequest) -> list[int]:
         prompt = request.prompt
         if isinstance(prompt, str):
-            if not prompt:
-                raise HttpError(
-                    400,
-                    "The prompt is empty.",
-                    fix="pass a non-empty prompt (text or token ids)",
-                    param="prompt",
-                    code="empty_prompt",
-                )
             self._check_prompt_chars(prompt, "prompt")
-            try:
-                ids = self.tokenizer.encode_prompt(prompt)
-            except LoomError as err:
-                raise from_loom_error(err, param="prompt") from None
-        else:
-            ids = list(prompt)
-        self._check_prompt(ids, "prompt")
+        try:
+            ids = encode_prompt(self.tokenizer, prompt)
+        except LoomError as err:
+            raise from_loom_error(err, param="prompt") from None
+        self._check_prompt_tokens(ids, "prompt")
         return ids
 
     def _chat_prompt(
@@ -507,7 +439,7 @@ class ServeApp:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         except LoomError as err:
             raise from_loom_error(err, param="messages") from None
-        self._check_prompt(ids, "messages")
+        self._check_prompt_tokens(ids, "messages")
         return ids, in_reasoning
 
     def prepare(self, body: Any, *, chat: bool) -> Prepared:
@@ -541,11 +473,6 @@ class ServeApp:
             )
         max_tokens = self._max_tokens(request)
         stop = request.stop_list()
-        try:
-            StopStrings(stop)
-        except RequestError as err:
-            raise from_loom_error(err, param="stop") from None
-
         options = {
             name: getattr(request, name)
             for name in schemas.SAMPLING_FIELDS
@@ -570,7 +497,12 @@ class ServeApp:
             count_field = "logprobs"
         if top is not None:
             options["logprobs"] = top
-        params = self._sampling(options, renamed={"logprobs": count_field})
+        # The request field each engine field came from, where their names differ.
+        renamed = {"logprobs": count_field, "prompt": "messages" if chat else "prompt"}
+        try:
+            params = SamplingParams.parse(**options)
+        except RequestError as err:
+            raise self._engine_error(err, renamed) from None
 
         plan = ToolPlan()
         if chat:
@@ -580,14 +512,33 @@ class ServeApp:
         else:
             ids, in_reasoning = self._text_prompt(request), False
         sampling = params.model_dump()
-        max_tokens = self._room(len(ids), max_tokens)
         speculation = self._speculation(request.draft, request.num_draft_tokens)
+        try:
+            engine_request = make_request(
+                self.model,
+                self.tokenizer,
+                ids,
+                max_tokens=max_tokens,
+                params=params,
+                stop=stop,
+                adapter=adapter,
+                speculation=speculation,
+                **self.kv,
+            )
+        except LoomError as err:
+            raise self._engine_error(err, renamed) from None
         choices = []
         for index in range(request.n):
             seeded = dict(sampling)
+            choice_request = engine_request
             if index and seeded.get("seed") is not None:
                 # Each choice is its own sample: the same seed would repeat choice 0.
                 seeded["seed"] += index
+                try:
+                    choice_params = SamplingParams(**seeded)
+                except RequestError as err:
+                    raise self._engine_error(err, renamed) from None
+                choice_request = dataclasses.replace(engine_request, params=choice_params)
             job = Job(
                 prompt=ids,
                 max_tokens=max_tokens,
@@ -595,6 +546,7 @@ class ServeApp:
                 sampling=seeded,
                 adapter=adapter,
                 speculation=speculation,
+                request=choice_request,
                 **self.kv,
             )
             parser = (
@@ -627,18 +579,21 @@ class ServeApp:
             param="response_format",
         )
 
+    def _engine_error(self, err: LoomError, renamed: Mapping[str, str]) -> HttpError:
+        """The answer to an error of the engine's validator, naming the field as sent."""
+        param = getattr(err, "param", None)
+        return from_loom_error(err, param=renamed.get(param, param) if param else None)
+
     def _speculation(self, draft: str | None, count: int | None) -> Speculation | None:
-        """A request's speculation: the server's default unless ``draft`` names another."""
+        """A request's speculation: the server's default unless ``draft`` names another.
+
+        The draft count's bounds are the engine's (``make_request``).
+        """
         default = self.speculation
-        if count is not None and not 1 <= count <= MAX_DRAFT:
-            raise HttpError(
-                400,
-                f"Invalid parameter num_draft_tokens={count}: it must be from 1 to {MAX_DRAFT}.",
-                fix=f"send num_draft_tokens from 1 to {MAX_DRAFT} (3 is a good start), or omit it",
-                param="num_draft_tokens",
-                code="invalid_parameter",
-            )
-        n = count or (default.num_draft if default is not None else 3)
+        if count is not None:
+            n = count
+        else:
+            n = default.num_draft if default is not None else 3
         if draft is None:
             if default is None:
                 if count is not None:
@@ -739,7 +694,7 @@ class ServeApp:
         if choice.parser is None:
             choice.content.append(piece.text)
             if piece.finish_reason is not None:
-                choice.finish_reason = piece.finish_reason
+                choice.finish_reason = _finish_reason(piece.finish_reason)
             return []
         final = piece.finish_reason is not None
         events = choice.parser.feed(piece.text)
@@ -771,13 +726,13 @@ class ServeApp:
         if final:
             reason = piece.finish_reason
             choice.finish_reason = (
-                "tool_calls" if reason == "stop" and choice.tool_calls else reason
+                "tool_calls" if reason == "stop" and choice.tool_calls else _finish_reason(reason)
             )
         return deltas
 
     def response(self, prep: Prepared) -> dict[str, Any]:
         """The whole (non-streamed) answer, from what each choice's job produced."""
-        envelope = dict(id=prep.id, created=prep.created, model=prep.model, usage=self._usage(prep))
+        usage = self._usage(prep)
         if prep.chat:
             out = []
             for c in prep.choices:
@@ -795,7 +750,9 @@ class ServeApp:
                         finish_reason=c.finish_reason,
                     )
                 )
-            return schemas.ChatCompletionResponse(choices=out, **envelope).model_dump()
+            return schemas.ChatCompletionResponse(
+                id=prep.id, created=prep.created, model=prep.model, usage=usage, choices=out
+            ).model_dump()
         texts = [
             schemas.CompletionChoice(
                 index=c.index,
@@ -807,7 +764,9 @@ class ServeApp:
             )
             for c in prep.choices
         ]
-        return schemas.CompletionResponse(choices=texts, **envelope).model_dump()
+        return schemas.CompletionResponse(
+            id=prep.id, created=prep.created, model=prep.model, usage=usage, choices=texts
+        ).model_dump()
 
     def _chunk(self, prep: Prepared, choices: list[Any], usage: schemas.Usage | None = None):
         cls = schemas.ChatCompletionChunk if prep.chat else schemas.CompletionResponse
@@ -848,16 +807,16 @@ class ServeApp:
         offset = sum(len(self._token_text(p.token)) for p in choice.pieces)
         self.absorb(prep, choice, piece)
         if piece.text or choice.done or prep.report_logprobs:
-            logprobs = (
+            text_logprobs = (
                 self._completion_logprobs(prep, [piece], offset) if prep.report_logprobs else None
             )
-            item = schemas.CompletionChoice(
+            text_item = schemas.CompletionChoice(
                 index=choice.index,
                 text=piece.text,
-                logprobs=logprobs,
+                logprobs=text_logprobs,
                 finish_reason=choice.finish_reason,
             )
-            out.append(self._chunk(prep, [item]))
+            out.append(self._chunk(prep, [text_item]))
         return out
 
     def last_chunks(self, prep: Prepared) -> list[dict[str, Any]]:
@@ -874,6 +833,11 @@ def _check_count(name: str, value: Any, flag: str, example: int) -> None:
             f"{name}={value!r} is invalid; it must be an int >= 1.",
             fix=f"pass a positive {flag}, such as {example}",
         )
+
+
+def _finish_reason(reason: str | None) -> schemas.FinishReason | None:
+    """The engine's finish reason (``stop``, ``length``) as the wire's literal type."""
+    return cast("schemas.FinishReason | None", reason)
 
 
 def _tool_call_out(call: ToolCall) -> schemas.ToolCallOut:
@@ -912,16 +876,6 @@ def server_engine_settings(**changes: Any) -> EngineSettings:
     """
     defaults = {"prompt_cache_size": 10, "max_queued": DEFAULT_MAX_QUEUED, "idle_seconds": None}
     return EngineSettings(**{**defaults, **changes})
-
-
-def _failing_option(options: dict[str, Any]) -> str:
-    """The first option ``SamplingParams`` refuses on its own: the ``param`` to report."""
-    for name, value in options.items():
-        try:
-            SamplingParams.parse(**{name: value})
-        except RequestError:
-            return name
-    return next(iter(options), "")
 
 
 def _message_dict(index: int, message: schemas.ChatMessage) -> dict[str, Any]:

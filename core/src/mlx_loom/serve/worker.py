@@ -31,6 +31,7 @@ from ..engine import (
     Done,
     EngineSettings,
     Handle,
+    Request,
     ServiceStats,
     Speculation,
     TokenEvent,
@@ -39,6 +40,7 @@ from ..engine import (
 from ..generate import SamplingParams
 from ..host import PROMPT_CACHE
 from ..model import Model
+from ..parallel.service import LockstepService
 from ..parallel.serving import describe
 from ..text import Tokenizer
 
@@ -85,7 +87,9 @@ class Job:
     """One validated generation request and the channel its results come back on.
 
     ``sampling`` holds :class:`~mlx_loom.generate.SamplingParams` fields,
-    already validated by the HTTP thread.
+    already validated by the HTTP thread; ``request`` is the engine request
+    built from these fields there (``None``: built at submission). The plain
+    fields stay: the other ranks of a split model build the request from them.
     """
 
     prompt: list[int]
@@ -100,6 +104,7 @@ class Job:
     #: The registered adapter this job runs with (``None``: the base model).
     adapter: str | None = None
     speculation: Speculation | None = None
+    request: Request | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
     _handle: Handle | None = None
@@ -143,7 +148,7 @@ class GenerationWorker:
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; raises :class:`~mlx_loom.errors.EngineBusy` when the queue is full."""
-        request = make_request(
+        request = job.request or make_request(
             self.model,
             self.tokenizer,
             job.prompt,
@@ -157,10 +162,12 @@ class GenerationWorker:
             adapter=job.adapter,
             speculation=job.speculation,
         )
-        if self.model.parallel is None:
-            job._handle = self.service.submit(request, sink=job._sink)
-        else:  # the other ranks build the same request from its description
-            job._handle = self.service.submit(request, sink=job._sink, spec=describe(job))
+        service = self.service
+        if isinstance(service, LockstepService):
+            # the other ranks build the same request from its description
+            job._handle = service.submit(request, sink=job._sink, spec=describe(job))
+        else:
+            job._handle = service.submit(request, sink=job._sink)
         if job.cancelled:
             job._handle.cancel()
 
