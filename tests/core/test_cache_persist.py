@@ -177,8 +177,7 @@ def test_the_package_table_is_immutable_and_lists_the_standard_kinds():
     assert set(CACHE_KINDS) >= {
         "KVCache",
         "RotatingKVCache",
-        "QuantizedKVCache",
-        "QuantizedRotatingKVCache",
+        "StackedRotatingKVCache",
         "BatchKVCache",
         "BatchRotatingKVCache",
         "RecurrentCache",

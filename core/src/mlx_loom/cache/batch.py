@@ -10,11 +10,13 @@ forward) are declared with :meth:`prepare` and rolled into left padding by
 sequences. Slot and padding bookkeeping match mlx-lm's ``BatchKVCache`` and
 ``BatchRotatingKVCache`` bit for bit (parity-tested).
 
-:class:`BatchQuantizedKVCache` is :class:`BatchKVCache` over affine-quantized
-storage: the same slot bookkeeping, written once over "an array or a
-``(packed, scales, biases)`` triple" (see ``_buffers``), so its row ``i``
-holds exactly what the single-row :class:`~mlx_loom.cache.QuantizedKVCache`
-of that sequence holds.
+:class:`BatchKVCache` takes a storage codec like the single-row layouts
+(:mod:`mlx_loom.cache.storage`): the same slot bookkeeping, written once over
+"an array or a codec's tuple of arrays" (see ``_buffers``), so its row ``i``
+holds exactly what the single-row :class:`~mlx_loom.cache.KVCache` of that
+sequence holds in that codec. :class:`BatchRotatingKVCache` (mlx-lm's padded
+window layout) stores plain keys/values only; windows in a codec batch by
+stacking (:class:`~mlx_loom.cache.StackedRotatingKVCache`).
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ from mlx_loom.cache import _buffers as buf
 from mlx_loom.cache.kv import KVCache
 from mlx_loom.cache.masks import create_causal_mask
 from mlx_loom.cache.protocol import Mask
-from mlx_loom.cache.quantized import QuantizedKVCache
 from mlx_loom.cache.rotating import RotatingKVCache, check_window
+from mlx_loom.cache.storage import CodecLayout, common_codec, split_meta
 from mlx_loom.cache.views import PlainView
 from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
 
-__all__ = ["BatchKVCache", "BatchQuantizedKVCache", "BatchRotatingKVCache", "dynamic_roll"]
+__all__ = ["BatchKVCache", "BatchRotatingKVCache", "dynamic_roll"]
 
 
 def dynamic_roll(x: mx.array, shifts: mx.array, axis: int) -> mx.array:
@@ -190,8 +192,11 @@ class _BatchRowsBase:
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> NoReturn:
         _refuse_quantize(self.kind)
 
+    def to_codec(self, codec: Any) -> NoReturn:
+        _refuse_quantize(self.kind)
 
-class BatchKVCache(_BatchRowsBase):
+
+class BatchKVCache(CodecLayout, _BatchRowsBase):
     """Full KV cache for a left-padded batch.
 
     ``left_padding[i]`` pad tokens precede row ``i``'s prompt, e.g. prompts
@@ -207,12 +212,12 @@ class BatchKVCache(_BatchRowsBase):
 
     kind: ClassVar[str] = "BatchKVCache"
     step: ClassVar[int] = 256
-    _codec: ClassVar[Any] = buf.PlainCodec()
     #: The single-row kind a row of this batch is (``merge`` takes, ``extract`` gives).
     _single: ClassVar[type] = KVCache
 
-    def __init__(self, left_padding: Sequence[int]) -> None:
+    def __init__(self, left_padding: Sequence[int], *, codec: Any = None) -> None:
         super().__init__(left_padding)
+        self._take_codec(codec)
         self.keys: buf.Stored | None = None  # type: ignore[assignment]
         self.values: buf.Stored | None = None  # type: ignore[assignment]
         self._right_padding: mx.array | None = None
@@ -245,7 +250,7 @@ class BatchKVCache(_BatchRowsBase):
         return self._codec.view(*self.update_and_fetch(keys, values))
 
     def keys_and_values(self) -> tuple[Any, Any]:
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             raise CacheError(f"{self.kind}: no keys/values yet", fix="call update_and_fetch first")
         return buf.take(self.keys, None, self._idx), buf.take(self.values, None, self._idx)
 
@@ -367,12 +372,16 @@ class BatchKVCache(_BatchRowsBase):
             self._idx -= shift
             self.left_padding = self.left_padding - shift
 
+    def _check_other(self, other: Any) -> None:
+        super()._check_other(other)
+        self._check_codec(other, "extend")
+
     def extend(self, other: BatchKVCache) -> None:
         self._check_other(other)
         self._extend_rows(other)
 
     def _empty_single(self) -> Any:
-        return self._single()
+        return self._single(codec=self._codec)
 
     def extract(self, row: int) -> Any:
         row = self._row(row)
@@ -400,7 +409,7 @@ class BatchKVCache(_BatchRowsBase):
 
     @classmethod
     def _new_like(cls, caches: Sequence[Any], pads: list[int]) -> BatchKVCache:
-        return cls(pads)
+        return cls(pads, codec=common_codec(caches, owner=f"{cls.kind}.merge"))
 
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> BatchKVCache:
@@ -454,100 +463,25 @@ class BatchKVCache(_BatchRowsBase):
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        return (str(self._idx),)
+        """``(idx,)`` as a decimal string, then the codec's part."""
+        return (str(self._idx), *self._codec_meta())
 
     @classmethod
     def from_state(cls, state: Sequence[mx.array], meta_state: Sequence[str]) -> BatchKVCache:
-        arrays = buf.check_state_len(state, (2, 4), owner=cls.kind)
-        (idx,) = buf.parse_meta(meta_state, ("idx",), owner=cls.kind)
-        cache = cls.__new__(cls)
+        own, codec = split_meta(meta_state, 1, owner=cls.kind)
+        (idx,) = buf.parse_meta(own, ("idx",), owner=cls.kind)
+        cache = cls([0], codec=codec)
+        n = cache._codec.leaves
+        arrays = buf.check_state_len(state, (2, 2 + 2 * n), owner=cls.kind)
         cache.offset, cache.left_padding = arrays[0], arrays[1]
-        cache.keys = arrays[2] if len(arrays) == 4 else None
-        cache.values = arrays[3] if len(arrays) == 4 else None
+        if len(arrays) > 2:
+            cache.keys = arrays[2] if n == 1 else tuple(arrays[2 : 2 + n])
+            cache.values = arrays[3] if n == 1 else tuple(arrays[2 + n :])
         cache._idx = idx
-        cache._right_padding = None
-        cache._round_idx = None
         return cache
 
     def empty_batch(self, left_padding: Sequence[int]) -> BatchKVCache:
-        return BatchKVCache(left_padding)
-
-
-class BatchQuantizedKVCache(BatchKVCache):
-    """:class:`BatchKVCache` over affine-quantized keys/values (``bits`` per ``group_size``).
-
-    Row ``i`` holds, slot for slot, what the row's own
-    :class:`~mlx_loom.cache.QuantizedKVCache` holds, so its
-    :class:`~mlx_loom.cache.AffineView` attends over it with
-    ``mx.quantized_matmul`` exactly as for the single row.
-    """
-
-    kind: ClassVar[str] = "BatchQuantizedKVCache"
-    _single: ClassVar[type] = QuantizedKVCache
-
-    def __init__(self, left_padding: Sequence[int], *, group_size: int = 64, bits: int = 8) -> None:
-        super().__init__(left_padding)
-        self._codec = buf.AffineCodec(group_size, bits, owner=self.kind)  # type: ignore[misc]
-
-    @property
-    def group_size(self) -> int:
-        return self._codec.group_size  # type: ignore[return-value]
-
-    @property
-    def bits(self) -> int:
-        return self._codec.bits  # type: ignore[return-value]
-
-    def _empty_single(self) -> QuantizedKVCache:
-        return QuantizedKVCache(group_size=self.group_size, bits=self.bits)
-
-    def _check_other(self, other: Any) -> None:
-        super()._check_other(other)
-        if (other.group_size, other.bits) != (self.group_size, self.bits):
-            raise CacheError(
-                f"{self.kind}.extend: rows quantized with group_size={other.group_size}, "
-                f"bits={other.bits} cannot join rows with group_size={self.group_size}, "
-                f"bits={self.bits}",
-                fix="batch only rows quantized the same way",
-            )
-
-    @classmethod
-    def _new_like(cls, caches: Sequence[Any], pads: list[int]) -> BatchQuantizedKVCache:
-        widths = {(c.group_size, c.bits) for c in caches}
-        if len(widths) > 1:
-            raise CacheError(
-                f"{cls.kind}.merge: the caches are quantized differently {sorted(widths)}",
-                fix="merge only caches quantized with the same group_size and bits",
-            )
-        group_size, bits = widths.pop()
-        return cls(pads, group_size=group_size, bits=bits)
-
-    @property
-    def state(self) -> tuple[mx.array, ...]:
-        """``(offset, left_padding[, six key/value arrays])``, cut to the used slots."""
-        return super().state
-
-    @property
-    def meta_state(self) -> tuple[str, ...]:
-        """``(idx, group_size, bits)`` as decimal strings."""
-        return (str(self._idx), str(self.group_size), str(self.bits))
-
-    @classmethod
-    def from_state(
-        cls, state: Sequence[mx.array], meta_state: Sequence[str]
-    ) -> BatchQuantizedKVCache:
-        arrays = buf.check_state_len(state, (2, 8), owner=cls.kind)
-        idx, group_size, bits = buf.parse_meta(
-            meta_state, ("idx", "group_size", "bits"), owner=cls.kind
-        )
-        cache = cls([0], group_size=group_size, bits=bits)
-        cache.offset, cache.left_padding = arrays[0], arrays[1]
-        cache.keys = tuple(arrays[2:5]) if len(arrays) == 8 else None
-        cache.values = tuple(arrays[5:8]) if len(arrays) == 8 else None
-        cache._idx = idx
-        return cache
-
-    def empty_batch(self, left_padding: Sequence[int]) -> BatchQuantizedKVCache:
-        return BatchQuantizedKVCache(left_padding, group_size=self.group_size, bits=self.bits)
+        return BatchKVCache(left_padding, codec=self._codec)
 
 
 class BatchRotatingKVCache(_BatchRowsBase):

@@ -32,14 +32,21 @@ from mlx_loom.errors import CacheError, CacheNotTrimmable
 __all__ = ["MixedRowsCache", "join_rows", "row_signature", "stack_rows"]
 
 
+def _storage(cache: Any) -> Hashable:
+    """The cache's storage codec (``codec_key``), or its declared width for a plugin kind."""
+    key = getattr(cache, "codec_key", None)
+    if key is not None:
+        return key
+    return (getattr(cache, "bits", None), getattr(cache, "group_size", None))
+
+
 def row_signature(cache: Any) -> Hashable:
     """What two caches must share to be rows of one batch cache of their kind."""
     return (
         type(cache),
         getattr(cache, "max_size", None),
         getattr(cache, "keep", None),
-        getattr(cache, "bits", None),
-        getattr(cache, "group_size", None),
+        _storage(cache),
     )
 
 
@@ -50,8 +57,7 @@ def _batch_signature(cache: Any) -> Hashable:
         single,
         getattr(cache, "max_size", None),
         0 if getattr(cache, "max_size", None) is not None else None,
-        getattr(cache, "bits", None),
-        getattr(cache, "group_size", None),
+        _storage(cache),
     )
 
 

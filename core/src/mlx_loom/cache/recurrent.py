@@ -487,6 +487,10 @@ class RecurrentCache:
         """An empty batch cache of this kind, one row per entry of ``left_padding``."""
         return RecurrentCache(left_padding=left_padding)
 
+    def bounded(self, max_tokens: int) -> RecurrentCache:
+        """This cache: recurrent state does not grow with the sequence, so it is bounded."""
+        return self
+
     # --- size and state -----------------------------------------------------------
 
     def empty(self) -> bool:

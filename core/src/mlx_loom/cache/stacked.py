@@ -40,14 +40,14 @@ import mlx.core as mx
 from mlx_loom.cache import _buffers as buf
 from mlx_loom.cache import window_round as rnd
 from mlx_loom.cache.protocol import Mask
-from mlx_loom.cache.quantized import QuantizedRotatingKVCache
-from mlx_loom.cache.rotating import RotatingBase, RotatingKVCache, check_window
+from mlx_loom.cache.rotating import RotatingKVCache, check_window
+from mlx_loom.cache.storage import CodecLayout, common_codec, split_meta
 from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
 
-__all__ = ["StackedQuantizedRotatingKVCache", "StackedRotatingKVCache"]
+__all__ = ["StackedRotatingKVCache"]
 
 
-def _row_slots(cache: RotatingBase) -> tuple[buf.Stored | None, buf.Stored | None, int, int]:
+def _row_slots(cache: RotatingKVCache) -> tuple[buf.Stored | None, buf.Stored | None, int, int]:
     """``(keys, values, count, next_write)`` of a single-row window, normalised.
 
     After a prefill chunk a window may hold more than ``max_size`` slots (in
@@ -78,16 +78,19 @@ def _row_slots(cache: RotatingBase) -> tuple[buf.Stored | None, buf.Stored | Non
     return cache.keys, cache.values, count, cache._idx % W
 
 
-class StackedRotatingKVCache:
-    """Sliding-window KV cache (``keep == 0``) for several rows, each in its own slot order."""
+class StackedRotatingKVCache(CodecLayout):
+    """Sliding-window KV cache (``keep == 0``) for several rows, each in its own slot order.
+
+    ``codec`` is the storage codec its rows share (default plain).
+    """
 
     kind: ClassVar[str] = "StackedRotatingKVCache"
     step: ClassVar[int] = 256
-    _codec: ClassVar[Any] = buf.PlainCodec()
-    _single: ClassVar[type[RotatingBase]] = RotatingKVCache
+    _single: ClassVar[type[RotatingKVCache]] = RotatingKVCache
 
-    def __init__(self, max_size: int, rows: int = 0) -> None:
+    def __init__(self, max_size: int, rows: int = 0, *, codec: Any = None) -> None:
         check_window(max_size, 0, owner=self.kind)
+        self._take_codec(codec)
         self.max_size = max_size
         self.keys: buf.Stored | None = None
         self.values: buf.Stored | None = None
@@ -374,6 +377,7 @@ class StackedRotatingKVCache:
                 f"{self.kind}.extend: max_size {other.max_size} differs from {self.max_size}",
                 fix="extend only with a batch cache of the same window",
             )
+        self._check_codec(other, "extend")
 
     def extend(self, other: StackedRotatingKVCache) -> None:
         self._compatible(other)
@@ -390,10 +394,10 @@ class StackedRotatingKVCache:
         self._next = self._next + other._next
         self._offset_array = None
 
-    def _empty_single(self) -> RotatingBase:
-        return self._single(self.max_size, 0)
+    def _empty_single(self) -> RotatingKVCache:
+        return self._single(self.max_size, 0, codec=self._codec)
 
-    def extract(self, row: int) -> RotatingBase:
+    def extract(self, row: int) -> RotatingKVCache:
         """Row ``row`` as a single-row window cache that continues exactly as the row would."""
         if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.batch_size:
             raise CacheError(
@@ -417,11 +421,12 @@ class StackedRotatingKVCache:
         return cache
 
     @classmethod
-    def _new_like(cls, caches: Sequence[RotatingBase]) -> StackedRotatingKVCache:
-        return cls(caches[0].max_size, len(caches))
+    def _new_like(cls, caches: Sequence[RotatingKVCache]) -> StackedRotatingKVCache:
+        codec = common_codec(caches, owner=f"{cls.kind}.stack")
+        return cls(caches[0].max_size, len(caches), codec=codec)
 
     @classmethod
-    def stack(cls, caches: Sequence[RotatingBase]) -> StackedRotatingKVCache:
+    def stack(cls, caches: Sequence[RotatingKVCache]) -> StackedRotatingKVCache:
         """The batch whose row ``i`` decodes exactly as ``caches[i]`` alone."""
         if not caches:
             raise CacheError(f"{cls.kind}.stack: no caches given", fix="pass at least one cache")
@@ -478,21 +483,17 @@ class StackedRotatingKVCache:
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        """``(max_size, counts, next slots)``: counts and slots comma-separated."""
+        """``(max_size, counts, next slots)`` (counts and slots comma-separated), then the codec."""
         return (
             str(self.max_size),
             ",".join(map(str, self._count)),
             ",".join(map(str, self._next)),
+            *self._codec_meta(),
         )
 
     @classmethod
-    def _from_meta(cls, meta_state: Sequence[str], n_meta: int) -> tuple[Any, list[int], list[int]]:
-        if not isinstance(meta_state, (list, tuple)) or len(meta_state) != n_meta:
-            raise CacheError(
-                f"{cls.kind}.from_state: meta_state must hold {n_meta} strings; "
-                f"found {meta_state!r}",
-                fix="recreate the cache state with this version of mlx-loom",
-            )
+    def _from_meta(cls, meta_state: Sequence[str]) -> tuple[Any, list[int], list[int], Any]:
+        meta_state, codec = split_meta(meta_state, 3, owner=cls.kind)
         try:
             counts = [int(x) for x in meta_state[1].split(",") if x]
             nexts = [int(x) for x in meta_state[2].split(",") if x]
@@ -507,88 +508,25 @@ class StackedRotatingKVCache:
                 f"{cls.kind}.from_state: {len(counts)} row counts but {len(nexts)} next slots",
                 fix="recreate the cache state with this version of mlx-loom",
             )
-        return meta_state, counts, nexts
+        return meta_state, counts, nexts, codec
 
     @classmethod
     def from_state(
         cls, state: Sequence[mx.array], meta_state: Sequence[str]
     ) -> StackedRotatingKVCache:
-        arrays = buf.check_state_len(state, (0, 2), owner=cls.kind)
-        meta, counts, nexts = cls._from_meta(meta_state, 3)
+        meta, counts, nexts, codec = cls._from_meta(meta_state)
         (max_size,) = buf.parse_meta(meta[:1], ("max_size",), owner=cls.kind)
-        cache = cls(max_size, len(counts))
+        cache = cls(max_size, len(counts), codec=codec)
+        n = cache._codec.leaves
+        arrays = buf.check_state_len(state, (0, 2 * n), owner=cls.kind)
         if arrays:
-            cache.keys, cache.values = arrays
+            cache.keys = arrays[0] if n == 1 else tuple(arrays[:n])
+            cache.values = arrays[1] if n == 1 else tuple(arrays[n:])
         cache._count, cache._next = counts, nexts
         return cache
 
     def __repr__(self) -> str:
         return f"{self.kind}(max_size={self.max_size}, rows={self.batch_size})"
-
-
-class StackedQuantizedRotatingKVCache(StackedRotatingKVCache):
-    """:class:`StackedRotatingKVCache` over affine-quantized keys/values."""
-
-    kind: ClassVar[str] = "StackedQuantizedRotatingKVCache"
-    _single: ClassVar[type[RotatingBase]] = QuantizedRotatingKVCache
-
-    def __init__(self, max_size: int, rows: int = 0, *, group_size: int = 64, bits: int = 8):
-        super().__init__(max_size, rows)
-        self._codec = buf.AffineCodec(group_size, bits, owner=self.kind)  # type: ignore[misc]
-
-    @property
-    def group_size(self) -> int:
-        return self._codec.group_size  # type: ignore[return-value]
-
-    @property
-    def bits(self) -> int:
-        return self._codec.bits  # type: ignore[return-value]
-
-    def _empty_single(self) -> RotatingBase:
-        return QuantizedRotatingKVCache(
-            self.max_size, 0, group_size=self.group_size, bits=self.bits
-        )
-
-    def _compatible(self, other: Any) -> None:
-        super()._compatible(other)
-        if (other.group_size, other.bits) != (self.group_size, self.bits):
-            raise CacheError(
-                f"{self.kind}.extend: rows quantized with group_size={other.group_size}, "
-                f"bits={other.bits} cannot join rows with group_size={self.group_size}, "
-                f"bits={self.bits}",
-                fix="batch only rows quantized the same way",
-            )
-
-    @classmethod
-    def _new_like(cls, caches: Sequence[RotatingBase]) -> StackedQuantizedRotatingKVCache:
-        widths = {(c.group_size, c.bits) for c in caches}  # type: ignore[attr-defined]
-        if len(widths) > 1:
-            raise CacheError(
-                f"{cls.kind}.stack: the caches are quantized differently {sorted(widths)}",
-                fix="stack only caches quantized with the same group_size and bits",
-            )
-        group_size, bits = widths.pop()
-        return cls(caches[0].max_size, len(caches), group_size=group_size, bits=bits)
-
-    @property
-    def meta_state(self) -> tuple[str, ...]:
-        """``(max_size, counts, next slots, group_size, bits)``."""
-        return (*super().meta_state, str(self.group_size), str(self.bits))
-
-    @classmethod
-    def from_state(
-        cls, state: Sequence[mx.array], meta_state: Sequence[str]
-    ) -> StackedQuantizedRotatingKVCache:
-        arrays = buf.check_state_len(state, (0, 6), owner=cls.kind)
-        meta, counts, nexts = cls._from_meta(meta_state, 5)
-        max_size, group_size, bits = buf.parse_meta(
-            (meta[0], meta[3], meta[4]), ("max_size", "group_size", "bits"), owner=cls.kind
-        )
-        cache = cls(max_size, len(counts), group_size=group_size, bits=bits)
-        if arrays:
-            cache.keys, cache.values = tuple(arrays[:3]), tuple(arrays[3:])
-        cache._count, cache._next = counts, nexts
-        return cache
 
 
 # --- helpers ----------------------------------------------------------------------
