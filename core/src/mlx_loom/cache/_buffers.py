@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn, cast
 
 import mlx.core as mx
 
@@ -43,6 +43,11 @@ def apply(fn: Callable[[mx.array], mx.array], x: Stored) -> Stored:
     return fn(x)
 
 
+def rebuild(like: Stored, parts: Sequence[mx.array]) -> Stored:
+    """``parts`` in the structure of ``like``: one array, or a tuple of them."""
+    return tuple(parts) if isinstance(like, tuple) else parts[0]
+
+
 def take(x: Stored, start: int | None, stop: int | None) -> Stored:
     """Slots ``start:stop`` of the sequence axis."""
     return apply(lambda a: a[..., start:stop, :], x)
@@ -52,7 +57,7 @@ def cat(parts: Sequence[Stored]) -> Stored:
     """Concatenate along the sequence axis."""
     if isinstance(parts[0], tuple):
         return tuple(mx.concatenate(list(group), axis=2) for group in zip(*parts, strict=True))
-    return mx.concatenate(list(parts), axis=2)
+    return mx.concatenate(list(cast(Sequence[mx.array], parts)), axis=2)
 
 
 def write(buf: Stored, start: int, new: Stored) -> None:
@@ -145,6 +150,8 @@ class AffineCodec(PlainCodec):
 
     codec: ClassVar[str | None] = "affine"
     leaves: ClassVar[int] = 3
+    bits: int
+    group_size: int
     #: The widths a request may ask for, and the one ``kv_codec="affine"`` alone gets.
     widths: ClassVar[tuple[int, ...]] = KV_BITS
     default_bits: ClassVar[int] = 8

@@ -50,7 +50,8 @@ class KVCodec:
     """One codec: its name, and the storage codec class or the cache kinds that store in it."""
 
     name: str
-    kinds: tuple[type, ...] = ()
+    #: A plugin's cache kinds (classes declaring ``codec`` and ``from_plain``).
+    kinds: tuple[Any, ...] = ()
     #: A storage codec class (``widths``, ``default_bits``, ``for_request``) every layout takes.
     storage: Any = None
 

@@ -50,11 +50,11 @@ class KVCache(CodecLayout):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         prev = self.offset
         L = keys.shape[2]
-        if self.keys is None or prev + L > buf.seq_len(self.keys):
+        if self.keys is None or self.values is None or prev + L > buf.seq_len(self.keys):
             n = (L + self.step - 1) // self.step * self.step
             new_k = self._codec.zeros_keys(keys, n)
             new_v = self._codec.zeros_values(values, n)
-            if self.keys is None:
+            if self.keys is None or self.values is None:
                 self.keys, self.values = new_k, new_v
             else:
                 if prev % self.step != 0:

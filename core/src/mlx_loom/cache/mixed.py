@@ -25,7 +25,6 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
-from mlx_loom.cache.protocol import Mask
 from mlx_loom.cache.views import RowsMask, RowsView
 from mlx_loom.errors import CacheError, CacheNotTrimmable
 
@@ -161,7 +160,7 @@ class MixedRowsCache:
 
     def make_mask(
         self, N: int, *, window_size: int | None = None, return_array: bool = False
-    ) -> Mask:
+    ) -> RowsMask:
         return RowsMask(
             tuple(
                 seg.make_mask(N, window_size=window_size, return_array=return_array)
@@ -196,7 +195,8 @@ class MixedRowsCache:
             s, j = self.rows[r]
             new_rows.append((s, len(per_seg[s])))
             per_seg[s].append(j)
-        remap, segments = {}, []
+        remap: dict[int, int] = {}
+        segments: list[Any] = []
         for s, (seg, chosen) in enumerate(zip(self.segments, per_seg, strict=True)):
             if chosen:
                 seg.filter(chosen)

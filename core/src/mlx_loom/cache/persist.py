@@ -52,7 +52,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal, cast
 
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
@@ -68,8 +68,8 @@ from mlx_loom.errors import CacheError, SafetensorsHeaderError
 __all__ = ["KIND_ALIASES", "kind_table", "load_prompt_cache", "save_prompt_cache"]
 
 HEADER_KEY = "mlx_loom.prompt_cache"
-FORMAT = "mlx-loom-prompt-cache"
-FORMAT_VERSION = 2
+FORMAT: Final = "mlx-loom-prompt-cache"
+FORMAT_VERSION: Final = 2
 
 #: More layers than any published model has (the deepest have ~120).
 MAX_LAYERS = 4096
@@ -157,7 +157,8 @@ def array_checksum(header: _Header, arrays: Mapping[str, mx.array]) -> str:
         mx.eval(array)
         shape, code = tensor_signature(array)
         digest.update(_tensor_line(name, code, shape))
-        digest.update(memoryview(array))
+        # mx.array has the buffer protocol; its type stub does not declare it.
+        digest.update(memoryview(cast(Any, array)))
     return _CHECKSUM_PREFIX + digest.hexdigest()
 
 
@@ -227,8 +228,9 @@ def save_prompt_cache(
     arrays: dict[str, mx.array] = {}
     layers = []
     for i, cache in enumerate(caches):
-        kind = getattr(type(cache), "kind", None)
-        if kind not in table or table[kind] is not type(cache):
+        cls: Any = type(cache)
+        kind = getattr(cls, "kind", None)
+        if not isinstance(kind, str) or table.get(kind) is not cls:
             raise CacheError(
                 f"save_prompt_cache: layer {i} holds a {type(cache).__name__}, which is not a "
                 f"registered cache kind ({', '.join(sorted(table))})",
@@ -305,7 +307,7 @@ def load_prompt_cache(
         )
     _verify_checksum(path, file_header, header, names, where)
     try:
-        arrays = mx.load(str(path), format="safetensors")
+        arrays = cast(dict[str, mx.array], mx.load(str(path), format="safetensors"))
     except (RuntimeError, ValueError, OSError) as err:
         raise CacheError(
             f"{where} is not a readable .safetensors file ({err})",
@@ -314,7 +316,7 @@ def load_prompt_cache(
     caches = []
     for i, layer in enumerate(header.layers):
         kind, meta_state = _unalias(layer.kind, layer.meta_state, table)
-        cls = table.get(kind)
+        cls: Any = table.get(kind)
         if cls is None:
             raise CacheError(
                 f"{where}: layer {i} names cache kind {layer.kind!r}, which is not "

@@ -93,7 +93,7 @@ class RotatingKVCache(CodecLayout):
 
     def _append_chunk(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         new_k, new_v = self._codec.encode_keys(keys), self._codec.encode_values(values)
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             self.keys, self.values = new_k, new_v
         else:
             self.keys = self._time_ordered(self.keys)
@@ -111,12 +111,14 @@ class RotatingKVCache(CodecLayout):
     def _write_in_place(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         S = keys.shape[2]
         prev = self.offset
-        if self.keys is None or (
-            prev >= buf.seq_len(self.keys) and buf.seq_len(self.keys) < self.max_size
+        if (
+            self.keys is None
+            or self.values is None
+            or (prev >= buf.seq_len(self.keys) and buf.seq_len(self.keys) < self.max_size)
         ):
             n = min(self.step, self.max_size - prev)
             new_k, new_v = self._codec.zeros_keys(keys, n), self._codec.zeros_values(values, n)
-            if self.keys is None:
+            if self.keys is None or self.values is None:
                 self.keys, self.values = new_k, new_v
             else:
                 self.keys = buf.cat([self.keys, new_k])
@@ -174,7 +176,7 @@ class RotatingKVCache(CodecLayout):
             idx = 0 if self._idx >= self.max_size else self._idx
             n = self.offset + 1 if self.offset < self.max_size else self.max_size
             mask = mx.arange(n) >= (n - window_size)
-            return mx.roll(mask, shift=idx + 1)
+            return mx.roll(mask, idx + 1)
         return None
 
     # --- speculative rounds ---------------------------------------------------
@@ -191,7 +193,11 @@ class RotatingKVCache(CodecLayout):
                 fix="commit(keep) the open round before beginning another",
             )
         before = (self.keys, self.values, self._idx)
-        if self.keys is not None and buf.seq_len(self.keys) > self.max_size:
+        if (
+            self.keys is not None
+            and self.values is not None
+            and buf.seq_len(self.keys) > self.max_size
+        ):
             # What the next one-token write would do first (drop the oldest
             # slots a chunk left beyond the window); pure data movement, into
             # new arrays, so the window as it was can come back at commit(0).
@@ -275,7 +281,7 @@ class RotatingKVCache(CodecLayout):
         index, _ = rnd.combined_order(layout, old)
         new_k = self._codec.encode_keys(mx.concatenate(r.keys, axis=2))
         new_v = self._codec.encode_values(mx.concatenate(r.values, axis=2))
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             src_k, src_v = new_k, new_v
         else:
             src_k, src_v = buf.cat([self.keys, new_k]), buf.cat([self.values, new_v])

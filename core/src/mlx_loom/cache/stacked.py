@@ -57,7 +57,7 @@ def _row_slots(cache: RotatingKVCache) -> tuple[buf.Stored | None, buf.Stored | 
     after that write, so the batch can write every row the same way.
     """
     W = cache.max_size
-    if cache.keys is None:
+    if cache.keys is None or cache.values is None:
         return None, None, 0, 0
     count = cache.offset
     length = buf.seq_len(cache.keys)
@@ -146,8 +146,9 @@ class StackedRotatingKVCache(CodecLayout):
             )
         self._grow_for_write(keys, values)
         where = mx.array(self._next, dtype=mx.int32)[:, None, None, None]
-        self.keys = _scatter(self.keys, where, self._codec.encode_keys(keys))
-        self.values = _scatter(self.values, where, self._codec.encode_values(values))
+        stored_k, stored_v = self._stored()
+        self.keys = _scatter(stored_k, where, self._codec.encode_keys(keys))
+        self.values = _scatter(stored_v, where, self._codec.encode_values(values))
         W = self.max_size
         self._count = [c + 1 for c in self._count]
         self._next = [(n + 1) % W for n in self._next]
@@ -267,7 +268,7 @@ class StackedRotatingKVCache(CodecLayout):
         grow = slots - self._slots()
         new_k = self._codec.zeros_keys(keys, grow)
         new_v = self._codec.zeros_values(values, grow)
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             self.keys, self.values = new_k, new_v
         else:
             self.keys = buf.cat([self.keys, new_k])
@@ -287,12 +288,12 @@ class StackedRotatingKVCache(CodecLayout):
                 old = mx.take_along_axis(b, where, axis=2)
                 return mx.put_along_axis(b, where, mx.where(on, n, old), axis=2)
 
-            if isinstance(stored, tuple):
-                return tuple(one(b, n) for b, n in zip(stored, new, strict=True))
-            return one(stored, new)
+            pairs = zip(buf.leaves(stored), buf.leaves(new), strict=True)
+            return buf.rebuild(stored, [one(b, n) for b, n in pairs])
 
-        self.keys = merged(self.keys, self._codec.encode_keys(keys))
-        self.values = merged(self.values, self._codec.encode_values(values))
+        stored_k, stored_v = self._stored()
+        self.keys = merged(stored_k, self._codec.encode_keys(keys))
+        self.values = merged(stored_v, self._codec.encode_values(values))
         W = self.max_size
         self._count = [c + w for c, w in zip(self._count, writing, strict=True)]
         self._next = [(n + 1) % W if w else n for n, w in zip(self._next, writing, strict=True)]
@@ -358,7 +359,7 @@ class StackedRotatingKVCache(CodecLayout):
 
     def filter(self, rows: Sequence[int]) -> None:
         idx = _check_rows(rows, self.batch_size, owner=f"{self.kind}.filter")
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             take = mx.array(idx, dtype=mx.int32)
             self.keys = buf.apply(lambda a: a[take], self.keys)
             self.values = buf.apply(lambda a: a[take], self.values)
@@ -383,12 +384,10 @@ class StackedRotatingKVCache(CodecLayout):
         self._compatible(other)
         if other.keys is not None or self.keys is not None:
             S = max(self._slots(), other._slots())
-            ref = self if self.keys is not None else other
-            self.keys = _cat_rows(
-                [_padded(c.keys, ref.keys, c.batch_size, S) for c in (self, other)]
-            )
+            ref_k, ref_v = (self if self.keys is not None else other)._stored()
+            self.keys = _cat_rows([_padded(c.keys, ref_k, c.batch_size, S) for c in (self, other)])
             self.values = _cat_rows(
-                [_padded(c.values, ref.values, c.batch_size, S) for c in (self, other)]
+                [_padded(c.values, ref_v, c.batch_size, S) for c in (self, other)]
             )
         self._count = self._count + other._count
         self._next = self._next + other._next
@@ -407,7 +406,7 @@ class StackedRotatingKVCache(CodecLayout):
             )
         cache = self._empty_single()
         count, nxt = self._count[row], self._next[row]
-        if self.keys is None or count == 0:
+        if self.keys is None or self.values is None or count == 0:
             return cache
         W = self.max_size
         keep = W if count >= W else count
@@ -451,11 +450,11 @@ class StackedRotatingKVCache(CodecLayout):
             )
         out = cls._new_like(caches)
         rows = [_row_slots(c) for c in caches]
-        filled = [r for r in rows if r[0] is not None]
+        filled = [(k, v) for k, v, _, _ in rows if k is not None and v is not None]
         if filled:
-            S = max(max(buf.seq_len(r[0]) for r in filled), max(r[3] for r in rows) + 1)
+            S = max(max(buf.seq_len(k) for k, _ in filled), max(r[3] for r in rows) + 1)
             S = min(S, out.max_size)
-            ref_k, ref_v = filled[0][0], filled[0][1]
+            ref_k, ref_v = filled[0]
             out.keys = _cat_rows([_padded(r[0], ref_k, 1, S) for r in rows])
             out.values = _cat_rows([_padded(r[1], ref_v, 1, S) for r in rows])
         out._count = [r[2] for r in rows]
@@ -534,11 +533,8 @@ class StackedRotatingKVCache(CodecLayout):
 
 def _scatter(buffer: buf.Stored, where: mx.array, new: buf.Stored) -> buf.Stored:
     """Write each row's one new slot at that row's own index (``where`` is ``[B,1,1,1]``)."""
-    if isinstance(buffer, tuple):
-        return tuple(
-            mx.put_along_axis(b, where, n, axis=2) for b, n in zip(buffer, new, strict=True)
-        )
-    return mx.put_along_axis(buffer, where, new, axis=2)
+    pairs = zip(buf.leaves(buffer), buf.leaves(new), strict=True)
+    return buf.rebuild(buffer, [mx.put_along_axis(b, where, n, axis=2) for b, n in pairs])
 
 
 def _padded(x: buf.Stored | None, like: buf.Stored, rows: int, slots: int) -> buf.Stored:
@@ -552,9 +548,9 @@ def _padded(x: buf.Stored | None, like: buf.Stored, rows: int, slots: int) -> bu
 
 
 def _cat_rows(parts: Sequence[buf.Stored]) -> buf.Stored:
-    if isinstance(parts[0], tuple):
-        return tuple(mx.concatenate(list(group)) for group in zip(*parts, strict=True))
-    return mx.concatenate(list(parts))
+    """Concatenate stored buffers along the batch axis."""
+    groups = zip(*(buf.leaves(p) for p in parts), strict=True)
+    return buf.rebuild(parts[0], [mx.concatenate(list(g)) for g in groups])
 
 
 def _check_rows(rows: Sequence[int], size: int, *, owner: str) -> list[int]:

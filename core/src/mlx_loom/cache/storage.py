@@ -21,7 +21,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from mlx_loom.cache._buffers import AffineCodec, PlainCodec
+from mlx_loom.cache._buffers import AffineCodec, PlainCodec, Stored
 from mlx_loom.cache.turboquant import TurboQuantCodec
 from mlx_loom.errors import CacheError
 
@@ -65,6 +65,15 @@ class CodecLayout:
     kind: ClassVar[str]
     #: The storage codec (class default: plain; a layout instance may take another).
     _codec: Any = PLAIN
+    keys: Stored | None
+    values: Stored | None
+
+    def _stored(self) -> tuple[Stored, Stored]:
+        """The stored keys and values (refused while the cache holds none)."""
+        keys, values = self.keys, self.values
+        if keys is None or values is None:
+            raise CacheError(f"{self.kind}: no keys/values yet", fix="call update_and_fetch first")
+        return keys, values
 
     def _take_codec(self, codec: Any) -> None:
         if codec is not None:

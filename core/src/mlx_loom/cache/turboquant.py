@@ -277,7 +277,7 @@ class TurboQuantCodec:
     def quantize_stored_values(self, x: Stored) -> Stored:
         return self.encode_values(_plain(x, self.owner))
 
-    def view(self, keys: Stored, values: Stored, *, head_dim: int | None = None) -> TurboQuantView:
+    def view(self, keys: Any, values: Any, *, head_dim: int | None = None) -> TurboQuantView:
         D = keys[0].shape[-1] if head_dim is None else head_dim
         return TurboQuantView(keys, values, self, D)
 
