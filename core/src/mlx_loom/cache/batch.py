@@ -22,7 +22,7 @@ stacking (:class:`~mlx_loom.cache.StackedRotatingKVCache`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn, cast
 
 import mlx.core as mx
 
@@ -71,9 +71,13 @@ def _refuse_quantize(kind: str) -> NoReturn:
 
 def _cat_rows(parts: Sequence[buf.Stored]) -> buf.Stored:
     """Concatenate stored buffers along the batch axis."""
-    if isinstance(parts[0], tuple):
-        return tuple(mx.concatenate(list(group)) for group in zip(*parts, strict=True))
-    return mx.concatenate(list(parts))
+    groups = zip(*(buf.leaves(p) for p in parts), strict=True)
+    return buf.rebuild(parts[0], [mx.concatenate(list(g)) for g in groups])
+
+
+def _ints(a: mx.array) -> list[int]:
+    """A 1-D integer array as a list of ints."""
+    return [int(x) for x in cast(list[int], a.tolist())]
 
 
 class _BatchRowsBase:
@@ -88,8 +92,8 @@ class _BatchRowsBase:
                 f"{self.kind}: left_padding={pads} has a negative entry",
                 fix="left padding counts pad tokens and must be >= 0",
             )
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.keys: buf.Stored | None = None
+        self.values: buf.Stored | None = None
         self.left_padding = mx.array(pads)
         self.offset = mx.array([-p for p in pads])
         self._idx = 0
@@ -218,8 +222,6 @@ class BatchKVCache(CodecLayout, _BatchRowsBase):
     def __init__(self, left_padding: Sequence[int], *, codec: Any = None) -> None:
         super().__init__(left_padding)
         self._take_codec(codec)
-        self.keys: buf.Stored | None = None  # type: ignore[assignment]
-        self.values: buf.Stored | None = None  # type: ignore[assignment]
         self._right_padding: mx.array | None = None
         #: Where the rows ended when a speculative round began (``None``: no round).
         self._round_idx: int | None = None
@@ -227,11 +229,11 @@ class BatchKVCache(CodecLayout, _BatchRowsBase):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         prev = self._idx
         L = keys.shape[2]
-        if self.keys is None or prev + L > buf.seq_len(self.keys):
+        if self.keys is None or self.values is None or prev + L > buf.seq_len(self.keys):
             n = (L + self.step - 1) // self.step * self.step
             new_k = self._codec.zeros_keys(keys, n)
             new_v = self._codec.zeros_values(values, n)
-            if self.keys is None:
+            if self.keys is None or self.values is None:
                 self.keys, self.values = new_k, new_v
             else:
                 if prev % self.step != 0:
@@ -283,8 +285,9 @@ class BatchKVCache(CodecLayout, _BatchRowsBase):
         if self._right_padding is None:
             return
         pads = self._right_padding
-        self.keys = buf.apply(lambda a: dynamic_roll(a, pads[:, None], axis=2), self.keys)
-        self.values = buf.apply(lambda a: dynamic_roll(a, pads[:, None], axis=2), self.values)
+        keys, values = self._stored()
+        self.keys = buf.apply(lambda a: dynamic_roll(a, pads[:, None], axis=2), keys)
+        self.values = buf.apply(lambda a: dynamic_roll(a, pads[:, None], axis=2), values)
         self.offset = self.offset - pads
         self.left_padding = self.left_padding + pads
         self._right_padding = None
@@ -349,8 +352,9 @@ class BatchKVCache(CodecLayout, _BatchRowsBase):
         def roll(a: mx.array) -> mx.array:
             return dynamic_roll(a[..., :used, :], shift, axis=2)
 
-        self.keys = buf.apply(roll, self.keys)
-        self.values = buf.apply(roll, self.values)
+        keys, values = self._stored()
+        self.keys = buf.apply(roll, keys)
+        self.values = buf.apply(roll, values)
         self.left_padding = self.left_padding + shift[:, 0]
         self.offset = self.offset - shift[:, 0]
 
@@ -358,15 +362,15 @@ class BatchKVCache(CodecLayout, _BatchRowsBase):
 
     def filter(self, rows: Sequence[int]) -> None:
         idx = self._rows(rows)
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             self.keys = buf.apply(lambda a: a[idx], self.keys)
             self.values = buf.apply(lambda a: a[idx], self.values)
         self.offset = self.offset[idx]
         self.left_padding = self.left_padding[idx]
         # Drop slots that are padding in every remaining row.
-        shift = min(self.left_padding.tolist())
+        shift = min(_ints(self.left_padding))
         if shift > 0:
-            if self.keys is not None:
+            if self.keys is not None and self.values is not None:
                 self.keys = buf.take(self.keys, shift, None)
                 self.values = buf.take(self.values, shift, None)
             self._idx -= shift
@@ -386,9 +390,9 @@ class BatchKVCache(CodecLayout, _BatchRowsBase):
     def extract(self, row: int) -> Any:
         row = self._row(row)
         cache = self._empty_single()
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             return cache
-        pad = self.left_padding.tolist()[row]
+        pad = _ints(self.left_padding)[row]
         cut = lambda a: mx.contiguous(a[row : row + 1, :, pad : self._idx])  # noqa: E731
         cache.keys = buf.apply(cut, self.keys)
         cache.values = buf.apply(cut, self.values)
@@ -502,6 +506,13 @@ class BatchRotatingKVCache(_BatchRowsBase):
 
     # --- slot moves -----------------------------------------------------------
 
+    def _kv(self) -> tuple[mx.array, mx.array]:
+        """The stored keys and values: plain arrays (this layout stores no codec)."""
+        k, v = self.keys, self.values
+        if not isinstance(k, mx.array) or not isinstance(v, mx.array):
+            raise CacheError(f"{self.kind}: no keys/values yet", fix="call update_and_fetch first")
+        return k, v
+
     def _drop_front(self, n: int, v: mx.array, append: mx.array | None = None) -> mx.array:
         if n > 0:
             v = v[..., n:, :]
@@ -509,41 +520,45 @@ class BatchRotatingKVCache(_BatchRowsBase):
 
     def _to_time_order(self) -> None:
         if self.rotated:
-            self.keys = mx.roll(self.keys, -self._idx, axis=2)
-            self.values = mx.roll(self.values, -self._idx, axis=2)
+            k, v = self._kv()
+            self.keys = mx.roll(k, -self._idx, 2)
+            self.values = mx.roll(v, -self._idx, 2)
             self._idx = self.keys.shape[2]
             self.rotated = False
 
-    def _roll_out_right_padding(self) -> None:
-        roll = mx.maximum(0, self.offset - self._lengths)
-        self.keys = dynamic_roll(self.keys, roll[:, None], axis=2)
-        self.values = dynamic_roll(self.values, roll[:, None], axis=2)
+    def _roll_out_right_padding(self, lengths: mx.array) -> None:
+        k, v = self._kv()
+        roll = mx.maximum(0, self.offset - lengths)
+        self.keys = dynamic_roll(k, roll[:, None], axis=2)
+        self.values = dynamic_roll(v, roll[:, None], axis=2)
         self.left_padding = self.left_padding + roll
         self.offset = self.offset - roll
 
     def _append_chunk(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.keys is None:
-            self.keys, self.values = keys, values
+            k, v = keys, values
         else:
             self._to_time_order()
-            if self.keys.shape[2] > self._idx:
-                self.keys = self.keys[..., : self._idx, :]
-                self.values = self.values[..., : self._idx, :]
+            k, v = self._kv()
+            if k.shape[2] > self._idx:
+                self.keys, self.values = k[..., : self._idx, :], v[..., : self._idx, :]
             if self._lengths is not None:
-                self._roll_out_right_padding()
+                self._roll_out_right_padding(self._lengths)
+            k, v = self._kv()
             drop = self._idx - self.max_size + 1
             if drop > 0:
                 self.left_padding = self.left_padding - drop
-            self.keys = self._drop_front(drop, self.keys, keys)
-            self.values = self._drop_front(drop, self.values, values)
+            k = self._drop_front(drop, k, keys)
+            v = self._drop_front(drop, v, values)
         L = keys.shape[2]
         self.offset = self.offset + L
         self._offset += L
-        self._idx = self.keys.shape[2]
+        self._idx = k.shape[2]
         # Tie the bookkeeping arrays to the keys so evaluating the cache
         # evaluates them too (their graphs would otherwise grow every step).
-        self.keys = mx.depends(self.keys, (self.left_padding, self.offset))
-        return self.keys, self.values
+        k = mx.depends(k, (self.left_padding, self.offset))
+        self.keys, self.values = k, v
+        return k, v
 
     def _write_in_place(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self._lengths is not None:
@@ -553,20 +568,21 @@ class BatchRotatingKVCache(_BatchRowsBase):
             )
         B, H, S, Dk = keys.shape
         prev = self._offset
-        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
+        old = None if self.keys is None else self._kv()
+        if old is None or (prev >= old[0].shape[2] and old[0].shape[2] < self.max_size):
             n = min(self.step, self.max_size - prev)
             new_k = mx.zeros((B, H, n, Dk), keys.dtype)
             new_v = mx.zeros((B, H, n, values.shape[3]), values.dtype)
-            if self.keys is None:
+            if old is None:
                 self.keys, self.values = new_k, new_v
             else:
-                self.keys = mx.concatenate([self.keys, new_k], axis=2)
-                self.values = mx.concatenate([self.values, new_v], axis=2)
+                self.keys = mx.concatenate([old[0], new_k], axis=2)
+                self.values = mx.concatenate([old[1], new_v], axis=2)
             self._idx = prev
-        excess = self.keys.shape[2] - self.max_size
+        k, v = self._kv()
+        excess = k.shape[2] - self.max_size
         if excess > 0:
-            self.keys = self._drop_front(excess, self.keys)
-            self.values = self._drop_front(excess, self.values)
+            k, v = self._drop_front(excess, k), self._drop_front(excess, v)
             self._idx = self.max_size
             self.left_padding = self.left_padding - excess
         if self._idx == self.max_size:
@@ -574,12 +590,12 @@ class BatchRotatingKVCache(_BatchRowsBase):
             self._idx = 0
         if self.rotated:
             self.left_padding = self.left_padding - S
-        self.keys[..., self._idx : self._idx + S, :] = keys
-        self.values[..., self._idx : self._idx + S, :] = values
+        k[..., self._idx : self._idx + S, :] = keys
+        v[..., self._idx : self._idx + S, :] = values
         self._offset += S
         self.offset = self.offset + S
         self._idx += S
-        self.keys = mx.depends(self.keys, (self.left_padding, self.offset))
+        self.keys, self.values = mx.depends(k, (self.left_padding, self.offset)), v
         return self.keys_and_values()
 
     # --- append and attend ----------------------------------------------
@@ -594,11 +610,10 @@ class BatchRotatingKVCache(_BatchRowsBase):
         return PlainView(*self.update_and_fetch(keys, values))
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        if self.keys is None:
-            raise CacheError(f"{self.kind}: no keys/values yet", fix="call update_and_fetch first")
-        if self._offset < self.keys.shape[2]:
-            return self.keys[..., : self._offset, :], self.values[..., : self._offset, :]
-        return self.keys, self.values
+        k, v = self._kv()
+        if self._offset < k.shape[2]:
+            return k[..., : self._offset, :], v[..., : self._offset, :]
+        return k, v
 
     def make_mask(
         self, N: int, *, window_size: int | None = None, return_array: bool = False
@@ -619,7 +634,7 @@ class BatchRotatingKVCache(_BatchRowsBase):
         mask = mask & (key_pos >= mx.expand_dims(left, (1, 2, 3)))
         if rotated:
             idx = 0 if self._idx >= self.max_size else self._idx
-            mask = mx.roll(mask, shift=idx + 1, axis=-1)
+            mask = mx.roll(mask, idx + 1, -1)
         return mask
 
     # --- padded prefill -------------------------------------------------------
@@ -646,7 +661,7 @@ class BatchRotatingKVCache(_BatchRowsBase):
 
     def finalize(self) -> None:
         if self._lengths is not None:
-            self._roll_out_right_padding()
+            self._roll_out_right_padding(self._lengths)
             self._lengths = None
 
     # --- trim -----------------------------------------------------------------
@@ -677,8 +692,8 @@ class BatchRotatingKVCache(_BatchRowsBase):
     def filter(self, rows: Sequence[int]) -> None:
         idx = self._rows(rows)
         if self.keys is not None:
-            self.keys = self.keys[idx]
-            self.values = self.values[idx]
+            k, v = self._kv()
+            self.keys, self.values = k[idx], v[idx]
         self.offset = self.offset[idx]
         self.left_padding = self.left_padding[idx]
 
@@ -703,17 +718,18 @@ class BatchRotatingKVCache(_BatchRowsBase):
         cache = RotatingKVCache(self.max_size)
         if self.keys is None:
             return cache
-        pad = max(0, self.left_padding.tolist()[row])
-        keys, values = self.keys[row : row + 1], self.values[row : row + 1]
+        k, v = self._kv()
+        pad = max(0, _ints(self.left_padding)[row])
+        keys, values = k[row : row + 1], v[row : row + 1]
         end = self._idx
         if self.rotated:
-            keys = mx.roll(keys, -self._idx, axis=2)
-            values = mx.roll(values, -self._idx, axis=2)
+            keys = mx.roll(keys, -self._idx, 2)
+            values = mx.roll(values, -self._idx, 2)
             end = self.max_size
-        cache.keys = mx.contiguous(keys[:, :, pad:end])
-        cache.values = mx.contiguous(values[:, :, pad:end])
-        cache.offset = self.offset.tolist()[row]
-        cache._idx = cache.keys.shape[2]
+        kept = mx.contiguous(keys[:, :, pad:end])
+        cache.keys, cache.values = kept, mx.contiguous(values[:, :, pad:end])
+        cache.offset = _ints(self.offset)[row]
+        cache._idx = kept.shape[2]
         return cache
 
     @classmethod
@@ -739,18 +755,19 @@ class BatchRotatingKVCache(_BatchRowsBase):
         if longest == 0:
             return cls(max_size, [0] * len(caches))
         pads = [longest - n for n in lengths]
-        full = [c for c in caches if c.keys is not None]
-        H = max(c.keys.shape[1] for c in full)
-        Dk = max(c.keys.shape[3] for c in full)
-        Dv = max(c.values.shape[3] for c in full)
-        dtype = full[0].keys.dtype
+        stored = [c._stored() if c.keys is not None else None for c in caches]
+        full = [cast(tuple[mx.array, mx.array], kv) for kv in stored if kv is not None]
+        H = max(k.shape[1] for k, _ in full)
+        Dk = max(k.shape[3] for k, _ in full)
+        Dv = max(v.shape[3] for _, v in full)
+        dtype = full[0][0].dtype
         keys = mx.zeros((len(caches), H, longest, Dk), dtype=dtype)
         values = mx.zeros((len(caches), H, longest, Dv), dtype=dtype)
-        for i, (p, n, c) in enumerate(zip(pads, lengths, caches, strict=True)):
-            if c.keys is None or n == 0:
+        for i, (p, n, c, kv) in enumerate(zip(pads, lengths, caches, stored, strict=True)):
+            if kv is None or n == 0:
                 continue
-            keys[i : i + 1, :, p : p + n] = c._time_ordered(c.keys)[..., -n:, :]
-            values[i : i + 1, :, p : p + n] = c._time_ordered(c.values)[..., -n:, :]
+            keys[i : i + 1, :, p : p + n] = cast(mx.array, c._time_ordered(kv[0]))[..., -n:, :]
+            values[i : i + 1, :, p : p + n] = cast(mx.array, c._time_ordered(kv[1]))[..., -n:, :]
         cache = cls(max_size, pads)
         cache.keys, cache.values = keys, values
         cache.offset = mx.array([c.offset for c in caches])
@@ -768,7 +785,7 @@ class BatchRotatingKVCache(_BatchRowsBase):
         """``(offset, left_padding[, keys, values])``, keys in slot order."""
         if self.keys is None:
             return (self.offset, self.left_padding)
-        return (self.offset, self.left_padding, self.keys, self.values)
+        return (self.offset, self.left_padding, *self._kv())
 
     @property
     def meta_state(self) -> tuple[str, ...]:
