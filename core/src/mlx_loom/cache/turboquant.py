@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import mlx.core as mx
 
@@ -314,10 +314,6 @@ class TurboQuantView:
             queries, k, v, scale=scale, mask=single_mask(mask), sinks=sinks
         )
         return self.codec.unrotate(out).astype(dtype)
-
-
-def refuse_padded_batch(kind: str) -> NoReturn:
-    buf.refuse_padded_batch(kind, codec="TurboQuant", option="kv_codec")
 
 
 def state_bits(meta_state: Sequence[str], names: Sequence[str], *, owner: str) -> list[int]:
