@@ -116,6 +116,14 @@ def test_rows_of_different_codecs_do_not_stack_into_one_layout():
         StackedRotatingKVCache.stack([a, b])
 
 
+def test_windows_in_a_codec_batch_by_stacking_not_by_padded_merge():
+    from mlx_loom.cache import BatchRotatingKVCache
+
+    coded = fed(lambda: RotatingKVCache(W, codec=TurboQuantCodec(4)), [3], 0)
+    with pytest.raises(CacheError, match=r"caches\[1\] is a turboquant 4, not a plain"):
+        BatchRotatingKVCache.merge([fed(lambda: RotatingKVCache(W), [3], 1), coded])
+
+
 def test_a_cache_in_an_unnamed_plugin_codec_is_not_saved_as_plain(tmp_path):
     cache = fed(lambda: RotatingKVCache(W, codec=HalfCodec()), [3], 0)
     with pytest.raises(CacheError, match="HalfCodec has no name"):

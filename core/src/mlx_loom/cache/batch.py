@@ -737,10 +737,12 @@ class BatchRotatingKVCache(_BatchRowsBase):
         if not caches:
             raise CacheError(f"{cls.kind}.merge: no caches given", fix="pass at least one cache")
         for i, c in enumerate(caches):
-            if type(c) is not RotatingKVCache:
+            if type(c) is not RotatingKVCache or not c.plain:
+                what = type(c).__name__ if type(c) is not RotatingKVCache else c.storage.describe()
                 raise CacheError(
-                    f"{cls.kind}.merge: caches[{i}] is a {type(c).__name__}, not a RotatingKVCache",
-                    fix="merge only unquantized sliding-window caches into a BatchRotatingKVCache",
+                    f"{cls.kind}.merge: caches[{i}] is a {what}, not a plain RotatingKVCache",
+                    fix="merge only unquantized sliding-window caches into a BatchRotatingKVCache "
+                    "(windows in a codec batch by stack())",
                 )
             c._check_batchable()
         sizes = {c.max_size for c in caches}
