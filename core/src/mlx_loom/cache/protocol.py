@@ -119,6 +119,22 @@ class Stackable(Protocol):
 
 
 @runtime_checkable
+class Boundable(Protocol):
+    """Caches that can hold at most a given number of tokens (``max_kv_size``).
+
+    The engine asks every fresh cache of a request for its bounded form and
+    never looks at its class: a full cache becomes a window of that many
+    tokens in the same codec, a wider window narrows, state that does not
+    grow (recurrent) is returned as it is. A kind that cannot be bounded
+    does not provide ``bounded`` (or raises
+    :class:`~mlx_loom.errors.CapabilityRefused`), and the request is refused.
+    """
+
+    def bounded(self, max_tokens: int) -> Any:
+        """A fresh cache for this layer that holds at most ``max_tokens`` tokens (or ``self``)."""
+
+
+@runtime_checkable
 class SpeculativeRounds(Protocol):
     """Caches that cannot be trimmed but can roll a speculative window back."""
 

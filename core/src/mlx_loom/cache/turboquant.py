@@ -29,9 +29,9 @@ generator), so a saved cache decodes identically in any later process.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import mlx.core as mx
 
@@ -142,16 +142,41 @@ def check_head_dim(D: int, *, owner: str) -> None:
 class TurboQuantCodec:
     """Encodes keys (int8 + scale) and values (rotated, Lloyd–Max ``bits`` wide)."""
 
-    codec: ClassVar[str] = "turboquant"
+    codec: ClassVar[str | None] = "turboquant"
+    leaves: ClassVar[int] = 2
     group_size: ClassVar[None] = None
+    #: The widths a request may ask for, and the one ``kv_codec="turboquant"`` alone gets.
+    widths: ClassVar[tuple[int, ...]] = TURBOQUANT_BITS
+    default_bits: ClassVar[int] = 4
 
-    def __init__(self, bits: int, *, owner: str) -> None:
+    def __init__(self, bits: int, *, owner: str = "TurboQuant KV codec") -> None:
         self.bits = check_bits(bits, owner=owner)
         self.owner = owner
         # Arrays are made on first use, on the thread that encodes (a request
         # checked on a caller's thread builds caches but never encodes).
         self._tables: tuple[mx.array, mx.array] | None = None
         self._sign_cache: dict[int, mx.array] = {}
+
+    @classmethod
+    def for_request(cls, *, bits: int, group_size: int) -> TurboQuantCodec:
+        return cls(bits)
+
+    def meta(self) -> tuple[str, ...]:
+        """``(bits,)`` as a decimal string."""
+        return (str(self.bits),)
+
+    @classmethod
+    def from_meta(cls, meta: Sequence[str], *, owner: str) -> TurboQuantCodec:
+        (bits,) = state_bits(meta, ("bits",), owner=owner)
+        return cls(bits, owner=owner)
+
+    @property
+    def key(self) -> Hashable:
+        """Equal for two codecs whose stored slots may share one buffer (rows of a batch)."""
+        return (type(self), self.meta())
+
+    def describe(self) -> str:
+        return f"turboquant {self.bits}"
 
     @property
     def _levels(self) -> mx.array:
@@ -252,7 +277,7 @@ class TurboQuantCodec:
     def quantize_stored_values(self, x: Stored) -> Stored:
         return self.encode_values(_plain(x, self.owner))
 
-    def view(self, keys: Stored, values: Stored, *, head_dim: int | None = None) -> TurboQuantView:
+    def view(self, keys: Any, values: Any, *, head_dim: int | None = None) -> TurboQuantView:
         D = keys[0].shape[-1] if head_dim is None else head_dim
         return TurboQuantView(keys, values, self, D)
 
@@ -289,10 +314,6 @@ class TurboQuantView:
             queries, k, v, scale=scale, mask=single_mask(mask), sinks=sinks
         )
         return self.codec.unrotate(out).astype(dtype)
-
-
-def refuse_padded_batch(kind: str) -> NoReturn:
-    buf.refuse_padded_batch(kind, codec="TurboQuant", option="kv_codec")
 
 
 def state_bits(meta_state: Sequence[str], names: Sequence[str], *, owner: str) -> list[int]:

@@ -141,7 +141,7 @@ class CompiledStep:
             return False
         first = cache[0]
         for c in cache:
-            if type(c) is not KVCache or c.keys is None:
+            if type(c) is not KVCache or not c.plain or c.keys is None:
                 return False
             if c.offset != first.offset or c.offset >= c.keys.shape[2]:
                 return False

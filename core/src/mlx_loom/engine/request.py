@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 
 from mlx_loom.cache import maybe_quantize_kv_cache, resolve_kv_codec, validate_kv_quantization
+from mlx_loom.cache.convert import convertible
 from mlx_loom.errors import AdapterError, ParallelRefused, RequestError
 from mlx_loom.generate.params import SamplingParams
 from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
@@ -73,7 +74,7 @@ class KVQuantization:
     def apply(self, cache: list[Any]) -> None:
         if self.bits is None:  # runs after every forward: the common case costs nothing
             return
-        if not any(_convertible(c) for c in cache):  # every cache converted already
+        if not any(convertible(c) for c in cache):  # every cache converted already
             return
         maybe_quantize_kv_cache(
             cache,
@@ -83,11 +84,6 @@ class KVQuantization:
             kv_codec=self.codec,
             kinds=self.kinds,
         )
-
-
-def _convertible(cache: Any) -> bool:
-    """A plain KV cache a codec may still take (not recurrent state, not already coded)."""
-    return hasattr(cache, "to_quantized") and not isinstance(getattr(cache, "codec", None), str)
 
 
 #: The drafting modes a request may ask for by name.

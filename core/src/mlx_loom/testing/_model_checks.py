@@ -806,7 +806,7 @@ def check_kv_codecs_on_model(target: Target) -> CheckResult:
             refused.append(f"{codec.name} ({err.message})")
             continue
         kv = [c for c in pc.cache if hasattr(c, "append")]
-        stray = [type(c).__name__ for c in kv if type(c) not in codec.kinds]
+        stray = [type(c).__name__ for c in kv if getattr(c, "codec", None) != codec.name]
         if stray:
             return failed(name, f"kv_codec={codec.name!r} left caches {stray} unconverted")
         done.append(f"{codec.name} ({_kinds(kv)})")
