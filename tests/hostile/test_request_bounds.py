@@ -9,6 +9,9 @@ bare ``NaN``/``-Infinity``, which strict JSON parsers reject.
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
 from .bounded import run_bounded
@@ -49,3 +52,155 @@ server.stop()
     assert "'f7'" in error["message"]
     # A generous bound for a shared, loaded machine: linear work is ~10 s here.
     assert reply["seconds"] < 60, reply["seconds"]
+
+
+# --- numbers: bounded where they are validated, in the engine's float32 -------------------
+
+#: ``(request fields, the parameter named)``: each was a 500, or a body with bare
+#: ``NaN``/``-Infinity``, or degenerate text, before the bounds.
+HOSTILE_VALUES = [
+    ({"penalty_context_size": 10**18, "repetition_penalty": 1.1}, "penalty_context_size"),
+    ({"penalty_context_size": 2**31, "presence_penalty": 0.5}, "penalty_context_size"),
+    ({"top_k": 10**18}, "top_k"),
+    ({"min_tokens_to_keep": 10**18, "min_p": 0.1}, "min_tokens_to_keep"),
+    ({"presence_penalty": -1e308}, "presence_penalty"),
+    ({"frequency_penalty": 1e39}, "frequency_penalty"),
+    ({"repetition_penalty": 1e-45}, "repetition_penalty"),
+    ({"logit_bias": {"5": 1e39}}, "logit_bias"),
+    ({"temperature": 1e308}, "temperature"),
+    ({"temperature": 1e-45}, "temperature"),
+]
+
+
+@pytest.fixture(scope="module")
+def served(family_dirs):
+    import mlx_loom
+
+    from ..server.conftest import serve
+
+    model, tokenizer = mlx_loom.load(family_dirs["llama"])
+    yield from serve(model, tokenizer)
+
+
+@pytest.mark.parametrize(("fields", "param"), HOSTILE_VALUES)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_value_past_the_engines_range_is_a_400_naming_it(served, fields, param, path):
+    body = {"max_tokens": 4, **fields}
+    if path == "/v1/completions":
+        body["prompt"] = "hello"
+    else:
+        body["messages"] = [{"role": "user", "content": "hello"}]
+    reply = served.post(path, body)
+    assert reply.status == 400, reply.text
+    assert reply.error["param"] == param, reply.error
+    assert param in reply.error["message"] and reply.error["fix"]
+
+
+@pytest.mark.parametrize(("fields", "param"), HOSTILE_VALUES)
+def test_the_python_api_raises_the_same_typed_error(family_dirs, fields, param):
+    import mlx_loom
+    from mlx_loom.errors import RequestError
+
+    model, tokenizer = mlx_loom.load(family_dirs["llama"])
+    options = dict(fields)
+    if "logit_bias" in options:
+        options["logit_bias"] = {int(k): v for k, v in options["logit_bias"].items()}
+    with pytest.raises(RequestError) as info:
+        mlx_loom.generate(model, tokenizer, "hello", max_tokens=2, **options)
+    assert param in info.value.message and info.value.fix
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "prefill_step_size", "max_kv_size"])
+def test_python_api_counts_are_bounded_too(family_dirs, name):
+    import mlx_loom
+    from mlx_loom.errors import RequestError
+
+    model, tokenizer = mlx_loom.load(family_dirs["llama"])
+    with pytest.raises(RequestError, match=name):
+        mlx_loom.generate(model, tokenizer, "hello", **{"max_tokens": 2, name: 10**18})
+
+
+def test_the_largest_values_allowed_still_generate_finite_logprobs(served):
+    body = {
+        "prompt": "hello",
+        "max_tokens": 3,
+        "logprobs": 5,
+        "temperature": 2.0**-64,
+        "penalty_context_size": 2**31 - 1,
+        "repetition_penalty": 2.0**64,
+        "presence_penalty": -(2.0**64),
+        "logit_bias": {"5": 2.0**64},
+    }
+    reply = served.post("/v1/completions", body)
+    assert reply.status == 200, reply.text
+    strict = json.loads(reply.text, parse_constant=_refuse_constant)
+    logprobs = strict["choices"][0]["logprobs"]
+    assert all(math.isfinite(v) for v in logprobs["token_logprobs"])
+
+
+def _refuse_constant(name: str):
+    raise AssertionError(f"the body holds a bare {name}, which is not JSON")
+
+
+class _NonFiniteWorker:
+    """Answers every job with one token whose log-probabilities are not finite."""
+
+    alive = True
+    busy = False
+    queued = 0
+
+    def submit(self, job) -> None:
+        from mlx_loom.serve.worker import END, Piece
+
+        job.events.put(
+            Piece(
+                text="x",
+                token=5,
+                logprob=float("-inf"),
+                top_logprobs=[(5, float("-inf")), (6, float("nan"))],
+                prompt_tokens=len(job.prompt),
+                generation_tokens=1,
+                cached_tokens=0,
+                finish_reason="stop",
+            )
+        )
+        job.events.put(END)
+
+    def close(self) -> None:
+        self.alive = False
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_non_finite_logprobs_are_sent_as_the_documented_floor(family_dirs, path, stream):
+    import mlx_loom
+    from mlx_loom.serve import make_server
+    from mlx_loom.serve.wire import LOGPROB_FLOOR
+
+    from ..server.conftest import Client
+
+    model, tokenizer = mlx_loom.load(family_dirs["llama"])
+    server = make_server(model, tokenizer, port=0)
+    server.app.worker.close()
+    server.app.worker = _NonFiniteWorker()
+    server.start_in_background()
+    try:
+        if path == "/v1/completions":
+            body = {"prompt": "hi", "logprobs": 2}
+        else:
+            body = {
+                "messages": [{"role": "user", "content": "hi"}],
+                "logprobs": True,
+                "top_logprobs": 2,
+            }
+        reply = Client(server).post(path, {**body, "max_tokens": 2, "stream": stream})
+        assert reply.status == 200, reply.text
+        text = reply.text
+        for line in text.splitlines() if stream else [text]:
+            data = line.removeprefix("data: ") if stream else line
+            if not data or data == "[DONE]":
+                continue
+            json.loads(data, parse_constant=_refuse_constant)
+        assert str(LOGPROB_FLOOR) in text
+    finally:
+        server.stop()

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from mlx_loom.cache import maybe_quantize_kv_cache, resolve_kv_codec, validate_kv_quantization
 from mlx_loom.errors import AdapterError, ParallelRefused, RequestError
-from mlx_loom.generate.params import SamplingParams
+from mlx_loom.generate.params import MAX_INT_OPTION, SamplingParams
 from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
 
 if TYPE_CHECKING:
@@ -184,8 +184,15 @@ def _token_id(value: Any) -> int:
 
 
 def _positive_int(name: str, value: Any, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RequestError(f"{name}={value!r} is invalid; it must be an int >= 1.", fix=fix)
+    """A count the engine keeps in int32 arrays (``MAX_INT_OPTION``, as the sampling counts)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 1 <= value <= MAX_INT_OPTION
+    ):
+        raise RequestError(
+            f"{name}={value!r} is invalid; it must be an int in [1, {MAX_INT_OPTION}].", fix=fix
+        )
     return value
 
 

@@ -27,7 +27,7 @@ from ..model import Model
 from ..text import StopStrings, TemplateBudget, Tokenizer
 from ..text.output_parser import Content, OutputParser, Reasoning, ToolCallFound
 from ..text.tool_calls import ToolCall
-from . import schemas
+from . import schemas, wire
 from .adapters import ServedAdapters
 from .errors import NOT_FOUND, HttpError, from_loom_error
 from .tools import ChatFormat, ToolPlan, output_parser, plan_tools, prompt_suffix
@@ -694,7 +694,11 @@ class ServeApp:
     def _chat_logprobs(self, pieces: Iterable[Piece]) -> schemas.ChatLogprobs:
         def entry(token: int, logprob: float) -> dict[str, Any]:
             text = self._token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {
+                "token": text,
+                "logprob": wire.logprob(logprob),
+                "bytes": list(text.encode("utf-8")),
+            }
 
         return schemas.ChatLogprobs(
             content=[
@@ -716,10 +720,12 @@ class ServeApp:
             offset += len(text)
         top = None
         if prep.top_logprobs:
-            top = [{self._token_text(t): v for t, v in p.top_logprobs} for p in pieces]
+            top = [
+                {self._token_text(t): wire.logprob(v) for t, v in p.top_logprobs} for p in pieces
+            ]
         return schemas.CompletionLogprobs(
             tokens=tokens,
-            token_logprobs=[p.logprob for p in pieces],
+            token_logprobs=[wire.logprob(p.logprob) for p in pieces],
             top_logprobs=top,
             text_offset=offsets,
         )

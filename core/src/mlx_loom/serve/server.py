@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from ..bounded_json import REQUEST_JSON, parse_json
 from ..engine import EngineSettings
 from ..errors import EngineBusy, LoomError, RequestError
-from . import anthropic, page
+from . import anthropic, page, wire
 from .app import Prepared, ServeApp
 from .connection import (
     DEFAULT_BODY_TIMEOUT,
@@ -423,7 +423,7 @@ class Handler(BaseHTTPRequestHandler):
     # --- responses ----------------------------------------------------------------
 
     def _send_json(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
-        self._send_bytes(status, json.dumps(body).encode("utf-8"), "application/json", headers)
+        self._send_bytes(status, wire.dumps(body).encode("utf-8"), "application/json", headers)
 
     def _send_bytes(
         self,
@@ -604,7 +604,7 @@ class Handler(BaseHTTPRequestHandler):
             yield event
 
     def _sse(self, payload: Any, *, event: str | None = None) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload)
+        data = payload if isinstance(payload, str) else wire.dumps(payload)
         head = f"event: {event}\n" if event is not None else ""
         self.wfile.write(f"{head}data: {data}\n\n".encode())
         self.wfile.flush()
