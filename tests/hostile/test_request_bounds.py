@@ -204,3 +204,36 @@ def test_non_finite_logprobs_are_sent_as_the_documented_floor(family_dirs, path,
         assert str(LOGPROB_FLOOR) in text
     finally:
         server.stop()
+
+
+# --- the size of an answer ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_answer_past_the_entry_bound_is_refused_before_generating(served, path):
+    # 16 choices x 4,000 tokens x 21 entries: a 38 MB answer from a 110-byte request.
+    if path == "/v1/completions":
+        body = {"prompt": "hi", "logprobs": 20}
+        field = "logprobs"
+    else:
+        body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+        body["top_logprobs"] = 20
+        field = "top_logprobs"
+    reply = served.post(path, {**body, "n": 16, "max_tokens": 4000})
+    assert reply.status == 400, reply.text
+    error = reply.error
+    assert error["code"] == "response_too_large" and error["param"] == "max_tokens"
+    assert "131072" in error["message"] and field in error["message"] and error["fix"]
+
+
+def test_the_entry_bound_is_exact_and_configurable(family_dirs):
+    import mlx_loom
+
+    from ..server.conftest import serve
+
+    model, tokenizer = mlx_loom.load(family_dirs["llama"])
+    for client in serve(model, tokenizer, max_response_entries=60):
+        base = {"prompt": "hi", "logprobs": 2, "n": 2}
+        assert client.post("/v1/completions", {**base, "max_tokens": 10}).status == 200
+        reply = client.post("/v1/completions", {**base, "max_tokens": 11})
+        assert reply.status == 400 and reply.error["code"] == "response_too_large"

@@ -23,7 +23,12 @@ from ..parallel import doors
 from ..parallel.serving import follow_jobs
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from ..serve.adapters import parse_adapter_specs
-from ..serve.app import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_QUEUED, server_engine_settings
+from ..serve.app import (
+    DEFAULT_MAX_PROMPT_CHARS,
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_MAX_RESPONSE_ENTRIES,
+    server_engine_settings,
+)
 from ..serve.connection import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -290,6 +295,14 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         help="longest prompt in tokens (default: the model's context)",
     )
     prompts.add_argument(
+        "--max-response-entries",
+        type=_count("--max-response-entries", 1, "entries", DEFAULT_MAX_RESPONSE_ENTRIES),
+        default=DEFAULT_MAX_RESPONSE_ENTRIES,
+        metavar="N",
+        help="most token entries one answer may ask for: max_tokens x n x (1 + logprobs) "
+        f"(default: {DEFAULT_MAX_RESPONSE_ENTRIES})",
+    )
+    prompts.add_argument(
         "--tokenizer-threads",
         type=_count("--tokenizer-threads", 1, "threads", DEFAULT_THREADS),
         default=DEFAULT_THREADS,
@@ -358,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
         kv_codec=args.kv_codec,
         max_prompt_chars=args.max_prompt_chars,
         max_prompt_tokens=args.max_prompt_tokens,
+        max_response_entries=args.max_response_entries,
         tokenizer_threads=args.tokenizer_threads,
         max_connections=args.max_connections,
         idle_timeout=args.idle_timeout,

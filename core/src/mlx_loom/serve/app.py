@@ -51,6 +51,16 @@ MAX_CHOICES = 16
 #: Twice this was 1.7 GB and 14 s in that worst case.
 DEFAULT_MAX_PROMPT_CHARS = 1024 * 1024
 
+#: The most token entries one answer may ask for: ``max_tokens`` × ``n`` ×
+#: (1 + top log-probabilities per token). An answer is built in memory (a
+#: whole one before it is sent, a stream's pieces as they come), ~110 bytes of
+#: JSON an entry with log-probabilities: a 110-byte request (``n: 16``,
+#: ``logprobs: 20``, 1,000 tokens) answered 38 MB and grew the server by
+#: ~375 MB. 131,072 entries keep an answer near 15 MB, and still admit the
+#: largest ``max_tokens`` with ``n: 16`` and no log-probabilities, or with 20
+#: log-probabilities and ``n: 1``.
+DEFAULT_MAX_RESPONSE_ENTRIES = 131072
+
 #: The token bound for a model whose config states no context length.
 DEFAULT_MAX_PROMPT_TOKENS = 131072
 
@@ -165,8 +175,17 @@ class ServeApp:
         max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
         max_prompt_tokens: int | None = None,
         speculation: Speculation | None = None,
+        max_response_entries: int = DEFAULT_MAX_RESPONSE_ENTRIES,
     ) -> None:
         _check_count("max_tokens_limit", max_tokens_limit, "--max-tokens-limit", 4096)
+        _check_count(
+            "max_response_entries",
+            max_response_entries,
+            "--max-response-entries",
+            DEFAULT_MAX_RESPONSE_ENTRIES,
+        )
+        #: Token entries one answer may ask for (see DEFAULT_MAX_RESPONSE_ENTRIES).
+        self.max_response_entries = max_response_entries
         _check_count(
             "max_prompt_chars", max_prompt_chars, "--max-prompt-chars", DEFAULT_MAX_PROMPT_CHARS
         )
@@ -581,6 +600,7 @@ class ServeApp:
             ids, in_reasoning = self._text_prompt(request), False
         sampling = params.model_dump()
         max_tokens = self._room(len(ids), max_tokens)
+        self._check_response_size(max_tokens, request.n, params.logprobs, count_field)
         speculation = self._speculation(request.draft, request.num_draft_tokens)
         choices = []
         for index in range(request.n):
@@ -612,6 +632,22 @@ class ServeApp:
             report_logprobs=report,
             top_logprobs=params.logprobs,
             parallel_tool_calls=plan.parallel,
+        )
+
+    def _check_response_size(self, max_tokens: int, n: int, top: int, top_field: str) -> None:
+        """Refuse a request whose answer could exceed ``max_response_entries`` token entries."""
+        entries = max_tokens * n * (1 + top)
+        if entries <= self.max_response_entries:
+            return
+        raise HttpError(
+            400,
+            f"The answer asked for could hold {entries} token entries (max_tokens {max_tokens} "
+            f"x n {n} x (1 + {top_field} {top})); this server answers at most "
+            f"{self.max_response_entries} (--max-response-entries).",
+            fix="ask for fewer tokens, choices or log-probabilities per token, or split the "
+            "request",
+            param="max_tokens",
+            code="response_too_large",
         )
 
     def _check_response_format(self, fmt: schemas.ResponseFormat | None) -> None:
