@@ -34,6 +34,7 @@ from ..serve.connection import (
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
     DEFAULT_WRITE_TIMEOUT,
 )
 from ..serve.prepare import DEFAULT_THREADS
@@ -319,6 +320,16 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         help="connections served at once; more are answered 503 and closed "
         f"(default: {DEFAULT_MAX_CONNECTIONS})",
     )
+    conns.add_argument(
+        "--max-connections-per-client",
+        type=_count(
+            "--max-connections-per-client", 1, "connections from one address", 64
+        ),
+        default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+        metavar="N",
+        help="connections one client address may hold; behind a reverse proxy, raise it to "
+        f"--max-connections (default: {DEFAULT_MAX_CONNECTIONS_PER_CLIENT})",
+    )
     for flag, default, what in (
         ("--idle-timeout", DEFAULT_IDLE_TIMEOUT, "close a connection that sends no request for"),
         ("--header-timeout", DEFAULT_HEADER_TIMEOUT, "answer 408 to a request head slower than"),
@@ -374,6 +385,7 @@ def run(args: argparse.Namespace) -> int:
         max_response_entries=args.max_response_entries,
         tokenizer_threads=args.tokenizer_threads,
         max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
         idle_timeout=args.idle_timeout,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,

@@ -47,7 +47,10 @@ from .connection import (
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
     DEFAULT_WRITE_TIMEOUT,
+    RESERVED_CONNECTIONS,
+    RESERVED_SECONDS,
     ConnectionLimits,
     DeadlineReader,
     DeadlineWriter,
@@ -110,6 +113,12 @@ _DIGITS = re.compile(r"[0-9]+")
 #: The longest request line, as ``http.server`` bounds it.
 MAX_REQUEST_LINE = 65536
 
+#: An interim answer every HTTP/1.1 client skips (RFC 9110 15.2). Sent once, to a
+#: client that closed its sending side while it waits for a whole answer: a
+#: client that only half-closed ignores it, one that is gone answers it with a
+#: reset, which the next look at the socket sees.
+_PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
 #: ``code`` for the errors ``http.server`` detects itself, by status.
 _PROTOCOL_CODES = {
     400: "bad_request",
@@ -147,6 +156,9 @@ class Handler(BaseHTTPRequestHandler):
         self.rfile = io.BufferedReader(self._reader)
         self._writer = DeadlineWriter(self.connection, self.server.limits.write_timeout)
         self.wfile = self._writer
+        #: Accepted past the connection limit: it may only ask for ``GET /health``.
+        self._health_only = self.server.is_reserved(self.request)
+        self._probed = False
 
     def handle_one_request(self) -> None:
         """One request: wait (idle bound) for its first byte, read its headers (header bound),
@@ -155,22 +167,28 @@ class Handler(BaseHTTPRequestHandler):
         ``http.server``'s version waits on the socket with no deadline at all.
         """
         limits = self.server.limits
+        idle, header = limits.idle_timeout, limits.header_timeout
+        if self._health_only:
+            idle = header = min(header, RESERVED_SECONDS)
         self._started = False  # have the status line and headers been sent?
+        self._probed = False
         self._body_read = True
         self._anthropic = False  # answer errors in the Anthropic shape (/v1/messages)
         self._expects_continue = False
         self.command, self.path, self.requestline = "", "", ""
         self.request_version = self.default_request_version
         self.headers = self.MessageClass()
-        self._reader.expect("idle", limits.idle_timeout)
+        self._reader.expect("idle", idle)
         try:
             if not self.rfile.peek(1):  # the client closed the connection
                 self.close_connection = True
                 return
         except OSError:  # PhaseTimeout included: an idle connection just closes
             self.close_connection = True
+            if self._health_only:  # it was told nothing yet: say why it is closed
+                self._refuse_reserved()
             return
-        self._reader.expect("header", limits.header_timeout)
+        self._reader.expect("header", header)
         try:
             self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE + 1)
             if len(self.raw_requestline) > MAX_REQUEST_LINE:
@@ -282,11 +300,16 @@ class Handler(BaseHTTPRequestHandler):
         return self.server.app
 
     def _dispatch(self, method: str) -> None:
-        self._body_read = method != "POST"
+        # A body is read only by the endpoints that take one; any answer sent
+        # while it is unread closes the connection, so a body (on any method,
+        # GET and OPTIONS included) is never read as a pipelined next request.
+        self._body_read = not self._has_body()
         try:
             path = _request_path(self.path)
             path = ALIASES.get(path, path)
             self._anthropic = path == "/v1/messages"
+            if self._health_only:
+                self._check_reserved(method, path)
             if method == "OPTIONS":
                 self._preflight(path)
                 return
@@ -315,6 +338,30 @@ class Handler(BaseHTTPRequestHandler):
             self._send_error(
                 HttpError(500, f"Internal error: {type(err).__name__}: {err}", type=SERVER_ERROR)
             )
+
+    def _has_body(self) -> bool:
+        """Whether the request announces a body (a length other than 0, or a transfer coding)."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            return True
+        return any(v.strip() != "0" for v in self.headers.get_all("Content-Length") or ())
+
+    def _check_reserved(self, method: str, path: str) -> None:
+        """A connection accepted past the limit answers ``GET /health`` once, and nothing else."""
+        self.close_connection = True
+        if method == "GET" and path == "/health":
+            return
+        raise overloaded(
+            f"The server is serving its limit of {self.server.limits.max_connections} "
+            "connections; past it, only GET /health is answered.",
+            fix="retry shortly; the operator can raise loom serve --max-connections",
+            code="too_many_connections",
+        )
+
+    def _refuse_reserved(self) -> None:
+        try:
+            self.wfile.write(self.server.turn_away)
+        except OSError:
+            pass
 
     def _methods_for(self, path: str) -> tuple[str, ...]:
         allowed = ROUTES.get(path)
@@ -567,14 +614,34 @@ class Handler(BaseHTTPRequestHandler):
     # --- completions ------------------------------------------------------------------
 
     def _client_gone(self) -> bool:
-        """True when the peer has closed its end (readable with nothing to read)."""
+        """True when the peer is gone: its connection reset, or closed with no way to ask.
+
+        A client that has closed its sending side (end of file) may still be
+        reading: ``shutdown(SHUT_WR)`` after a request is legal, and such a
+        client gets its answer. Only writing tells the two apart: a stream's
+        own events do; before any answer, one interim ``100 Continue`` (which
+        HTTP/1.1 clients skip) is sent, and a client that is gone answers it
+        with a reset, seen here at the next look.
+        """
         try:
             readable, _, _ = select.select([self.connection], [], [], 0)
             if not readable:
                 return False
-            return self.connection.recv(1, socket.MSG_PEEK) == b""
+            if self.connection.recv(1, socket.MSG_PEEK) != b"":
+                return False
+            if self._started or self._probed:
+                # After the end of file, a reset shows only as the socket's error.
+                return self.connection.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
         except (OSError, ValueError):
             return True
+        if self.request_version != "HTTP/1.1":
+            return True  # no interim answers before HTTP/1.1: take the end of file as gone
+        self._probed = True
+        try:
+            self.connection.send(_PROBE, socket.MSG_DONTWAIT)
+        except OSError:
+            return True
+        return False
 
     def _events(self, job: Job) -> Iterator[Piece]:
         """The job's pieces as the worker produces them; raises its error, if any."""
@@ -760,13 +827,28 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _too_many_connections(limit: int) -> bytes:
+def _client_key(client_address: Any) -> str:
+    """The address a connection comes from (its host, without the port)."""
+    if isinstance(client_address, tuple) and client_address:
+        return str(client_address[0])
+    return str(client_address)
+
+
+def _too_many_connections(limit: int, *, per_client: bool = False) -> bytes:
     """The whole answer (status line, headers, JSON body) for a connection over the limit."""
-    error = overloaded(
-        f"The server is serving its limit of {limit} connections.",
-        fix="retry shortly; the operator can raise loom serve --max-connections",
-        code="too_many_connections",
-    )
+    if per_client:
+        error = overloaded(
+            f"This client address holds its limit of {limit} connections to the server.",
+            fix="reuse or close connections; the operator can raise loom serve "
+            "--max-connections-per-client",
+            code="too_many_connections",
+        )
+    else:
+        error = overloaded(
+            f"The server is serving its limit of {limit} connections.",
+            fix="retry shortly; the operator can raise loom serve --max-connections",
+            code="too_many_connections",
+        )
     body = json.dumps(error.body()).encode()
     headers = {
         "Content-Type": "application/json",
@@ -826,8 +908,13 @@ class LoomServer(ThreadingHTTPServer):
         self.api_key = api_key
         self.limits = limits or ConnectionLimits()
         self._open = 0
+        self._reserved: set[int] = set()  # ids of the sockets accepted past the limit
+        self._per_client: dict[str, int] = {}
         self._open_lock = threading.Lock()
-        self._turn_away = _too_many_connections(self.limits.max_connections)
+        self.turn_away = _too_many_connections(self.limits.max_connections)
+        self._turn_away_client = _too_many_connections(
+            self.limits.max_connections_per_client, per_client=True
+        )
         self._refused = 0
         self._refusals_logged_at = -REFUSAL_LOG_SECONDS
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -868,27 +955,42 @@ class LoomServer(ThreadingHTTPServer):
 
     @property
     def open_connections(self) -> int:
-        """Connections being served now (each has its handler thread)."""
-        return self._open
+        """Connections being served now (each has its handler thread), reserved ones included."""
+        return self._open + len(self._reserved)
+
+    def is_reserved(self, request: Any) -> bool:
+        """Whether ``request`` (a socket) was accepted past the limit, for health checks only."""
+        return id(request) in self._reserved
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        """Start a handler thread, or, at the connection limit, answer 503 and close.
+        """Start a handler thread, or, past the limits, answer 503 and close.
 
-        The refusal is written without blocking from the accepting thread,
-        so a flood of connections costs no threads at all.
+        A client address at ``max_connections_per_client`` is refused; past
+        ``max_connections``, :data:`RESERVED_CONNECTIONS` more are accepted
+        for health checks only. The refusal is written without blocking from
+        the accepting thread, so a flood of connections costs no threads.
         """
+        client = _client_key(client_address)
+        refusal = None
         with self._open_lock:
-            full = self._open >= self.limits.max_connections
-            if not full:
+            if self._per_client.get(client, 0) >= self.limits.max_connections_per_client:
+                refusal = self._turn_away_client
+            elif self._open < self.limits.max_connections:
                 self._open += 1
-        if full:
-            refuse_connection(request, self._turn_away)
+            elif len(self._reserved) < RESERVED_CONNECTIONS:
+                self._reserved.add(id(request))
+            else:
+                refusal = self.turn_away
+            if refusal is None:
+                self._per_client[client] = self._per_client.get(client, 0) + 1
+        if refusal is not None:
+            refuse_connection(request, refusal)
             self._log_refusal()
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._closed_one()  # its thread never started
+            self._closed_one(request, client_address)  # its thread never started
             raise
 
     def _log_refusal(self) -> None:
@@ -908,11 +1010,20 @@ class LoomServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._closed_one()
+            self._closed_one(request, client_address)
 
-    def _closed_one(self) -> None:
+    def _closed_one(self, request: Any, client_address: Any) -> None:
+        client = _client_key(client_address)
         with self._open_lock:
-            self._open -= 1
+            if id(request) in self._reserved:
+                self._reserved.discard(id(request))
+            else:
+                self._open -= 1
+            left = self._per_client.get(client, 1) - 1
+            if left > 0:
+                self._per_client[client] = left
+            else:
+                self._per_client.pop(client, None)
 
     @property
     def host(self) -> str:
@@ -964,6 +1075,7 @@ def make_server(
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     write_timeout: float = DEFAULT_WRITE_TIMEOUT,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
     **app_options: Any,
 ) -> LoomServer:
@@ -989,6 +1101,7 @@ def make_server(
             body_timeout=body_timeout,
             write_timeout=write_timeout,
             max_connections=max_connections,
+            max_connections_per_client=max_connections_per_client,
         )
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
