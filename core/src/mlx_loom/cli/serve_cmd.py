@@ -22,6 +22,7 @@ from ..errors import RequestError
 from ..parallel import doors
 from ..parallel.serving import follow_jobs
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
+from ..serve.server import DEFAULT_SHUTDOWN_GRACE
 from ..serve.adapters import parse_adapter_specs
 from ..serve.app import (
     DEFAULT_MAX_PROMPT_CHARS,
@@ -347,6 +348,20 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
             metavar="SECONDS",
             help=f"{what} this many seconds (default: {default:g})",
         )
+    conns.add_argument(
+        "--shutdown-grace",
+        type=flags.finite(
+            "--shutdown-grace",
+            check=lambda v: v >= 0,
+            valid="a number of seconds >= 0",
+            fix=f"pass a number of seconds, e.g. {{flag}} {DEFAULT_SHUTDOWN_GRACE:g}",
+        ),
+        default=DEFAULT_SHUTDOWN_GRACE,
+        metavar="SECONDS",
+        help="on SIGTERM, stop accepting and let requests in flight run this long before "
+        "their answers are ended (an error event, then [DONE]); SIGINT ends them at once "
+        f"(default: {DEFAULT_SHUTDOWN_GRACE:g})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -411,9 +426,8 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-    finally:
+        server.serve_until_signalled(args.shutdown_grace)
+    except KeyboardInterrupt:  # a second signal while draining: do not wait
         server.stop()
+        return 1
     return 0

@@ -26,6 +26,7 @@ import logging
 import queue
 import re
 import select
+import signal
 import socket
 import threading
 import time
@@ -79,6 +80,14 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 
 #: How often a handler waiting for tokens checks that its client is still there.
 POLL_SECONDS = 0.05
+
+#: How long requests in flight may run on after SIGTERM before their answers
+#: are ended (``--shutdown-grace``). ``docker stop`` and systemd wait 10 s
+#: before they kill; this ends every stream cleanly inside that.
+DEFAULT_SHUTDOWN_GRACE = 5.0
+
+#: After the grace, how long handlers get to write the end of their answers.
+_END_SECONDS = 2.0
 
 ROUTES: dict[str, tuple[str, ...]] = {
     "/": ("GET",),
@@ -304,12 +313,17 @@ class Handler(BaseHTTPRequestHandler):
         # while it is unread closes the connection, so a body (on any method,
         # GET and OPTIONS included) is never read as a pipelined next request.
         self._body_read = not self._has_body()
+        self.server.request_started()
         try:
             path = _request_path(self.path)
             path = ALIASES.get(path, path)
             self._anthropic = path == "/v1/messages"
             if self._health_only:
                 self._check_reserved(method, path)
+            if self.server.draining:
+                self.close_connection = True
+                if path != "/health":
+                    raise _stopping()
             if method == "OPTIONS":
                 self._preflight(path)
                 return
@@ -326,11 +340,7 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
             self.close_connection = True
         except PoolClosed:
-            self._send_error(
-                HttpError(
-                    503, "The server is stopping.", fix="retry once it is back", type=SERVER_ERROR
-                )
-            )
+            self._send_error(_stopping())
         except LoomError as err:
             self._send_error(from_loom_error(err))
         except Exception as err:  # the server must outlive any one request
@@ -338,6 +348,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send_error(
                 HttpError(500, f"Internal error: {type(err).__name__}: {err}", type=SERVER_ERROR)
             )
+        finally:
+            self.server.request_ended()
 
     def _has_body(self) -> bool:
         """Whether the request announces a body (a length other than 0, or a transfer coding)."""
@@ -518,6 +530,8 @@ class Handler(BaseHTTPRequestHandler):
                     self._sse(body, event="error")
                 else:
                     self._sse(body)
+                    if err.code == "server_stopping":
+                        self._sse("[DONE]")  # a stream the server ends still ends properly
                 self.close_connection = True
             else:
                 self._send_json(err.status, body, err.headers)
@@ -527,6 +541,8 @@ class Handler(BaseHTTPRequestHandler):
     def _health(self) -> None:
         status, body = self.app.health()
         server = self.server
+        if server.draining:  # a load balancer stops sending requests here
+            status, body["status"] = 503, "stopping"
         body["connections"] = {
             "open": server.open_connections,
             "max": server.limits.max_connections,
@@ -647,6 +663,8 @@ class Handler(BaseHTTPRequestHandler):
         """The job's pieces as the worker produces them; raises its error, if any."""
         waited = 0
         while True:
+            if self.server.stopping:
+                raise _stopping()
             try:
                 event = job.events.get(timeout=POLL_SECONDS)
             except queue.Empty:
@@ -827,6 +845,17 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _stopping() -> HttpError:
+    return HttpError(
+        503,
+        "The server is stopping.",
+        fix="retry once it is back (or at another replica)",
+        type=SERVER_ERROR,
+        code="server_stopping",
+        headers={"Retry-After": "1"},
+    )
+
+
 def _client_key(client_address: Any) -> str:
     """The address a connection comes from (its host, without the port)."""
     if isinstance(client_address, tuple) and client_address:
@@ -911,6 +940,9 @@ class LoomServer(ThreadingHTTPServer):
         self._reserved: set[int] = set()  # ids of the sockets accepted past the limit
         self._per_client: dict[str, int] = {}
         self._open_lock = threading.Lock()
+        self._active = 0  # requests being handled
+        self._draining = threading.Event()  # no new requests: answered 503
+        self._stopping = threading.Event()  # the grace is over: answers in flight end now
         self.turn_away = _too_many_connections(self.limits.max_connections)
         self._turn_away_client = _too_many_connections(
             self.limits.max_connections_per_client, per_client=True
@@ -1041,6 +1073,93 @@ class LoomServer(ThreadingHTTPServer):
     @property
     def loopback_only(self) -> bool:
         return _is_loopback(self.host)
+
+    # --- requests in flight, and draining them -------------------------------------
+
+    def request_started(self) -> None:
+        with self._open_lock:
+            self._active += 1
+
+    def request_ended(self) -> None:
+        with self._open_lock:
+            self._active -= 1
+
+    @property
+    def active_requests(self) -> int:
+        return self._active
+
+    @property
+    def draining(self) -> bool:
+        """True once :meth:`drain` began: new requests are answered ``503 server_stopping``."""
+        return self._draining.is_set()
+
+    @property
+    def stopping(self) -> bool:
+        """True once the grace is over: answers in flight end with an error event."""
+        return self._stopping.is_set()
+
+    def drain(self, grace: float) -> bool:
+        """Stop accepting, let requests in flight finish for ``grace`` seconds, end the rest.
+
+        Call it once :meth:`serve_forever` has returned (or from another
+        thread). Streams still running at the end of the grace get an error
+        event (``server_stopping``) and, in the OpenAI shape, ``data: [DONE]``;
+        a whole answer not yet sent is a ``503``. Then the engine stops.
+        Returns whether every request finished within the grace.
+        """
+        self._draining.set()
+        if self._thread is not None:
+            self.shutdown()
+            self._thread.join(10)
+            self._thread = None
+        self.server_close()  # new connections are refused by the system from here
+        finished = self._wait_idle(grace)
+        if not finished:
+            self._stopping.set()
+            self._wait_idle(_END_SECONDS)
+        self.prepare_pool.close()
+        self.app.close()
+        return finished
+
+    def _wait_idle(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while self._active > 0:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_SECONDS)
+        return True
+
+    def serve_until_signalled(self, grace: float = DEFAULT_SHUTDOWN_GRACE) -> None:
+        """Serve on this (the main) thread until SIGTERM or SIGINT, then :meth:`drain`.
+
+        SIGTERM (``docker stop``, systemd) drains with ``grace`` seconds for
+        requests in flight; SIGINT (Ctrl-C) ends them at once, cleanly. A
+        second signal while draining is not waited on: the process ends then.
+        """
+        chosen: list[float] = []
+
+        def on_signal(signum: int, frame: Any) -> None:
+            if chosen:  # a second signal: the operator does not want to wait
+                raise KeyboardInterrupt
+            chosen.append(grace if signum == signal.SIGTERM else 0.0)
+            log.warning(
+                "%s: stopping; requests in flight get %g s to finish",
+                signal.Signals(signum).name,
+                chosen[0],
+            )
+            # shutdown() waits for serve_forever, which runs on this very thread.
+            threading.Thread(target=self.shutdown, daemon=True).start()
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            try:
+                self.serve_forever()
+            except KeyboardInterrupt:  # raised by other means than the handler: as SIGINT
+                chosen.append(0.0)
+            self.drain(chosen[0] if chosen else 0.0)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def start_in_background(self) -> threading.Thread:
         """Serve on a daemon thread (for embedding and tests); stop with :meth:`stop`."""
