@@ -192,6 +192,7 @@ def main() -> int:
         f"  server memory: start {rss[0]:.0f} MB, peak {max(rss):.0f} MB, end {rss[-1]:.0f} MB; "
         f"threads at the end {memory[-1][1]} (start {memory[0][1]})"
     )
+    print("  memory every 10 s (MB): " + " ".join(f"{m:.0f}" for m in rss))
     print(f"  SIGTERM: exit code {code}")
     print(f"  failures: {len(failures)}")
     for kind, path, status, problem, _ in failures[:10]:
