@@ -1132,6 +1132,9 @@ class LoomServer(ThreadingHTTPServer):
     def serve_until_signalled(self, grace: float = DEFAULT_SHUTDOWN_GRACE) -> None:
         """Serve on this (the main) thread until SIGTERM or SIGINT, then :meth:`drain`.
 
+        On another thread no handler can be installed: it serves until
+        :meth:`shutdown`, then drains with no grace.
+
         SIGTERM (``docker stop``, systemd) drains with ``grace`` seconds for
         requests in flight; SIGINT (Ctrl-C) ends them at once, cleanly. A
         second signal while draining is not waited on: the process ends then.
@@ -1150,7 +1153,11 @@ class LoomServer(ThreadingHTTPServer):
             # shutdown() waits for serve_forever, which runs on this very thread.
             threading.Thread(target=self.shutdown, daemon=True).start()
 
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous: dict[signal.Signals, Any] = {}
+        if threading.current_thread() is threading.main_thread():  # only it may set handlers
+            previous = {
+                sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+            }
         try:
             try:
                 self.serve_forever()
