@@ -73,12 +73,17 @@ HOSTILE_VALUES = [
 
 
 @pytest.fixture(scope="module")
-def served(family_dirs):
+def loaded(family_dirs):
     import mlx_loom
 
+    return mlx_loom.load(family_dirs["llama"])
+
+
+@pytest.fixture(scope="module")
+def served(loaded):
     from ..server.conftest import serve
 
-    model, tokenizer = mlx_loom.load(family_dirs["llama"])
+    model, tokenizer = loaded
     yield from serve(model, tokenizer)
 
 
@@ -97,11 +102,11 @@ def test_a_value_past_the_engines_range_is_a_400_naming_it(served, fields, param
 
 
 @pytest.mark.parametrize(("fields", "param"), HOSTILE_VALUES)
-def test_the_python_api_raises_the_same_typed_error(family_dirs, fields, param):
+def test_the_python_api_raises_the_same_typed_error(loaded, fields, param):
     import mlx_loom
     from mlx_loom.errors import RequestError
 
-    model, tokenizer = mlx_loom.load(family_dirs["llama"])
+    model, tokenizer = loaded
     options = dict(fields)
     if "logit_bias" in options:
         options["logit_bias"] = {int(k): v for k, v in options["logit_bias"].items()}
@@ -111,11 +116,11 @@ def test_the_python_api_raises_the_same_typed_error(family_dirs, fields, param):
 
 
 @pytest.mark.parametrize("name", ["max_tokens", "prefill_step_size", "max_kv_size"])
-def test_python_api_counts_are_bounded_too(family_dirs, name):
+def test_python_api_counts_are_bounded_too(loaded, name):
     import mlx_loom
     from mlx_loom.errors import RequestError
 
-    model, tokenizer = mlx_loom.load(family_dirs["llama"])
+    model, tokenizer = loaded
     with pytest.raises(RequestError, match=name):
         mlx_loom.generate(model, tokenizer, "hello", **{"max_tokens": 2, name: 10**18})
 
@@ -172,14 +177,13 @@ class _NonFiniteWorker:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_non_finite_logprobs_are_sent_as_the_documented_floor(family_dirs, path, stream):
-    import mlx_loom
+def test_non_finite_logprobs_are_sent_as_the_documented_floor(loaded, path, stream):
     from mlx_loom.serve import make_server
     from mlx_loom.serve.wire import LOGPROB_FLOOR
 
     from ..server.conftest import Client
 
-    model, tokenizer = mlx_loom.load(family_dirs["llama"])
+    model, tokenizer = loaded
     server = make_server(model, tokenizer, port=0)
     server.app.worker.close()
     server.app.worker = _NonFiniteWorker()
@@ -226,12 +230,10 @@ def test_an_answer_past_the_entry_bound_is_refused_before_generating(served, pat
     assert "131072" in error["message"] and field in error["message"] and error["fix"]
 
 
-def test_the_entry_bound_is_exact_and_configurable(family_dirs):
-    import mlx_loom
-
+def test_the_entry_bound_is_exact_and_configurable(loaded):
     from ..server.conftest import serve
 
-    model, tokenizer = mlx_loom.load(family_dirs["llama"])
+    model, tokenizer = loaded
     for client in serve(model, tokenizer, max_response_entries=60):
         base = {"prompt": "hi", "logprobs": 2, "n": 2}
         assert client.post("/v1/completions", {**base, "max_tokens": 10}).status == 200
