@@ -22,13 +22,20 @@ from ..errors import RequestError
 from ..parallel import doors
 from ..parallel.serving import follow_jobs
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
+from ..serve.server import DEFAULT_SHUTDOWN_GRACE
 from ..serve.adapters import parse_adapter_specs
-from ..serve.app import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_QUEUED, server_engine_settings
+from ..serve.app import (
+    DEFAULT_MAX_PROMPT_CHARS,
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_MAX_RESPONSE_ENTRIES,
+    server_engine_settings,
+)
 from ..serve.connection import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
     DEFAULT_WRITE_TIMEOUT,
 )
 from ..serve.prepare import DEFAULT_THREADS
@@ -290,6 +297,14 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         help="longest prompt in tokens (default: the model's context)",
     )
     prompts.add_argument(
+        "--max-response-entries",
+        type=_count("--max-response-entries", 1, "entries", DEFAULT_MAX_RESPONSE_ENTRIES),
+        default=DEFAULT_MAX_RESPONSE_ENTRIES,
+        metavar="N",
+        help="most token entries one answer may ask for: max_tokens x n x (1 + logprobs) "
+        f"(default: {DEFAULT_MAX_RESPONSE_ENTRIES})",
+    )
+    prompts.add_argument(
         "--tokenizer-threads",
         type=_count("--tokenizer-threads", 1, "threads", DEFAULT_THREADS),
         default=DEFAULT_THREADS,
@@ -305,6 +320,16 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="connections served at once; more are answered 503 and closed "
         f"(default: {DEFAULT_MAX_CONNECTIONS})",
+    )
+    conns.add_argument(
+        "--max-connections-per-client",
+        type=_count(
+            "--max-connections-per-client", 1, "connections from one address", 64
+        ),
+        default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+        metavar="N",
+        help="connections one client address may hold; behind a reverse proxy, raise it to "
+        f"--max-connections (default: {DEFAULT_MAX_CONNECTIONS_PER_CLIENT})",
     )
     for flag, default, what in (
         ("--idle-timeout", DEFAULT_IDLE_TIMEOUT, "close a connection that sends no request for"),
@@ -323,6 +348,20 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
             metavar="SECONDS",
             help=f"{what} this many seconds (default: {default:g})",
         )
+    conns.add_argument(
+        "--shutdown-grace",
+        type=flags.finite(
+            "--shutdown-grace",
+            check=lambda v: v >= 0,
+            valid="a number of seconds >= 0",
+            fix=f"pass a number of seconds, e.g. {{flag}} {DEFAULT_SHUTDOWN_GRACE:g}",
+        ),
+        default=DEFAULT_SHUTDOWN_GRACE,
+        metavar="SECONDS",
+        help="on SIGTERM, stop accepting and let requests in flight run this long before "
+        "their answers are ended (an error event, then [DONE]); SIGINT ends them at once "
+        f"(default: {DEFAULT_SHUTDOWN_GRACE:g})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -358,8 +397,10 @@ def run(args: argparse.Namespace) -> int:
         kv_codec=args.kv_codec,
         max_prompt_chars=args.max_prompt_chars,
         max_prompt_tokens=args.max_prompt_tokens,
+        max_response_entries=args.max_response_entries,
         tokenizer_threads=args.tokenizer_threads,
         max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
         idle_timeout=args.idle_timeout,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
@@ -385,9 +426,8 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-    finally:
+        server.serve_until_signalled(args.shutdown_grace)
+    except KeyboardInterrupt:  # a second signal while draining: do not wait
         server.stop()
+        return 1
     return 0

@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_loom.cache import maybe_quantize_kv_cache, resolve_kv_codec, validate_kv_quantization
 from mlx_loom.cache.convert import convertible
 from mlx_loom.errors import AdapterError, ParallelRefused, RequestError
-from mlx_loom.generate.params import SamplingParams
+from mlx_loom.generate.params import MAX_INT_OPTION, SamplingParams
 from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
 
 if TYPE_CHECKING:
@@ -42,12 +42,13 @@ MAX_DRAFT = 32
 #: unbounded), each checked by :func:`_int_field`. Every bound on such a field
 #: is declared here, and listed in ``docs/limits.md``.
 INT_BOUNDS: dict[str, tuple[int, int | None]] = {
-    "max_tokens": (1, None),
-    "prefill_step_size": (1, None),
-    "max_kv_size": (1, None),
+    # Counts the engine keeps in int32 arrays (as the sampling counts are).
+    "max_tokens": (1, MAX_INT_OPTION),
+    "prefill_step_size": (1, MAX_INT_OPTION),
+    "max_kv_size": (1, MAX_INT_OPTION),
     "num_draft_tokens": (1, MAX_DRAFT),
-    "ngram_max": (1, None),
-    "ngram_min": (1, None),
+    "ngram_max": (1, MAX_INT_OPTION),
+    "ngram_min": (1, MAX_INT_OPTION),
 }
 
 #: ``sampler(logprobs [1, V]) -> token [1]`` (mlx-lm's sampler signature).

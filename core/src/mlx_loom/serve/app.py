@@ -34,7 +34,7 @@ from ..model import Model
 from ..text import TemplateBudget, Tokenizer
 from ..text.output_parser import Content, OutputParser, Reasoning, ToolCallFound
 from ..text.tool_calls import ToolCall
-from . import schemas
+from . import schemas, wire
 from .adapters import ServedAdapters
 from .errors import NOT_FOUND, HttpError, from_loom_error
 from .tools import ChatFormat, ToolPlan, output_parser, plan_tools, prompt_suffix
@@ -57,6 +57,16 @@ MAX_CHOICES = 16
 #: the vocabulary (4 byte-tokens per character: 4 M tokens), ~0.9 GB and ~7 s.
 #: Twice this was 1.7 GB and 14 s in that worst case.
 DEFAULT_MAX_PROMPT_CHARS = 1024 * 1024
+
+#: The most token entries one answer may ask for: ``max_tokens`` × ``n`` ×
+#: (1 + top log-probabilities per token). An answer is built in memory (a
+#: whole one before it is sent, a stream's pieces as they come), ~110 bytes of
+#: JSON an entry with log-probabilities: a 110-byte request (``n: 16``,
+#: ``logprobs: 20``, 1,000 tokens) answered 38 MB and grew the server by
+#: ~375 MB. 131,072 entries keep an answer near 15 MB, and still admit the
+#: largest ``max_tokens`` with ``n: 16`` and no log-probabilities, or with 20
+#: log-probabilities and ``n: 1``.
+DEFAULT_MAX_RESPONSE_ENTRIES = 131072
 
 #: The token bound for a model whose config states no context length.
 DEFAULT_MAX_PROMPT_TOKENS = 131072
@@ -172,8 +182,17 @@ class ServeApp:
         max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
         max_prompt_tokens: int | None = None,
         speculation: Speculation | None = None,
+        max_response_entries: int = DEFAULT_MAX_RESPONSE_ENTRIES,
     ) -> None:
         _check_count("max_tokens_limit", max_tokens_limit, "--max-tokens-limit", 4096)
+        _check_count(
+            "max_response_entries",
+            max_response_entries,
+            "--max-response-entries",
+            DEFAULT_MAX_RESPONSE_ENTRIES,
+        )
+        #: Token entries one answer may ask for (see DEFAULT_MAX_RESPONSE_ENTRIES).
+        self.max_response_entries = max_response_entries
         _check_count(
             "max_prompt_chars", max_prompt_chars, "--max-prompt-chars", DEFAULT_MAX_PROMPT_CHARS
         )
@@ -527,6 +546,8 @@ class ServeApp:
             )
         except LoomError as err:
             raise self._engine_error(err, renamed) from None
+        # After make_request: its limit is max_tokens cut to the room the context leaves.
+        self._check_response_size(engine_request.limit, request.n, params.logprobs, count_field)
         choices = []
         for index in range(request.n):
             seeded = dict(sampling)
@@ -564,6 +585,22 @@ class ServeApp:
             report_logprobs=report,
             top_logprobs=params.logprobs,
             parallel_tool_calls=plan.parallel,
+        )
+
+    def _check_response_size(self, max_tokens: int, n: int, top: int, top_field: str) -> None:
+        """Refuse a request whose answer could exceed ``max_response_entries`` token entries."""
+        entries = max_tokens * n * (1 + top)
+        if entries <= self.max_response_entries:
+            return
+        raise HttpError(
+            400,
+            f"The answer asked for could hold {entries} token entries (max_tokens {max_tokens} "
+            f"x n {n} x (1 + {top_field} {top})); this server answers at most "
+            f"{self.max_response_entries} (--max-response-entries).",
+            fix="ask for fewer tokens, choices or log-probabilities per token, or split the "
+            "request",
+            param="max_tokens",
+            code="response_too_large",
         )
 
     def _check_response_format(self, fmt: schemas.ResponseFormat | None) -> None:
@@ -649,7 +686,11 @@ class ServeApp:
     def _chat_logprobs(self, pieces: Iterable[Piece]) -> schemas.ChatLogprobs:
         def entry(token: int, logprob: float) -> dict[str, Any]:
             text = self._token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {
+                "token": text,
+                "logprob": wire.logprob(logprob),
+                "bytes": list(text.encode("utf-8")),
+            }
 
         return schemas.ChatLogprobs(
             content=[
@@ -671,10 +712,12 @@ class ServeApp:
             offset += len(text)
         top = None
         if prep.top_logprobs:
-            top = [{self._token_text(t): v for t, v in p.top_logprobs} for p in pieces]
+            top = [
+                {self._token_text(t): wire.logprob(v) for t, v in p.top_logprobs} for p in pieces
+            ]
         return schemas.CompletionLogprobs(
             tokens=tokens,
-            token_logprobs=[p.logprob for p in pieces],
+            token_logprobs=[wire.logprob(p.logprob) for p in pieces],
             top_logprobs=top,
             text_offset=offsets,
         )
