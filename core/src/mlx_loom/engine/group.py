@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_loom.cache.mixed import join_rows, stack_rows
+from mlx_loom.engine.constraints import constrain_rows
 from mlx_loom.engine.caches import layout, quantization_pending, stackable
 from mlx_loom.engine.events import TokenEvent
 from mlx_loom.engine.row import Row, adapter_batch_key, row_adapters
@@ -249,6 +250,17 @@ class DecodeGroup:
                         part = logits if B == 1 else logits[j : j + 1]
                 parts.append(part)
             logits = parts[0] if B == 1 else mx.concatenate(parts)
+        if any(row.constraint is not None for row in rows):
+            # The forward runs while the masks are computed; each mask needs
+            # its row's newest token, so the current tokens are read here.
+            mx.async_eval(logits)
+            fed = inputs.tolist()
+            logits = constrain_rows(
+                [row.constraint for row in rows],
+                [fed[j] if self.emit[j] else None for j in range(B)],
+                logits,
+                failed,
+            )
         with self.model.native_kernels():
             logprobs = logprobs_from_logits(logits)
         tokens = self._sample(logprobs, failed)

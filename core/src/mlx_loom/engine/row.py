@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlx_loom.engine.constraints import RowConstraint
 from mlx_loom.engine.events import TokenEvent
 from mlx_loom.engine.request import Request
 from mlx_loom.generate.logits import make_logits_processors
@@ -54,6 +55,10 @@ class Row:
         if self.processors:
             self.context = mx.array([*request.history, *request.prompt], mx.uint32)
         tok = request.tokenizer
+        #: The row's parser state over its structured-output constraint.
+        self.constraint: RowConstraint | None = None
+        if request.constraint is not None and tok is not None:
+            self.constraint = RowConstraint(request.constraint, tok, request.eos)
         self.detok = tok.detokenizer() if tok is not None else None
         self.stops = StopStrings(request.stop)
         self.admitted = time.perf_counter()

@@ -37,6 +37,7 @@ import mlx.core as mx
 
 from mlx_loom.cache.protocol import SpeculativeRounds
 from mlx_loom.engine.caches import layout, quantization_pending, stackable
+from mlx_loom.engine.constraints import mask_logits
 from mlx_loom.engine.group import DecodeGroup, Left, StepResult
 from mlx_loom.engine.row import Row
 from mlx_loom.errors import CacheNotTrimmable
@@ -257,6 +258,8 @@ class SpeculativeGroup(DecodeGroup):
                 continue
             emitted = self._emit(row, *choice, out)
             keeps.append(emitted)
+            if row.constraint is not None:
+                row.constraint.advance(choice[1][:emitted])
             drafts = plans[j][0]
             row.fed.extend(inputs[j][:emitted])
             row.speculation.sequence.extend(choice[1][:emitted])
@@ -287,10 +290,14 @@ class SpeculativeGroup(DecodeGroup):
         if k > 0:
             k = self.policy.window(len(st.sequence) - 1, k + 1) - 1
         try:
-            return st.propose(k)
+            drafts, q = st.propose(k)
         except BaseException as err:  # a draft model may raise anything: this row fails
             failed[j] = err
             return [], None
+        if row.constraint is not None:  # a draft the grammar rejects ends the run
+            n = row.constraint.legal_prefix(drafts)
+            drafts, q = drafts[:n], (q[:n] if q is not None and n else None)
+        return drafts, q
 
     def _commit(self, fed: int, keeps: list[int]) -> None:
         for c in self.caches:
@@ -337,9 +344,16 @@ class SpeculativeGroup(DecodeGroup):
 
     @staticmethod
     def _process(row: Row, logits: mx.array, drafts: list[int]) -> mx.array:
-        """Each position's logits through the row's processors, over its own history."""
-        if not row.processors:
-            return logits
+        """Each position's logits through the row's processors, over its own history,
+        then the row's grammar mask at that position."""
+        if row.processors:
+            logits = SpeculativeGroup._penalize(row, logits, drafts)
+        if row.constraint is not None:
+            logits = mask_logits(logits, row.constraint.masks_along(drafts))
+        return logits
+
+    @staticmethod
+    def _penalize(row: Row, logits: mx.array, drafts: list[int]) -> mx.array:
         sequence = row.speculation.sequence
         parts = []
         for j in range(logits.shape[0]):

@@ -19,7 +19,7 @@ from typing import Any
 from ..cache import validate_kv_quantization
 from ..engine import EngineSettings, Speculation
 from ..engine.request import MAX_DRAFT
-from ..errors import CapabilityRefused, LoomError, RequestError, TemplateBudgetExceeded
+from ..errors import LoomError, RequestError, TemplateBudgetExceeded
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
 from ..host import GENERATE, KV_QUANTIZATION, Registry
@@ -30,6 +30,7 @@ from ..text.tool_calls import ToolCall
 from . import schemas
 from .adapters import ServedAdapters
 from .errors import NOT_FOUND, HttpError, from_loom_error
+from .structured import request_constraint
 from .tools import ChatFormat, ToolPlan, output_parser, plan_tools, prompt_suffix
 from .worker import GenerationWorker, Job, Piece
 
@@ -574,11 +575,13 @@ class ServeApp:
 
         plan = ToolPlan()
         if chat:
-            self._check_response_format(request.response_format)
             plan = plan_tools(request, self.chat_format)
             ids, in_reasoning = self._chat_prompt(request, plan)
         else:
             ids, in_reasoning = self._text_prompt(request), False
+        constraint = request_constraint(
+            request, self.tokenizer, plan=plan, chat_format=self.chat_format
+        )
         sampling = params.model_dump()
         max_tokens = self._room(len(ids), max_tokens)
         speculation = self._speculation(request.draft, request.num_draft_tokens)
@@ -595,6 +598,7 @@ class ServeApp:
                 sampling=seeded,
                 adapter=adapter,
                 speculation=speculation,
+                constraint=constraint,
                 **self.kv,
             )
             parser = (
@@ -612,19 +616,6 @@ class ServeApp:
             report_logprobs=report,
             top_logprobs=params.logprobs,
             parallel_tool_calls=plan.parallel,
-        )
-
-    def _check_response_format(self, fmt: schemas.ResponseFormat | None) -> None:
-        if fmt is None or fmt.type == "text":
-            return
-        raise from_loom_error(
-            CapabilityRefused(
-                f"response_format type {fmt.type!r} asks for output constrained to JSON; this "
-                "server does not constrain decoding, and would return unchecked text.",
-                fix='omit response_format (or send {"type": "text"}), and ask for JSON in the '
-                "messages or call a tool whose parameters carry the schema",
-            ),
-            param="response_format",
         )
 
     def _speculation(self, draft: str | None, count: int | None) -> Speculation | None:

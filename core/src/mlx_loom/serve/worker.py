@@ -36,6 +36,7 @@ from ..engine import (
     TokenEvent,
     make_request,
 )
+from ..engine.constraints import Constraint
 from ..generate import SamplingParams
 from ..host import PROMPT_CACHE
 from ..model import Model
@@ -100,6 +101,8 @@ class Job:
     #: The registered adapter this job runs with (``None``: the base model).
     adapter: str | None = None
     speculation: Speculation | None = None
+    #: Structured output: the grammar the reply follows (``None``: free text).
+    constraint: Constraint | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
     _handle: Handle | None = None
@@ -156,6 +159,7 @@ class GenerationWorker:
             kv_codec=job.kv_codec,
             adapter=job.adapter,
             speculation=job.speculation,
+            constraint=job.constraint,
         )
         if self.model.parallel is None:
             job._handle = self.service.submit(request, sink=job._sink)
