@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..engine.constraints import Constraint, compile_constraint, from_response_format
-from ..errors import RequestError
+from ..errors import CapabilityRefused, RequestError
 from ..text import Tokenizer
 from .errors import HttpError, from_loom_error
 from .tool_grammar import tool_call_grammar
@@ -97,10 +97,10 @@ def request_constraint(
             return from_response_format(spec, tokenizer)
         if kind == "tool_choice":
             assert plan is not None and chat_format is not None
-            grammar = tool_call_grammar(plan, chat_format)
+            grammar = tool_call_grammar(plan, chat_format, tokenizer)
             if grammar is None:
                 return None  # a format without a grammar: the opening alone (documented)
             return compile_constraint("grammar", grammar, tokenizer)
         return compile_constraint(kind, spec, tokenizer)
-    except RequestError as err:
+    except (RequestError, CapabilityRefused) as err:
         raise from_loom_error(err, param=param) from None

@@ -23,7 +23,8 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import RequestError
+from ..errors import CapabilityRefused, RequestError
+from ..text import Tokenizer
 from .tools import ChatFormat, ToolPlan
 
 #: Compact JSON inside a call (``%json`` in a Lark grammar): free whitespace
@@ -166,10 +167,36 @@ _BUILDERS: dict[str, Callable[[dict[str, dict[str, Any]], str | None], str]] = {
     "minicpm5": _minicpm5,
 }
 
+#: The fixed text each format's calls are made of (checked to be writable).
+_LITERALS: dict[str, tuple[str, ...]] = {
+    "json_tools": ('{"name":', '"arguments":', "}\n</tool_call>"),
+    "minicpm5": ('<param name="', '">', "</param>", "</function>"),
+}
 
-def tool_call_grammar(plan: ToolPlan, fmt: ChatFormat) -> str | None:
+
+def _check_writable(tokenizer: Tokenizer, fmt: str, tools: dict[str, dict[str, Any]]) -> None:
+    """Refuse a format whose text this tokenizer cannot write (it drops characters it
+    has no token for): no sampled call could ever follow the grammar."""
+    texts = [*_LITERALS[fmt], *tools]
+    for schema in tools.values():
+        props = schema.get("properties")
+        texts += list(props) if isinstance(props, Mapping) else []
+    for text in texts:
+        if tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) != text:
+            raise CapabilityRefused(
+                f"This model's tokenizer cannot write {text!r}, part of a {fmt} tool call, so "
+                "a forced call cannot be held to the tool's schema.",
+                fix='send tool_choice "auto", or serve a model whose tokenizer covers the '
+                "format's characters",
+            )
+
+
+def tool_call_grammar(
+    plan: ToolPlan, fmt: ChatFormat, tokenizer: Tokenizer | None = None
+) -> str | None:
     """The Lark grammar of a forced call's remaining text (``None``: no grammar for
-    this format, the opening alone forces the call)."""
+    this format, the opening alone forces the call). With ``tokenizer``, a format it
+    cannot write is refused."""
     parser = fmt.tool_parser
     if plan.forced is None or parser is None or not plan.tools:
         return None
@@ -177,6 +204,8 @@ def tool_call_grammar(plan: ToolPlan, fmt: ChatFormat) -> str | None:
     if build is None:
         return None
     tools = {t["function"]["name"]: _parameters(t) for t in plan.tools}
+    if tokenizer is not None:
+        _check_writable(tokenizer, parser.name, tools)
     named = None
     if plan.forced:
         named = next(
