@@ -116,7 +116,8 @@ def _bias_towards(client, chars: str) -> dict[str, float]:
 
 def test_vllm_structured_outputs_on_both_endpoints(client):
     for seed in range(3):
-        text, _ = chat(client, seed=seed, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+        text, _ = chat(client, seed=seed, extra_body=choice)
         assert text in ("yes", "no")
         done = client.completions.create(
             model="m", prompt="Code:", max_tokens=20, temperature=1.0, seed=seed,
