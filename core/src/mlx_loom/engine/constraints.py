@@ -29,7 +29,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import llguidance as llg
 import mlx.core as mx
@@ -70,7 +70,8 @@ PARSER_LIMITS = {
 
 
 def _limits() -> llg.LLParserLimits:
-    return llg.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
+    limits: dict[str, Any] = {**PARSER_LIMITS, "verbose_errors": False}
+    return llg.LLParserLimits(**limits)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ def _source_text(kind: str, spec: Any) -> str:
 
 #: JSON is generated compact (``{"a":1}``): with free whitespace a weak or
 #: random model can emit blanks until it runs out of tokens.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 
 def _grammar(kind: str, source: str) -> str:
@@ -156,7 +157,7 @@ def _grammar(kind: str, source: str) -> str:
     if kind == "grammar":
         # llguidance reads llama.cpp's GBNF ("::=") and Lark alike.
         return str(llg.grammar_from("grammar", source))
-    return str(llg.grammar_from(kind, source))
+    return str(llg.grammar_from(cast(Any, kind), source))
 
 
 class _TokenizerTable:
@@ -183,6 +184,8 @@ _TOKENIZERS = _TokenizerTable()
 #: Compiles run here, so a caller waits at most COMPILE_SECONDS (llguidance
 #: releases the GIL while it works; an abandoned compile ends by its fuel).
 _COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+#: llguidance's own thread pool, for the masks of a batch's rows at once.
+_EXECUTOR = llg.LLExecutor()
 
 
 def _check(grammar: str, lltok: llg.LLTokenizer) -> str:
@@ -370,17 +373,38 @@ def constrain_rows(
     """
     width = max([logits.shape[-1], *(c.words * 32 for c in constraints if c is not None)])
     bitmask = allocate_masks(len(constraints), width)
+    live: list[int] = []
     for j, c in enumerate(constraints):
         if c is None:
             continue
+        token = fed[j]
         try:
-            token = fed[j]
             if token is not None:
                 c.advance([token])
-            c.fill(bitmask, j)
+            live.append(j)
         except BaseException as err:  # this row's grammar failed: it alone leaves
             failed[j] = err
-            bitmask[j] = -1
+    words = {constraints[j].words for j in live}  # type: ignore[union-attr]
+    if len(live) > 1 and len(words) == 1:
+        # Several rows: their masks are computed in parallel, on llguidance's threads.
+        (n,) = words
+        part = allocate_masks(len(live), n * 32)
+        pairs = [(constraints[j].matcher, i) for i, j in enumerate(live)]  # type: ignore[union-attr]
+        _EXECUTOR.unsafe_compute_mask_ptr(pairs, part.ctypes.data, n * 4, len(live))
+        bitmask[live, :n] = part
+        bitmask[live, n:] = 0
+        for j in live:
+            matcher = constraints[j].matcher  # type: ignore[union-attr]
+            if matcher.is_error():
+                failed[j] = ConstraintViolation(matcher.get_error())
+                bitmask[j] = -1
+    else:
+        for j in live:
+            try:
+                constraints[j].fill(bitmask, j)  # type: ignore[union-attr]
+            except BaseException as err:
+                failed[j] = err
+                bitmask[j] = -1
     return mask_logits(logits, bitmask)
 
 

@@ -254,7 +254,7 @@ class DecodeGroup:
             # The forward runs while the masks are computed; each mask needs
             # its row's newest token, so the current tokens are read here.
             mx.async_eval(logits)
-            fed = inputs.tolist()
+            fed: list[int] = inputs.tolist()  # type: ignore[assignment]
             logits = constrain_rows(
                 [row.constraint for row in rows],
                 [fed[j] if self.emit[j] else None for j in range(B)],
