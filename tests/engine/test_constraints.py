@@ -159,15 +159,17 @@ def test_rows_with_different_constraints_batched_equal_their_solo_runs(tiny):
     assert valid(json.loads(runs["schema"].text))
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
-def test_speculative_rows_keep_only_legal_drafts(tiny, greedy):
+def test_speculative_rows_keep_only_legal_drafts(tiny, greedy, drafter):
     model, tok = tiny
+    draft = None if drafter == "ngram" else mlx_loom.load(TINY)[0]
     params = SamplingParams() if greedy else SamplingParams(temperature=1.0, seed=5)
     c = compile_constraint("json_schema", SCHEMA, tok)
     # A prompt full of JSON-ish text gives prompt lookup drafts the grammar often rejects.
     prompt = 'x {"name":"a","age":1 and {"name":"b","pet":"cow","age":999} {"name":'
     spec = request(model, tok, prompt, max_tokens=80, constraint=c, params=params,
-                   speculation=Speculation(None, 4))
+                   speculation=Speculation(draft, 4))
     run = alone(model, spec)
     assert valid(json.loads(run.text)), run.text
     assert any(e.from_draft for e in run.events)  # drafts were kept, and all were legal
@@ -216,3 +218,46 @@ def test_compiled_constraints_are_cached_per_spec(tiny):
     a = compile_constraint("json_schema", {"type": "object", "properties": {"a": {}}}, tok)
     b = compile_constraint("json_schema", '{"properties": {"a": {}}, "type": "object"}', tok)
     assert a is b
+
+
+FAMILIES = ["llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4"]
+#: A schema the test tokenizers (lower-case letters, digits, JSON punctuation) can write.
+SMALL = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "w": {"enum": ["red", "blue"]}},
+    "required": ["n", "w"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    from mlx_loom.testing.checkpoints import write_checkpoint
+
+    claim = mlx_loom.default_host().registry.model_types[request.param]
+    path = tmp_path_factory.mktemp(request.param) / "ckpt"
+    cfg = claim.tiny_config
+    write_checkpoint(path, cfg, claim.checkpoint_tensors(cfg), tokenizer=True)
+    return mlx_loom.load(path)
+
+
+def test_every_family_holds_sampled_rows_to_their_constraints_batched_as_alone(family):
+    model, tok = family
+    small = compile_constraint("json_schema", SMALL, tok)
+    digits = compile_constraint("regex", "[0-9]{3,5}", tok)
+    reqs = {
+        f"s{seed}": request(model, tok, "the cat", max_tokens=40, constraint=small,
+                            params=SamplingParams(temperature=1.0, seed=seed))
+        for seed in range(3)
+    }
+    reqs["d"] = request(model, tok, "a dog ran", max_tokens=12, constraint=digits,
+                        params=SamplingParams(temperature=1.0, seed=9))
+    reqs["free"] = request(model, tok, "the sun", max_tokens=8)
+    runs = drive(Engine(model), {0: list(reqs.items())})
+    for name, req in reqs.items():
+        assert_same_run(runs[name], alone(model, req), name)
+    for seed in range(3):
+        value = json.loads(runs[f"s{seed}"].text)
+        assert set(value) == {"n", "w"} and 0 <= value["n"] <= 99 and value["w"] in ("red", "blue")
+    assert re.fullmatch("[0-9]{3,5}", runs["d"].text)
