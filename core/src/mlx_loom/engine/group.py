@@ -14,7 +14,9 @@ One step (:meth:`DecodeGroup.step`), in ``generate_step``'s order:
    ``max_tokens``;
 2. the forward over every other row's current token, then (for a row alone)
    the KV-quantization check;
-3. per row: its logits processors over its own token history, then the
+3. per row: its logits processors over its own token history, and its
+   grammar's mask (a constrained row: :mod:`mlx_loom.engine.constraints`;
+   the current tokens are read first, while the forward runs), then the
    log-softmax of the batch, then each row's own sampler (greedy rows share
    one ``argmax``);
 4. ``mx.async_eval`` of the next tokens — queued *before* the current
@@ -37,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_loom.cache.mixed import join_rows, stack_rows
-from mlx_loom.engine.constraints import constrain_rows
 from mlx_loom.engine.caches import layout, quantization_pending, stackable
+from mlx_loom.engine.constraints import constrain_rows
 from mlx_loom.engine.events import TokenEvent
 from mlx_loom.engine.row import Row, adapter_batch_key, row_adapters
 from mlx_loom.generate.sampling import logprobs_from_logits, logprobs_top_k

@@ -7,10 +7,12 @@ A speculative row's decode step is the plain step grown to a window
    — a draft model (:class:`ModelDrafter`, its own caches, rolled back like
    the target's) or prompt lookup (:func:`ngram_draft`: the tokens that
    followed the latest earlier occurrence of the sequence's last n-gram);
+   a row with a grammar keeps only the drafts' legal prefix
+   (:mod:`mlx_loom.engine.constraints`);
 2. the target verifies ``[y, d1 .. dk]`` in one forward inside a speculative
    round of every cache (:func:`begin_rounds`);
 3. each position gets the row's logits processors over its own token
-   history, then the accept rule picks how many drafts to keep and the next
+   history and its grammar mask at that position, then the accept rule picks how many drafts to keep and the next
    token: for greedy rows the longest prefix equal to the target's argmax;
    for sampled rows the standard accept/reject rule (accept ``d`` with
    probability ``min(1, p(d)/q(d))``; on a rejection sample the residual
@@ -259,7 +261,10 @@ class SpeculativeGroup(DecodeGroup):
             emitted = self._emit(row, *choice, out)
             keeps.append(emitted)
             if row.constraint is not None:
-                row.constraint.advance(choice[1][:emitted])
+                try:
+                    row.constraint.advance(choice[1][:emitted])
+                except BaseException as err:  # this row's grammar failed: it alone leaves
+                    failed[j] = err
             drafts = plans[j][0]
             row.fed.extend(inputs[j][:emitted])
             row.speculation.sequence.extend(choice[1][:emitted])
