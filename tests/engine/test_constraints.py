@@ -261,3 +261,19 @@ def test_every_family_holds_sampled_rows_to_their_constraints_batched_as_alone(f
         value = json.loads(runs[f"s{seed}"].text)
         assert set(value) == {"n", "w"} and 0 <= value["n"] <= 99 and value["w"] in ("red", "blue")
     assert re.fullmatch("[0-9]{3,5}", runs["d"].text)
+
+
+def test_a_grammar_the_tokenizer_cannot_write_is_refused_or_fails_its_row_alone(family):
+    """The test tokenizers have no token for '<': text the grammar forces from the start
+    is refused before any work; a dead end met later fails that row, not the batch."""
+    model, tok = family
+    with pytest.raises(RequestError, match="cannot write"):
+        compile_constraint("regex", "ab<cd>", tok)
+    late = compile_constraint("regex", "[ab]<c>", tok)
+    runs = drive(Engine(model), {0: [
+        ("late", request(model, tok, "the cat", max_tokens=8, constraint=late)),
+        ("free", request(model, tok, "the dog", max_tokens=6)),
+    ]})
+    assert runs["late"].done.outcome == "failed"
+    assert "broke the regex constraint" in str(runs["late"].done.error)
+    assert runs["free"].done.outcome == "finished" and len(runs["free"].tokens) == 6

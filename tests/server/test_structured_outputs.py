@@ -191,3 +191,27 @@ def test_bad_constraints_are_a_400_naming_the_field(client, body, param, words):
     error = info.value.body
     assert info.value.status_code == 400
     assert error["param"] == param and words in error["message"], error
+
+
+def test_a_grammar_that_dead_ends_mid_reply_is_a_400_not_a_500(tmp_path):
+    """The test tokenizer has no token for '<': the grammar can start, then cannot go on."""
+    from mlx_loom.testing.checkpoints import write_checkpoint
+
+    claim = mlx_loom.default_host().registry.model_types["llama"]
+    path = write_checkpoint(
+        tmp_path / "ckpt", claim.tiny_config, claim.checkpoint_tensors(claim.tiny_config),
+        tokenizer=True,
+    )
+    model, tokenizer = mlx_loom.load(path)
+    for served in serve(model, tokenizer, model_id="m"):
+        client = openai.OpenAI(base_url=f"{served.server.url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="broke the regex constraint"):
+            client.completions.create(
+                model="m", prompt="the cat", max_tokens=8,
+                extra_body={"structured_outputs": {"regex": "[ab]<c>"}},
+            )
+        with pytest.raises(openai.BadRequestError, match="cannot write"):
+            client.completions.create(
+                model="m", prompt="the cat", max_tokens=8,
+                extra_body={"structured_outputs": {"regex": "ab<c>"}},
+            )

@@ -95,8 +95,17 @@ class Constraint:
         return f"{self.kind} {text}"
 
 
-class ConstraintViolation(RuntimeError):
-    """A token the grammar did not allow reached a constrained row (an engine bug)."""
+class ConstraintViolation(RequestError):
+    """A constrained row reached a point its grammar cannot go on from with this
+    tokenizer (text it has no tokens for: llguidance then offers a token that does
+    not fit). The row fails alone; the server answers 400."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(
+            message,
+            fix="Check that the model's tokenizer can write every character the grammar "
+            "requires, or simplify the grammar.",
+        )
 
 
 # --- compiling -----------------------------------------------------------------------------
@@ -199,11 +208,17 @@ def _check(grammar: str, lltok: llg.LLTokenizer) -> str:
     )
     if is_error:
         return messages[0].strip() if messages else "rejected by the grammar compiler"
-    matcher = llg.LLMatcher(lltok, grammar, limits=_limits())
+    matcher = llg.LLMatcher(lltok, grammar, limits=_limits(), log_level=0)
     if not matcher.is_error():
         mask = allocate_masks(1, lltok.vocab_size)
         matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-    return matcher.get_error().strip()
+        forced = matcher.compute_ff_bytes()
+        written = lltok.decode_bytes(matcher.compute_ff_tokens())
+        if not forced.startswith(written):
+            # The tokenizer drops characters it has no token for: no output can follow.
+            text = forced.decode("utf-8", "replace")
+            return f"the output must start with {text!r}, which this tokenizer cannot write"
+    return _error(matcher)
 _CACHE: OrderedDict[tuple[Any, ...], Constraint] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
 
@@ -276,6 +291,11 @@ def compile_constraint(
     return constraint
 
 
+def _error(matcher: llg.LLMatcher) -> str:
+    """The matcher's error, without llguidance's placeholder for withheld detail."""
+    return str(matcher.get_error()).replace("<non-verbose/>", "").strip()
+
+
 # --- a row's parser state ------------------------------------------------------------------
 
 
@@ -285,10 +305,13 @@ class RowConstraint:
     def __init__(self, constraint: Constraint, tokenizer: Tokenizer, eos: frozenset[int]) -> None:
         self.constraint = constraint
         self.tokenizer = _TOKENIZERS.get(tokenizer, eos)
-        self.matcher = llg.LLMatcher(self.tokenizer, constraint.grammar, limits=_limits())
+        # Errors are read from the matcher and raised here (log_level 0: nothing on stderr).
+        self.matcher = llg.LLMatcher(
+            self.tokenizer, constraint.grammar, limits=_limits(), log_level=0
+        )
         if self.matcher.is_error():
             raise RequestError(
-                f"The {constraint.kind} cannot be enforced: {self.matcher.get_error()}",
+                f"The {constraint.kind} cannot be enforced: {_error(self.matcher)}",
                 fix=f"Correct the {constraint.kind}.",
             )
         self.words = (self.tokenizer.vocab_size + 31) // 32
@@ -309,7 +332,7 @@ class RowConstraint:
             if self.ended or not self.matcher.consume_token(token):
                 raise ConstraintViolation(
                     f"token {token} broke the {self.constraint.kind} constraint: "
-                    f"{self.matcher.get_error() or 'the output was already complete'}"
+                    f"{_error(self.matcher) or 'the output was already complete'}"
                 )
 
     def legal_prefix(self, tokens: Sequence[int]) -> int:
@@ -324,7 +347,7 @@ class RowConstraint:
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.size * row.itemsize)
         bitmask[index, self.words :] = 0  # ids past the tokenizer's vocabulary
         if self.matcher.is_error():
-            raise ConstraintViolation(self.matcher.get_error())
+            raise ConstraintViolation(_error(self.matcher))
 
     def masks_along(self, drafts: Sequence[int]) -> np.ndarray:
         """Masks ``[len(drafts) + 1, words]``: here, and after each draft in turn.
@@ -399,7 +422,7 @@ def constrain_rows(
         for j in live:
             matcher = constraints[j].matcher  # type: ignore[union-attr]
             if matcher.is_error():
-                failed[j] = ConstraintViolation(matcher.get_error())
+                failed[j] = ConstraintViolation(_error(matcher))
                 bitmask[j] = -1
     else:
         for j in live:
