@@ -215,3 +215,17 @@ def test_a_grammar_that_dead_ends_mid_reply_is_a_400_not_a_500(tmp_path):
                 model="m", prompt="the cat", max_tokens=8,
                 extra_body={"structured_outputs": {"regex": "ab<c>"}},
             )
+
+
+def test_hostile_schemas_and_grammars_are_a_400(client):
+    deep: dict = {}
+    for _ in range(200):  # under the body's JSON nesting bound, past the compiler's
+        deep = {"type": "array", "items": deep}
+    huge = "start: " + " | ".join(f'"w{i}"' for i in range(12000))  # past 64 KiB
+    for extra, words in [
+        ({"json_schema": deep}, "recursion limit"),
+        ({"grammar": huge}, "bytes"),
+        ({"structured_outputs": {"choice": [str(i) for i in range(5000)]}}, "at most"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=words):
+            chat(client, max_tokens=4, extra_body=extra)
