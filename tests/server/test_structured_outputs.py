@@ -72,10 +72,14 @@ def valid_pet(value: object) -> bool:
 
 
 @pytest.fixture(scope="module")
-def client():
+def served():
     model, tokenizer = mlx_loom.load(TINY)
-    for served in serve(model, tokenizer, model_id="m"):
-        yield openai.OpenAI(base_url=f"{served.server.url}/v1", api_key="x", max_retries=0)
+    yield from serve(model, tokenizer, model_id="m")
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served.server.url}/v1", api_key="x", max_retries=0)
 
 
 def chat(client, *, stream=False, **kwargs):
@@ -149,7 +153,7 @@ def test_llama_cpp_fields_json_schema_and_gbnf_grammar(client):
 def test_forced_tool_calls_always_parse_and_validate(client, choice):
     for seed in range(3):
         reply = client.chat.completions.create(
-            model="m", messages=MESSAGES, max_tokens=120, temperature=1.0, seed=seed,
+            model="m", messages=MESSAGES, max_tokens=200, temperature=1.0, seed=seed,
             tools=[TOOL, OTHER_TOOL], tool_choice=choice,
         ).choices[0]
         assert reply.finish_reason == "tool_calls", reply.message.content
@@ -229,3 +233,19 @@ def test_hostile_schemas_and_grammars_are_a_400(client):
     ]:
         with pytest.raises(openai.BadRequestError, match=words):
             chat(client, max_tokens=4, extra_body=extra)
+
+
+def test_anthropic_tool_choice_any_is_a_call_that_validates(served):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=served.server.url, api_key="x", max_retries=0)
+    function = TOOL["function"]
+    tool = {"name": function["name"], "input_schema": function["parameters"]}
+    for _ in range(2):  # unseeded draws: the call validates whatever is drawn
+        reply = client.messages.create(
+            model="m", max_tokens=200, messages=MESSAGES, tools=[tool],
+            tool_choice={"type": "any"}, extra_body={"temperature": 1.0},
+        )
+        (use,) = [b for b in reply.content if b.type == "tool_use"]
+        assert reply.stop_reason == "tool_use" and use.name == "get_weather"
+        assert use.input["unit"] in ("c", "f") and len(use.input["city"]) <= 12
