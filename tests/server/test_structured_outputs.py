@@ -114,7 +114,9 @@ def test_json_object_replies_are_json_objects(client):
 
 
 def _bias_towards(client, chars: str) -> dict[str, float]:
-    tokenizer = mlx_loom.load(TINY)[1]
+    from mlx_loom.text import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(TINY)
     return {str(tokenizer.encode(c, add_special_tokens=False)[-1]): 8.0 for c in chars}
 
 
