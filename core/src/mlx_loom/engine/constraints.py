@@ -90,10 +90,6 @@ class Constraint:
     #: llguidance's grammar text (validated against the tokenizer).
     grammar: str
 
-    def describe(self) -> str:
-        text = self.source if len(self.source) <= 60 else self.source[:57] + "..."
-        return f"{self.kind} {text}"
-
 
 class ConstraintViolation(RequestError):
     """A constrained row reached a point its grammar cannot go on from with this
