@@ -147,25 +147,46 @@ def test_llama_cpp_fields_json_schema_and_gbnf_grammar(client):
     assert re.fullmatch("(up|down) [0-9]", text)
 
 
+def forced_call(client, choice, seed: int, stream: bool) -> tuple[str, str, str | None]:
+    """``(function name, arguments JSON, finish_reason)`` of a forced reply."""
+    kwargs = dict(
+        model="m", messages=MESSAGES, max_tokens=200, temperature=1.0, seed=seed,
+        tools=[TOOL, OTHER_TOOL], tool_choice=choice,
+    )
+    if not stream:
+        reply = client.chat.completions.create(**kwargs).choices[0]
+        assert reply.message.tool_calls, reply.message.content
+        (call,) = reply.message.tool_calls
+        return call.function.name, call.function.arguments, reply.finish_reason
+    name, arguments, finish = "", "", None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for part in delta.tool_calls or ():
+            assert part.index == 0  # one call
+            name += part.function.name or ""
+            arguments += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return name, arguments, finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 @pytest.mark.parametrize(
     "choice",
     ["required", {"type": "function", "function": {"name": "get_weather"}}],
     ids=["required", "named"],
 )
-def test_forced_tool_calls_always_parse_and_validate(client, choice):
+def test_forced_tool_calls_always_parse_and_validate(client, choice, stream):
     for seed in range(3):
-        reply = client.chat.completions.create(
-            model="m", messages=MESSAGES, max_tokens=200, temperature=1.0, seed=seed,
-            tools=[TOOL, OTHER_TOOL], tool_choice=choice,
-        ).choices[0]
-        assert reply.finish_reason == "tool_calls", reply.message.content
-        (call,) = reply.message.tool_calls
-        args = json.loads(call.function.arguments)
-        if call.function.name == "add":
+        name, arguments, finish = forced_call(client, choice, seed, stream)
+        assert finish == "tool_calls"
+        args = json.loads(arguments)
+        if name == "add":
             assert choice == "required"
             assert type(args["a"]) is int and isinstance(args["b"], (int, float))
             continue
-        assert call.function.name == "get_weather"
+        assert name == "get_weather"
         assert isinstance(args["city"], str) and len(args["city"]) <= 12
         assert args["unit"] in ("c", "f") and type(args.get("days", 0)) is int
 
