@@ -313,9 +313,47 @@ def register(sub: argparse._SubParsersAction) -> None:
         "default: the whole context)",
     )
     parser.add_argument("--verbose", action="store_true", help="also show what was resolved")
+    structured = parser.add_argument_group("structured output")
+    structured.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="hold the output to the JSON schema in FILE (enforced while decoding)",
+    )
+    structured.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="hold the output to the grammar in FILE: Lark, or llama.cpp's GBNF",
+    )
     add_speculation_options(parser)
     add_sampling_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
+
+
+def constraint_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``response_format=`` / ``grammar=`` from --json-schema / --grammar (one of them)."""
+    from ..engine.constraints import MAX_SOURCE_BYTES
+
+    if args.json_schema is not None and args.grammar is not None:
+        raise usage_error(
+            "--grammar",
+            "both --json-schema and --grammar were given; the output follows one",
+            "pass one of them",
+        )
+    flag, path = ("--grammar", args.grammar)
+    if args.json_schema is not None:
+        flag, path = "--json-schema", args.json_schema
+    if path is None:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(MAX_SOURCE_BYTES + 1)
+    except (OSError, UnicodeDecodeError) as err:
+        raise usage_error(
+            flag, f"{path} could not be read ({err})", "pass a readable text file"
+        ) from None
+    if flag == "--grammar":
+        return {"grammar": text}
+    return {"response_format": {"type": "json_schema", "json_schema": {"schema": text}}}
 
 
 def prompt_from_args(args: argparse.Namespace) -> str:
@@ -362,6 +400,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         ids = prompt
     options.update(speculation_kwargs(args))
+    options.update(constraint_kwargs(args))
     last = None
     for last in stream_generate(model, tokenizer, ids, **options):
         print(last.text, end="", flush=True)

@@ -14,7 +14,9 @@ One step (:meth:`DecodeGroup.step`), in ``generate_step``'s order:
    ``max_tokens``;
 2. the forward over every other row's current token, then (for a row alone)
    the KV-quantization check;
-3. per row: its logits processors over its own token history, then the
+3. per row: its logits processors over its own token history, and its
+   grammar's mask (a constrained row: :mod:`mlx_loom.engine.constraints`;
+   the current tokens are read first, while the forward runs), then the
    log-softmax of the batch, then each row's own sampler (greedy rows share
    one ``argmax``) — :mod:`mlx_loom.engine.next_token`, which speculative
    steps use too;
@@ -39,6 +41,7 @@ import mlx.core as mx
 
 from mlx_loom.cache.mixed import join_rows, stack_rows
 from mlx_loom.engine.caches import layout, quantization_pending, stackable
+from mlx_loom.engine.constraints import constrain_rows
 from mlx_loom.engine.events import TokenEvent
 from mlx_loom.engine.next_token import (
     host_floats,
@@ -247,6 +250,17 @@ class DecodeGroup:
             if self.emit[j]:  # the token fed now was generated: the history takes it
                 picker.note(inputs[j : j + 1])
         logits = process_batch(pickers, logits, failed)
+        if any(row.constraint is not None for row in rows):
+            # The forward runs while the masks are computed; each mask needs
+            # its row's newest token, so the current tokens are read here.
+            mx.async_eval(logits)
+            fed: list[int] = inputs.tolist()  # type: ignore[assignment]
+            logits = constrain_rows(
+                [row.constraint for row in rows],
+                [fed[j] if self.emit[j] else None for j in range(B)],
+                logits,
+                failed,
+            )
         logprobs = log_probs(self.model, logits)
         tokens = sample_batch(pickers, logprobs, failed)
         chosen = mx.take_along_axis(logprobs, tokens[:, None].astype(mx.int32), axis=-1)[:, 0]

@@ -32,6 +32,7 @@ from mlx_loom.generate.params import MAX_INT_OPTION, SamplingParams
 from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
 
 if TYPE_CHECKING:
+    from mlx_loom.engine.constraints import Constraint
     from mlx_loom.model import Model
     from mlx_loom.text import Tokenizer
 
@@ -160,6 +161,9 @@ class Request:
     #: (:class:`~mlx_loom.adapters.AdapterSet`) this request runs with;
     #: ``None``: the base model.
     adapter: str | None = None
+    #: Structured output: the grammar every generated token must follow
+    #: (:mod:`mlx_loom.engine.constraints`); ``None``: unconstrained.
+    constraint: Constraint | None = None
 
 
 def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:
@@ -330,6 +334,7 @@ def make_request(
     speculation: Speculation | None = None,
     eos: frozenset[int] | None = None,
     adapter: str | None = None,
+    constraint: Constraint | None = None,
 ) -> Request:
     """Check every option of a request against ``model``; return the :class:`Request`.
 
@@ -403,6 +408,10 @@ def make_request(
         _check_speculation(model, speculation, sampler=sampler)
     if adapter is not None:
         _check_adapter(model, adapter, speculation)
+    if constraint is not None:
+        from mlx_loom.engine.constraints import check_constraint
+
+        check_constraint(model, constraint, tokenizer)
     return Request(
         prompt=tuple(ids),
         max_tokens=max_tokens,
@@ -421,6 +430,7 @@ def make_request(
         logprobs_vector=logprobs_vector,
         speculation=speculation,
         adapter=adapter,
+        constraint=constraint,
     )
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlx_loom.engine.constraints import RowConstraint
 from mlx_loom.engine.events import TokenEvent
 from mlx_loom.engine.next_token import TokenPicker
 from mlx_loom.engine.request import Request
@@ -46,6 +47,10 @@ class Row:
         #: How this row's logits become its tokens, whichever way it decodes.
         self.picker = TokenPicker(request)
         tok = request.tokenizer
+        #: The row's parser state over its structured-output constraint.
+        self.constraint: RowConstraint | None = None
+        if request.constraint is not None and tok is not None:
+            self.constraint = RowConstraint(request.constraint, tok, request.eos)
         self.detok = tok.detokenizer() if tok is not None else None
         self.stops = StopStrings(request.stop)
         self.admitted = time.perf_counter()

@@ -7,11 +7,13 @@ A speculative row's decode step is the plain step grown to a window
    — a draft model (:class:`ModelDrafter`, its own caches, rolled back like
    the target's) or prompt lookup (:func:`ngram_draft`: the tokens that
    followed the latest earlier occurrence of the sequence's last n-gram);
+   a row with a grammar keeps only the drafts' legal prefix
+   (:mod:`mlx_loom.engine.constraints`);
 2. the target verifies ``[y, d1 .. dk]`` in one forward inside a speculative
    round of every cache (:func:`begin_rounds`);
 3. each position gets the row's logits processors over its own token
    history (the row's :class:`~mlx_loom.engine.next_token.TokenPicker`, as in
-   plain decoding), then the accept rule picks how many drafts to keep and
+   plain decoding) and its grammar mask at that position, then the accept rule picks how many drafts to keep and
    the next token: for greedy rows the longest prefix equal to the target's argmax;
    for sampled rows the standard accept/reject rule (accept ``d`` with
    probability ``min(1, p(d)/q(d))``; on a rejection sample the residual
@@ -38,6 +40,7 @@ import mlx.core as mx
 
 from mlx_loom.cache.protocol import SpeculativeRounds
 from mlx_loom.engine.caches import layout, quantization_pending, stackable
+from mlx_loom.engine.constraints import mask_logits
 from mlx_loom.engine.group import DecodeGroup, Left, StepResult
 from mlx_loom.engine.next_token import host_float, host_floats, host_int, host_ints, log_probs
 from mlx_loom.engine.row import Row
@@ -240,6 +243,8 @@ class SpeculativeGroup(DecodeGroup):
             width = 1 + len(drafts)
             try:
                 row_logits = row.picker.process(logits[j, :width], drafts)
+                if row.constraint is not None:  # then the grammar's mask at each position
+                    row_logits = mask_logits(row_logits, row.constraint.masks_along(drafts))
                 logprobs = log_probs(self.model, row_logits)
                 choices.append((logprobs, *_choose(row, logprobs, drafts, q)))
             except BaseException as err:  # a user's processor: this row fails alone
@@ -253,6 +258,11 @@ class SpeculativeGroup(DecodeGroup):
                 continue
             emitted = self._emit(row, *choice, out)
             keeps.append(emitted)
+            if row.constraint is not None:
+                try:
+                    row.constraint.advance(choice[1][:emitted])
+                except BaseException as err:  # this row's grammar failed: it alone leaves
+                    failed[j] = err
             drafts = plans[j][0]
             row.fed.extend(inputs[j][:emitted])
             row.speculation.sequence.extend(choice[1][:emitted])
@@ -284,10 +294,14 @@ class SpeculativeGroup(DecodeGroup):
         if k > 0:
             k = self.policy.window(len(st.sequence) - 1, k + 1) - 1
         try:
-            return st.propose(k)
+            drafts, q = st.propose(k)
         except BaseException as err:  # a draft model may raise anything: this row fails
             failed[j] = err
             return [], None
+        if row.constraint is not None:  # a draft the grammar rejects ends the run
+            n = row.constraint.legal_prefix(drafts)
+            drafts, q = drafts[:n], (q[:n] if q is not None and n else None)
+        return drafts, q
 
     def _commit(self, fed: int, keeps: list[int]) -> None:
         for c in self.caches:

@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..engine.constraints import from_options
 from ..engine.request import encode_prompt, make_request, speculation
 from ..errors import RequestError
 from ..model import Model
@@ -95,6 +96,8 @@ def stream_generate(
     num_draft_tokens: int = 3,
     draft: str | None = None,
     adapter: str | None = None,
+    response_format: Any = None,
+    grammar: str | None = None,
     **sampling: Any,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from ``prompt``, yielding a :class:`GenerationResponse` per token.
@@ -113,7 +116,10 @@ def stream_generate(
     every other option but ``adapter``, and greedy output is the same as
     without it. ``adapter`` names one of the adapters registered on the model
     (:class:`~mlx_loom.adapters.AdapterSet`) to run this request with, batched
-    with requests that use others. The last response carries
+    with requests that use others. ``response_format`` (OpenAI's shape:
+    ``{"type": "json_schema", "json_schema": {"schema": ...}}`` or
+    ``{"type": "json_object"}``) or ``grammar`` (Lark or GBNF text)
+    constrains the output during decoding. The last response carries
     ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"``
     (``max_tokens``, or the context).
     """
@@ -133,6 +139,7 @@ def stream_generate(
         logits_processors=logits_processors,
         logprobs_vector=True,
         adapter=adapter,
+        constraint=from_options(tokenizer, response_format=response_format, grammar=grammar),
     )
     options["speculation"] = speculation_for(draft_model, draft, num_draft_tokens)
     if prompt_cache is None:

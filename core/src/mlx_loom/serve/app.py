@@ -26,7 +26,7 @@ from typing import Any, cast
 
 from ..engine import EngineSettings, Speculation
 from ..engine.request import encode_prompt, kv_quantization, make_request
-from ..errors import CapabilityRefused, LoomError, RequestError, TemplateBudgetExceeded
+from ..errors import LoomError, RequestError, TemplateBudgetExceeded
 from ..generate import SamplingParams
 from ..generate.stream import DEFAULT_MAX_TOKENS
 from ..host import GENERATE, Registry
@@ -37,6 +37,7 @@ from ..text.tool_calls import ToolCall
 from . import schemas, wire
 from .adapters import ServedAdapters
 from .errors import NOT_FOUND, HttpError, from_loom_error
+from .structured import request_constraint
 from .tools import ChatFormat, ToolPlan, output_parser, plan_tools, prompt_suffix
 from .worker import GenerationWorker, Job, Piece
 
@@ -525,11 +526,13 @@ class ServeApp:
 
         plan = ToolPlan()
         if chat:
-            self._check_response_format(request.response_format)
             plan = plan_tools(request, self.chat_format)
             ids, in_reasoning = self._chat_prompt(request, plan)
         else:
             ids, in_reasoning = self._text_prompt(request), False
+        constraint = request_constraint(
+            request, self.tokenizer, plan=plan, chat_format=self.chat_format
+        )
         sampling = params.model_dump()
         speculation = self._speculation(request.draft, request.num_draft_tokens)
         try:
@@ -542,6 +545,7 @@ class ServeApp:
                 stop=stop,
                 adapter=adapter,
                 speculation=speculation,
+                constraint=constraint,
                 **self.kv,
             )
         except LoomError as err:
@@ -568,6 +572,7 @@ class ServeApp:
                 adapter=adapter,
                 speculation=speculation,
                 request=choice_request,
+                constraint=constraint,
                 **self.kv,
             )
             parser = (
@@ -601,19 +606,6 @@ class ServeApp:
             "request",
             param="max_tokens",
             code="response_too_large",
-        )
-
-    def _check_response_format(self, fmt: schemas.ResponseFormat | None) -> None:
-        if fmt is None or fmt.type == "text":
-            return
-        raise from_loom_error(
-            CapabilityRefused(
-                f"response_format type {fmt.type!r} asks for output constrained to JSON; this "
-                "server does not constrain decoding, and would return unchecked text.",
-                fix='omit response_format (or send {"type": "text"}), and ask for JSON in the '
-                "messages or call a tool whose parameters carry the schema",
-            ),
-            param="response_format",
         )
 
     def _engine_error(self, err: LoomError, renamed: Mapping[str, str]) -> HttpError:

@@ -37,6 +37,7 @@ from ..engine import (
     TokenEvent,
     make_request,
 )
+from ..engine.constraints import Constraint
 from ..generate import SamplingParams
 from ..host import PROMPT_CACHE
 from ..model import Model
@@ -105,6 +106,8 @@ class Job:
     adapter: str | None = None
     speculation: Speculation | None = None
     request: Request | None = None
+    #: Structured output: the grammar the reply follows (``None``: free text).
+    constraint: Constraint | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
     _handle: Handle | None = None
@@ -161,6 +164,7 @@ class GenerationWorker:
             kv_codec=job.kv_codec,
             adapter=job.adapter,
             speculation=job.speculation,
+            constraint=job.constraint,
         )
         service = self.service
         if isinstance(service, LockstepService):
