@@ -20,6 +20,7 @@ from mlx_loom.cache.batch import (
     BatchRotatingKVCache,
     dynamic_roll,
 )
+from mlx_loom.cache.checkpoint import Checkpoint
 from mlx_loom.cache.codecs import KVCodec, codec_table, resolve_kv_codec
 from mlx_loom.cache.convert import maybe_quantize_kv_cache, validate_kv_quantization
 from mlx_loom.cache.kv import KVCache
@@ -29,6 +30,7 @@ from mlx_loom.cache.protocol import (
     AttentionCache,
     BatchRows,
     Cache,
+    Checkpointable,
     Mask,
     SpeculativeRounds,
     Stackable,
@@ -92,6 +94,8 @@ __all__ = [
     "BatchRows",
     "BatchTurboQuantKVCache",
     "Cache",
+    "Checkpoint",
+    "Checkpointable",
     "DonorView",
     "KVCache",
     "KVCodec",

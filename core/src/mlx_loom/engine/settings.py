@@ -36,6 +36,10 @@ class EngineSettings(BaseModel):
       prefix store (``0`` entries disables it; ``None`` bytes means no byte
       bound). The Python API's default engine keeps no store, so a plain
       ``generate`` call keeps nothing alive after it returns.
+    * ``checkpoint_chunks``: for caches that cannot trim (recurrent state,
+      sliding windows), the prefix store keeps a checkpoint at every turn
+      boundary of a prompt and every this many prefill chunks (``0``: at turn
+      boundaries and the prompt's end only); see :mod:`mlx_loom.engine.splits`.
     * ``max_queued``: requests that may wait for a free row; ``None`` is
       unbounded. Past it, :meth:`EngineService.submit` raises
       :class:`~mlx_loom.errors.EngineBusy` (the server answers 503).
@@ -52,6 +56,7 @@ class EngineSettings(BaseModel):
     prefill_step_size: int = DEFAULT_PREFILL_STEP
     prompt_cache_size: int = 0
     prompt_cache_bytes: int | None = None
+    checkpoint_chunks: int = 4
     max_queued: int | None = None
     idle_seconds: float | None = 5.0
 
@@ -79,6 +84,13 @@ class EngineSettings(BaseModel):
     def _count(cls, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError("it must be an int >= 0 (0 disables the prefix store)")
+        return value
+
+    @field_validator("checkpoint_chunks", mode="before")
+    @classmethod
+    def _chunks(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError("it must be an int >= 0 (0 checkpoints at turn boundaries only)")
         return value
 
     @field_validator("prompt_cache_bytes", "max_queued", mode="before")

@@ -1,0 +1,160 @@
+"""Checkpoints in the prefix store: caches that cannot trim reuse a shared prefix exactly.
+
+A conversation is turns closed by an end-of-turn token; prompts are long
+enough (over 32 tokens a chunk) that prefill arithmetic depends on where
+chunks end, so a restored checkpoint matching a fresh run bit for bit shows
+the chunks line up. Every run is compared with the same request on an engine
+with no store.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_loom.engine import Engine, EngineSettings, Speculation
+
+from .conftest import alone, assert_same_run, drive, ids, request
+
+EOT = 3  # stands for a chat template's end-of-turn token
+NON_TRIMMING = ["qwen3_next", "qwen3_5", "gemma4_text", "gemma4", "llama-sliding"]
+
+
+def msg(n: int, seed: int) -> list[int]:
+    return ids(n, seed) + [EOT]
+
+
+SYSTEM = msg(40, 1)
+USER = msg(8, 2)
+HEADER = ids(2, 3)  # the template's "assistant" header, then the model answers
+FIRST = SYSTEM + USER + HEADER
+
+
+def ask(model, prompt, **options):
+    options.setdefault("max_tokens", 4)
+    return request(model, prompt=prompt, eos=frozenset({EOT}), **options)
+
+
+def turn(engine, model, prompt, **options):
+    return drive(engine, {0: [("r", ask(model, prompt, **options))]})["r"]
+
+
+def cold(model, prompt, **options):
+    return alone(model, ask(model, prompt, **options))
+
+
+def store(model, **settings):
+    return Engine(model, EngineSettings(prompt_cache_size=8, **settings))
+
+
+@pytest.mark.parametrize("name", NON_TRIMMING)
+def test_regenerate_edit_and_follow_up_reuse_checkpoints_and_match_a_fresh_run(loaded, name):
+    model, _ = loaded(name)
+    engine = store(model)
+    first = turn(engine, model, FIRST)
+    assert first.events[0].cached_tokens == 0
+    # Regenerate: the whole prompt but its last token comes from the prompt-end checkpoint.
+    again = turn(engine, model, FIRST)
+    assert again.events[0].cached_tokens == len(FIRST) - 1
+    assert_same_run(again, cold(model, FIRST), f"{name} regenerate")
+    # An edited last message: everything before it is reused.
+    edited = SYSTEM + msg(8, 4) + HEADER
+    run = turn(engine, model, edited)
+    assert run.events[0].cached_tokens == len(SYSTEM)
+    assert_same_run(run, cold(model, edited), f"{name} edit")
+    # A follow-up turn: the conversation up to the last turn boundary is reused.
+    follow = FIRST + first.tokens + [EOT] + msg(5, 5) + HEADER
+    run = turn(engine, model, follow)
+    assert run.events[0].cached_tokens == len(SYSTEM) + len(USER)
+    assert run.events[0].cached_tokens >= 0.8 * (len(FIRST) + len(first.tokens))
+    assert_same_run(run, cold(model, follow), f"{name} follow-up")
+    assert engine.stats().prefix_checkpoint_hits == 3
+
+
+def test_a_long_prompt_is_checkpointed_every_few_chunks(loaded):
+    model, _ = loaded("qwen3_next")
+    engine = store(model, checkpoint_chunks=2)
+    long = ids(45, 7)
+    turn(engine, model, long, prefill_step_size=8)
+    other = long[:37] + ids(6, 8)
+    run = turn(engine, model, other, prefill_step_size=8)
+    assert run.events[0].cached_tokens == 32  # the checkpoints sit every 2 x 8 tokens
+    assert_same_run(run, cold(model, other, prefill_step_size=8), "chunk checkpoint")
+
+
+def test_a_checkpoint_is_not_served_where_the_new_prompt_would_not_end_a_chunk(loaded):
+    model, _ = loaded("qwen3_next")
+    engine = store(model)
+    turn(engine, model, FIRST)
+    # Shares FIRST's prompt-end position, but for this prompt it is no chunk end.
+    longer = FIRST + ids(3, 9)
+    run = turn(engine, model, longer)
+    assert run.events[0].cached_tokens == len(SYSTEM) + len(USER)
+    assert_same_run(run, cold(model, longer), "no mid-chunk restore")
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gemma4_text"])
+def test_a_restored_row_decodes_in_a_batch_as_it_would_alone(loaded, name):
+    model, _ = loaded(name)
+    engine = store(model)
+    turn(engine, model, FIRST)
+    edited = SYSTEM + msg(6, 11) + HEADER
+    fresh = ids(20, 12)
+    runs = drive(
+        engine,
+        {0: [("edited", ask(model, edited, max_tokens=6)), ("fresh", ask(model, fresh, max_tokens=6))]},
+    )
+    assert runs["edited"].events[0].cached_tokens == len(SYSTEM)
+    assert_same_run(runs["edited"], cold(model, edited, max_tokens=6), "batched restored")
+    assert_same_run(runs["fresh"], cold(model, fresh, max_tokens=6), "batched fresh")
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gemma4"])
+def test_a_restored_row_decodes_speculatively_as_it_would_from_nothing(loaded, name):
+    model, _ = loaded(name)
+    engine = store(model)
+    spec = {"speculation": Speculation(model, 3), "max_tokens": 8}
+    turn(engine, model, FIRST, **spec)
+    edited = SYSTEM + msg(8, 13) + HEADER
+    run = turn(engine, model, edited, **spec)
+    assert run.events[0].cached_tokens == len(SYSTEM)
+    assert_same_run(run, cold(model, edited, **spec), "speculative restored")
+
+
+@pytest.mark.parametrize(
+    ("options", "reused"),
+    [
+        ({"kv_bits": 8, "kv_group_size": 32}, len(SYSTEM)),
+        # The full-attention layer turned quantized at 44, after the boundary at
+        # 41: trimming it back would not give the plain cache a fresh run has there.
+        ({"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 44}, 0),
+        ({"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 30}, len(SYSTEM)),
+        ({"kv_codec": "turboquant"}, len(SYSTEM)),
+    ],
+    ids=["affine8", "affine8-late", "affine8-early", "turbo4"],
+)
+def test_a_restored_row_in_a_kv_codec_matches_a_fresh_run(loaded, options, reused):
+    model, _ = loaded("gemma4_text")
+    engine = store(model)
+    turn(engine, model, FIRST, **options)
+    edited = SYSTEM + msg(8, 14) + HEADER
+    run = turn(engine, model, edited, **options)
+    assert run.events[0].cached_tokens == reused
+    assert_same_run(run, cold(model, edited, **options), f"codec {options}")
+    # A request in another codec never sees these caches.
+    assert turn(engine, model, edited).events[0].cached_tokens == 0
+
+
+def test_checkpoints_count_against_the_byte_bound_and_the_earliest_go_first(loaded):
+    model, _ = loaded("qwen3_next")
+    probe = store(model)
+    turn(probe, model, FIRST)
+    stats = probe.stats()
+    assert stats.prefix_checkpoints == 3  # after the system turn, the user turn, the prompt end
+    assert 0 < stats.prefix_checkpoint_bytes < stats.prefix_bytes
+    per_checkpoint = stats.prefix_checkpoint_bytes // 3
+    entry = stats.prefix_bytes - stats.prefix_checkpoint_bytes
+    engine = store(model, prompt_cache_bytes=entry + 2 * per_checkpoint)
+    turn(engine, model, FIRST)
+    assert engine.stats().prefix_checkpoints == 2
+    edited = SYSTEM + msg(8, 4) + HEADER  # its boundary was the earliest checkpoint: gone
+    assert turn(engine, model, edited).events[0].cached_tokens == 0
