@@ -158,3 +158,93 @@ def test_checkpoints_count_against_the_byte_bound_and_the_earliest_go_first(load
     assert engine.stats().prefix_checkpoints == 2
     edited = SYSTEM + msg(8, 4) + HEADER  # its boundary was the earliest checkpoint: gone
     assert turn(engine, model, edited).events[0].cached_tokens == 0
+
+
+# --- the disk tier ---------------------------------------------------------------
+
+
+def disk_store(model, directory, **settings):
+    return store(model, prompt_cache_dir=str(directory), **settings)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gemma4", "llama"])
+def test_a_restarted_engine_reuses_what_the_last_one_wrote_to_disk(loaded, tmp_path, name):
+    model, _ = loaded(name)
+    first_engine = disk_store(model, tmp_path)
+    first = turn(first_engine, model, FIRST)
+    first_engine.flush()  # what stopping the engine does
+    assert first_engine.stats().prefix_disk_files > 0
+    # A new engine (a restarted server): memory is empty, the directory is not.
+    engine = disk_store(model, tmp_path)
+    again = turn(engine, model, FIRST)
+    assert again.events[0].cached_tokens == len(FIRST) - 1
+    assert_same_run(again, cold(model, FIRST), f"{name} regenerate after restart")
+    engine = disk_store(model, tmp_path)
+    follow = FIRST + first.tokens + [EOT] + msg(5, 5) + HEADER
+    run = turn(engine, model, follow)
+    assert run.events[0].cached_tokens >= len(SYSTEM) + len(USER)
+    if name != "llama":  # a trimmed Llama entry is the status quo, not a checkpoint
+        assert_same_run(run, cold(model, follow), f"{name} follow-up after restart")
+    assert engine.stats().prefix_disk_hits == 1
+
+
+def test_entries_evicted_from_memory_go_to_disk_and_come_back(loaded, tmp_path):
+    model, _ = loaded("qwen3_next")
+    engine = store(model, prompt_cache_dir=str(tmp_path))
+    engine.configure(engine.settings.model_copy(update={"prompt_cache_size": 1}))
+    turn(engine, model, FIRST)
+    turn(engine, model, ids(20, 30))  # evicts FIRST's entry: written to disk
+    assert engine.stats().prefix_disk_files > 0
+    again = turn(engine, model, FIRST)
+    assert again.events[0].cached_tokens == len(FIRST) - 1
+    assert_same_run(again, cold(model, FIRST), "back from disk")
+
+
+def test_unusable_files_are_skipped_with_a_log_line(loaded, tmp_path, caplog):
+    model, _ = loaded("qwen3_next")
+    engine = disk_store(model, tmp_path)
+    turn(engine, model, FIRST)
+    engine.flush()
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert files
+    for f in files:  # flip one byte near the end of each (the tensors' bytes)
+        data = bytearray(f.read_bytes())
+        data[-3] ^= 0xFF
+        f.write_bytes(bytes(data))
+    (tmp_path / "truncated.safetensors").write_bytes(files[0].read_bytes()[:100])
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    engine = disk_store(model, tmp_path)
+    with caplog.at_level("WARNING", logger="mlx_loom.engine"):
+        run = turn(engine, model, FIRST)
+    assert run.events[0].cached_tokens == 0
+    assert_same_run(run, cold(model, FIRST), "after skipping")
+    skipped = [r for r in caplog.records if "skipping the prompt-cache file" in r.getMessage()]
+    assert len(skipped) >= 3  # the two unreadable files and the tampered one that was tried
+
+
+def test_another_models_files_are_never_used(loaded, tmp_path):
+    qwen, _ = loaded("qwen3_next")
+    engine = disk_store(qwen, tmp_path)
+    turn(engine, qwen, FIRST)
+    engine.flush()
+    other, _ = loaded("qwen3_5")
+    engine = disk_store(other, tmp_path)
+    assert engine.stats().prefix_disk_files == 0
+    assert turn(engine, other, FIRST).events[0].cached_tokens == 0
+
+
+def test_the_disk_tier_keeps_to_its_byte_bound_least_recently_used_first(loaded, tmp_path):
+    model, _ = loaded("qwen3_next")
+    probe = disk_store(model, tmp_path / "probe")
+    turn(probe, model, FIRST)
+    probe.flush()
+    sizes = [f.stat().st_size for f in (tmp_path / "probe").glob("*.safetensors")]
+    bound = sum(sizes) + max(sizes) // 2
+    engine = disk_store(model, tmp_path / "bounded", prompt_cache_disk_bytes=bound)
+    turn(engine, model, FIRST)
+    turn(engine, model, SYSTEM + msg(8, 21) + HEADER)
+    engine.flush()
+    stats = engine.stats()
+    assert 0 < stats.prefix_disk_bytes <= bound
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "bounded").glob("*.safetensors"))
+    assert on_disk == stats.prefix_disk_bytes

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from mlx_loom.engine.caches import fresh_caches
+from mlx_loom.engine.disk import DiskTier
 from mlx_loom.engine.events import Done, Event
 from mlx_loom.engine.group import DecodeGroup, Left
 from mlx_loom.engine.prefill import prefill_step
@@ -50,7 +51,7 @@ from mlx_loom.engine.row import Row
 from mlx_loom.engine.settings import EngineSettings
 from mlx_loom.engine.splits import ends_chunk, takes_checkpoint
 from mlx_loom.engine.speculative import SpeculativeGroup
-from mlx_loom.errors import LoomError, RequestError
+from mlx_loom.errors import CapabilityRefused, LoomError, RequestError
 from mlx_loom.host import BATCH
 
 if TYPE_CHECKING:
@@ -96,6 +97,10 @@ class EngineStats:
     prefix_checkpoints: int = 0
     prefix_checkpoint_bytes: int = 0
     prefix_checkpoint_hits: int = 0
+    #: The prefix store's disk tier.
+    prefix_disk_bytes: int = 0
+    prefix_disk_files: int = 0
+    prefix_disk_hits: int = 0
     #: Speculative decoding: draft tokens proposed, and how many the target accepted.
     draft_tokens: int = 0
     accepted_drafts: int = 0
@@ -120,7 +125,9 @@ class Engine:
         self._waiting: deque[Row] = deque()
         self._prefilling: list[Row] = []
         self._groups: list[DecodeGroup | SpeculativeGroup] = []
-        self.store = PrefixStore(self.settings.prompt_cache_size, self.settings.prompt_cache_bytes)
+        self.store = PrefixStore(
+            self.settings.prompt_cache_size, self.settings.prompt_cache_bytes, self._disk()
+        )
         self._batchable = BATCH in model.capabilities
         self._counts = dict(
             completed=0,
@@ -137,8 +144,33 @@ class Engine:
 
     def configure(self, settings: EngineSettings) -> None:
         """New scheduling settings, taking effect from the next step."""
-        self.settings = settings
+        old, self.settings = self.settings, settings
+        if (old.prompt_cache_dir, old.prompt_cache_disk_bytes) != (
+            settings.prompt_cache_dir,
+            settings.prompt_cache_disk_bytes,
+        ):
+            self.store.flush()
+            self.store.disk = self._disk()
         self.store.resize(settings.prompt_cache_size, settings.prompt_cache_bytes)
+
+    def _disk(self) -> DiskTier | None:
+        s = self.settings
+        if s.prompt_cache_dir is None:
+            return None
+        if self.model.parallel is not None:
+            # Each rank holds its own part of every cache; one directory would mix them.
+            raise CapabilityRefused(
+                "A prompt-cache directory is not supported for a model split across ranks.",
+                fix="Drop --prompt-cache-dir (prompt_cache_dir) for a split model.",
+            )
+        return DiskTier(s.prompt_cache_dir, s.prompt_cache_disk_bytes, self.model)
+
+    def flush(self) -> None:
+        """Write the prefix store's entries to its disk tier (when the engine stops)."""
+        try:
+            self.store.flush()
+        except Exception:  # never let a full disk stop a shutdown
+            log.exception("could not write the prompt caches to disk")
 
     # --- the BatchGenerator-shaped API ------------------------------------------
 
@@ -203,6 +235,9 @@ class Engine:
             prefix_checkpoints=store.checkpoints,
             prefix_checkpoint_bytes=store.checkpoint_bytes,
             prefix_checkpoint_hits=store.checkpoint_hits,
+            prefix_disk_bytes=store.disk_bytes,
+            prefix_disk_files=store.disk_files,
+            prefix_disk_hits=store.disk_hits,
             **self._counts,
         )
 

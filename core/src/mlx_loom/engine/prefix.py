@@ -43,9 +43,15 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import logging
+
 import mlx.core as mx
 
 from mlx_loom.engine.caches import snapshot
+from mlx_loom.engine.disk import FILES_PER_ENTRY, DiskTier
+from mlx_loom.errors import LoomError
+
+log = logging.getLogger("mlx_loom.engine")
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -84,6 +90,16 @@ def _trims_as(cache: Any, kind: type) -> bool:
     return bool(cache.is_trimmable()) and type(cache) is kind
 
 
+def _restorable(entry: _Entry, cp: TakenCheckpoint) -> bool:
+    """Whether ``entry``'s caches at ``cp`` can be rebuilt: a layer without a snapshot is
+    trimmed from the entry's end, so it must still be the kind it was then (KV
+    quantization may have switched it since) and trim."""
+    return all(
+        layer is not None or _trims_as(c, kind)
+        for layer, c, kind in zip(cp.layers, entry.caches, cp.kinds, strict=True)
+    )
+
+
 @dataclass
 class _Entry:
     tokens: tuple[int, ...]
@@ -105,6 +121,13 @@ class StoreStats:
     checkpoints: int = 0
     #: Hits served from a checkpoint (part of ``hits``).
     checkpoint_hits: int = 0
+    #: The disk tier (``--prompt-cache-dir``): bytes and files there, hits served
+    #: from it (part of ``hits``), files written, files skipped as unusable.
+    disk_bytes: int = 0
+    disk_files: int = 0
+    disk_hits: int = 0
+    disk_writes: int = 0
+    disk_skipped: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,9 +148,12 @@ class Hit:
 class PrefixStore:
     """LRU store of single-row prompt caches, keyed by (cache layout, tokens held)."""
 
-    def __init__(self, max_entries: int, max_bytes: int | None = None) -> None:
+    def __init__(
+        self, max_entries: int, max_bytes: int | None = None, disk: DiskTier | None = None
+    ) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.disk = disk
         self._entries: OrderedDict[tuple[Hashable, tuple[int, ...]], _Entry] = OrderedDict()
         self._nbytes = 0
         self.hits = self.misses = self.evictions = self.checkpoint_hits = 0
@@ -141,6 +167,16 @@ class PrefixStore:
 
     def stats(self) -> StoreStats:
         held = [cp for e in self._entries.values() for cp in e.checkpoints]
+        disk = self.disk
+        on_disk = {}
+        if disk is not None:
+            on_disk = dict(
+                disk_bytes=disk.nbytes,
+                disk_files=len(disk.files),
+                disk_hits=disk.hits,
+                disk_writes=disk.writes,
+                disk_skipped=disk.skipped,
+            )
         return StoreStats(
             len(self),
             self._nbytes,
@@ -150,6 +186,7 @@ class PrefixStore:
             checkpoint_bytes=sum(cp.nbytes for cp in held),
             checkpoints=len(held),
             checkpoint_hits=self.checkpoint_hits,
+            **on_disk,
         )
 
     def resize(self, max_entries: int, max_bytes: int | None) -> None:
@@ -198,6 +235,13 @@ class PrefixStore:
             # At an equal length a checkpoint wins: its caches are exact.
             if cp is not None and (best is None or cp.position >= best[0]):
                 best = (cp.position, True, entry_key, cp)
+        if self.disk is not None:
+            found = self.disk.best(key, prompt, ends_chunk)
+            if found is not None and (best is None or found[0] > best[0]):
+                loaded = self.disk.load(found[1], key, found[0])
+                if loaded is not None:
+                    self.hits += 1
+                    return Hit(loaded.caches, loaded.reused, loaded.from_checkpoint)
         if best is None:
             self.misses += 1
             return None
@@ -226,12 +270,7 @@ class PrefixStore:
         for cp in reversed(entry.checkpoints):  # kept in position order
             if not 0 < cp.position <= limit or not ends_chunk(cp.position):
                 continue
-            # A layer without a snapshot is trimmed from the entry's end: it must
-            # still be the kind it was then (KV quantization may have switched it).
-            if all(
-                layer is not None or _trims_as(c, kind)
-                for layer, c, kind in zip(cp.layers, entry.caches, cp.kinds, strict=True)
-            ):
+            if _restorable(entry, cp):
                 return cp
         return None
 
@@ -303,9 +342,31 @@ class PrefixStore:
             len(self._entries) > self.max_entries
             or (self.max_bytes is not None and self._nbytes > self.max_bytes)
         ):
-            _, entry = self._entries.popitem(last=False)
+            (key, _), entry = self._entries.popitem(last=False)
             self._nbytes -= entry.nbytes
             self.evictions += 1
+            self._spill(key, entry)
+
+    def _spill(self, key: Hashable, entry: _Entry) -> None:
+        """Write what of ``entry`` serves exactly to the disk tier, if there is one."""
+        disk = self.disk
+        if disk is None:
+            return
+        try:
+            if entry.trimmable:
+                disk.write(key, entry.tokens, entry.caches, "prefix")
+                return
+            for cp in entry.checkpoints[-FILES_PER_ENTRY:]:
+                if _restorable(entry, cp):
+                    tokens = entry.tokens[: cp.position]
+                    disk.write(key, tokens, self._restore(entry, cp), "checkpoint")
+        except LoomError:
+            log.exception("could not write a prompt cache to disk")
+
+    def flush(self) -> None:
+        """Write every entry to the disk tier (the engine stops); the entries stay."""
+        for (key, _), entry in list(self._entries.items()):
+            self._spill(key, entry)
 
     def clear(self) -> None:
         self._entries.clear()

@@ -217,9 +217,12 @@ class EngineService:
         """Cancel everything, stop the thread (destroying its streams) and wait for it."""
         with self._lock:
             self._closed = True
-            if self._thread is not None:
+            running = self._thread is not None
+            if running:
                 self._inbox.put(("stop", None))
             threads = [t for t in self._threads if t is not threading.current_thread()]
+        if not running:
+            self._engine.flush()  # no thread owns the engine: write its caches from here
         for thread in threads:
             thread.join(timeout)
         _services.discard(self)
@@ -284,6 +287,7 @@ class EngineService:
         try:
             for kind, item in commands:
                 if kind == "stop":
+                    engine.flush()
                     return False
                 if kind == "configure":
                     engine.configure(item)

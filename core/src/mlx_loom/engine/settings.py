@@ -9,6 +9,8 @@ the other. Validated at the boundary: a bad value is a
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
@@ -40,6 +42,11 @@ class EngineSettings(BaseModel):
       sliding windows), the prefix store keeps a checkpoint at every turn
       boundary of a prompt and every this many prefill chunks (``0``: at turn
       boundaries and the prompt's end only); see :mod:`mlx_loom.engine.splits`.
+    * ``prompt_cache_dir`` / ``prompt_cache_disk_bytes``: the prefix store's
+      disk tier (:mod:`mlx_loom.engine.disk`): entries evicted from memory,
+      and all of them when the engine stops, are written there as verified
+      prompt-cache files and serve later requests and restarted engines;
+      ``None`` bytes means no bound on disk. Needs ``prompt_cache_size > 0``.
     * ``max_queued``: requests that may wait for a free row; ``None`` is
       unbounded. Past it, :meth:`EngineService.submit` raises
       :class:`~mlx_loom.errors.EngineBusy` (the server answers 503).
@@ -57,6 +64,8 @@ class EngineSettings(BaseModel):
     prompt_cache_size: int = 0
     prompt_cache_bytes: int | None = None
     checkpoint_chunks: int = 4
+    prompt_cache_dir: str | None = None
+    prompt_cache_disk_bytes: int | None = None
     max_queued: int | None = None
     idle_seconds: float | None = 5.0
 
@@ -93,7 +102,18 @@ class EngineSettings(BaseModel):
             raise ValueError("it must be an int >= 0 (0 checkpoints at turn boundaries only)")
         return value
 
-    @field_validator("prompt_cache_bytes", "max_queued", mode="before")
+    @field_validator("prompt_cache_dir", mode="before")
+    @classmethod
+    def _directory(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str) or not value or "\x00" in value:
+            raise ValueError("it must be None or a directory path")
+        return value
+
+    @field_validator("prompt_cache_bytes", "prompt_cache_disk_bytes", "max_queued", mode="before")
     @classmethod
     def _optional_count(cls, value: Any) -> Any:
         if value is not None and (
