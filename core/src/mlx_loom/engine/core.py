@@ -302,6 +302,8 @@ class Engine:
         if request.cache is not None:
             row.caches = request.cache
             row.cached = len(request.history)
+            if request.checkpoints:
+                row.aligned = request.eos
         else:
             row.aligned = request.eos
             step = self._step(request)
@@ -377,14 +379,16 @@ class Engine:
         Only rows whose caches are exact (a fresh start or a restored
         checkpoint) and whose chunks follow the prompt's own grid take them.
         """
-        if not self.store.max_entries or row.aligned is None or not row.exact:
+        request = row.request
+        if row.aligned is None or not row.exact:
             return
-        request, position = row.request, row.position
-        if takes_checkpoint(
-            request.prompt, position, step, request.eos, self.settings.checkpoint_chunks
-        ):
+        if request.cache is None and not self.store.max_entries:
+            return
+        # A caller's own caches (a PromptCache) keep turn boundaries and the prompt's end.
+        every = self.settings.checkpoint_chunks if request.cache is None else 0
+        if takes_checkpoint(request.prompt, row.prompt_position, step, request.eos, every):
             assert row.caches is not None
-            row.checkpoints.append(take_checkpoint(position, row.caches))
+            row.checkpoints.append(take_checkpoint(row.position, row.caches))
 
     # --- leaving ------------------------------------------------------------------
 
@@ -425,7 +429,14 @@ class Engine:
                 self.store.insert(self._store_key(request), held, caches, row.checkpoints)
             except LoomError:
                 log.exception("could not keep a prompt cache")
-        return Done(row.uid, outcome, caches=caches, fed=tuple(row.fed))  # type: ignore[arg-type]
+        taken = tuple(row.checkpoints) if request.cache is not None else ()
+        return Done(
+            row.uid,
+            outcome,  # type: ignore[arg-type]
+            caches=caches,
+            fed=tuple(row.fed),
+            checkpoints=taken,
+        )
 
 
 def _typed(err: BaseException) -> BaseException:

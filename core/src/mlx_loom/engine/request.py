@@ -146,6 +146,10 @@ class Request:
     #: (:class:`~mlx_loom.adapters.AdapterSet`) this request runs with;
     #: ``None``: the base model.
     adapter: str | None = None
+    #: Keep checkpoints of caches that cannot trim at the turn boundaries of
+    #: this prompt and hand them back in :class:`~mlx_loom.engine.Done`
+    #: (a :class:`~mlx_loom.generate.PromptCache` asks, to step back a turn).
+    checkpoints: bool = False
 
 
 def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:
@@ -230,6 +234,7 @@ def make_request(
     speculation: Speculation | None = None,
     eos: frozenset[int] | None = None,
     adapter: str | None = None,
+    checkpoints: bool = False,
 ) -> Request:
     """Check every option of a request against ``model``; return the :class:`Request`.
 
@@ -335,6 +340,7 @@ def make_request(
         logprobs_vector=logprobs_vector,
         speculation=speculation,
         adapter=adapter,
+        checkpoints=bool(checkpoints),
     )
 
 

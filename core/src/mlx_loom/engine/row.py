@@ -82,13 +82,19 @@ class Row:
         """How many tokens the next prefill chunk feeds."""
         if self.aligned is None:
             return min(step, self.prefill_left)
-        start = self.cached + self.cursor
+        start = self.prompt_position
         prompt = self.request.prompt
         return chunk_end(prompt, start, step, len(prompt) - 1, self.aligned) - start
 
     @property
+    def prompt_position(self) -> int:
+        """Where in the request's prompt prefill has reached."""
+        origin = 0 if self.request.cache is not None else self.cached
+        return origin + self.cursor
+
+    @property
     def position(self) -> int:
-        """Prompt tokens the caches hold (store rows: ``cached`` plus those fed)."""
+        """Tokens the caches hold (what they held before, plus the prompt fed so far)."""
         return self.cached + self.cursor
 
     def next_chunk(self, step: int) -> list[int]:
