@@ -99,10 +99,11 @@ def test_a_restored_row_decodes_in_a_batch_as_it_would_alone(loaded, name):
     turn(engine, model, FIRST)
     edited = SYSTEM + msg(6, 11) + HEADER
     fresh = ids(20, 12)
-    runs = drive(
-        engine,
-        {0: [("edited", ask(model, edited, max_tokens=6)), ("fresh", ask(model, fresh, max_tokens=6))]},
-    )
+    both = [
+        ("edited", ask(model, edited, max_tokens=6)),
+        ("fresh", ask(model, fresh, max_tokens=6)),
+    ]
+    runs = drive(engine, {0: both})
     assert runs["edited"].events[0].cached_tokens == len(SYSTEM)
     assert_same_run(runs["edited"], cold(model, edited, max_tokens=6), "batched restored")
     assert_same_run(runs["fresh"], cold(model, fresh, max_tokens=6), "batched fresh")

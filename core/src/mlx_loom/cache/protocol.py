@@ -140,4 +140,8 @@ class Checkpointable(Protocol):
     """
 
     def checkpoint(self) -> Any:
-        """An immutable snapshot of this single-row cache (a :class:`~mlx_loom.cache.checkpoint.Checkpoint`)."""
+        """An immutable snapshot of this single-row cache.
+
+        A :class:`~mlx_loom.cache.checkpoint.Checkpoint`; its ``restore()``
+        is a new cache of the same kind holding this state.
+        """

@@ -216,7 +216,9 @@ class DiskTier:
 
     # --- writing ------------------------------------------------------------------
 
-    def write(self, key: Hashable, tokens: Sequence[int], caches: Sequence[Any], serves: str) -> None:
+    def write(
+        self, key: Hashable, tokens: Sequence[int], caches: Sequence[Any], serves: str
+    ) -> None:
         """Keep ``caches`` (holding exactly ``tokens``) on disk, then evict to the byte bound."""
         tokens = tuple(tokens)
         name = self._name(key, tokens)
