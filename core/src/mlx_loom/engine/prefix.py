@@ -53,6 +53,11 @@ from mlx_loom.errors import LoomError
 
 log = logging.getLogger("mlx_loom.engine")
 
+#: Checkpoints one entry keeps (its latest): with no byte bound, a 100K-token
+#: prompt checkpointed every 8,192 tokens would otherwise keep a dozen
+#: Qwen3-Next states (~79 MB each) in every entry.
+MAX_CHECKPOINTS_PER_ENTRY = 16
+
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
@@ -314,6 +319,7 @@ class PrefixStore:
         if self.max_bytes is not None and nbytes > self.max_bytes:
             return  # larger than the whole store: keeping it would evict everything
         kept = [cp for cp in checkpoints if 0 < cp.position <= len(tokens)]
+        kept = kept[-MAX_CHECKPOINTS_PER_ENTRY:]
         if trimmable:
             kept = []  # the entry itself serves every prefix, trimmed
         while kept:
