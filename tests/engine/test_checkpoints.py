@@ -249,3 +249,15 @@ def test_the_disk_tier_keeps_to_its_byte_bound_least_recently_used_first(loaded,
     assert 0 < stats.prefix_disk_bytes <= bound
     on_disk = sum(f.stat().st_size for f in (tmp_path / "bounded").glob("*.safetensors"))
     assert on_disk == stats.prefix_disk_bytes
+
+
+def test_an_unwritable_prompt_cache_directory_is_refused_where_it_is_configured(loaded, tmp_path):
+    from mlx_loom.errors import CacheError
+
+    model, _ = loaded("qwen3_next")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CacheError, match="cannot be created"):
+        model.engine.configure(prompt_cache_size=4, prompt_cache_dir=str(blocker / "cache"))
+    with pytest.raises(CacheError, match="cannot be created"):
+        disk_store(model, blocker / "cache")

@@ -149,8 +149,12 @@ class Engine:
             settings.prompt_cache_dir,
             settings.prompt_cache_disk_bytes,
         ):
-            self.store.flush()
-            self.store.disk = self._disk()
+            self.flush()
+            try:
+                self.store.disk = self._disk()
+            except LoomError:  # the service checked the directory; it changed since
+                log.exception("the prompt-cache directory cannot be used; keeping none")
+                self.store.disk = None
         self.store.resize(settings.prompt_cache_size, settings.prompt_cache_bytes)
 
     def _disk(self) -> DiskTier | None:

@@ -90,19 +90,29 @@ class DiskHit:
     from_checkpoint: bool
 
 
+def check_directory(directory: str | Path) -> Path:
+    """``directory``, created if missing; :class:`CacheError` unless it is a writable directory."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CacheError(
+            f"The prompt-cache directory {str(path)!r} cannot be created ({err.strerror or err}).",
+            fix="Pass a writable directory (--prompt-cache-dir, prompt_cache_dir).",
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CacheError(
+            f"The prompt-cache directory {str(path)!r} is not writable.",
+            fix="Pass a writable directory (--prompt-cache-dir, prompt_cache_dir).",
+        )
+    return path
+
+
 class DiskTier:
     """Prompt caches in ``directory``, at most ``max_bytes`` of files (see the module docstring)."""
 
     def __init__(self, directory: str | Path, max_bytes: int | None, model: Model) -> None:
-        self.directory = Path(directory)
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise CacheError(
-                f"The prompt-cache directory {str(self.directory)!r} cannot be created "
-                f"({err.strerror or err}).",
-                fix="Pass a writable directory to --prompt-cache-dir.",
-            ) from None
+        self.directory = check_directory(directory)
         self.max_bytes = max_bytes
         self.model = model
         self.identity = model_identity(model)

@@ -6,9 +6,10 @@ the caches: an entry whose caches can all trim (full KV, a window that has
 not filled) serves any common prefix, trimmed to it; an entry that cannot
 trim (recurrent state, a wrapped window) serves the engine only from its
 checkpoints (below) — its own end holds tokens decoded one at a time, which a
-prefill from nothing does not repeat bit for bit — and :meth:`PrefixStore.fetch`
-a prompt it is an exact prefix of. At least one prompt token is always left to feed, since the last
-prompt token's logits choose the first new token.
+prefill from nothing does not repeat bit for bit — and serves
+:meth:`PrefixStore.fetch` a prompt it is an exact prefix of. At least one
+prompt token is always left to feed, since the last prompt token's logits
+choose the first new token.
 
 When a request ends, its caches (prompt plus generated tokens) go back in, so
 the next turn of that conversation finds them; two conversations that
@@ -38,12 +39,11 @@ Used by the engine's thread only.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import logging
 
 import mlx.core as mx
 
@@ -220,8 +220,8 @@ class PrefixStore:
         chunk at ``p``: only there may a checkpoint serve it (``None``: no
         checkpoint serves it).
         """
-        best: tuple[int, bool, tuple[Hashable, tuple[int, ...]], TakenCheckpoint | None] | None
-        best = None
+        # (tokens reused, the entry, the checkpoint serving them or None)
+        best: tuple[int, tuple[Hashable, tuple[int, ...]], TakenCheckpoint | None] | None = None
         for entry_key, entry in self._entries.items():
             if entry_key[0] != key:
                 continue
@@ -235,11 +235,11 @@ class PrefixStore:
                 # bit for bit; callers that pass ``ends_chunk`` take checkpoints only.
                 usable = n
             if usable > 0 and (best is None or usable > best[0]):
-                best = (usable, False, entry_key, None)
+                best = (usable, entry_key, None)
             cp = self._checkpoint_for(entry, min(n, len(prompt) - 1), ends_chunk)
             # At an equal length a checkpoint wins: its caches are exact.
             if cp is not None and (best is None or cp.position >= best[0]):
-                best = (cp.position, True, entry_key, cp)
+                best = (cp.position, entry_key, cp)
         if self.disk is not None:
             found = self.disk.best(key, prompt, ends_chunk)
             if found is not None and (best is None or found[0] > best[0]):
@@ -250,7 +250,7 @@ class PrefixStore:
         if best is None:
             self.misses += 1
             return None
-        usable, _, entry_key, checkpoint = best
+        usable, entry_key, checkpoint = best
         entry = self._entries[entry_key]
         self._entries.move_to_end(entry_key)
         self.hits += 1

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_loom.engine.core import Engine, EngineStats
+from mlx_loom.engine.disk import check_directory
 from mlx_loom.engine.events import Done, Event, TokenEvent
 from mlx_loom.engine.request import Request
 from mlx_loom.engine.settings import EngineSettings
@@ -167,6 +168,8 @@ class EngineService:
         new = settings if settings is not None else self._settings.model_copy(update=changes)
         if changes and settings is None:
             new = EngineSettings(**new.model_dump())  # validate the changed values
+        if new.prompt_cache_dir is not None:
+            check_directory(new.prompt_cache_dir)  # refused here, not on the engine thread
         self._settings = new
         self._post(("configure", new))
         return new

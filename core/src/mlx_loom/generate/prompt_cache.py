@@ -127,6 +127,8 @@ class PromptCache:
                 for c in self.cache:
                     c.trim(drop)
                 self.tokens = self.tokens[:keep]
+                # Checkpoints past ``keep`` hold the dropped tokens.
+                self.checkpoints = [c for c in self.checkpoints if c.position <= keep]
             else:
                 keep = self._step_back(keep)
         return prompt[keep:]
