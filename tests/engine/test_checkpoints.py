@@ -121,6 +121,18 @@ def test_a_restored_row_decodes_speculatively_as_it_would_from_nothing(loaded, n
     assert_same_run(run, cold(model, edited, **spec), "speculative restored")
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_a_restored_recurrent_row_with_quantized_attention_matches_a_fresh_run(loaded, name):
+    model, _ = loaded(name)
+    engine = store(model)
+    options = {"kv_bits": 8, "kv_group_size": 32}
+    turn(engine, model, FIRST, **options)
+    edited = SYSTEM + msg(8, 15) + HEADER
+    run = turn(engine, model, edited, **options)
+    assert run.events[0].cached_tokens == len(SYSTEM)
+    assert_same_run(run, cold(model, edited, **options), f"{name} affine8")
+
+
 @pytest.mark.parametrize(
     ("options", "reused"),
     [
