@@ -185,18 +185,17 @@ class DiskTier:
         self, key: Hashable, prompt: Sequence[int], ends_chunk: Callable[[int], bool] | None
     ) -> tuple[int, str] | None:
         """The longest usable prefix a file holds for ``prompt``, and the file's name."""
-        want = repr(key)
+        want, prompt = repr(key), tuple(prompt)
         best: tuple[int, str] | None = None
         for name, f in self.files.items():
             if f.key != want:
                 continue
-            n = _common_prefix(f.tokens, prompt)
             if f.serves == "prefix":
-                usable = min(n, len(prompt) - 1)
+                usable = min(_common_prefix(f.tokens, prompt), len(prompt) - 1)
             else:
                 p = len(f.tokens)
-                ok = n >= p and p <= len(prompt) - 1 and ends_chunk is not None and ends_chunk(p)
-                usable = p if ok else 0
+                ok = p <= len(prompt) - 1 and ends_chunk is not None and ends_chunk(p)
+                usable = p if ok and prompt[:p] == f.tokens else 0
             if usable > 0 and (best is None or usable > best[0]):
                 best = (usable, name)
         return best
@@ -287,10 +286,14 @@ class DiskTier:
             del files[name]
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The shared prefix's length, by bisection over slice comparisons (in C): a
+    directory of thousands of files sharing a long system prompt stays cheap."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
