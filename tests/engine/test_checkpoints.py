@@ -273,3 +273,19 @@ def test_an_unwritable_prompt_cache_directory_is_refused_where_it_is_configured(
         model.engine.configure(prompt_cache_size=4, prompt_cache_dir=str(blocker / "cache"))
     with pytest.raises(CacheError, match="cannot be created"):
         disk_store(model, blocker / "cache")
+
+
+def test_a_long_history_keeps_only_its_latest_checkpoints_while_prefilling(loaded, monkeypatch):
+    import mlx_loom.engine.core as core
+
+    monkeypatch.setattr(core, "MAX_CHECKPOINTS_PER_ENTRY", 3)
+    model, _ = loaded("qwen3_next")
+    engine = store(model)
+    history = [t for i in range(8) for t in msg(4, 40 + i)]  # eight short messages
+    seen = []
+    drive(
+        engine,
+        {0: [("r", ask(model, history + HEADER))]},
+        on_step=lambda _, __: seen.extend(len(r.checkpoints) for r in engine._prefilling),
+    )
+    assert seen and max(seen) <= 3

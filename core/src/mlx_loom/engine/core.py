@@ -45,7 +45,7 @@ from mlx_loom.engine.disk import DiskTier
 from mlx_loom.engine.events import Done, Event
 from mlx_loom.engine.group import DecodeGroup, Left
 from mlx_loom.engine.prefill import prefill_step
-from mlx_loom.engine.prefix import PrefixStore, take_checkpoint
+from mlx_loom.engine.prefix import MAX_CHECKPOINTS_PER_ENTRY, PrefixStore, take_checkpoint
 from mlx_loom.engine.request import Request
 from mlx_loom.engine.row import Row
 from mlx_loom.engine.settings import EngineSettings
@@ -393,6 +393,8 @@ class Engine:
         if takes_checkpoint(request.prompt, row.prompt_position, step, request.eos, every):
             assert row.caches is not None
             row.checkpoints.append(take_checkpoint(row.position, row.caches))
+            # A long history of short messages must not hold a state per message.
+            del row.checkpoints[:-MAX_CHECKPOINTS_PER_ENTRY]
 
     # --- leaving ------------------------------------------------------------------
 
