@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from mlx_loom.cache.attention import quantized_scaled_dot_product_attention
 from mlx_loom.cache._buffers import AffineCodec, PlainCodec
 from mlx_loom.cache.batch import BatchKVCache, BatchRotatingKVCache, dynamic_roll
+from mlx_loom.cache.checkpoint import Checkpoint
 from mlx_loom.cache.codecs import KVCodec, codec_table, resolve_kv_codec
 from mlx_loom.cache.convert import maybe_quantize_kv_cache, validate_kv_quantization
 from mlx_loom.cache.forms import (
@@ -37,6 +38,7 @@ from mlx_loom.cache.protocol import (
     BatchRows,
     Boundable,
     Cache,
+    Checkpointable,
     Mask,
     SpeculativeRounds,
     Stackable,
@@ -90,6 +92,8 @@ __all__ = [
     "Boundable",
     "BatchTurboQuantKVCache",
     "Cache",
+    "Checkpoint",
+    "Checkpointable",
     "DonorView",
     "KVCache",
     "KVCodec",

@@ -143,3 +143,21 @@ class SpeculativeRounds(Protocol):
 
     def commit(self, keep: int | Sequence[int]) -> None:
         """Keep the first ``keep`` tokens of the window (one count, or one per row)."""
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """Caches that cannot always trim, and instead snapshot their state at chosen positions.
+
+    The prefix store keeps these checkpoints while a prompt is prefilled (at
+    turn boundaries and every few chunks), so a later prompt sharing a prefix
+    restores the checkpoint (``checkpoint.restore()``: a new cache of the same
+    kind) where a trimmable cache would be trimmed.
+    """
+
+    def checkpoint(self) -> Any:
+        """An immutable snapshot of this single-row cache.
+
+        A :class:`~mlx_loom.cache.checkpoint.Checkpoint`; its ``restore()``
+        is a new cache of the same kind holding this state.
+        """

@@ -47,6 +47,7 @@ from typing import ClassVar, cast
 import mlx.core as mx
 
 from mlx_loom.cache._buffers import parse_count
+from mlx_loom.cache.checkpoint import Checkpoint, refuse_open_round
 from mlx_loom.errors import CacheError, CacheNotTrimmable
 
 __all__ = ["RecurrentCache", "ReplayFn"]
@@ -501,6 +502,20 @@ class RecurrentCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.conv_state, self.recurrent_state) if a is not None)
+
+    def checkpoint(self) -> Checkpoint:
+        """This row's tail and state as an immutable snapshot (the state cannot be trimmed).
+
+        Free until the cache advances: every forward replaces both arrays.
+        """
+        refuse_open_round(self, self._round is not None)
+        if isinstance(self._offset, mx.array):
+            raise CacheError(
+                f"{self.kind}.checkpoint is for a single-row cache; this one holds "
+                f"{self.batch_size} rows",
+                fix="extract(row) the row first",
+            )
+        return Checkpoint.of(self, self.state, self.meta_state, self._offset)
 
     @property
     def state(self) -> tuple[mx.array, ...]:

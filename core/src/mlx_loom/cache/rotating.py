@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from mlx_loom.cache import _buffers as buf
 from mlx_loom.cache import window_round as rnd
+from mlx_loom.cache.checkpoint import Checkpoint, refuse_open_round
 from mlx_loom.cache.masks import create_causal_mask
 from mlx_loom.cache.protocol import Mask
 from mlx_loom.cache.storage import CodecLayout, split_meta
@@ -318,6 +319,19 @@ class RotatingKVCache(CodecLayout):
         self.offset -= n
         self._idx -= n
         return n
+
+    # --- checkpoints ---------------------------------------------------------
+
+    def checkpoint(self) -> Checkpoint:
+        """This window (its slots, offset and write index) as an immutable snapshot.
+
+        A window that has filled cannot be trimmed back, so the prefix store
+        keeps these at chosen positions instead; :meth:`Checkpoint.restore`
+        gives a new window that decodes exactly as this one would.
+        """
+        refuse_open_round(self, self._round is not None)
+        kind: Any = self  # each window kind names its own state and meta_state
+        return Checkpoint.of(self, kind.state, kind.meta_state, self.offset)
 
     # --- size and state -------------------------------------------------------
 

@@ -259,6 +259,21 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="most bytes of prompt caches kept, e.g. 2GB (default: no byte bound)",
     )
     group.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="also keep prompt caches in DIR: entries evicted from memory, and all of them at "
+        "shutdown, are written there and serve later requests and restarted servers",
+    )
+    group.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="most bytes of prompt-cache files kept in --prompt-cache-dir, e.g. 20GB "
+        "(default: no byte bound)",
+    )
+    group.add_argument(
         "--queue-size",
         type=_count("--queue-size", 0, "requests that may wait for a row", 64),
         default=DEFAULT_MAX_QUEUED,
@@ -275,6 +290,8 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         prefill_step_size=args.prefill_step_size,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
         max_queued=args.queue_size,
     )
 

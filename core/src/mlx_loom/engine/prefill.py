@@ -61,14 +61,14 @@ def can_share(row: Row) -> bool:
 
 def partition(rows: list[Row], steps: list[int]) -> list[list[int]]:
     """Indices of ``rows`` grouped into forwards whose padding stays bounded."""
-    order = sorted(range(len(rows)), key=lambda i: -min(steps[i], rows[i].prefill_left))
+    order = sorted(range(len(rows)), key=lambda i: -rows[i].chunk_len(steps[i]))
     groups: list[list[int]] = []
     for i in order:
-        n = min(steps[i], rows[i].prefill_left)
+        n = rows[i].chunk_len(steps[i])
         if groups:
             group = groups[-1]
-            width = min(steps[group[0]], rows[group[0]].prefill_left)
-            real = sum(min(steps[j], rows[j].prefill_left) for j in group) + n
+            width = rows[group[0]].chunk_len(steps[group[0]])
+            real = sum(rows[j].chunk_len(steps[j]) for j in group) + n
             if width * (len(group) + 1) <= MAX_PADDING_RATIO * real:
                 group.append(i)
                 continue
@@ -82,9 +82,7 @@ def prefill_together(model: Model, rows: list[Row], steps: list[int]) -> None:
     Raises :class:`~mlx_loom.errors.CapabilityRefused` (having changed
     nothing) when the model's caches have no padded batch kind.
     """
-    chunks = [
-        row.to_feed[: min(step, row.prefill_left)] for row, step in zip(rows, steps, strict=True)
-    ]
+    chunks = [row.to_feed[: row.chunk_len(step)] for row, step in zip(rows, steps, strict=True)]
     width = max(len(c) for c in chunks)
     pads = [width - len(c) for c in chunks]
     batch = [c.empty_batch(pads) for c in rows[0].caches]  # may refuse: nothing changed yet

@@ -164,6 +164,10 @@ class Request:
     #: Structured output: the grammar every generated token must follow
     #: (:mod:`mlx_loom.engine.constraints`); ``None``: unconstrained.
     constraint: Constraint | None = None
+    #: Keep checkpoints of caches that cannot trim at the turn boundaries of
+    #: this prompt and hand them back in :class:`~mlx_loom.engine.Done`
+    #: (a :class:`~mlx_loom.generate.PromptCache` asks, to step back a turn).
+    checkpoints: bool = False
 
 
 def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:
@@ -335,6 +339,7 @@ def make_request(
     eos: frozenset[int] | None = None,
     adapter: str | None = None,
     constraint: Constraint | None = None,
+    checkpoints: bool = False,
 ) -> Request:
     """Check every option of a request against ``model``; return the :class:`Request`.
 
@@ -431,6 +436,7 @@ def make_request(
         speculation=speculation,
         adapter=adapter,
         constraint=constraint,
+        checkpoints=bool(checkpoints),
     )
 
 

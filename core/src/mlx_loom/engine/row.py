@@ -19,6 +19,7 @@ from mlx_loom.engine.constraints import RowConstraint
 from mlx_loom.engine.events import TokenEvent
 from mlx_loom.engine.next_token import TokenPicker
 from mlx_loom.engine.request import Request
+from mlx_loom.engine.splits import chunk_end
 from mlx_loom.text import StopStrings
 
 if TYPE_CHECKING:
@@ -40,6 +41,16 @@ class Row:
         #: Every token fed into this row's caches by this request, in order.
         self.fed: list[int] = []
         self.caches: list[Any] | None = None
+        #: End-of-turn ids whose positions end prefill chunks, with chunks on
+        #: the prompt's own grid (:mod:`mlx_loom.engine.splits`); ``None``:
+        #: chunks simply follow on from where the caches left off.
+        self.aligned: frozenset[int] | None = None
+        #: Whether the caches hold what a prefill from nothing would (a fresh
+        #: start, or a restored checkpoint), so checkpoints taken now are exact.
+        self.exact = True
+        #: Checkpoints taken while prefilling (:class:`~mlx_loom.engine.prefix.TakenCheckpoint`),
+        #: in position order.
+        self.checkpoints: list[Any] = []
         #: A speculative row's drafter and token sequence (set when it starts decoding).
         self.speculation: Any = None
         self.produced = 0
@@ -64,8 +75,27 @@ class Row:
         """Prompt tokens prefill still has to feed (all but the last)."""
         return max(0, len(self.to_feed) - 1 - self.cursor)
 
+    def chunk_len(self, step: int) -> int:
+        """How many tokens the next prefill chunk feeds."""
+        if self.aligned is None:
+            return min(step, self.prefill_left)
+        start = self.prompt_position
+        prompt = self.request.prompt
+        return chunk_end(prompt, start, step, len(prompt) - 1, self.aligned) - start
+
+    @property
+    def prompt_position(self) -> int:
+        """Where in the request's prompt prefill has reached."""
+        origin = 0 if self.request.cache is not None else self.cached
+        return origin + self.cursor
+
+    @property
+    def position(self) -> int:
+        """Tokens the caches hold (what they held before, plus the prompt fed so far)."""
+        return self.cached + self.cursor
+
     def next_chunk(self, step: int) -> list[int]:
-        n = min(step, self.prefill_left)
+        n = self.chunk_len(step)
         chunk = self.to_feed[self.cursor : self.cursor + n]
         self.cursor += n
         self.fed.extend(chunk)

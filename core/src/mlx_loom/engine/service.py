@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_loom.engine.core import Engine, EngineStats
+from mlx_loom.engine.disk import check_directory
 from mlx_loom.engine.events import Done, Event, TokenEvent
 from mlx_loom.engine.request import Request
 from mlx_loom.engine.settings import EngineSettings
@@ -211,6 +212,7 @@ class Turns:
         try:
             for kind, item in commands:
                 if kind == "stop":
+                    engine.flush()  # the prefix store's disk tier takes what memory holds
                     return False
                 if kind == "configure":
                     engine.configure(item)
@@ -281,6 +283,8 @@ class EngineService:
         new = settings if settings is not None else self._settings.model_copy(update=changes)
         if changes and settings is None:
             new = EngineSettings(**new.model_dump())  # validate the changed values
+        if new.prompt_cache_dir is not None:
+            check_directory(new.prompt_cache_dir)  # refused here, not on the engine thread
         self._settings = new
         self._post(("configure", new))
         return new
@@ -331,9 +335,12 @@ class EngineService:
         """Cancel everything, stop the thread (destroying its streams) and wait for it."""
         with self._lock:
             self._closed = True
-            if self._thread is not None:
+            running = self._thread is not None
+            if running:
                 self._inbox.put(("stop", None))
             threads = [t for t in self._threads if t is not threading.current_thread()]
+        if not running:
+            self._engine.flush()  # no thread owns the engine: write its caches from here
         for thread in threads:
             thread.join(timeout)
         _services.discard(self)

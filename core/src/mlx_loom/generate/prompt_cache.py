@@ -4,8 +4,11 @@ A chat turn re-sends the whole conversation; only the part after the longest
 prefix already in the cache needs a forward. When the cached tokens diverge
 from the new prompt, the cache must drop its tail — which only a trimmable
 cache can do exactly. A non-trimmable cache (recurrent state, a sliding
-window that has wrapped) is never trimmed: it is reused only when what it
-holds is an exact prefix of the new prompt, and otherwise started afresh.
+window that has wrapped) is never trimmed: it is reused when what it holds
+is an exact prefix of the new prompt, and otherwise steps back to the last
+checkpoint the new prompt shares — the engine keeps one at each turn
+boundary and at the end of each prompt it prefills into these caches (at
+most :data:`MAX_CHECKPOINTS`, the latest) — or, with none, starts afresh.
 
 One generation at a time: a :class:`PromptCache` is one conversation's
 state, so a second generation that asks for it while one runs (from another
@@ -36,6 +39,11 @@ if TYPE_CHECKING:
     from ..engine import Done
 
 
+#: Checkpoints a PromptCache keeps (the latest): a conversation steps back a
+#: turn or two (an edit, a retry), rarely further.
+MAX_CHECKPOINTS = 8
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):  # stops at the shorter
@@ -58,11 +66,14 @@ class PromptCache:
         self.max_kv_size = max_kv_size
         self.cache: list[Any] = fresh_caches(model, max_kv_size)
         self.tokens: list[int] = []
+        #: Checkpoints of the caches at earlier positions (``TakenCheckpoint``s).
+        self.checkpoints: list[Any] = []
         self._busy = threading.Lock()
 
     def reset(self) -> None:
         self.cache = fresh_caches(self.model, self.max_kv_size)
         self.tokens = []
+        self.checkpoints = []
 
     @contextmanager
     def claim(self) -> Iterator[None]:
@@ -95,10 +106,12 @@ class PromptCache:
         """Take in how a generation left the caches (the engine continued them in place)."""
         if done.outcome == "failed":
             self.tokens = []  # the engine started the caches afresh
+            self.checkpoints = []
             return
         if done.caches is not None and done.caches is not self.cache:
             self.cache = done.caches
         self.tokens.extend(done.fed)
+        self.checkpoints = [*self.checkpoints, *done.checkpoints][-MAX_CHECKPOINTS:]
 
     def prepare(self, prompt: Sequence[int]) -> list[int]:
         """Make the caches hold a prefix of ``prompt``; return the tokens still to feed.
@@ -114,10 +127,34 @@ class PromptCache:
                 for c in self.cache:
                     c.trim(drop)
                 self.tokens = self.tokens[:keep]
+                # Checkpoints past ``keep`` hold the dropped tokens.
+                self.checkpoints = [c for c in self.checkpoints if c.position <= keep]
             else:
-                self.reset()
-                keep = 0
+                keep = self._step_back(keep)
         return prompt[keep:]
+
+    def _step_back(self, keep: int) -> int:
+        """Restore the last checkpoint at or before ``keep``; the tokens the caches then hold."""
+        for cp in reversed(self.checkpoints):
+            if not 0 < cp.position <= keep or self.model.parallel is not None:
+                continue
+            layers = list(zip(cp.layers, self.cache, cp.kinds, strict=True))
+            # A layer without a snapshot trims back, if it is still the kind it was then.
+            if not all(
+                snap is not None or (cache.is_trimmable() and type(cache) is kind)
+                for snap, cache, kind in layers
+            ):
+                continue
+            drop = len(self.tokens) - cp.position
+            for snap, cache, _ in layers:
+                if snap is None:
+                    cache.trim(drop)
+            self.cache = [cache if snap is None else snap.restore() for snap, cache, _ in layers]
+            self.tokens = self.tokens[: cp.position]
+            self.checkpoints = [c for c in self.checkpoints if c.position <= cp.position]
+            return cp.position
+        self.reset()
+        return 0
 
     def _can_trim(self) -> bool:
         """Whether every cache can trim; for a split model, on every rank.

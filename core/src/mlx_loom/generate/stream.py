@@ -165,6 +165,7 @@ def stream_generate(
             to_feed,
             cache=prompt_cache.cache,
             history=list(prompt_cache.tokens),
+            checkpoints=True,
             **options,
         )
         handle = model.engine.submit(request)

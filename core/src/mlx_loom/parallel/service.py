@@ -112,6 +112,10 @@ class AgreeingPrefixStore(PrefixStore):
         every = self._lockstep.gather([float(nbytes), float(trimmable)])
         return int(max(n for n, _ in every)), all(t == 1.0 for _, t in every)
 
+    def weigh(self, nbytes: int) -> int:
+        # A stage may hold no layer that checkpoints: weigh the largest rank's part.
+        return int(max(n for (n,) in self._lockstep.gather([float(nbytes)])))
+
 
 class LockstepTurns(Turns):
     """The turns of one rank of a split model's engine thread (see the module docstring).

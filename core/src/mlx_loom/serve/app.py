@@ -286,7 +286,17 @@ class ServeApp:
             "decoding": engine.decoding,
             "decode_concurrency": settings.decode_concurrency,
             "max_queued": settings.max_queued,
-            "prompt_cache": {"entries": engine.prefix_entries, "bytes": engine.prefix_bytes},
+            "prompt_cache": {
+                "entries": engine.prefix_entries,
+                "bytes": engine.prefix_bytes,
+                "hits": engine.prefix_hits,
+                "misses": engine.prefix_misses,
+                "checkpoints": engine.prefix_checkpoints,
+                "checkpoint_bytes": engine.prefix_checkpoint_bytes,
+                "disk_bytes": engine.prefix_disk_bytes,
+                "disk_files": engine.prefix_disk_files,
+                "disk_hits": engine.prefix_disk_hits,
+            },
             "tool_call_parser": fmt.tool_parser.name if fmt.tool_parser else None,
             "reasoning": fmt.reasoning.name if fmt.reasoning else None,
         }
