@@ -12,7 +12,7 @@ from mlx_loom.cache import (
     RecurrentCache,
     RotatingKVCache,
 )
-from mlx_loom.cache.turboquant_caches import TurboQuantRotatingKVCache
+from mlx_loom.cache.forms import TurboQuantRotatingKVCache
 from mlx_loom.errors import CacheError
 
 

@@ -75,7 +75,7 @@ class TakenCheckpoint:
 
     position: int
     layers: tuple[Any, ...]
-    kinds: tuple[type, ...]
+    kinds: tuple[Hashable, ...]  # each layer's form: its class and its codec
 
     @property
     def nbytes(self) -> int:
@@ -88,11 +88,16 @@ def take_checkpoint(position: int, caches: Sequence[Any]) -> TakenCheckpoint:
         c.checkpoint() if callable(getattr(c, "checkpoint", None)) else None for c in caches
     )
     mx.eval([a for c in layers if c is not None for a in c.arrays])
-    return TakenCheckpoint(position, layers, tuple(type(c) for c in caches))
+    return TakenCheckpoint(position, layers, tuple(_form(c) for c in caches))
 
 
-def _trims_as(cache: Any, kind: type) -> bool:
-    return bool(cache.is_trimmable()) and type(cache) is kind
+def _form(cache: Any) -> Hashable:
+    """A layer's class and storage codec: one layout changes codec when KV quantization starts."""
+    return (type(cache), getattr(cache, "codec_key", None))
+
+
+def trims_as(cache: Any, kind: Hashable) -> bool:
+    return bool(cache.is_trimmable()) and _form(cache) == kind
 
 
 def _restorable(entry: _Entry, cp: TakenCheckpoint) -> bool:
@@ -100,7 +105,7 @@ def _restorable(entry: _Entry, cp: TakenCheckpoint) -> bool:
     trimmed from the entry's end, so it must still be the kind it was then (KV
     quantization may have switched it since) and trim."""
     return all(
-        layer is not None or _trims_as(c, kind)
+        layer is not None or trims_as(c, kind)
         for layer, c, kind in zip(cp.layers, entry.caches, cp.kinds, strict=True)
     )
 

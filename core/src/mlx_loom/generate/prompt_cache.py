@@ -32,6 +32,7 @@ from ..bounded_json import parse_json
 from ..cache import load_prompt_cache, save_prompt_cache
 from ..cache.geometry import check_caches_fit
 from ..engine.caches import fresh_caches
+from ..engine.prefix import trims_as
 from ..errors import CacheError, RequestError
 from ..model import Model
 
@@ -141,7 +142,7 @@ class PromptCache:
             layers = list(zip(cp.layers, self.cache, cp.kinds, strict=True))
             # A layer without a snapshot trims back, if it is still the kind it was then.
             if not all(
-                snap is not None or (cache.is_trimmable() and type(cache) is kind)
+                snap is not None or trims_as(cache, kind)
                 for snap, cache, kind in layers
             ):
                 continue
