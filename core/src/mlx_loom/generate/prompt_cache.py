@@ -166,7 +166,9 @@ class PromptCache:
         mine = all(c.is_trimmable() for c in self.cache)
         if self.model.parallel is None:
             return mine
-        return all(flag == 1.0 for (flag,) in self.model.engine.gather([float(mine)]))
+        from ..parallel.service import lockstep_of  # only a split model gets here
+
+        return all(flag == 1.0 for (flag,) in lockstep_of(self.model).gather([float(mine)]))
 
     @property
     def reused(self) -> int:

@@ -489,3 +489,18 @@ def _seed_for(request: Request) -> int | None:
     if request.params.greedy or request.params.seed is not None:
         return None
     return secrets.randbits(63)
+
+
+def lockstep_of(model: Any) -> LockstepService:
+    """A split model's engine service: the one with the calls every rank makes together.
+
+    A model built across ranks is given a :class:`LockstepService`; asking for
+    one of a model in one process is a caller's mistake, refused by name.
+    """
+    service = model.engine
+    if not isinstance(service, LockstepService):
+        raise ParallelRefused(
+            "This model runs in one process; it has no ranks to exchange values with.",
+            fix="Call this only for a model loaded with parallel= (loom ... --parallel).",
+        )
+    return service

@@ -339,7 +339,7 @@ def _to_http_error(exc: ValidationError, model: type[BaseModel]) -> HttpError:
     )
 
 
-def parse_request(model: type[_GenerationRequest], body: Any) -> Any:
+def parse_request(model: type[BaseModel], body: Any) -> Any:
     """Validate a decoded JSON body against ``model``; every failure is a 400 :class:`HttpError`."""
     if not isinstance(body, dict):
         raise HttpError(

@@ -162,9 +162,9 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
         self._reader = DeadlineReader(self.connection)
-        self.rfile = io.BufferedReader(self._reader)
+        self.rfile = self._buffered = io.BufferedReader(self._reader)
         self._writer = DeadlineWriter(self.connection, self.server.limits.write_timeout)
-        self.wfile = self._writer
+        self.wfile = self._writer  # type: ignore[assignment]  # http.server only writes, flushes
         #: Accepted past the connection limit: it may only ask for ``GET /health``.
         self._health_only = self.server.is_reserved(self.request)
         self._probed = False
@@ -189,7 +189,7 @@ class Handler(BaseHTTPRequestHandler):
         self.headers = self.MessageClass()
         self._reader.expect("idle", idle)
         try:
-            if not self.rfile.peek(1):  # the client closed the connection
+            if not self._buffered.peek(1):  # the client closed the connection
                 self.close_connection = True
                 return
         except OSError:  # PhaseTimeout included: an idle connection just closes
@@ -707,7 +707,7 @@ class Handler(BaseHTTPRequestHandler):
         except EngineBusy as err:
             for job in jobs:
                 job.cancel()
-            raise overloaded(err.message, fix=err.fix, code="queue_full") from None
+            raise overloaded(err.message, fix=err.fix or "", code="queue_full") from None
 
     def _complete(self, *, chat: bool) -> None:
         prep = self._prepare(lambda body: self.app.prepare(body, chat=chat))

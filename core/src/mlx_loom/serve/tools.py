@@ -19,7 +19,7 @@ and ``parallel_tool_calls`` into a :class:`ToolPlan`:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +196,7 @@ def _nesting(value: Any) -> int:
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        children: Iterable[Any]
         if isinstance(item, dict):
             children = item.values()
         elif isinstance(item, list):
