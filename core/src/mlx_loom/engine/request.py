@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_loom.cache import maybe_quantize_kv_cache, resolve_kv_codec, validate_kv_quantization
+from mlx_loom.engine.kv_groups import kv_group_size_for
 from mlx_loom.errors import AdapterError, ParallelRefused, RequestError
 from mlx_loom.generate.params import SamplingParams
 from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
@@ -218,7 +219,7 @@ def make_request(
     stop: Sequence[str] = (),
     prefill_step_size: int | None = None,
     kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    kv_group_size: int | None = None,
     quantized_kv_start: int = 0,
     kv_codec: str | None = None,
     max_kv_size: int | None = None,
@@ -235,7 +236,8 @@ def make_request(
 
     Raises :class:`~mlx_loom.errors.RequestError` for a bad value and a
     :class:`~mlx_loom.errors.Refusal` for what the model cannot do, before
-    any work is queued.
+    any work is queued. ``kv_group_size=None`` picks one that fits the
+    model's heads (:mod:`mlx_loom.engine.kv_groups`).
     """
     from mlx_loom.text import StopStrings
 
@@ -247,6 +249,7 @@ def make_request(
             "prefill_step_size", prefill_step_size, "Pass a positive prefill_step_size (2048)."
         )
     kinds = model.binding.cache_kinds
+    kv_group_size = kv_group_size_for(model, kv_group_size, kv_bits=kv_bits, kv_codec=kv_codec)
     validate_kv_quantization(
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..cache import validate_kv_quantization
 from ..engine import EngineSettings, Speculation
+from ..engine.kv_groups import kv_group_size_for
 from ..engine.request import MAX_DRAFT
 from ..errors import CapabilityRefused, LoomError, RequestError, TemplateBudgetExceeded
 from ..generate import SamplingParams
@@ -140,7 +141,8 @@ class ServeApp:
     ``chat_template_args`` are template variables under each request's
     ``chat_template_kwargs``; ``kv_bits``/``kv_group_size``/
     ``quantized_kv_start``/``kv_codec`` store every request's KV cache in a
-    codec (affine unless ``kv_codec`` names another);
+    codec (affine unless ``kv_codec`` names another; ``kv_group_size=None``
+    picks one that fits the model's heads, checked here, at start);
     ``max_prompt_chars`` bounds the text that reaches the tokenizer and
     ``max_prompt_tokens`` (default: the model's context) the tokens that
     reach the engine.
@@ -159,7 +161,7 @@ class ServeApp:
         registry: Registry | None = None,
         chat_template_args: Mapping[str, Any] | None = None,
         kv_bits: int | None = None,
-        kv_group_size: int = 64,
+        kv_group_size: int | None = None,
         quantized_kv_start: int = 0,
         kv_codec: str | None = None,
         max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
@@ -186,6 +188,7 @@ class ServeApp:
         self.default_max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
         self.created = int(time.time())
         self.chat_template_args = _template_args(chat_template_args)
+        kv_group_size = kv_group_size_for(model, kv_group_size, kv_bits=kv_bits, kv_codec=kv_codec)
         validate_kv_quantization(
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
