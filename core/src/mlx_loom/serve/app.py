@@ -584,7 +584,7 @@ class ServeApp:
             ids, in_reasoning = self._text_prompt(request), False
         sampling = params.model_dump()
         max_tokens = self._room(len(ids), max_tokens)
-        speculation = self._speculation(request.draft, request.num_draft_tokens)
+        speculation = self._speculation(request.draft, request.num_draft_tokens, adapter)
         choices = []
         for index in range(request.n):
             seeded = dict(sampling)
@@ -617,6 +617,22 @@ class ServeApp:
             parallel_tool_calls=plan.parallel,
         )
 
+    def _adapter_speculation(self, draft: str | None, count: int | None, adapter: str) -> None:
+        """Refuse a request for an adapter model that asks to speculate; else ``None``."""
+        if draft in (None, "none") and count is None:
+            return None
+        served = self._served_id(adapter)
+        asked = "num_draft_tokens" if draft in (None, "none") else "draft"
+        raise HttpError(
+            400,
+            f"Model {served!r} runs an adapter, and speculative decoding does not combine with "
+            "an adapter yet (the speculative step runs the base model).",
+            fix=f'drop "{asked}" (adapter requests decode without drafting), or send '
+            f'"model": "{self.model_id}" to speculate on the base model',
+            param=asked,
+            code="invalid_parameter",
+        )
+
     def _check_response_format(self, fmt: schemas.ResponseFormat | None) -> None:
         if fmt is None or fmt.type == "text":
             return
@@ -630,8 +646,15 @@ class ServeApp:
             param="response_format",
         )
 
-    def _speculation(self, draft: str | None, count: int | None) -> Speculation | None:
-        """A request's speculation: the server's default unless ``draft`` names another."""
+    def _speculation(
+        self, draft: str | None, count: int | None, adapter: str | None = None
+    ) -> Speculation | None:
+        """A request's speculation: the server's default unless ``draft`` names another.
+
+        An adapter request never speculates (the speculative step runs the base
+        model): the server's default draft is not applied to it, and a ``draft``
+        field asking for drafting is refused naming the field.
+        """
         default = self.speculation
         if count is not None and not 1 <= count <= MAX_DRAFT:
             raise HttpError(
@@ -641,6 +664,8 @@ class ServeApp:
                 param="num_draft_tokens",
                 code="invalid_parameter",
             )
+        if adapter is not None and draft in (None, "none", "ngram", "model"):
+            return self._adapter_speculation(draft, count, adapter)
         n = count or (default.num_draft if default is not None else 3)
         if draft is None:
             if default is None:
