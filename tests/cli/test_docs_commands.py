@@ -79,3 +79,11 @@ def test_documented_launch_commands_reach_loom_whole(line, monkeypatch, tmp_path
     written = argv[argv.index("loom") :]
     assert seen == [written]
     build_parser().parse_args(written[1:])
+
+
+def test_the_architecture_page_states_the_plugin_api_version_the_code_speaks():
+    from mlx_loom.plugin import PLUGIN_API_VERSION
+
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    stated = re.search(r"the plugin-API version \((\d+\.\d+)\)", page)
+    assert stated is not None and stated[1] == PLUGIN_API_VERSION
