@@ -617,8 +617,10 @@ class ServeApp:
             parallel_tool_calls=plan.parallel,
         )
 
-    def _adapter_speculation(self, draft: str | None, count: int | None, adapter: str) -> None:
-        """Refuse a request for an adapter model that asks to speculate; else ``None``."""
+    def _adapter_speculation(
+        self, draft: str | None, count: int | None, adapter: str
+    ) -> Speculation | None:
+        """An adapter request's speculation: always ``None``; one that asks to draft is refused."""
         if draft in (None, "none") and count is None:
             return None
         served = self._served_id(adapter)
