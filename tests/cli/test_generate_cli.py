@@ -85,7 +85,7 @@ def test_kv_bits_8_works_on_the_bundled_model_too(capsys):
 def test_an_explicit_kv_group_size_that_cannot_fit_names_the_one_that_does(capsys):
     assert main(["generate", "-m", "4", "--kv-bits", "4", "--kv-group-size", "64"]) == 2
     err = capsys.readouterr().err
-    assert "argument --kv-group-size: 64 does not divide this model's head dimension" in err
+    assert "--kv-group-size 64 does not divide this model's head dimension (32)" in err
     assert "fix: pass --kv-group-size 32" in err
 
 

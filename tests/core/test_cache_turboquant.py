@@ -119,10 +119,45 @@ def test_a_width_other_than_3_or_4_is_refused(bad):
         TurboQuantKVCache(bits=bad)
 
 
-def test_a_head_size_without_a_fast_hadamard_transform_is_refused():
+@pytest.mark.parametrize("d", [36, 44, 1])
+def test_a_head_size_without_a_fast_hadamard_transform_is_refused(d):
     cache = TurboQuantKVCache(bits=4)
     with pytest.raises(CapabilityRefused, match="Walsh"):
-        cache.append(*kv(0, 2, d=24))
+        cache.append(*kv(0, 2, d=d))
+
+
+#: Head sizes real models use that are not powers of two: 12 * 2^k and 20 * 2^k
+#: (24, 48, 96, 192; 80, 160), and 28 * 2^k.
+FACTORED = [12, 24, 48, 96, 192, 20, 40, 80, 160, 28, 56]
+
+
+@pytest.mark.parametrize("d", [*FACTORED, 32, 64])
+def test_rotation_is_a_signed_hadamard_matrix_and_unrotate_its_inverse(d):
+    # The matrix the rotation applies, read off the identity: sqrt(D) R must be
+    # a Hadamard matrix (entries +-1, rows orthogonal: M M^T = D I), and
+    # un-rotating must apply its transpose (MLX's 20 and 28 are not symmetric,
+    # so applying the transform again would not invert it).
+    codec = TurboQuantCodec(4, owner="test")
+    M = codec.rotate(mx.eye(d)) * d**0.5
+    assert mx.allclose(mx.abs(M), mx.ones((d, d)), atol=1e-5).item()
+    assert mx.allclose(M @ M.T, d * mx.eye(d), atol=1e-3).item()
+    x = mx.random.normal((2, 3, 5, d), key=mx.random.key(1))
+    y = codec.rotate(x)
+    assert mx.allclose(y, x @ M * d**-0.5, atol=1e-4).item()
+    assert mx.allclose(codec.unrotate(y), y @ M.T * d**-0.5, atol=1e-4).item()
+    assert mx.abs(codec.unrotate(y) - x).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("d", [24, 80, 96])
+def test_a_factored_head_size_attends_close_to_the_plain_cache(d):
+    plain, tq = KVCache(), TurboQuantKVCache(bits=4)
+    for step, L in enumerate([7, 1, 1]):
+        k, v = kv(step, L, d=d)
+        q = mx.random.normal((1, 2 * H, L, d), key=mx.random.key(50 + step))
+        mask = "causal" if L > 1 else None
+        a = plain.append(k, v).attend(q, scale=d**-0.5, mask=mask)
+        b = tq.append(k, v).attend(q, scale=d**-0.5, mask=mask)
+        assert rel(b, a) < 0.15, step
 
 
 # --- attention ------------------------------------------------------------------------

@@ -54,6 +54,11 @@ TURBOQUANT_BITS = (3, 4)
 
 #: Head sizes ``mx.hadamard_transform`` handles: ``m * 2**k`` for these ``m``.
 _HADAMARD_FACTORS = (1, 12, 20, 28)
+#: The ``m`` whose transform matrix is symmetric, hence its own inverse once
+#: normalised (Sylvester's for 1, MLX's 12 as well); MLX's 20 and 28 are
+#: orthogonal but not symmetric (checked on MLX 0.32.4 against the matrix the
+#: transform applies to the identity), so their inverse is the transpose.
+_SYMMETRIC_FACTORS = (1, 12)
 
 
 def _phi(x: float) -> float:
@@ -127,11 +132,21 @@ def check_bits(bits: Any, *, owner: str) -> int:
     return int(bits)
 
 
+def hadamard_factor(D: int) -> int | None:
+    """The ``m`` with ``D = m * 2**k`` that ``mx.hadamard_transform`` needs, or ``None``.
+
+    Each candidate ``m`` is tried whole: dividing out every factor 2 first
+    would take 24 = 12 * 2 down to 3 and refuse it.
+    """
+    for m in _HADAMARD_FACTORS:
+        rest, remainder = divmod(D, m)
+        if D >= 2 and remainder == 0 and rest & (rest - 1) == 0:
+            return m
+    return None
+
+
 def check_head_dim(D: int, *, owner: str) -> None:
-    m = D
-    while m % 2 == 0 and m > 1:
-        m //= 2
-    if D < 2 or m not in _HADAMARD_FACTORS:
+    if hadamard_factor(D) is None:
         raise CapabilityRefused(
             f"{owner}: head dimension {D} has no fast Walsh–Hadamard transform "
             "(TurboQuant needs m * 2^k with m in 1, 12, 20, 28)",
@@ -156,6 +171,7 @@ class TurboQuantCodec:
         # checked on a caller's thread builds caches but never encodes).
         self._tables: tuple[mx.array, mx.array] | None = None
         self._sign_cache: dict[int, mx.array] = {}
+        self._inverse_cache: dict[int, mx.array] = {}
 
     @classmethod
     def for_request(cls, *, bits: int, group_size: int) -> TurboQuantCodec:
@@ -208,9 +224,22 @@ class TurboQuantCodec:
         return mx.hadamard_transform(x.astype(mx.float32) * self._sign(D), scale=D**-0.5)
 
     def unrotate(self, y: mx.array) -> mx.array:
-        """``R^T y = s ⊙ (H y / sqrt(D))`` (the normalised H is symmetric and its own inverse)."""
+        """``R^T y = s ⊙ (H^T y / sqrt(D))``.
+
+        Where H is symmetric (``D = 2^k`` or ``12 * 2^k``) the transform is its
+        own inverse; otherwise ``H^T`` is applied as a ``D x D`` product, on
+        the ``L`` output vectors of a step only (deferred-V).
+        """
         D = y.shape[-1]
-        return mx.hadamard_transform(y.astype(mx.float32), scale=D**-0.5) * self._sign(D)
+        sign = self._sign(D)
+        if hadamard_factor(D) in _SYMMETRIC_FACTORS:
+            return mx.hadamard_transform(y.astype(mx.float32), scale=D**-0.5) * sign
+        if D not in self._inverse_cache:
+            # Row i of ``forward`` is the transform of e_i, so T(x) = x @ forward
+            # and its inverse is ``@ forward.T / D``.
+            forward = mx.hadamard_transform(mx.eye(D, dtype=mx.float32), scale=1.0)
+            self._inverse_cache[D] = forward.T * D**-0.5
+        return (y.astype(mx.float32) @ self._inverse_cache[D]) * sign
 
     # --- keys -----------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from typing import Any
 from ..adapters import AdapterSet
 from ..assets import BUNDLED_MODEL_NAME
 from ..bounded_json import REQUEST_JSON, parse_json
+from ..cache import resolve_kv_codec
 from ..engine import EngineSettings
 from ..engine.settings import (
     DEFAULT_DECODE_CONCURRENCY,
@@ -28,6 +29,7 @@ from ..serve.app import (
     DEFAULT_MAX_PROMPT_CHARS,
     DEFAULT_MAX_QUEUED,
     DEFAULT_MAX_RESPONSE_ENTRIES,
+    ServeApp,
     server_engine_settings,
 )
 from ..serve.connection import (
@@ -442,9 +444,30 @@ def run(args: argparse.Namespace) -> int:
         f"loom: tool calls: {tools} ({fmt.tool_parser_reason}); reasoning: {reasoning}",
         file=sys.stderr,
     )
+    print(decoding_line(server.app, args.draft_model), file=sys.stderr)
     try:
         server.serve_until_signalled(args.shutdown_grace)
     except KeyboardInterrupt:  # a second signal while draining: do not wait
         server.stop()
         return 1
     return 0
+
+
+def decoding_line(app: ServeApp, draft_model: str | None) -> str:
+    """The banner line naming the draft and the KV cache storage every request gets."""
+    spec = app.speculation
+    if spec is None:
+        draft = "none"
+    else:
+        who = "ngram (prompt lookup)" if spec.draft is None else f"{draft_model} (draft model)"
+        draft = f"{who}, {spec.num_draft} tokens a step"
+        if app.adapters is not None:
+            draft += "; adapter requests do not draft"
+    kv, kinds = app.kv, app.model.binding.cache_kinds
+    codec, bits = resolve_kv_codec(kv["kv_codec"], kv["kv_bits"], kinds=kinds)
+    if codec is None:
+        cache = "plain"
+    else:
+        group = f", group {kv['kv_group_size']}" if codec.name == "affine" else ""
+        cache = f"{codec.name} {bits}-bit{group}, from token {kv['quantized_kv_start']}"
+    return f"loom: draft: {draft}; KV cache: {cache}"

@@ -27,6 +27,7 @@ import mlx.core as mx
 
 from mlx_loom.cache import maybe_quantize_kv_cache, resolve_kv_codec, validate_kv_quantization
 from mlx_loom.cache.convert import convertible
+from mlx_loom.engine.kv_groups import kv_group_size_for
 from mlx_loom.errors import AdapterError, ParallelRefused, RequestError
 from mlx_loom.generate.params import MAX_INT_OPTION, SamplingParams
 from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
@@ -259,7 +260,7 @@ def kv_quantization(
     model: Model,
     *,
     kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    kv_group_size: int | None = None,
     quantized_kv_start: int = 0,
     kv_codec: str | None = None,
     max_kv_size: int | None = None,
@@ -271,6 +272,7 @@ def kv_quantization(
     bad value fails there, not on the first request.
     """
     kinds = model.binding.cache_kinds
+    kv_group_size = kv_group_size_for(model, kv_group_size, kv_bits=kv_bits, kv_codec=kv_codec)
     validate_kv_quantization(
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
@@ -326,7 +328,7 @@ def make_request(
     stop: Sequence[str] = (),
     prefill_step_size: int | None = None,
     kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    kv_group_size: int | None = None,
     quantized_kv_start: int = 0,
     kv_codec: str | None = None,
     max_kv_size: int | None = None,
@@ -345,7 +347,8 @@ def make_request(
 
     Raises :class:`~mlx_loom.errors.RequestError` for a bad value and a
     :class:`~mlx_loom.errors.Refusal` for what the model cannot do, before
-    any work is queued.
+    any work is queued. ``kv_group_size=None`` picks one that fits the
+    model's heads (:mod:`mlx_loom.engine.kv_groups`).
     """
     from mlx_loom.text import StopStrings
 

@@ -86,7 +86,7 @@ def stream_generate(
     prompt_cache: PromptCache | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    kv_group_size: int | None = None,
     quantized_kv_start: int = 0,
     kv_codec: str | None = None,
     max_kv_size: int | None = None,

@@ -75,6 +75,8 @@ class PluginRecord:
     traceback: str | None = None
     api_version: str | None = None
     registers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: The plugins whose registrations collide with this one's (both quarantined).
+    conflicts_with: tuple[str, ...] = ()
 
     @property
     def provider(self) -> Provider:
@@ -89,6 +91,7 @@ class PluginRecord:
             "reason": self.reason,
             "api_version": self.api_version,
             "registers": {k: list(v) for k, v in self.registers.items()},
+            "conflicts_with": list(self.conflicts_with),
             "traceback": self.traceback,
         }
 
@@ -203,7 +206,9 @@ class PluginHost:
 
     def _load(self, candidate: _Candidate) -> PluginRecord | _Loaded:
         name, provider = candidate.name, candidate.provider
-        base = dict(name=name, distribution=provider.distribution, version=provider.version)
+        base: dict[str, Any] = dict(
+            name=name, distribution=provider.distribution, version=provider.version
+        )
         if not self.policy.permits(name):
             return PluginRecord(
                 **base,
@@ -225,8 +230,17 @@ class PluginHost:
         return _Loaded(record, found)
 
     def _quarantined(
-        self, name: str, provider: Provider, fault: PluginFault, api_version: str | None
+        self,
+        name: str,
+        provider: Provider,
+        fault: PluginFault,
+        api_version: str | None,
+        *,
+        conflict: PluginRecord | None = None,
     ) -> PluginRecord:
+        """The quarantine record; ``conflict`` is the loaded record of a plugin
+        quarantined only for colliding with others, whose registrations (what it
+        would claim) and partners are kept."""
         if self.strict:
             raise PluginError(
                 f"Plugin {name!r} ({provider.distribution} {provider.version}) failed: "
@@ -243,6 +257,8 @@ class PluginHost:
             reason=fault.reason,
             traceback=fault.trace,
             api_version=api_version,
+            registers=conflict.registers if conflict is not None else {},
+            conflicts_with=conflict.conflicts_with if conflict is not None else (),
         )
 
     def _register(self, name: str, obj: object) -> str:
@@ -331,10 +347,12 @@ class PluginHost:
             for key in _ids(outcome.found):
                 owners.setdefault(key, []).append(name)
         reasons: dict[str, list[str]] = {}
+        partners: dict[str, set[str]] = {}
         for (kind, ident), names in owners.items():
             if len(names) < 2:
                 continue
             for name in names:
+                partners.setdefault(name, set()).update(n for n in names if n != name)
                 others = ", ".join(str(loaded[n].record.provider) for n in names if n != name)
                 reasons.setdefault(name, []).append(
                     f"{kind} {ident!r} is also registered by {others}"
@@ -352,8 +370,11 @@ class PluginHost:
                 + "; ".join(sorted(reasons[name]))
                 + " (neither is loaded; uninstall or disallow one of them)"
             )
-            record = outcome.record
-            result.append(self._quarantined(name, record.provider, fault, record.api_version))
+            partners_of = tuple(sorted(partners[name]))
+            record = dataclasses.replace(outcome.record, conflicts_with=partners_of)
+            result.append(
+                self._quarantined(name, record.provider, fault, record.api_version, conflict=record)
+            )
         return result
 
 

@@ -47,7 +47,15 @@ from ..errors import (
 )
 from ..text.tool_calls import ToolParser, parser_table
 from ._checks import check_instance
-from ._kernels import Backend, Kernel, KernelRegistry, Provider, active_backend, runnable_backends
+from ._kernels import (
+    Backend,
+    Kernel,
+    KernelRegistry,
+    Provider,
+    active_backend,
+    registered_twice,
+    runnable_backends,
+)
 from ._profiles import Profile, validate_profile
 from ._registrations import BuildContext, Implementation, ModelType, check_cache_kind
 
@@ -81,10 +89,13 @@ def _unique(kind: str, items: Iterable[Any], cls: type, key: Callable[[Any], str
                 fix=f"Give every {kind} a non-empty id.",
             )
         if ident in table:
+            who, fix = registered_twice(
+                getattr(table[ident], "provider", None),
+                getattr(item, "provider", None),
+                rename="one of the ids",
+            )
             raise RegistrationError(
-                f"{kind.capitalize()} id {ident!r} is registered twice: by "
-                f"{_describe(table[ident])} and by {_describe(item)}.",
-                fix="Uninstall or disallow one of the two plugins, or rename one of the ids.",
+                f"{kind.capitalize()} id {ident!r} is registered twice{who}.", fix=fix
             )
         table[ident] = item
     return table

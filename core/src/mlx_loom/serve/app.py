@@ -158,7 +158,8 @@ class ServeApp:
     ``chat_template_args`` are template variables under each request's
     ``chat_template_kwargs``; ``kv_bits``/``kv_group_size``/
     ``quantized_kv_start``/``kv_codec`` store every request's KV cache in a
-    codec (affine unless ``kv_codec`` names another);
+    codec (affine unless ``kv_codec`` names another; ``kv_group_size=None``
+    picks one that fits the model's heads, checked here, at start);
     ``max_prompt_chars`` bounds the text that reaches the tokenizer and
     ``max_prompt_tokens`` (default: the model's context) the tokens that
     reach the engine.
@@ -177,7 +178,7 @@ class ServeApp:
         registry: Registry | None = None,
         chat_template_args: Mapping[str, Any] | None = None,
         kv_bits: int | None = None,
-        kv_group_size: int = 64,
+        kv_group_size: int | None = None,
         quantized_kv_start: int = 0,
         kv_codec: str | None = None,
         max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
@@ -544,7 +545,7 @@ class ServeApp:
             request, self.tokenizer, plan=plan, chat_format=self.chat_format
         )
         sampling = params.model_dump()
-        speculation = self._speculation(request.draft, request.num_draft_tokens)
+        speculation = self._speculation(request.draft, request.num_draft_tokens, adapter)
         try:
             engine_request = make_request(
                 self.model,
@@ -623,12 +624,37 @@ class ServeApp:
         param = getattr(err, "param", None)
         return from_loom_error(err, param=renamed.get(param, param) if param else None)
 
-    def _speculation(self, draft: str | None, count: int | None) -> Speculation | None:
+    def _adapter_speculation(
+        self, draft: str | None, count: int | None, adapter: str
+    ) -> Speculation | None:
+        """An adapter request's speculation: always ``None``; one that asks to draft is refused."""
+        if draft in (None, "none") and count is None:
+            return None
+        served = self._served_id(adapter)
+        asked = "num_draft_tokens" if draft in (None, "none") else "draft"
+        raise HttpError(
+            400,
+            f"Model {served!r} runs an adapter, and speculative decoding does not combine with "
+            "an adapter yet (the speculative step runs the base model).",
+            fix=f'drop "{asked}" (adapter requests decode without drafting), or send '
+            f'"model": "{self.model_id}" to speculate on the base model',
+            param=asked,
+            code="invalid_parameter",
+        )
+
+    def _speculation(
+        self, draft: str | None, count: int | None, adapter: str | None = None
+    ) -> Speculation | None:
         """A request's speculation: the server's default unless ``draft`` names another.
 
-        The draft count's bounds are the engine's (``make_request``).
+        The draft count's bounds are the engine's (``make_request``). An adapter
+        request never speculates (the speculative step runs the base model): the
+        server's default draft is not applied to it, and a ``draft`` field asking
+        for drafting is refused naming the field.
         """
         default = self.speculation
+        if adapter is not None and draft in (None, "none", "ngram", "model"):
+            return self._adapter_speculation(draft, count, adapter)
         if count is not None:
             n = count
         else:

@@ -99,7 +99,7 @@ class Job:
     sampling: dict[str, Any] = field(default_factory=dict)
     #: KV-cache quantization (the server's ``--kv-bits`` ...), as ``make_request`` takes it.
     kv_bits: int | None = None
-    kv_group_size: int = 64
+    kv_group_size: int | None = None
     quantized_kv_start: int = 0
     kv_codec: str | None = None
     #: The registered adapter this job runs with (``None``: the base model).
