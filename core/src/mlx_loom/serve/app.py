@@ -215,7 +215,7 @@ class ServeApp:
         self.created = int(time.time())
         self.chat_template_args = _template_args(chat_template_args)
         # Checked now, so a bad --kv-* flag fails start-up, not the first request.
-        kv_quantization(
+        checked = kv_quantization(
             model,
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
@@ -224,7 +224,7 @@ class ServeApp:
         )
         self.kv: dict[str, Any] = {
             "kv_bits": kv_bits,
-            "kv_group_size": kv_group_size,
+            "kv_group_size": checked.group_size,  # the one the default rule picked, if none
             "quantized_kv_start": quantized_kv_start,
             "kv_codec": kv_codec,
         }
