@@ -42,7 +42,7 @@ MAX_PADDING_RATIO = 1.5
 def prefill_alone(model: Model, row: Row, step: int) -> None:
     """Feed ``row``'s next chunk through its own caches (then the KV-quantization check)."""
     chunk = row.next_chunk(step)
-    model(mx.array(chunk, mx.uint32)[None], row.caches, adapters=row_adapters([row]))
+    model.forward(mx.array(chunk, mx.uint32)[None], row.caches, adapters=row_adapters([row]))
     row.request.kv.apply(row.caches)
     mx.eval([c.state for c in row.caches])
 
@@ -89,7 +89,7 @@ def prefill_together(model: Model, rows: list[Row], steps: list[int]) -> None:
     pads = [width - len(c) for c in chunks]
     batch = [c.empty_batch(pads) for c in rows[0].caches]  # may refuse: nothing changed yet
     inputs = mx.array([[0] * p + c for p, c in zip(pads, chunks, strict=True)], mx.uint32)
-    model(inputs, batch, adapters=row_adapters(rows))
+    model.forward(inputs, batch, adapters=row_adapters(rows))
     for i, (row, step) in enumerate(zip(rows, steps, strict=True)):
         row.next_chunk(step)
         row.caches = [c.extract(i) for c in batch]

@@ -125,7 +125,7 @@ class ModelDrafter:
 
     def prefill(self, tokens: Sequence[int], step: int) -> None:
         for start in range(0, len(tokens), step):
-            self.model(mx.array(tokens[start : start + step], mx.uint32)[None], self.caches)
+            self.model.forward(mx.array(tokens[start : start + step], mx.uint32)[None], self.caches)
             mx.eval([c.state for c in self.caches])
 
     def propose(self, y: int, k: int) -> tuple[list[int], mx.array | None]:
@@ -136,7 +136,7 @@ class ModelDrafter:
         tokens: list[int] = []
         dists = []
         for _ in range(k):
-            logits = self.model(mx.array(feed, mx.uint32)[None], self.caches)[:, -1, :]
+            logits = self.model.forward(mx.array(feed, mx.uint32)[None], self.caches)[:, -1, :]
             with self.model.native_kernels():
                 logprobs = logprobs_from_logits(logits)
             if self.sampler is None:
@@ -237,7 +237,7 @@ class SpeculativeGroup(DecodeGroup):
             inputs.append(window + [window[-1]] * (N - len(window)))
         if N > 1:
             begin_rounds(self.caches)
-        logits = self.model(mx.array(inputs, mx.uint32), self.caches)
+        logits = self.model.forward(mx.array(inputs, mx.uint32), self.caches)
         choices = []
         for j, (row, (drafts, q)) in enumerate(zip(rows, plans, strict=True)):
             width = 1 + len(drafts)
