@@ -139,6 +139,8 @@ class Model:
         profile_reason: str = "",
         cpu_path: CpuPath | None = None,
         parallel: Parallel | None = None,
+        artifact_fingerprint: str | None = None,
+        weights_identity: str | None = None,
     ) -> None:
         if not isinstance(module, CausalLM):
             raise TypeError(
@@ -155,6 +157,12 @@ class Model:
         self.cpu_path = cpu_path
         #: How this rank's part of a split model was cut (``None``: one process).
         self.parallel = parallel
+        #: The tensor manifest's fingerprint and the weight files' identity
+        #: (:func:`mlx_loom.artifacts.fingerprint.weights_identity`, taken at
+        #: load): what a saved prompt cache is bound to (``None`` when built
+        #: outside :func:`mlx_loom.load`).
+        self.artifact_fingerprint = artifact_fingerprint
+        self.weights_identity = weights_identity
         #: The adapter applied on top of the family's graph, if any
         #: (:class:`mlx_loom.adapters.AppliedAdapter`).
         self.adapter: Any = None

@@ -105,6 +105,10 @@ def build_model(
     """
     binding = resolved.binding
     info: Parallel | None = None
+    # Which weights, taken before they are read: a prompt cache names them.
+    from ..artifacts.fingerprint import weights_identity
+
+    weights = weights_identity(resolved.model_dir)
     if parallel is None:
         module = _run_factory(resolved)
         apply_cpu_path(module, resolved.summary.cpu)
@@ -138,6 +142,8 @@ def build_model(
         profile_reason=resolved.summary.profile_reason,
         cpu_path=resolved.summary.cpu,
         parallel=info,
+        artifact_fingerprint=resolved.summary.artifact_fingerprint,
+        weights_identity=weights,
     )
 
 
