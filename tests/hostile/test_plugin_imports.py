@@ -37,7 +37,8 @@ def install(site: Path, name: str, extra: str = "") -> None:
     (site / f"{module}.py").write_text(PLUGIN.format(extra=extra))
     info = site / f"hostileplug_{name}-1.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: hostileplug-{name}\nVersion: 1.0\n")
+    metadata = f"Metadata-Version: 2.1\nName: hostileplug-{name}\nVersion: 1.0\n"
+    (info / "METADATA").write_text(metadata)
     (info / "entry_points.txt").write_text(f"[mlx_loom]\n{name} = {module}\n")
 
 
