@@ -135,3 +135,30 @@ def test_a_monkeypatch_is_undone_in_process(tmp_path, monkeypatch):
         mx.brand_new = 1
     assert mx.fast.rope is rope and not hasattr(mx, "brand_new")
     assert "mlx.core.fast.rope" in changed[0] and "mlx.core.brand_new" in changed[0]
+
+
+def test_ctrl_c_stops_loom_while_a_plugin_hangs_holding_the_interpreter_lock(site):
+    install(site, "regex", CASES["regex"][0])
+    outcome = run_bounded(
+        """
+import os, signal, subprocess, sys, time
+proc = subprocess.Popen(
+    [sys.executable, "-m", "mlx_loom.cli.main", "plugins", "--json"],
+    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+)
+time.sleep(ARGS["after"])
+proc.send_signal(signal.SIGINT)
+started = time.monotonic()
+proc.communicate(timeout=30)
+RESULT = {"rc": proc.returncode, "seconds": time.monotonic() - started}
+""",
+        args={"after": 6},
+        env={
+            "PYTHONPATH": os.pathsep.join([str(site), *sys.path]),
+            "MLX_LOOM_PLUGINS": "good,regex",
+            "MLX_LOOM_PLUGIN_TIMEOUT": "120",
+        },
+        timeout_s=60,
+    )
+    result = outcome.expect_ok()
+    assert result["rc"] == 130 and result["seconds"] < 10, result

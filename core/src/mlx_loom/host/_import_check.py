@@ -205,6 +205,9 @@ def _one_child(
                     elif "done" in message:
                         finished[message["done"]] = "; ".join(message["problems"])
                         current = None
+    except BaseException:  # the user's Ctrl-C while waiting: the child goes with it
+        _kill(proc)
+        raise
     finally:
         status = _reap(proc)
     if current is None:
