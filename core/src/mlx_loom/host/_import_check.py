@@ -198,13 +198,15 @@ def _one_child(
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
-                    message: dict[str, Any] = json.loads(line)
+                    message = _message(line)
                     if "start" in message:
-                        current = message["start"]
+                        current = str(message["start"])
                         deadline = time.monotonic() + timeout
                     elif "done" in message:
-                        finished[message["done"]] = "; ".join(message["problems"])
+                        finished[str(message["done"])] = "; ".join(map(str, message["problems"]))
                         current = None
+                if len(finished) == len(entries):
+                    break  # all reported: a process the plugin left holding the pipe is no wait
     except BaseException:  # the user's Ctrl-C while waiting: the child goes with it
         _kill(proc)
         raise
@@ -221,6 +223,17 @@ def _one_child(
     else:
         ended = f"exited with status {status}"
     return finished, (current, f"import ended the process: it {ended} (os._exit, or a crash)")
+
+
+def _message(line: bytes) -> dict[str, Any]:
+    """One report line; anything else on the pipe (a plugin writing to it) is ignored."""
+    try:
+        message = json.loads(line)
+    except ValueError:
+        return {}
+    if not isinstance(message, dict) or not isinstance(message.get("problems", []), list):
+        return {}
+    return message
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
