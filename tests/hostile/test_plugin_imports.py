@@ -92,7 +92,6 @@ CASES = {
 }
 
 
-@pytest.mark.slow
 def test_each_hostile_import_is_quarantined_with_its_reason(site):
     for name, (extra, _) in CASES.items():
         install(site, name, extra)
