@@ -226,7 +226,7 @@ def test_a_failure_while_writing_leaves_no_partial_directory(hf, tmp_path, monke
         raise OSError("disk full")
 
     monkeypatch.setattr(writer, "_write_shard", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ConvertError, match="cannot write the converted model .*: disk full"):
         ours(hf("llama"), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 

@@ -10,6 +10,7 @@ import mlx_loom
 from mlx_loom.cache import save_prompt_cache
 from mlx_loom.errors import CacheError
 from mlx_loom.generate import PromptCache
+from mlx_loom.generate.prompt_cache import cache_binding
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 VARIANTS = ["llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4"]
@@ -47,8 +48,7 @@ def forge(path, caches, model, tokens) -> None:
         caches,
         {
             "tokens": json.dumps(tokens),
-            "implementation": model.implementation.id,
-            "model": str(model.model_dir.resolve()),
+            **cache_binding(model),
         },
     )
 

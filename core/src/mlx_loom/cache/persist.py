@@ -61,6 +61,7 @@ from mlx_loom.artifacts.safetensors_header import (
     SafetensorsHeader,
     read_safetensors_header,
 )
+from mlx_loom.artifacts.staging import remove_orphans, temp_name
 from mlx_loom.artifacts.weights import tensor_signature
 from mlx_loom.bounded_json import JsonLimits, parse_json
 from mlx_loom.errors import CacheError, SafetensorsHeaderError
@@ -262,15 +263,37 @@ def save_prompt_cache(
             fix=f"save at most {MAX_LAYERS} layers of registered kinds",
         ) from None
     header = header.model_copy(update={"checksum": array_checksum(header, arrays)})
-    # mx.save_safetensors appends ".safetensors" to names without it, so the
-    # temporary name keeps the suffix.
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
+    _write_atomically(path, arrays, {HEADER_KEY: header.model_dump_json()})
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.stem}.tmp-"
+
+
+# mx.save_safetensors appends ".safetensors" to names without it, so the
+# temporary name keeps the suffix.
+_TEMP_SUFFIX = ".safetensors"
+
+
+def _write_atomically(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str]) -> None:
+    """Write under a name of this writer's own, then rename into place.
+
+    Each save gets its own temporary name (:mod:`mlx_loom.artifacts.staging`):
+    threads saving to one path no longer write one file. Temporaries left
+    by a writer that was killed are removed first. A failed write (a full
+    disk: MLX raises ``RuntimeError``, Python ``OSError``) is a CacheError
+    and leaves the target as it was.
+    """
+    remove_orphans(path.parent, _temp_prefix(path), _TEMP_SUFFIX)
+    tmp = path.with_name(temp_name(_temp_prefix(path), _TEMP_SUFFIX))
     try:
-        mx.save_safetensors(str(tmp), arrays, {HEADER_KEY: header.model_dump_json()})
+        mx.save_safetensors(str(tmp), arrays, metadata)
         os.replace(tmp, path)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise CacheError(
-            f"save_prompt_cache: cannot write {str(path)!r}: {err.strerror or err}",
+            f"save_prompt_cache: cannot write {str(path)!r}: {reason} "
+            f"(the disk may be full; {str(path)!r} was left as it was)",
             fix="choose a writable path with enough free space",
         ) from None
     finally:

@@ -53,6 +53,7 @@ from mlx_loom.engine.splits import ends_chunk, takes_checkpoint
 from mlx_loom.engine.speculative import SpeculativeGroup
 from mlx_loom.errors import CapabilityRefused, LoomError, RequestError
 from mlx_loom.host import BATCH
+from mlx_loom.model import check_token_ids
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
@@ -187,6 +188,9 @@ class Engine:
                     f"Engine.insert takes Request objects; got {type(request).__name__}.",
                     fix="Build requests with mlx_loom.engine.make_request(...).",
                 )
+            # The one check every engine door passes (a Request can be built by hand);
+            # the engine's forwards skip it after this (Model.forward).
+            check_token_ids(request.prompt, self.model.vocab_size)
             uid = next(self._uids)
             self._waiting.append(Row(uid, request, to_feed=list(request.prompt), cached=0))
             uids.append(uid)

@@ -241,7 +241,8 @@ class DecodeGroup:
         """Build and queue the forward and sampling of the next tokens of every row."""
         rows, B = self.rows, len(self.rows)
         inputs = self.tokens
-        logits = self.model(inputs[:, None], self.caches, adapters=row_adapters(rows))[:, -1, :]
+        logits = self.model.forward(inputs[:, None], self.caches, adapters=row_adapters(rows))
+        logits = logits[:, -1, :]
         if not self.stacked:
             rows[0].request.kv.apply(self.caches)
         failed: dict[int, BaseException] = {}

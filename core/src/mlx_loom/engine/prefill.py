@@ -44,7 +44,7 @@ def prefill_alone(model: Model, row: Row, step: int) -> None:
     chunk = row.next_chunk(step)
     caches = row.caches
     assert caches is not None  # given when the row was admitted
-    model(mx.array(chunk, mx.uint32)[None], caches, adapters=row_adapters([row]))
+    model.forward(mx.array(chunk, mx.uint32)[None], caches, adapters=row_adapters([row]))
     row.request.kv.apply(caches)
     mx.eval([c.state for c in caches])
 
@@ -91,7 +91,7 @@ def prefill_together(model: Model, rows: list[Row], steps: list[int]) -> None:
     assert first is not None  # given when the row was admitted
     batch = [c.empty_batch(pads) for c in first]  # may refuse: nothing changed yet
     inputs = mx.array([[0] * p + c for p, c in zip(pads, chunks, strict=True)], mx.uint32)
-    model(inputs, batch, adapters=row_adapters(rows))
+    model.forward(inputs, batch, adapters=row_adapters(rows))
     for i, (row, step) in enumerate(zip(rows, steps, strict=True)):
         row.next_chunk(step)
         row.caches = [c.extract(i) for c in batch]

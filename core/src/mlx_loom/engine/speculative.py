@@ -126,7 +126,8 @@ class ModelDrafter:
 
     def prefill(self, tokens: Sequence[int], step: int) -> None:
         for start in range(0, len(tokens), step):
-            self.model(mx.array(list(tokens[start : start + step]), mx.uint32)[None], self.caches)
+            chunk = mx.array(list(tokens[start : start + step]), mx.uint32)
+            self.model.forward(chunk[None], self.caches)
             mx.eval([c.state for c in self.caches])
 
     def propose(self, y: int, k: int) -> tuple[list[int], mx.array | None]:
@@ -137,7 +138,7 @@ class ModelDrafter:
         tokens: list[int] = []
         dists = []
         for _ in range(k):
-            logits = self.model(mx.array(feed, mx.uint32)[None], self.caches)[:, -1, :]
+            logits = self.model.forward(mx.array(feed, mx.uint32)[None], self.caches)[:, -1, :]
             logprobs = log_probs(self.model, logits)
             if self.sampler is None:
                 token = host_int(mx.argmax(logprobs, axis=-1))
@@ -237,7 +238,7 @@ class SpeculativeGroup(DecodeGroup):
             inputs.append(window + [window[-1]] * (N - len(window)))
         if N > 1:
             begin_rounds(self.caches)
-        logits = self.model(mx.array(inputs, mx.uint32), self.caches)
+        logits = self.model.forward(mx.array(inputs, mx.uint32), self.caches)
         choices: list[tuple[mx.array, list[int], int] | None] = []
         for j, (row, (drafts, q)) in enumerate(zip(rows, plans, strict=True)):
             width = 1 + len(drafts)

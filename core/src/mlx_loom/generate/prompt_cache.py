@@ -183,11 +183,7 @@ class PromptCache:
         save_prompt_cache(
             path,
             self.cache,
-            {
-                "tokens": json.dumps(self.tokens),
-                "implementation": self.model.implementation.id,
-                "model": str(self.model.model_dir.resolve()),
-            },
+            {"tokens": json.dumps(self.tokens), **cache_binding(self.model)},
             kinds=self.model.binding.cache_kinds,
         )
 
@@ -203,15 +199,7 @@ class PromptCache:
         """
         caches, meta = load_prompt_cache(path, kinds=model.binding.cache_kinds)
         source = f"The prompt cache {str(path)!r}"
-        # A cache is only meaningful with the weights that produced it: the same
-        # implementation and the same model directory.
-        want = {"implementation": model.implementation.id, "model": str(model.model_dir.resolve())}
-        for key, value in want.items():
-            if meta.get(key) != value:
-                raise CacheError(
-                    f"{source} was saved for {key} {meta.get(key)!r}; this model's is {value!r}.",
-                    fix="Load it with the model it was saved for, or rebuild the cache.",
-                )
+        _check_binding(meta, model, source)
         tokens = _saved_tokens(meta.get("tokens"), source=source, vocab=model.vocab_size)
         check_caches_fit(caches, model, tokens=len(tokens), source=source)
         # Evaluate on this (the loading) thread: the arrays are lazy reads, and
@@ -220,6 +208,56 @@ class PromptCache:
         out = cls(model)
         out.cache, out.tokens = caches, tokens
         return out
+
+
+#: What each binding entry of a saved cache is called in an error.
+_BINDING_NAMES = {
+    "implementation": "implementation",
+    "model": "model directory",
+    "artifact_fingerprint": "artifact fingerprint (tensor names, dtypes and shapes)",
+    "weights": "weight files (their names, sizes and modification times)",
+}
+
+
+def cache_binding(model: Model) -> dict[str, str]:
+    """The metadata that binds a saved cache to the weights that produced it.
+
+    A cache is only meaningful with those weights: the same implementation,
+    the same model directory, the same tensor manifest and the same weight
+    files (replaced weights of the same shapes would continue the old
+    state). A model built outside :func:`mlx_loom.load` has no fingerprint or
+    weights identity, written as ``""``.
+    """
+    return {
+        "implementation": model.implementation.id,
+        "model": str(model.model_dir.resolve()),
+        "artifact_fingerprint": model.artifact_fingerprint or "",
+        "weights": model.weights_identity or "",
+    }
+
+
+def _check_binding(meta: dict[str, str], model: Model, source: str) -> None:
+    for key, value in cache_binding(model).items():
+        saved = meta.get(key)
+        if saved == value:
+            continue
+        what = _BINDING_NAMES[key]
+        if saved is None:
+            raise CacheError(
+                f"{source} does not name the {what} it was saved for (it was written by an "
+                "older version, or by hand).",
+                fix="Rebuild the cache with this model and save it again.",
+            )
+        if key == "weights":
+            raise CacheError(
+                f"{source} was saved with other weights: the {what} in "
+                f"{str(model.model_dir)!r} changed since it was saved.",
+                fix="Rebuild the cache: the weights it was computed with are gone.",
+            )
+        raise CacheError(
+            f"{source} was saved for {key.replace('_', ' ')} {saved!r}; this model's is {value!r}.",
+            fix="Load it with the model it was saved for, or rebuild the cache.",
+        )
 
 
 def _saved_tokens(raw: str | None, *, source: str, vocab: int | None) -> list[int]:

@@ -7,7 +7,9 @@ each plugin, in name order:
 1. the host policy decides whether it may load at all (``blocked``); an
    entry-point name claimed by two distributions loads neither (which one ran
    would depend on install order) and both are reported;
-2. it is imported (bounded in time, see :mod:`._bounded`) and registered
+2. it is imported — an installed plugin first in a child process, where a
+   hang, an exit or a change to MLX itself is caught (:mod:`._import_check`),
+   then here, bounded in time (:mod:`._bounded`) — and registered
    with pluggy; a hook implementation that matches no hookspec (a
    misspelling) is an error;
 3. its plugin-API version is checked against the core's;
@@ -31,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -50,6 +53,7 @@ from ..text.tool_calls import ToolParser, parser_table
 from . import _hookspecs as hookspecs
 from ._bounded import PluginFault, describe, import_plugin, timeout_from_env
 from ._bounded import call as bounded_call
+from ._import_check import check_imports, module_of
 from ._kernels import Kernel, Provider
 from ._policy import PluginPolicy
 from ._profiles import Profile, validate_profile
@@ -116,6 +120,7 @@ class _Candidate:
     provider: Provider
     load: Callable[[], object]
     clash: str | None = None  # why it may not load: its name is claimed twice
+    entry: tuple[str, str, str] | None = None  # an installed plugin: (name, value, group)
 
 
 @dataclass
@@ -153,7 +158,10 @@ class PluginHost:
         candidates = _mark_name_clashes(candidates)
         self._check_policy_names([c.name for c in candidates])
 
-        outcomes: list[PluginRecord | _Loaded] = [self._load(c) for c in candidates]
+        refused = self._check_imports(candidates)
+        outcomes: list[PluginRecord | _Loaded] = [
+            self._load(c, refused.get(c.name)) for c in candidates
+        ]
         outcomes = self._quarantine_conflicts(outcomes)
         self.records: tuple[PluginRecord, ...] = tuple(
             o.record if isinstance(o, _Loaded) else o for o in outcomes
@@ -204,7 +212,20 @@ class PluginHost:
                 fix="Correct the names in the policy (MLX_LOOM_PLUGINS), or install the plugins.",
             )
 
-    def _load(self, candidate: _Candidate) -> PluginRecord | _Loaded:
+    def _check_imports(self, candidates: Sequence[_Candidate]) -> dict[str, str]:
+        """Installed plugins this process has not imported yet, imported first
+        in a child process (:mod:`._import_check`): ``{name: why refused}``."""
+        entries = [
+            c.entry
+            for c in candidates
+            if c.entry is not None
+            and c.clash is None
+            and self.policy.permits(c.name)
+            and module_of(c.entry[1]) not in sys.modules
+        ]
+        return check_imports(entries, timeout=self.timeout) if entries else {}
+
+    def _load(self, candidate: _Candidate, refused: str | None = None) -> PluginRecord | _Loaded:
         name, provider = candidate.name, candidate.provider
         base: dict[str, Any] = dict(
             name=name, distribution=provider.distribution, version=provider.version
@@ -219,6 +240,8 @@ class PluginHost:
         try:
             if candidate.clash is not None:
                 raise PluginFault(candidate.clash)
+            if refused is not None:
+                raise PluginFault(refused)
             obj = import_plugin(candidate.load, what="import", timeout=self.timeout)
             api_version = self._register(name, obj)
             found = self._collect(name, provider)
@@ -459,7 +482,10 @@ def _summary(found: Registrations) -> dict[str, tuple[str, ...]]:
 
 def _discover_entry_points() -> list[_Candidate]:
     return sorted(
-        (_Candidate(ep.name, _provider_of(ep), ep.load) for ep in _entry_points()),
+        (
+            _Candidate(ep.name, _provider_of(ep), ep.load, entry=(ep.name, ep.value, ep.group))
+            for ep in _entry_points()
+        ),
         key=lambda c: c.name,
     )
 
