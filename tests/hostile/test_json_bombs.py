@@ -24,7 +24,7 @@ from mlx_loom.errors import (
     TokenizerError,
     WeightsError,
 )
-from mlx_loom.generate import PromptCache
+from mlx_loom.generation import PromptCache
 
 from ..server.conftest import Client, serve
 from .conftest import FAMILIES, variant

@@ -1,4 +1,4 @@
-"""Moved: this module is now :mod:`mlx_loom.host` (private module ``mlx_loom.host._loading``).
+"""Moved: this module is now :mod:`mlx_loom.host` (private module ``mlx_loom.loader``).
 
 Kept so code written against plugin API 1.0 imports unchanged. Family
 authors import from :mod:`mlx_loom.plugin`; embedding hosts from

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         compute_dtype=args.compute_dtype,
         cpu_kernels=args.cpu_kernels,
     )
-    from ..engine.compiled_step import describe as describe_step
+    from ..cpu.compiled_step import describe as describe_step
 
     summary = resolved.summary
     weights = summarize_artifact(resolved.model_dir, resolved.config)

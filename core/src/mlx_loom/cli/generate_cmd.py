@@ -12,12 +12,11 @@ from typing import Any
 
 from ..assets import BUNDLED_MODEL_ALIAS
 from ..cache import resolve_kv_codec
-from ..generate import stream_generate
-from ..host import load
+from ..generation import stream_generate
+from ..loader import load
 from ..model import Model
-from ..parallel import doors
 from ..text.template_budget import ENV_MAX_OUTPUT, ENV_TIMEOUT, TemplateBudget
-from . import flags
+from . import doors, flags
 from .flags import usage_error
 from .speculation import add_speculation_options, speculation_kwargs
 

@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from ..advice import allow_plugin_fix
 from ..host import PluginHost
+from ..host._advice import allow_plugin_fix
 
 EXIT_OK, EXIT_FAILED, EXIT_UNAVAILABLE = 0, 1, 3
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..advice import install_command
 from ..host import PluginHost, PluginRecord
+from ..host._advice import install_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -19,8 +19,6 @@ from ..engine.settings import (
     DEFAULT_PROMPT_CONCURRENCY,
 )
 from ..errors import RequestError
-from ..parallel import doors
-from ..parallel.serving import follow_jobs
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from ..serve.adapters import parse_adapter_specs
 from ..serve.app import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_QUEUED, server_engine_settings
@@ -32,7 +30,8 @@ from ..serve.connection import (
     DEFAULT_WRITE_TIMEOUT,
 )
 from ..serve.prepare import DEFAULT_THREADS
-from . import flags
+from ..serve.ranks import follow_jobs
+from . import doors, flags
 from .generate_cmd import (
     add_model_options,
     kv_group_size,

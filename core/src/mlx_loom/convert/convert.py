@@ -48,7 +48,8 @@ def load_lazily(source: str | os.PathLike[str], **host_options: Any):
     whatever the CPU path would choose for running it: a conversion writes
     what the checkpoint holds, transformed only as asked.
     """
-    from mlx_loom.host import build_model, resolve_model
+    from mlx_loom.host import resolve_model
+    from mlx_loom.loader import build_model
 
     options = {"compute_dtype": "checkpoint", "cpu_kernels": "cpu-ops", **host_options}
     resolved = resolve_model(source, **options)

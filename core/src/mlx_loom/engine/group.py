@@ -40,7 +40,7 @@ from mlx_loom.cache.mixed import join_rows, stack_rows
 from mlx_loom.engine.caches import layout, quantization_pending, stackable
 from mlx_loom.engine.events import TokenEvent
 from mlx_loom.engine.row import Row, adapter_batch_key, row_adapters
-from mlx_loom.generate.sampling import logprobs_from_logits, logprobs_top_k
+from mlx_loom.engine.sampling import logprobs_from_logits, logprobs_top_k
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model

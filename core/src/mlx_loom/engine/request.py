@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_loom.cache import maybe_quantize_kv_cache, resolve_kv_codec, validate_kv_quantization
+from mlx_loom.capabilities import KV_QUANTIZATION, SPECULATIVE
+from mlx_loom.engine.params import SamplingParams
 from mlx_loom.errors import AdapterError, ParallelRefused, RequestError
-from mlx_loom.generate.params import SamplingParams
-from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model

@@ -2,7 +2,7 @@
 
 A row carries everything that makes its tokens its own, so a row's output
 does not depend on its neighbours in a batch: its PRNG key (the
-:class:`~mlx_loom.generate.sampling.Sampler` owns it), its logits processors
+:class:`~mlx_loom.engine.sampling.Sampler` owns it), its logits processors
 with their own token window, its detokenizer and stop-string matcher, its
 budget. The caches it is fed through belong to the decode group it is in.
 """
@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlx_loom.engine.events import TokenEvent
+from mlx_loom.engine.logits import make_logits_processors
 from mlx_loom.engine.request import Request
-from mlx_loom.generate.logits import make_logits_processors
-from mlx_loom.generate.sampling import make_sampler
+from mlx_loom.engine.sampling import make_sampler
 from mlx_loom.text import StopStrings
 
 if TYPE_CHECKING:

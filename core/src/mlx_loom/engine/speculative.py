@@ -39,13 +39,13 @@ from mlx_loom.cache.protocol import SpeculativeRounds
 from mlx_loom.engine.caches import layout, quantization_pending, stackable
 from mlx_loom.engine.group import DecodeGroup, Left, StepResult
 from mlx_loom.engine.row import Row
-from mlx_loom.errors import CacheNotTrimmable
-from mlx_loom.generate.sampling import (
+from mlx_loom.engine.sampling import (
     Sampler,
     logprobs_from_logits,
     logprobs_top_k,
     make_sampler,
 )
+from mlx_loom.errors import CacheNotTrimmable
 from mlx_loom.host import VERIFY_POLICIES
 
 if TYPE_CHECKING:

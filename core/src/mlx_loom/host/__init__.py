@@ -15,32 +15,32 @@ one idea:
 * ``_kernels`` — kernels per (name, backend) and which backend runs here;
 * ``_verify`` — per backend, where attention arithmetic changes (verify windows);
 * ``_resolution`` — a model reference to a binding, without loading weights;
-* ``_loading`` — ``load()``: binding to built model.
+* ``_advice`` — fixes that depend on how this installation was made.
+
+Building a model from a binding is the layer above (:mod:`mlx_loom.loader`):
+the host decides, it does not build.
 
 Users import :mod:`mlx_loom`; family authors import :mod:`mlx_loom.plugin`;
 an embedding host composes with the names below.
 """
 
-from ._discovery import STRICT_ENV, PluginHost, PluginRecord
-from ._hookspecs import PLUGIN_API_VERSION, hookimpl
-from ._kernels import BACKENDS, Backend, Kernel, Provider, active_backend, runnable_backends
-from ._loading import build_model, default_host, load, resolve_model
-from ._policy import POLICY_ENV, PluginPolicy
-from ._profiles import (
+from ..backends import BACKENDS, Backend, Kernel, Provider, active_backend, runnable_backends
+from ..capabilities import (
     ADAPTERS,
     BATCH,
     COMPILED_STEP,
     GENERATE,
     KV_QUANTIZATION,
-    LOOP_CAPABILITIES,
     PROMPT_CACHE,
     SPECULATIVE,
-    Execution,
-    Profile,
 )
+from ._discovery import STRICT_ENV, PluginHost, PluginRecord
+from ._hookspecs import PLUGIN_API_VERSION, hookimpl
+from ._policy import POLICY_ENV, PluginPolicy
+from ._profiles import LOOP_CAPABILITIES, Execution, Profile
 from ._registrations import Family, Graph
 from ._registry import Binding, BuildContext, Implementation, ModelType, Registry
-from ._resolution import Resolution, Resolved
+from ._resolution import Resolution, Resolved, default_host, resolve_model
 from ._verify import VERIFY_POLICIES, VerifyPolicies, VerifyPolicy
 
 __all__ = [
@@ -77,10 +77,8 @@ __all__ = [
     "VerifyPolicies",
     "VerifyPolicy",
     "active_backend",
-    "build_model",
     "default_host",
     "hookimpl",
-    "load",
     "resolve_model",
     "runnable_backends",
 ]

@@ -38,6 +38,7 @@ from typing import Any, Literal
 import pluggy
 from importlib_metadata import EntryPoint, entry_points
 
+from ..backends import Kernel, Provider
 from ..errors import (
     ImplementationUnavailable,
     LoomError,
@@ -50,7 +51,6 @@ from ..text.tool_calls import ToolParser, parser_table
 from . import _hookspecs as hookspecs
 from ._bounded import PluginFault, describe, import_plugin, timeout_from_env
 from ._bounded import call as bounded_call
-from ._kernels import Kernel, Provider
 from ._policy import PluginPolicy
 from ._profiles import Profile, validate_profile
 from ._registrations import Family, Implementation, ModelType, Registrations, check_cache_kind

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from ..backends import Kernel
     from ..text.tool_calls import ToolParser
-    from ._kernels import Kernel
     from ._profiles import Profile
     from ._registrations import Family, Implementation, ModelType
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from ..backends import Backend, Kernel, KernelRegistry, Provider, active_backend, runnable_backends
 from ..errors import (
     ImplementationUnavailable,
     IncompatibleImplementation,
@@ -45,9 +46,8 @@ from ..errors import (
     RegistrationError,
     UnknownModelType,
 )
+from ..field_checks import check_instance
 from ..text.tool_calls import ToolParser, parser_table
-from ._checks import check_instance
-from ._kernels import Backend, Kernel, KernelRegistry, Provider, active_backend, runnable_backends
 from ._profiles import Profile, validate_profile
 from ._registrations import BuildContext, Implementation, ModelType, check_cache_kind
 

@@ -18,10 +18,10 @@ from typing import Any
 
 from ..cache import validate_kv_quantization
 from ..engine import EngineSettings, Speculation
+from ..engine.params import SamplingParams
 from ..engine.request import MAX_DRAFT
 from ..errors import CapabilityRefused, LoomError, RequestError, TemplateBudgetExceeded
-from ..generate import SamplingParams
-from ..generate.stream import DEFAULT_MAX_TOKENS
+from ..generation.stream import DEFAULT_MAX_TOKENS
 from ..host import GENERATE, KV_QUANTIZATION, Registry
 from ..model import Model
 from ..text import StopStrings, TemplateBudget, Tokenizer

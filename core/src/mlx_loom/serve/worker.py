@@ -16,7 +16,7 @@ next step boundary.
 
 A model split across ranks (``loom serve --parallel``) submits each job with
 a plain description of it, which its engine announces to the other ranks;
-they run :func:`~mlx_loom.parallel.serving.follow_jobs` instead of a server
+they run :func:`~mlx_loom.serve.ranks.follow_jobs` instead of a server
 and run every job in the same engine steps.
 """
 
@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..capabilities import PROMPT_CACHE
 from ..engine import (
     Done,
     EngineSettings,
@@ -36,11 +37,10 @@ from ..engine import (
     TokenEvent,
     make_request,
 )
-from ..generate import SamplingParams
-from ..host import PROMPT_CACHE
+from ..engine.params import SamplingParams
 from ..model import Model
-from ..parallel.serving import describe
 from ..text import Tokenizer
+from .ranks import describe
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from ..errors import (
     ParallelRefused,
     WeightsError,
 )
-from ..generate import (
+from ..generation import (
     PromptCache,
     batch_generate_tokens,
     generate,
@@ -52,9 +52,9 @@ from ..host import (
     SPECULATIVE,
     Registry,
     active_backend,
-    build_model,
     runnable_backends,
 )
+from ..loader import build_model
 from ..model import Model
 from .checkpoints import write_checkpoint
 from .conformance import (
@@ -811,7 +811,7 @@ def check_compiled_step(target: Target) -> CheckResult:
     name = "compiled-step"
     if (s := _requires(target, COMPILED_STEP, name)) is not None:
         return s
-    from ..engine.compiled_step import CompiledStep
+    from ..cpu.compiled_step import CompiledStep
 
     class Counted(CompiledStep):
         calls = 0

@@ -70,10 +70,10 @@ from ..host import (
     Profile,
     Registry,
     Resolved,
-    build_model,
 )
 from ..host._hookspecs import PROJECT, REGISTRATION_HOOKS
 from ..host._resolution import identify, resolve
+from ..loader import build_model
 from ..model import Model
 from ..text import Tokenizer
 from .checkpoints import write_checkpoint

@@ -6,11 +6,11 @@ for token ids in and out. All of them run on the model's continuous-batching
 engine (:mod:`mlx_loom.engine`): there is one loop.
 """
 
+from ..engine.params import SamplingParams
+from ..engine.sampling import Sampler, make_logits_processors, make_sampler
 from .batch import BatchResponse, BatchResult, BatchStats, batch_generate, batch_generate_tokens
 from .loop import KVQuantization, StepLog, generate_tokens
-from .params import SamplingParams
 from .prompt_cache import PromptCache
-from .sampling import Sampler, make_logits_processors, make_sampler
 from .stream import GenerationResponse, generate, stream_generate
 
 __all__ = [

@@ -1,10 +1,10 @@
 """``mlx_loom.load``: a model reference in, a built model and its tokenizer out.
 
-The default plugin host is the one documented piece of process-wide state: a
-snapshot of the installed plugins under the policy in ``MLX_LOOM_PLUGINS``,
-built on first use. Hosts that need another composition pass their own
-``host`` (or a ``registry`` composed with :meth:`Registry.with_`) and never
-touch the default.
+Model building, the layer above the host: the host resolves a reference to
+a binding (:func:`mlx_loom.host.resolve_model`, with the default plugin
+snapshot, :func:`mlx_loom.host.default_host`, unless a ``host`` or
+``registry`` is passed); this module runs the factory, splits the model
+across ranks, applies the CPU path and the adapter, and wraps the result.
 
 The core owns evaluation: a factory returns its graph with the checkpoint's
 arrays loaded but *lazy*; :func:`build_model` evaluates every parameter once
@@ -17,9 +17,7 @@ token.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,63 +25,23 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..artifacts.weights import recording_sources
-from ..cpu.path import apply_cpu_path
-from ..errors import ImplementationFailed, LoomError, ParallelRefused, WeightsError
-from ..model import CausalLM, Model
-from ..parallel.build import Parallel, prepare, split_model, wrap
-from ..parallel.lockstep import Lockstep, share_seed
-from ..text import Tokenizer
-from ._discovery import PluginHost
-from ._kernels import Backend
-from ._policy import POLICY_ENV, PluginPolicy
-from ._registry import BuildContext, Registry
-from ._resolution import Resolved, resolve
-
-_DEFAULT_HOST_LOCK = threading.Lock()
-
-
-@functools.lru_cache(maxsize=4)
-def _default_host(policy_env: str | None) -> PluginHost:
-    del policy_env  # part of the cache key: a changed policy gets a fresh snapshot
-    return PluginHost()
-
-
-def default_host() -> PluginHost:
-    """The process-wide plugin snapshot for the current ``MLX_LOOM_PLUGINS``.
-
-    Built once per policy value; threads that ask at the same time share one.
-    """
-    with _DEFAULT_HOST_LOCK:
-        return _default_host(os.environ.get(POLICY_ENV))
-
-
-def make_host(policy: PluginPolicy | None) -> PluginHost:
-    return default_host() if policy is None else PluginHost(policy=policy)
-
-
-def resolve_model(
-    model_ref: str | Path,
-    *,
-    policy: PluginPolicy | None = None,
-    host: PluginHost | None = None,
-    registry: Registry | None = None,
-    kernel_backend: Backend | None = None,
-    compute_dtype: str | None = None,
-    cpu_kernels: str | None = None,
-) -> Resolved:
-    """Resolve without loading weights (what ``loom explain`` shows)."""
-    host = host if host is not None else make_host(policy)
-    registry = registry if registry is not None else host.registry
-    if kernel_backend is not None:
-        registry = registry.with_(kernel_backend=kernel_backend)
-    return resolve(
-        model_ref,
-        host=host,
-        registry=registry,
-        compute_dtype=compute_dtype,
-        cpu_kernels=cpu_kernels,
-    )
+from .artifacts.weights import recording_sources
+from .backends import Backend
+from .causal_lm import CausalLM
+from .cpu.path import apply_cpu_path
+from .errors import ImplementationFailed, LoomError, ParallelRefused, WeightsError
+from .host import (
+    BuildContext,
+    PluginHost,
+    PluginPolicy,
+    Registry,
+    Resolved,
+    resolve_model,
+)
+from .model import Model
+from .parallel.build import Parallel, prepare, split_model, wrap
+from .parallel.lockstep import Lockstep, share_seed
+from .text import Tokenizer
 
 
 def build_model(
@@ -306,7 +264,7 @@ def load(
     )
     model = build_model(resolved, lazy=lazy, parallel=parallel, group=group)
     if adapter_path is not None:
-        from ..adapters import load_adapter
+        from .adapters import load_adapter
 
         load_adapter(model, adapter_path)
     tokenizer = Tokenizer.from_dir(resolved.model_dir, config_eos=resolved.config.eos_token_id)

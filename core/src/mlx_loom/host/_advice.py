@@ -21,14 +21,11 @@ from __future__ import annotations
 
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-from .bounded_json import parse_json
-from .errors import LoomError
-
-if TYPE_CHECKING:  # the host imports this module; importing the host here is a cycle
-    from .host._policy import PluginPolicy
+from ..bounded_json import parse_json
+from ..errors import LoomError
+from ._policy import POLICY_ENV, PluginPolicy
 
 __all__ = ["allow_plugin_fix", "install_command"]
 
@@ -79,8 +76,6 @@ def install_command(plugin: str, distribution: str) -> str:
 
 
 def allow_plugin_fix(name: str, policy: PluginPolicy) -> str:
-    from .host._policy import POLICY_ENV
-
     """How to let ``policy`` load plugin ``name`` (which it currently blocks)."""
     if policy.mode == "deny":
         rest = ",".join(f"-{n}" for n in sorted(policy.names - {name}))

@@ -20,11 +20,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..engine.params import SamplingParams
 from ..engine.request import encode_prompt, make_request, speculation
 from ..errors import RequestError
 from ..model import Model
 from ..text import Tokenizer
-from .params import SamplingParams
 from .prompt_cache import PromptCache
 
 DEFAULT_MAX_TOKENS = 256
