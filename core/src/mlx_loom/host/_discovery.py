@@ -40,7 +40,6 @@ from importlib_metadata import EntryPoint, entry_points
 
 from ..backends import Kernel, Provider
 from ..errors import (
-    ImplementationUnavailable,
     LoomError,
     PluginApiMismatch,
     PluginError,
@@ -285,6 +284,16 @@ class PluginHost:
                 fix="Install a plugin release built for this core, or a core that matches it.",
             )
             raise PluginFault(err.message + " " + f"Fix: {err.fix}")
+        if _minor(version) < _minor(hookspecs.OLDEST_PLUGIN_API_VERSION):
+            err = PluginApiMismatch(
+                f"Plugin {name!r} was written for plugin API {version}; this core needs plugin "
+                f"API {hookspecs.OLDEST_PLUGIN_API_VERSION} or later (it speaks "
+                f"{hookspecs.PLUGIN_API_VERSION}).",
+                fix=f"Install a release of the plugin written for plugin API "
+                f"{hookspecs.OLDEST_PLUGIN_API_VERSION} or later (its loom_plugin_api_version "
+                "says which).",
+            )
+            raise PluginFault(err.message + " " + f"Fix: {err.fix}")
         return version
 
     def _call(self, name: str, hook: str) -> list[Any]:
@@ -389,16 +398,15 @@ def _tag(item: Any, provider: Provider) -> Any:
     return dataclasses.replace(item, provider=provider)
 
 
+def _minor(version: str) -> int:
+    """The minor part of a ``MAJOR.MINOR`` version already matched by ``_API_VERSION``."""
+    return int(version.split(".")[1])
+
+
 def _check_alone(found: Registrations) -> None:
     """A plugin's registrations must be unambiguous on their own."""
     try:
-        registry = _registry_of(found)
-        for profile in registry.profiles:
-            if profile.execution.implementation is None:
-                try:
-                    registry.default_implementation(profile)
-                except ImplementationUnavailable:
-                    pass  # refused at selection, with the install hint; not ambiguous
+        _registry_of(found)
     except RegistrationError as err:
         raise PluginFault(f"invalid registrations: {err.message}") from None
 

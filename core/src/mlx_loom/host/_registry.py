@@ -19,13 +19,9 @@ The selection rule — by id, never by "whatever fits":
    family profile, ``"<graph>-generated"`` for a generated one — provided it
    is registered by the profile's own plugin (a profile the embedding host
    composed itself, with no plugin, may take it from any plugin).
-3. A plugin-API 1.0 family profile whose plugin registers no implementation
-   with the graph id gets the one implementation *of the same plugin* whose
-   graph, loader and loop equal the profile's; two such are a registration
-   error of that plugin (the host quarantines it).
-4. Implementations of other plugins are never defaults, so installing any
+3. Implementations of other plugins are never defaults, so installing any
    number of extra implementations changes no other checkpoint's resolution.
-5. The chosen implementation must then fit — same graph, loader and loop,
+4. The chosen implementation must then fit — same graph, loader and loop,
    the model type, the capabilities, every kernel runnable here — or the
    profile is refused as incompatible. Nothing is ever substituted.
 """
@@ -366,18 +362,6 @@ class Registry:
         impl = self._implementations.get(wanted)
         if impl is not None and (owner is None or _plugin(impl) == owner):
             return impl
-        if owner is not None and ex.specialization == "family":
-            legacy = self._legacy_defaults(profile)
-            if len(legacy) == 1:
-                return legacy[0]
-            if legacy:
-                raise RegistrationError(
-                    f"Plugin {profile.provider} registers {len(legacy)} implementations of graph "
-                    f"{ex.graph!r} ({', '.join(repr(i.id) for i in legacy)}) and none with the "
-                    f"graph's id, so its family profile {profile.id!r} has no default.",
-                    fix=f"Give the default implementation the id {wanted!r}; name the others "
-                    "from exact-artifact profiles.",
-                )
         foreign = (
             f"; {wanted!r} is registered by {_describe(impl)}, and another plugin's "
             "implementation is never a default"
@@ -390,14 +374,6 @@ class Registry:
             f"{foreign} (installed: {self._describe_impls()}).",
             fix=self._install_hint(profile),
         )
-
-    def _legacy_defaults(self, profile: Profile) -> list[Implementation]:
-        ex, owner = profile.execution, _plugin(profile)
-        return [
-            i
-            for i in self._implementations.values()
-            if _plugin(i) == owner and (i.graph, i.loader, i.loop) == (ex.graph, ex.loader, ex.loop)
-        ]
 
     def _checked(
         self,
