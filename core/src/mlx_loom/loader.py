@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .adapters import load_adapter
 from .artifacts.weights import recording_sources
 from .backends import Backend
 from .causal_lm import CausalLM
@@ -264,8 +265,6 @@ def load(
     )
     model = build_model(resolved, lazy=lazy, parallel=parallel, group=group)
     if adapter_path is not None:
-        from .adapters import load_adapter
-
         load_adapter(model, adapter_path)
     tokenizer = Tokenizer.from_dir(resolved.model_dir, config_eos=resolved.config.eos_token_id)
     return model, tokenizer

@@ -133,14 +133,14 @@ class Model:
         """
         with self._engine_lock:
             if self._engine is None or not self._engine.alive:
+                # The engine sits above the model in the layers (it drives a model);
+                # a model starts its own on first use, so it is imported here.
+                from .engine import EngineService, lockstep_service
+
                 if self.parallel is not None:
                     # Split across ranks: rank 0 decides each turn.
-                    from .engine.lockstep_service import LockstepService
-
-                    self._engine = LockstepService(self)
+                    self._engine = lockstep_service.LockstepService(self)
                 else:
-                    from .engine import EngineService
-
                     self._engine = EngineService(self)
             return self._engine
 

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 import mlx.core as mx
 
+from mlx_loom.cache.views import AffineView, PlainView
 from mlx_loom.errors import CacheError, CapabilityRefused
 
 Stored = mx.array | tuple[mx.array, ...]
@@ -94,8 +95,6 @@ class PlainCodec:
         return self.zeros(like, n)
 
     def view(self, keys: Any, values: Any) -> Any:
-        from mlx_loom.cache.views import PlainView
-
         return PlainView(keys, values)
 
 
@@ -143,8 +142,6 @@ class AffineCodec(PlainCodec):
     quantize_stored_values = quantize_stored
 
     def view(self, keys: Any, values: Any) -> Any:
-        from mlx_loom.cache.views import AffineView
-
         return AffineView(keys, values, self.group_size, self.bits)
 
 

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_loom.errors import RequestError
+from mlx_loom.errors import CapabilityRefused, RequestError
 
 __all__ = ["KVCodec", "codec_table", "resolve_kv_codec"]
 
@@ -78,8 +78,6 @@ class KVCodec:
         ``caches`` are a model's fresh caches; state with nothing to compress
         (recurrent caches, which have no ``to_quantized``) is left alone.
         """
-        from mlx_loom.errors import CapabilityRefused
-
         for cache in caches:
             if getattr(cache, "to_quantized", None) is None:
                 continue

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 import mlx.core as mx
 
 from mlx_loom.cache import _buffers as buf
-from mlx_loom.cache.kv import GrowingKV
-from mlx_loom.cache.rotating import RotatingBase
+from mlx_loom.cache.kv import GrowingKV, KVCache
+from mlx_loom.cache.rotating import RotatingBase, RotatingKVCache
 
 if TYPE_CHECKING:
     from mlx_loom.cache.batch import BatchQuantizedKVCache
@@ -56,8 +56,6 @@ class QuantizedKVCache(GrowingKV):
     @classmethod
     def from_plain(cls, cache: Any, *, bits: int, group_size: int = 64) -> Any:
         """``cache`` affine-quantized if it is a full :class:`KVCache`; else ``None``."""
-        from mlx_loom.cache.kv import KVCache
-
         if type(cache) is not KVCache:
             return None
         return cache.to_quantized(group_size=group_size, bits=bits)
@@ -131,8 +129,6 @@ class QuantizedRotatingKVCache(RotatingBase):
     @classmethod
     def from_plain(cls, cache: Any, *, bits: int, group_size: int = 64) -> Any:
         """``cache`` affine-quantized slot for slot if it is a :class:`RotatingKVCache`."""
-        from mlx_loom.cache.rotating import RotatingKVCache
-
         if type(cache) is not RotatingKVCache:
             return None
         return cache.to_quantized(group_size=group_size, bits=bits)

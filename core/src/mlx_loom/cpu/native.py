@@ -14,6 +14,8 @@ import platform
 import sys
 from types import ModuleType
 
+import mlx.core  # noqa: F401  (registers mx.array for the extension's signatures)
+
 #: Instruction sets the native kernels need.
 REQUIRED_INSTRUCTIONS = ("avx2", "fma", "f16c")
 
@@ -26,9 +28,7 @@ NATIVE_KERNEL_SETS = frozenset({"cpu-native", "cpu-native-int8-act"})
 @functools.cache
 def _load() -> tuple[ModuleType | None, str]:
     try:
-        import mlx.core  # noqa: F401  (registers mx.array for the extension's signatures)
-
-        from . import _native
+        from . import _native  # optional: built only on x86-64 Linux; its absence is reported
     except ImportError as err:
         if sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64"):
             why = (

@@ -23,8 +23,10 @@ import mlx.core as mx
 
 from mlx_loom.cache import maybe_quantize_kv_cache, resolve_kv_codec, validate_kv_quantization
 from mlx_loom.capabilities import KV_QUANTIZATION, SPECULATIVE
+from mlx_loom.engine.caches import fresh_caches
 from mlx_loom.engine.params import SamplingParams
 from mlx_loom.errors import AdapterError, ParallelRefused, RequestError
+from mlx_loom.text import StopStrings
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
@@ -237,8 +239,6 @@ def make_request(
     :class:`~mlx_loom.errors.Refusal` for what the model cannot do, before
     any work is queued.
     """
-    from mlx_loom.text import StopStrings
-
     params = params if params is not None else SamplingParams()
     ids = encode_prompt(tokenizer, prompt)
     _positive_int("max_tokens", max_tokens, "Pass a positive max_tokens.")
@@ -263,8 +263,6 @@ def make_request(
             "max_kv_size", max_kv_size, "Pass the most tokens each attention layer may keep."
         )
     if codec is not None and codec.name != "affine":
-        from mlx_loom.engine.caches import fresh_caches
-
         codec.check_storable(fresh_caches(model, max_kv_size))
     vocab = model.vocab_size
     if vocab is not None:

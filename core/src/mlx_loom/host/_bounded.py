@@ -40,6 +40,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar
 
+import mlx.core as mx
+
 from ..errors import LoomError, PolicyError
 
 T = TypeVar("T")
@@ -126,8 +128,6 @@ def import_plugin(load: Callable[[], T], *, what: str, timeout: float) -> T:
     def load_and_settle() -> T:
         obj = load()
         if isinstance(obj, ModuleType):
-            import mlx.core as mx
-
             arrays = [v for v in vars(obj).values() if isinstance(v, mx.array)]
             if arrays:
                 mx.eval(arrays)

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from ..cache import CACHE_KINDS
+from ..cpu.path import check_compute_dtype, check_kernel_set
 from ..backends import Backend, Kernel, KernelRegistry, Provider, active_backend, runnable_backends
 from ..errors import (
     ImplementationUnavailable,
@@ -88,8 +90,6 @@ def _unique(kind: str, items: Iterable[Any], cls: type, key: Callable[[Any], str
 
 def standard_cache_kinds() -> Mapping[str, type]:
     """The cache kinds the core ships (every registry includes them)."""
-    from ..cache import CACHE_KINDS
-
     return CACHE_KINDS
 
 
@@ -269,8 +269,6 @@ class Registry:
         if kernel_backend is not None:
             composition = replace(composition, kernel_backend=kernel_backend)
         if compute_dtype is not None or cpu_kernels is not None:
-            from ..cpu.path import check_compute_dtype, check_kernel_set
-
             check_compute_dtype(compute_dtype)
             check_kernel_set(cpu_kernels)
             composition = replace(

@@ -27,10 +27,13 @@ from ..cache import (
     CACHE_KINDS,
     Cache,
     SpeculativeRounds,
+    codec_table,
 )
+from ..cpu.compiled_step import CompiledStep
 from ..errors import (
     CacheError,
     CacheNotTrimmable,
+    CapabilityRefused,
     KernelUnavailable,
     LoomError,
     ParallelRefused,
@@ -54,8 +57,9 @@ from ..host import (
     active_backend,
     runnable_backends,
 )
-from ..loader import build_model
+from ..loader import _build_split, build_model
 from ..model import Model
+from ..parallel.build import RankView
 from .checkpoints import write_checkpoint
 from .conformance import (
     CheckResult,
@@ -769,9 +773,6 @@ def check_kv_codecs_on_model(target: Target) -> CheckResult:
     this check generates with each one (TurboQuant, and any a plugin
     registered) and confirms the caches were converted.
     """
-    from ..cache import codec_table
-    from ..errors import CapabilityRefused
-
     name = "kv-codecs"
     if (s := _requires(target, KV_QUANTIZATION, name)) is not None:
         return s
@@ -811,7 +812,6 @@ def check_compiled_step(target: Target) -> CheckResult:
     name = "compiled-step"
     if (s := _requires(target, COMPILED_STEP, name)) is not None:
         return s
-    from ..cpu.compiled_step import CompiledStep
 
     class Counted(CompiledStep):
         calls = 0
@@ -858,9 +858,6 @@ def check_parallel_plan(target: Target) -> CheckResult:
     the whole and together they hold all of it — not the ranks' arithmetic
     (``tests/parallel`` runs two real ranks for the core's families).
     """
-    from ..host._loading import _build_split
-    from ..parallel.build import RankView
-
     name = "parallel-plan"
     impl = target.implementation
     if impl.parallel is None:
