@@ -35,9 +35,7 @@ def make_package(
         PYPROJECT.format(dist=dist, version=version, name=name, module=module)
     )
     (pkg / f"{module}.py").write_text(
-        PLUGIN_SOURCE.format(
-            extra=extra, model_type=model_type, name=name, api_version=api_version
-        )
+        PLUGIN_SOURCE.format(extra=extra, model_type=model_type, name=name, api_version=api_version)
     )
     shutil.copy(SUPPORT, pkg / "toyfamily_support.py")
     return pkg

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mlx_loom.engine")
 
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of an engine: what waits, what runs, and what it has done."""

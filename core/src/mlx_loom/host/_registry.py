@@ -33,9 +33,9 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from ..backends import Backend, Kernel, KernelRegistry, Provider, active_backend, runnable_backends
 from ..cache import CACHE_KINDS
 from ..cpu.path import check_compute_dtype, check_kernel_set
-from ..backends import Backend, Kernel, KernelRegistry, Provider, active_backend, runnable_backends
 from ..errors import (
     ImplementationUnavailable,
     IncompatibleImplementation,
