@@ -60,6 +60,7 @@ __all__ = ["BUNDLED_MODEL", "LoomError", "Refusal", "__version__", "errors", *so
 
 def __getattr__(name: str) -> Any:
     if name == "__version__":
+        # only for __version__: keeps `import mlx_loom` light
         from importlib.metadata import PackageNotFoundError, version
 
         try:

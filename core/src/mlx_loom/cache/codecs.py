@@ -95,7 +95,7 @@ class KVCodec:
 def codec_table(kinds: Mapping[str, type] | None = None) -> dict[str, KVCodec]:
     """Every codec the cache-kind table ``kinds`` provides (default: the core's kinds)."""
     if kinds is None:
-        from mlx_loom.cache import CACHE_KINDS
+        from mlx_loom.cache import CACHE_KINDS  # the package imports this module
 
         kinds = CACHE_KINDS
     found: dict[str, list[type]] = {}

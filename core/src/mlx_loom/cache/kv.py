@@ -138,7 +138,7 @@ class KVCache(GrowingKV):
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
         """The same tokens, affine-quantized (as mlx-lm's ``KVCache.to_quantized``)."""
-        from mlx_loom.cache.quantized import QuantizedKVCache
+        from mlx_loom.cache.quantized import QuantizedKVCache  # subclasses this module's kinds
 
         q = QuantizedKVCache(group_size=group_size, bits=bits)
         q.offset = self.offset
@@ -149,6 +149,7 @@ class KVCache(GrowingKV):
 
     def to_turboquant(self, bits: int = 4) -> TurboQuantKVCache:
         """The same tokens in TurboQuant storage (int8 keys, ``bits``-wide rotated values)."""
+        # subclasses this module's kinds
         from mlx_loom.cache.turboquant_caches import TurboQuantKVCache
 
         q = TurboQuantKVCache(bits=bits)
@@ -160,20 +161,20 @@ class KVCache(GrowingKV):
 
     def empty_batch(self, left_padding: Sequence[int]) -> BatchKVCache:
         """An empty batch cache of this kind, one row per entry of ``left_padding``."""
-        from mlx_loom.cache.batch import BatchKVCache
+        from mlx_loom.cache.batch import BatchKVCache  # subclasses this module's kinds
 
         return BatchKVCache(left_padding)
 
     @classmethod
     def merge(cls, caches: Sequence[KVCache]) -> BatchKVCache:
         """A left-padded batch cache holding each single-row cache as one row."""
-        from mlx_loom.cache.batch import BatchKVCache
+        from mlx_loom.cache.batch import BatchKVCache  # subclasses this module's kinds
 
         return BatchKVCache.merge(caches)
 
     @classmethod
     def stack(cls, caches: Sequence[KVCache]) -> BatchKVCache:
         """A batch whose row ``i`` decodes bit for bit as ``caches[i]`` alone."""
-        from mlx_loom.cache.batch import BatchKVCache
+        from mlx_loom.cache.batch import BatchKVCache  # subclasses this module's kinds
 
         return BatchKVCache.stack(caches)

@@ -103,7 +103,7 @@ class QuantizedKVCache(GrowingKV):
     @classmethod
     def stack(cls, caches: Sequence[QuantizedKVCache]) -> BatchQuantizedKVCache:
         """A batch whose row ``i`` decodes bit for bit as ``caches[i]`` alone."""
-        from mlx_loom.cache.batch import BatchQuantizedKVCache
+        from mlx_loom.cache.batch import BatchQuantizedKVCache  # subclasses this module's kinds
 
         return BatchQuantizedKVCache.stack(caches)
 
@@ -178,6 +178,7 @@ class QuantizedRotatingKVCache(RotatingBase):
     @classmethod
     def stack(cls, caches: Sequence[QuantizedRotatingKVCache]) -> StackedQuantizedRotatingKVCache:
         """A batch whose row ``i`` decodes bit for bit as ``caches[i]`` alone."""
+        # subclasses this module's kinds
         from mlx_loom.cache.stacked import StackedQuantizedRotatingKVCache
 
         return StackedQuantizedRotatingKVCache.stack(caches)

@@ -378,6 +378,7 @@ class RotatingKVCache(RotatingBase):
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedRotatingKVCache:
         """The same window, affine-quantized slot for slot (mlx-lm cannot do this)."""
+        # subclasses this module's kinds
         from mlx_loom.cache.quantized import QuantizedRotatingKVCache
 
         q = QuantizedRotatingKVCache(self.max_size, self.keep, group_size=group_size, bits=bits)
@@ -389,6 +390,7 @@ class RotatingKVCache(RotatingBase):
 
     def to_turboquant(self, bits: int = 4) -> TurboQuantRotatingKVCache:
         """The same window in TurboQuant storage, slot for slot."""
+        # subclasses this module's kinds
         from mlx_loom.cache.turboquant_caches import TurboQuantRotatingKVCache
 
         q = TurboQuantRotatingKVCache(self.max_size, self.keep, bits=bits)
@@ -408,7 +410,7 @@ class RotatingKVCache(RotatingBase):
 
     def empty_batch(self, left_padding: Sequence[int]) -> BatchRotatingKVCache:
         """An empty batch window cache with this ``max_size``."""
-        from mlx_loom.cache.batch import BatchRotatingKVCache
+        from mlx_loom.cache.batch import BatchRotatingKVCache  # subclasses this module's kinds
 
         self._check_batchable()
         return BatchRotatingKVCache(self.max_size, left_padding)
@@ -416,7 +418,7 @@ class RotatingKVCache(RotatingBase):
     @classmethod
     def merge(cls, caches: Sequence[RotatingKVCache]) -> BatchRotatingKVCache:
         """mlx-lm's batch layout: rows re-aligned on one shared write index."""
-        from mlx_loom.cache.batch import BatchRotatingKVCache
+        from mlx_loom.cache.batch import BatchRotatingKVCache  # subclasses this module's kinds
 
         return BatchRotatingKVCache.merge(caches)
 
@@ -427,6 +429,6 @@ class RotatingKVCache(RotatingBase):
         Unlike :meth:`merge`, each row keeps its own slot order (see
         :mod:`mlx_loom.cache.stacked` for why that matters).
         """
-        from mlx_loom.cache.stacked import StackedRotatingKVCache
+        from mlx_loom.cache.stacked import StackedRotatingKVCache  # subclasses this module's kinds
 
         return StackedRotatingKVCache.stack(caches)

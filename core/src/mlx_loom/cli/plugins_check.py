@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..testing.conformance import run_conformance
+    from ..testing.conformance import run_conformance  # start-up: the kit imports pytest
 
     # Respect the host policy: a plugin this environment blocks is reported as
     # such, not checked behind the user's back.

@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--traceback", action="store_true", help="show quarantined plugins' tracebacks"
     )
     parser.set_defaults(handler=run, _parser=parser)
-    from . import plugins_check, plugins_new
+    from . import plugins_check, plugins_new  # start-up: only the subcommand run
 
     actions = parser.add_subparsers(dest="plugins_command", metavar="ACTION", required=False)
     plugins_check.register(actions)
