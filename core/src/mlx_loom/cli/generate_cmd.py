@@ -79,6 +79,40 @@ def template_budget_from_args(args: argparse.Namespace) -> TemplateBudget:
     )
 
 
+def add_kv_cache_options(group: Any, *, whose: str) -> None:
+    """The KV cache flags ``loom generate``, ``chat`` and ``serve`` share; ``whose``
+    names the cache they store (``"the KV cache"``, ``"every request's KV cache"``)."""
+    group.add_argument(
+        "--kv-bits",
+        type=flags.KV_BITS_FLAG,
+        metavar="{2,3,4,5,6,8}",
+        help=f"quantize {whose} to this many bits (4 and 8 are the usual choices; "
+        "default: not quantized)",
+    )
+    group.add_argument(
+        "--kv-codec",
+        type=flags.KV_CODEC,
+        metavar="NAME",
+        help=f"how {whose} is stored: 'affine' (the default with --kv-bits) or "
+        "'turboquant' (int8 keys, 3- or 4-bit rotated values; --kv-bits 3|4, default 4), "
+        "or a codec a plugin registers",
+    )
+    group.add_argument(
+        "--kv-group-size",
+        type=flags.KV_GROUP_SIZE,
+        metavar="{32,64,128}",
+        help="elements per quantization group; must divide the head dimension "
+        "(default: 64, or 32 when 64 does not divide it)",
+    )
+    group.add_argument(
+        "--quantized-kv-start",
+        type=flags.QUANTIZED_KV_START,
+        default=0,
+        metavar="N",
+        help="quantize once the cache holds this many tokens (default: 0)",
+    )
+
+
 def add_cpu_path_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compute-dtype",
@@ -125,35 +159,7 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
         "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
     )
     cache = parser.add_argument_group("KV cache")
-    cache.add_argument(
-        "--kv-bits",
-        type=flags.KV_BITS_FLAG,
-        metavar="{2,3,4,5,6,8}",
-        help="quantize the KV cache to this many bits (4 and 8 are the usual choices; "
-        "default: not quantized)",
-    )
-    cache.add_argument(
-        "--kv-codec",
-        type=flags.KV_CODEC,
-        metavar="NAME",
-        help="how the KV cache is stored: 'affine' (the default with --kv-bits) or "
-        "'turboquant' (int8 keys, 3- or 4-bit rotated values; --kv-bits 3|4, default 4), "
-        "or a codec a plugin registers",
-    )
-    cache.add_argument(
-        "--kv-group-size",
-        type=flags.KV_GROUP_SIZE,
-        metavar="{32,64,128}",
-        help="elements per quantization group; must divide the head dimension "
-        "(default: 64, or 32 when 64 does not divide it)",
-    )
-    cache.add_argument(
-        "--quantized-kv-start",
-        type=flags.QUANTIZED_KV_START,
-        default=0,
-        metavar="N",
-        help="quantize once the cache holds this many tokens (default: 0)",
-    )
+    add_kv_cache_options(cache, whose="the KV cache")
     cache.add_argument(
         "--prefill-step-size",
         type=flags.PREFILL_STEP_SIZE,

@@ -29,20 +29,12 @@ from ..bounded_json import parse_json
 from ..cache import load_prompt_cache, save_prompt_cache
 from ..cache.geometry import check_caches_fit
 from ..engine.caches import fresh_caches
+from ..engine.prefix import common_prefix
 from ..errors import CacheError, RequestError
 from ..model import Model
 
 if TYPE_CHECKING:
     from ..engine import Done
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):  # stops at the shorter
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class PromptCache:
@@ -107,7 +99,7 @@ class PromptCache:
         token's logits choose the first new token.
         """
         prompt = list(prompt)
-        keep = min(_common_prefix(self.tokens, prompt), len(prompt) - 1)
+        keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
         drop = len(self.tokens) - keep
         if drop > 0:
             if keep > 0 and self._can_trim():
