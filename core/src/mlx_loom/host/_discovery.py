@@ -285,7 +285,7 @@ class PluginHost:
             )
             raise PluginFault(err.message + " " + f"Fix: {err.fix}")
         if _minor(version) < _minor(hookspecs.OLDEST_PLUGIN_API_VERSION):
-            err = PluginApiMismatch(
+            too_old = PluginApiMismatch(
                 f"Plugin {name!r} was written for plugin API {version}; this core needs plugin "
                 f"API {hookspecs.OLDEST_PLUGIN_API_VERSION} or later (it speaks "
                 f"{hookspecs.PLUGIN_API_VERSION}).",
@@ -293,7 +293,7 @@ class PluginHost:
                 f"{hookspecs.OLDEST_PLUGIN_API_VERSION} or later (its loom_plugin_api_version "
                 "says which).",
             )
-            raise PluginFault(err.message + " " + f"Fix: {err.fix}")
+            raise PluginFault(f"{too_old.message} Fix: {too_old.fix}")
         return version
 
     def _call(self, name: str, hook: str) -> list[Any]:
