@@ -1,9 +1,11 @@
-"""Generation: request parameters, sampling, and the clients of the engine.
+"""The generate API: the engine's clients for a program that holds a model.
 
 ``stream_generate``/``generate`` for one prompt (with prompt-cache reuse),
 ``batch_generate`` for several prompts decoded together, ``generate_tokens``
 for token ids in and out. All of them run on the model's continuous-batching
-engine (:mod:`mlx_loom.engine`): there is one loop.
+engine (:mod:`mlx_loom.engine`): there is one loop. Request parameters and
+sampling belong to the engine and are re-exported here. The package is not
+called ``generate``, so the function :func:`mlx_loom.generate` is never shadowed.
 """
 
 from ..engine.params import SamplingParams

@@ -1,4 +1,4 @@
-"""The plugin host: one subsystem from installed plugins to a built model.
+"""The plugin host: one subsystem from installed plugins to a resolved model.
 
 Everything that turns installed family plugins into a selection lives here,
 behind this small public face; the modules inside are private, each about
@@ -9,16 +9,17 @@ one idea:
 * ``_discovery`` — entry points, import, hook calls, quarantine;
 * ``_registrations`` — model types, implementations, the declarative family;
 * ``_registry`` — the immutable snapshot of registrations and ``select()``;
-* ``_checks`` — field checks every registration passes;
 * ``_bounded`` — plugin code under a time limit, every exception caught;
 * ``_profiles`` — profiles, their rules, and profile resolution;
-* ``_kernels`` — kernels per (name, backend) and which backend runs here;
 * ``_verify`` — per backend, where attention arithmetic changes (verify windows);
 * ``_resolution`` — a model reference to a binding, without loading weights;
 * ``_advice`` — fixes that depend on how this installation was made.
 
 Building a model from a binding is the layer above (:mod:`mlx_loom.loader`):
 the host decides, it does not build.
+
+The kernel record and the field checks registrations pass are leaves below
+the host (:mod:`mlx_loom.backends`, :mod:`mlx_loom.field_checks`), re-exported here.
 
 Users import :mod:`mlx_loom`; family authors import :mod:`mlx_loom.plugin`;
 an embedding host composes with the names below.
