@@ -19,10 +19,10 @@ from mlx_loom.host import (
     SPECULATIVE,
     PluginHost,
     Registry,
-    build_model,
     resolve_model,
 )
 from mlx_loom.host._profiles import validate_profile
+from mlx_loom.loader import build_model
 from mlx_loom_qwen3_next import kernels as qk
 from mlx_loom_qwen3_next import plugin
 
