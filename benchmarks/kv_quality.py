@@ -18,7 +18,8 @@ Reported per codec: KV bytes per token (every layer's cache ``state``
 arrays after the last token, divided by the tokens held), mean and max
 absolute logit error against the plain cache (over every scored position
 and vocabulary entry), perplexity and its change against the plain cache,
-and greedy decode speed (tokens/s through ``generate_tokens``, after a
+top-1 agreement (the fraction of scored positions whose greedy token is the
+plain cache's), and greedy decode speed (tokens/s through ``generate_tokens``, after a
 prompt of ``--speed-prompt`` tokens; best of ``--speed-repeats`` rounds, the
 codecs interleaved in each round so a busy machine slows them alike).
 
@@ -72,6 +73,7 @@ class Result:
     ppl: float
     ppl_change: float
     decode_tok_s: float | None = None
+    top1_agree: float | None = None
 
 
 def held_out_tokens(tokenizer, n: int, seed: int) -> list[int]:
@@ -163,6 +165,13 @@ def compare(logits, ref, segs, prefill: int) -> tuple[float, float, float, float
     return err.mean().item(), err.max().item(), math.exp(nll / n), nll / n, n
 
 
+def top1_agreement(logits, ref) -> float:
+    """Fraction of scored positions whose greedy token is the plain cache's."""
+    got = mx.concatenate([mx.argmax(x, axis=-1) for x in logits])
+    want = mx.concatenate([mx.argmax(x, axis=-1) for x in ref])
+    return mx.mean(got == want).item()
+
+
 def decode_speeds(model, prompt: list[int], n: int, repeats: int) -> dict[str, float]:
     """Best greedy decode tokens/s per codec, the codecs interleaved in every round."""
     from mlx_loom.engine.request import KVQuantization
@@ -241,9 +250,20 @@ def run_row(name: str, path: Path, ids: list[int], args) -> list[Result]:
     for label, codec, bits in CODECS:
         logits, per_token = score_loom(model, segs, args.prefill, codec, bits)
         mean, worst, ppl, _, n = compare(logits, ref, segs, args.prefill)
+        agree = top1_agreement(logits, ref)
         rows.append(
             Result(
-                name, label, "mlx-loom", n, per_token, mean, worst, ppl, ppl - ppl0, speeds[label]
+                name,
+                label,
+                "mlx-loom",
+                n,
+                per_token,
+                mean,
+                worst,
+                ppl,
+                ppl - ppl0,
+                speeds[label],
+                agree,
             )
         )
         print(_line(rows[-1]), flush=True)
@@ -251,8 +271,12 @@ def run_row(name: str, path: Path, ids: list[int], args) -> list[Result]:
         for bits in (8, 4):
             logits, per_token = score_mlx_lm(path, segs, args.prefill, bits)
             mean, worst, ppl, _, n = compare(logits, ref, segs, args.prefill)
+            agree = top1_agreement(logits, ref)
             rows.append(
-                Result(name, f"affine-{bits}", "mlx-lm", n, per_token, mean, worst, ppl, ppl - ppl0)
+                Result(
+                    name, f"affine-{bits}", "mlx-lm", n, per_token, mean, worst, ppl,
+                    ppl - ppl0, None, agree,
+                )
             )
             print(_line(rows[-1]), flush=True)
     return rows
@@ -260,10 +284,11 @@ def run_row(name: str, path: Path, ids: list[int], args) -> list[Result]:
 
 def _line(r: Result) -> str:
     speed = f"{r.decode_tok_s:8.1f}" if r.decode_tok_s is not None else "     n/a"
+    agree = f"{r.top1_agree:.4f}" if r.top1_agree is not None else "n/a"
     return (
         f"| {r.row} | {r.codec} | {r.engine} | {r.kv_bytes_per_token:8.0f} | "
         f"{r.mean_abs_logit_err:.2e} | {r.max_abs_logit_err:.2e} | {r.ppl:.4f} | "
-        f"{r.ppl_change:+.4f} | {speed} |"
+        f"{r.ppl_change:+.4f} | {agree} | {speed} |"
     )
 
 
@@ -284,9 +309,9 @@ def main() -> int:
     args = parser.parse_args()
     print(
         "| row | codec | engine | KV bytes/token | mean abs logit err | max abs logit err "
-        "| ppl | ppl change | decode tok/s |"
+        "| ppl | ppl change | top-1 agreement | decode tok/s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     results: list[Result] = []
     for name in args.rows.split(","):
         if name == "llama-wide":

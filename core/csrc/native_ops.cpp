@@ -54,6 +54,21 @@ mx::array make_op(
       std::move(inputs));
 }
 
+// The positions rope rotates by: offset + l for l in [0, L). Refused when an
+// offset is negative or offset + L - 1 passes INT32_MAX (the kernel and
+// mx.fast.rope both index positions as int32). Empty string: all fine.
+std::string rope_positions_error(const int32_t* offsets, int n, int L) {
+  for (int i = 0; i < n; ++i) {
+    const int64_t last = static_cast<int64_t>(offsets[i]) + std::max(L, 1) - 1;
+    if (offsets[i] < 0 || last > INT32_MAX) {
+      return "[loom native kernels] rope's offset " + std::to_string(offsets[i]) + " with " +
+          std::to_string(L) + " positions is out of range: positions must lie in 0.." +
+          std::to_string(INT32_MAX) + ".";
+    }
+  }
+  return std::string();
+}
+
 }  // namespace
 
 mx::array rms_norm(
@@ -120,6 +135,16 @@ mx::array rope(
             std::to_string(batch) + "], got " + shape_str(offsets) + " " +
             dtype_str(offsets.dtype()) + ".");
       });
+  // Offsets that already hold data (a Python int made into an array, a
+  // cache's offsets) are checked here, where the error reaches the caller.
+  // Computed offsets are not yet known, and eval_cpu only queues the work:
+  // for them the kernel is merely safe (any int32 offset reads initialised
+  // angles, positions are int64), rotating like mx.fast.rope would.
+  if (offsets.is_available()) {
+    const std::string error = rope_positions_error(
+        offsets.data<int32_t>(), static_cast<int>(offsets.size()), x.shape(-2));
+    require(error.empty(), [&] { return error; });
+  }
   return make_op(
       x.shape(), x.dtype(), NativeOp::kRope, scale, dims, traditional, {x, inv_freq, offsets},
       stream);

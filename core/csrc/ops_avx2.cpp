@@ -109,13 +109,19 @@ void rope_rows(const RopeJob& job, int r0, int r1) {
   alignas(32) float sinv[kMaxRopeWidth / 2];
   // Positions outermost: every head of a row shares its angles, so they are
   // computed once per position (per offset group), not once per head.
+  // Positions are int64 here so no offset can overflow; `have` marks whether
+  // cosv/sinv hold the angles of `angles_for` (no position value doubles as
+  // "none yet": a sentinel of -1 once skipped the first computation).
   for (int l = 0; l < job.L; ++l) {
-    int64_t angles_for = -1;
+    int64_t angles_for = 0;
+    bool have = false;
     for (int r = r0; r < r1; ++r) {
-      const int32_t offset = job.offsets[job.n_offsets > 1 ? r / per_offset : 0];
-      if (offset + l != angles_for) {
-        angles_for = offset + l;
-        const float pos = static_cast<float>(offset + l) * job.scale;
+      const int64_t position =
+          static_cast<int64_t>(job.offsets[job.n_offsets > 1 ? r / per_offset : 0]) + l;
+      if (!have || position != angles_for) {
+        have = true;
+        angles_for = position;
+        const float pos = static_cast<float>(position) * job.scale;
         for (int i = 0; i < half; ++i) {
           const float theta = pos * job.inv_freq[i];
           cosv[i] = __builtin_cosf(theta);

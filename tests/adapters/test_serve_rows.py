@@ -258,3 +258,49 @@ def test_loom_serve_refuses_adapter_flags_beside_an_adapter_path(base, tmp_path,
     err = capsys.readouterr().err
     assert code != 0
     assert "already runs an adapter" in err
+
+
+# --- a server-wide draft beside adapters --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafting(base, tmp_path_factory):
+    """A llama server that speculates by default (prompt lookup), with adapters registered."""
+    from mlx_loom.engine import Speculation
+
+    path, adapters = _pair(base, tmp_path_factory.mktemp("drafting"), "llama")
+    model, tokenizer = mlx_loom.load(path)
+    AdapterSet(model, adapters)
+    server = make_server(
+        model, tokenizer, host="127.0.0.1", port=0, model_id=MODEL_ID, speculation=Speculation()
+    )
+    server.start_in_background()
+    yield path, adapters, tokenizer, server
+    server.stop()
+
+
+def test_adapter_requests_decode_without_the_servers_default_draft(drafting):
+    # Before, every adapter request was a 400 unless it sent "draft": "none".
+    path, adapters, tokenizer, server = drafting
+    body = {"prompt": "hello world", "max_tokens": 10, "logit_bias": _no_eos(tokenizer)}
+    status, reply = _post(server, "/v1/completions", {**body, "model": f"{MODEL_ID}:lora"})
+    assert status == 200, reply
+    want = _solo(path, adapters["lora"], tokenizer, "hello world", 10)
+    assert reply["choices"][0]["text"] == want
+    status, reply = _post(server, "/v1/completions", {**body, "model": MODEL_ID})
+    assert status == 200, reply  # the base model still speculates
+    assert reply["choices"][0]["text"] == _solo(path, None, tokenizer, "hello world", 10)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"draft": "ngram"}, "draft"), ({"num_draft_tokens": 4}, "num_draft_tokens")],
+)
+def test_an_adapter_request_asking_to_draft_is_a_400_naming_the_http_field(drafting, extra, param):
+    *_, server = drafting
+    body = {"prompt": "hi", "max_tokens": 2, "model": f"{MODEL_ID}:lora", **extra}
+    status, reply = _post(server, "/v1/completions", body)
+    assert status == 400
+    error = reply["error"]
+    assert error["param"] == param
+    assert f'drop "{param}"' in error["message"] and "draft_model" not in error["message"]

@@ -50,3 +50,40 @@ def test_the_first_quick_start_command_shows_pip_progress():
 def test_ci_runs_the_readme_test_command_verbatim():
     _, test_command = quick_start()
     assert test_command in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def launch_examples(text: str) -> list[str]:
+    """Lines of code blocks that start ``loom`` under ``mlx.launch``."""
+    return [
+        line.strip()
+        for block in code_blocks(text)
+        for line in block.splitlines()
+        if line.strip().startswith("mlx.launch ") and " loom " in line
+    ]
+
+
+@pytest.mark.parametrize("line", launch_examples((ROOT / "docs" / "distributed.md").read_text()))
+def test_documented_launch_commands_reach_loom_whole(line, monkeypatch, tmp_path):
+    # mlx.launch parses its own flags anywhere in the line (parse_known_args):
+    # `loom generate ... -p "..."` lost its -p to the launcher's port. What
+    # reaches each rank must be the loom command exactly as written.
+    from mlx._distributed_utils import launch
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text('[{"ssh": "localhost", "ips": ["127.0.0.1"]}]')
+    argv = shlex.split(line.replace("hosts.json", str(hosts)))
+    seen: list[list[str]] = []
+    monkeypatch.setattr(launch, "launch_ring", lambda parser, hosts, args, rest: seen.append(rest))
+    monkeypatch.setattr("sys.argv", argv)
+    launch.main()
+    written = argv[argv.index("loom") :]
+    assert seen == [written]
+    build_parser().parse_args(written[1:])
+
+
+def test_the_architecture_page_states_the_plugin_api_version_the_code_speaks():
+    from mlx_loom.plugin import PLUGIN_API_VERSION
+
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    stated = re.search(r"the plugin-API version \((\d+\.\d+)\)", page)
+    assert stated is not None and stated[1] == PLUGIN_API_VERSION

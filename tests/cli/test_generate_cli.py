@@ -85,7 +85,7 @@ def test_kv_bits_8_works_on_the_bundled_model_too(capsys):
 def test_an_explicit_kv_group_size_that_cannot_fit_names_the_one_that_does(capsys):
     assert main(["generate", "-m", "4", "--kv-bits", "4", "--kv-group-size", "64"]) == 2
     err = capsys.readouterr().err
-    assert "argument --kv-group-size: 64 does not divide this model's head dimension" in err
+    assert "--kv-group-size 64 does not divide this model's head dimension (32)" in err
     assert "fix: pass --kv-group-size 32" in err
 
 
@@ -131,3 +131,30 @@ def test_max_kv_size_out_of_range_is_a_usage_error_naming_the_flag(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "argument --max-kv-size" in err and "fix: pass a positive token count" in err
+
+
+def test_json_schema_and_grammar_files_hold_the_output(tmp_path, capsys):
+    import json
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"], "additionalProperties": False,
+    }))
+    args = ["generate", "hi", "-m", "40", "--temp", "1.0", "--seed", "3"]
+    assert main([*args, "--json-schema", str(schema)]) == 0
+    value = json.loads(capsys.readouterr().out)
+    assert set(value) == {"n"} and 0 <= value["n"] <= 9
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "yes" | "no"')
+    assert main([*args, "--grammar", str(grammar)]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+
+
+def test_a_bad_schema_file_is_refused_naming_the_problem(tmp_path, capsys):
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "array", "uniqueItems": true}')
+    assert main(["generate", "hi", "-m", "4", "--json-schema", str(schema)]) != 0
+    assert "uniqueItems" in capsys.readouterr().err
+    assert main(["generate", "hi", "--json-schema", str(schema), "--grammar", str(schema)]) == 2

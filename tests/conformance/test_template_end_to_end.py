@@ -21,6 +21,9 @@ from ..core.sitetools import CORE_SRC, isolated_site, pip_install_target, run_lo
 
 NAME = "demo_lm"
 
+#: A pip install and a subprocess per step: ~1 minute for the module on 2 cores.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):

@@ -226,7 +226,7 @@ def test_a_failure_while_writing_leaves_no_partial_directory(hf, tmp_path, monke
         raise OSError("disk full")
 
     monkeypatch.setattr(writer, "_write_shard", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ConvertError, match="cannot write the converted model .*: disk full"):
         ours(hf("llama"), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
@@ -243,6 +243,28 @@ def test_loom_convert_takes_mlx_lm_converts_flags(hf, tmp_path, capsys):
     assert f"loom: wrote {out}" in err and "converting" in err  # the progress bar
     config = json.loads((out / "config.json").read_text())
     assert config["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+
+
+def test_a_quantization_no_width_divides_loads_dense_in_both_engines_with_a_note(
+    tmp_path, capsys
+):
+    # Hidden 96 and intermediate 160: no input width is a multiple of 64, so
+    # both converters pack nothing yet write the quantization block. mlx-lm
+    # loads that as the dense model; so must mlx-loom (it used to refuse it).
+    src = kit.tiny_checkpoint(
+        tmp_path / "hf", "llama", hidden_size=96, intermediate_size=160, num_attention_heads=2
+    )
+    a, b = tmp_path / "ours", tmp_path / "theirs"
+    assert main(["convert", "--hf-path", str(src), "--mlx-path", str(a), "-q"]) == 0
+    assert "no module was quantized" in capsys.readouterr().err
+    mlx_lm_convert(src, b, quantize=True)
+    for path in (a, b):
+        config = json.loads((path / "config.json").read_text())
+        assert config["quantization"]["group_size"] == 64
+        assert not any(n.endswith(".scales") for n in tensors_of(path))
+    first, *rest = logits_everywhere([a, b])
+    assert all(mx.array_equal(first, other) for other in rest)
+    assert main(["generate", "--model", str(a), "-p", "hi", "-m", "2"]) == 0
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ test installs with ``pip install --target`` are added in front.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -19,10 +20,14 @@ CORE_SRC = Path(__file__).resolve().parents[2] / "core" / "src"
 
 
 def _is_plugin_entry(name: str) -> bool:
+    """A family plugin's install record (``mlx_loom_<family>...``), never the core's own.
+
+    The core's record normalises to ``mlx_loom_0.1.0...`` (a version follows the
+    name), so a plugin is told apart by a letter after ``mlx_loom_``; dropping the
+    core's record would also drop its pytest fixtures from the isolated site.
+    """
     lowered = name.lower().replace("-", "_")
-    return lowered.startswith("mlx_loom_") or (
-        lowered.startswith("__editable__") and "mlx_loom_" in lowered
-    )
+    return re.match(r"(__editable___?\.?)?mlx_loom_[a-z]", lowered) is not None
 
 
 def isolated_site(root: Path) -> Path:

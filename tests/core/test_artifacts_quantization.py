@@ -265,13 +265,14 @@ def test_every_disagreeing_module_is_listed_in_one_error():
         apply_quantization(Tiny(), q, weights)
 
 
-def test_a_quantization_claim_over_float_weights_is_an_error_naming_the_field():
+def test_a_global_claim_with_no_scales_anywhere_leaves_every_module_dense():
+    # mlx-lm's rule: a module is quantized exactly when its scales are present.
+    # ``mlx_lm.convert -q`` writes such a config when no input width divides
+    # the group size, and mlx-lm loads it as the dense model it is.
+    model = Tiny()
     q = QuantizationConfig(default=QuantSpec(group_size=64, bits=4), source_key="quantization")
-    with pytest.raises(WeightsError) as info:
-        apply_quantization(Tiny(), q, quantized_checkpoint({}))
-    message = info.value.message
-    assert "'quantization' declares 4-bit, group 64" in message and "no module" in message
-    assert "remove 'quantization'" in info.value.fix
+    assert apply_quantization(model, q, quantized_checkpoint({})) == []
+    assert type(model.up) is nn.Linear and type(model.embed) is nn.Embedding
 
 
 def test_unquantized_checkpoint_with_no_quantization_changes_nothing():

@@ -111,7 +111,7 @@ def test_a_good_factory_builds_an_evaluated_model(tmp_path):
 
 @pytest.mark.parametrize("shape", [(), (7,), (4, 6), (3, 4, 5), (2, 0, 3)])
 def test_the_finiteness_screen_sees_every_element_of_any_shape(shape):
-    from mlx_loom.loader import _screen
+    from mlx_loom.artifacts.finite import screen as _screen
 
     clean = mx.ones(shape, dtype=mx.bfloat16)
     assert mx.isfinite(_screen(clean)).item()

@@ -142,7 +142,7 @@ def test_batch_kv_merge_of_single_caches_equals_mlx_lm():
 def test_batch_kv_merge_refuses_a_quantized_member():
     q = KVCache()
     q.update_and_fetch(*kv(0, 2, B=1))
-    with pytest.raises(CacheError, match=r"caches\[1\] is a QuantizedKVCache"):
+    with pytest.raises(CacheError, match="quantized differently"):
         BatchKVCache.merge([KVCache(), q.to_quantized(group_size=32, bits=4)])
 
 

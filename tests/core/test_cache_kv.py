@@ -199,7 +199,15 @@ def test_every_standard_kind_satisfies_the_cache_protocols():
         "BatchTurboQuantKVCache": BatchTurboQuantKVCache([0]),
         "StackedTurboQuantRotatingKVCache": StackedTurboQuantRotatingKVCache(4, 1),
     }
-    assert {cls.kind for cls in STANDARD_KINDS} == set(examples)
+    # Thirteen kinds, five layouts: every codec form is a layout with a codec.
+    assert {cls.kind for cls in STANDARD_KINDS} == {
+        "KVCache",
+        "RotatingKVCache",
+        "BatchKVCache",
+        "BatchRotatingKVCache",
+        "StackedRotatingKVCache",
+    }
+    assert {type(c).kind for c in examples.values()} == {cls.kind for cls in STANDARD_KINDS}
     for name, cache in examples.items():
         assert isinstance(cache, AttentionCache), name
     for name in ("BatchKVCache", "BatchRotatingKVCache", "BatchQuantizedKVCache"):

@@ -177,8 +177,7 @@ def test_the_package_table_is_immutable_and_lists_the_standard_kinds():
     assert set(CACHE_KINDS) >= {
         "KVCache",
         "RotatingKVCache",
-        "QuantizedKVCache",
-        "QuantizedRotatingKVCache",
+        "StackedRotatingKVCache",
         "BatchKVCache",
         "BatchRotatingKVCache",
         "RecurrentCache",
@@ -313,3 +312,85 @@ def test_saving_replaces_the_file_atomically_and_leaves_no_temporary(tmp_path):
     save_prompt_cache(path, filled_caches()[:1])
     assert load_prompt_cache(path)[0][0].offset == 6
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
+
+
+# --- files that name a kind per layout and codec ---------------------------------------
+
+
+def _old_file(path, caches) -> None:
+    """A file as written when each layout and codec had a class (and kind name) of its own."""
+    old_names = {
+        ("KVCache", "affine"): "QuantizedKVCache",
+        ("RotatingKVCache", "affine"): "QuantizedRotatingKVCache",
+        ("BatchKVCache", "affine"): "BatchQuantizedKVCache",
+        ("StackedRotatingKVCache", "affine"): "StackedQuantizedRotatingKVCache",
+        ("KVCache", "turboquant"): "TurboQuantKVCache",
+        ("RotatingKVCache", "turboquant"): "TurboQuantRotatingKVCache",
+        ("BatchKVCache", "turboquant"): "BatchTurboQuantKVCache",
+        ("StackedRotatingKVCache", "turboquant"): "StackedTurboQuantRotatingKVCache",
+    }
+    layers, arrays = [], {}
+    for i, c in enumerate(caches):
+        meta = list(c.meta_state)
+        meta.remove(c.codec)  # old files had no codec name: the kind said it
+        state = c.state
+        arrays.update({f"{i}.{j}": mx.contiguous(a) for j, a in enumerate(state)})
+        kind = old_names[(type(c).kind, c.codec)]
+        layers.append(persist._Layer(kind=kind, meta_state=meta, n_arrays=len(state)))
+    header = persist._Header(
+        format=persist.FORMAT,
+        version=persist.FORMAT_VERSION,
+        layers=layers,
+        metadata={},
+        checksum="sha256:" + "0" * 64,
+    )
+    header = header.model_copy(update={"checksum": persist.array_checksum(header, arrays)})
+    mx.save_safetensors(str(path), arrays, {HEADER_KEY: header.model_dump_json()})
+
+
+def _codec_caches() -> list:
+    from mlx_loom.cache import (
+        BatchQuantizedKVCache,
+        BatchTurboQuantKVCache,
+        TurboQuantKVCache,
+        TurboQuantRotatingKVCache,
+    )
+
+    singles = [
+        QuantizedKVCache(group_size=32, bits=4),
+        QuantizedRotatingKVCache(4, group_size=32, bits=8),
+        TurboQuantKVCache(bits=3),
+        TurboQuantRotatingKVCache(4, bits=4),
+    ]
+    for step, L in enumerate([3, 1, 1]):
+        for c in singles:
+            c.update_and_fetch(*kv(step, L))
+    stacked = [type(c).stack([c]) for c in singles[1::2]]
+    batches = [BatchQuantizedKVCache([0], group_size=32, bits=4), BatchTurboQuantKVCache([0])]
+    for b in batches:
+        b.update_and_fetch(*kv(7, 2))
+    return singles + stacked + batches
+
+
+def test_files_naming_the_old_kind_per_codec_load_as_the_layout_in_that_codec(tmp_path):
+    caches = _codec_caches()
+    old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    _old_file(old, caches)
+    save_prompt_cache(new, caches)
+    header = json.loads(mx.load(str(new), return_metadata=True)[1][HEADER_KEY])
+    # Files written now name the layout; the codec is in its meta_state.
+    assert {layer["kind"] for layer in header["layers"]} <= set(CACHE_KINDS)
+    for path in (old, new):
+        loaded, _ = load_prompt_cache(path)
+        assert len(loaded) == len(caches) == 8
+        for a, b in zip(caches, loaded, strict=True):
+            assert type(a) is type(b) and a.codec_key == b.codec_key
+            assert a.meta_state == b.meta_state
+            assert all(mx.array_equal(x, y).item() for x, y in zip(a.state, b.state, strict=True))
+
+
+def test_an_unknown_codec_name_in_a_state_is_refused(tmp_path):
+    cache = QuantizedKVCache(group_size=32, bits=4)
+    cache.update_and_fetch(*kv(0, 2))
+    with pytest.raises(CacheError, match="names KV codec 'zstd'"):
+        KVCache.from_state(cache.state, ("zstd", "32", "4"))

@@ -153,7 +153,7 @@ def test_quantized_window_refuses_to_trim_once_full():
     for step in range(9):
         cache.update_and_fetch(*kv(step, 1))
     assert not cache.is_trimmable()
-    with pytest.raises(CacheNotTrimmable, match=r"QuantizedRotatingKVCache\(max_size=8"):
+    with pytest.raises(CacheNotTrimmable, match=r"RotatingKVCache\(max_size=8"):
         cache.trim(1)
 
 

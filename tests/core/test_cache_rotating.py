@@ -11,6 +11,7 @@ from mlx_lm.models import cache as lm_cache
 
 from mlx_loom.cache import (
     BatchRotatingKVCache,
+    QuantizedRotatingKVCache,
     RotatingKVCache,
     create_attention_mask,
 )
@@ -139,7 +140,7 @@ def test_quantize_is_refused_only_by_mlx_lm_ours_returns_a_quantized_window():
     feed(cache, [3])
     with pytest.raises(NotImplementedError):
         lm_cache.RotatingKVCache(MAX).to_quantized()
-    assert type(cache.to_quantized(group_size=32, bits=8)).__name__ == "QuantizedRotatingKVCache"
+    assert isinstance(cache.to_quantized(group_size=32, bits=8), QuantizedRotatingKVCache)
 
 
 def test_state_round_trip_mid_rotation_recreates_the_window_and_its_future():

@@ -119,10 +119,45 @@ def test_a_width_other_than_3_or_4_is_refused(bad):
         TurboQuantKVCache(bits=bad)
 
 
-def test_a_head_size_without_a_fast_hadamard_transform_is_refused():
+@pytest.mark.parametrize("d", [36, 44, 1])
+def test_a_head_size_without_a_fast_hadamard_transform_is_refused(d):
     cache = TurboQuantKVCache(bits=4)
     with pytest.raises(CapabilityRefused, match="Walsh"):
-        cache.append(*kv(0, 2, d=24))
+        cache.append(*kv(0, 2, d=d))
+
+
+#: Head sizes real models use that are not powers of two: 12 * 2^k and 20 * 2^k
+#: (24, 48, 96, 192; 80, 160), and 28 * 2^k.
+FACTORED = [12, 24, 48, 96, 192, 20, 40, 80, 160, 28, 56]
+
+
+@pytest.mark.parametrize("d", [*FACTORED, 32, 64])
+def test_rotation_is_a_signed_hadamard_matrix_and_unrotate_its_inverse(d):
+    # The matrix the rotation applies, read off the identity: sqrt(D) R must be
+    # a Hadamard matrix (entries +-1, rows orthogonal: M M^T = D I), and
+    # un-rotating must apply its transpose (MLX's 20 and 28 are not symmetric,
+    # so applying the transform again would not invert it).
+    codec = TurboQuantCodec(4, owner="test")
+    M = codec.rotate(mx.eye(d)) * d**0.5
+    assert mx.allclose(mx.abs(M), mx.ones((d, d)), atol=1e-5).item()
+    assert mx.allclose(M @ M.T, d * mx.eye(d), atol=1e-3).item()
+    x = mx.random.normal((2, 3, 5, d), key=mx.random.key(1))
+    y = codec.rotate(x)
+    assert mx.allclose(y, x @ M * d**-0.5, atol=1e-4).item()
+    assert mx.allclose(codec.unrotate(y), y @ M.T * d**-0.5, atol=1e-4).item()
+    assert mx.abs(codec.unrotate(y) - x).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("d", [24, 80, 96])
+def test_a_factored_head_size_attends_close_to_the_plain_cache(d):
+    plain, tq = KVCache(), TurboQuantKVCache(bits=4)
+    for step, L in enumerate([7, 1, 1]):
+        k, v = kv(step, L, d=d)
+        q = mx.random.normal((1, 2 * H, L, d), key=mx.random.key(50 + step))
+        mask = "causal" if L > 1 else None
+        a = plain.append(k, v).attend(q, scale=d**-0.5, mask=mask)
+        b = tq.append(k, v).attend(q, scale=d**-0.5, mask=mask)
+        assert rel(b, a) < 0.15, step
 
 
 # --- attention ------------------------------------------------------------------------
@@ -226,7 +261,7 @@ def test_a_state_with_a_bad_width_is_refused():
     cache = TurboQuantKVCache(bits=4)
     cache.update_and_fetch(*kv(0, 2))
     with pytest.raises(CacheError, match="TurboQuant value width"):
-        TurboQuantKVCache.from_state(cache.state, ("5",))
+        TurboQuantKVCache.from_state(cache.state, ("turboquant", "5"))
 
 
 def test_padded_batches_are_refused():
@@ -257,7 +292,7 @@ def test_a_stacked_row_decodes_bit_for_bit_as_alone(make, batch):
     histories = [[5, 1], [9], [2, 1, 1]]
     alone = [_filled(make, h, i) for i, h in enumerate(histories)]
     stacked = type(alone[0]).stack([_filled(make, h, i) for i, h in enumerate(histories)])
-    assert type(stacked) is batch
+    assert isinstance(stacked, batch)
     for step in range(4):
         k, v = kv(70 + step, 1, B=3)
         q = mx.random.normal((3, 2 * H, 1, D), key=mx.random.key(80 + step))
@@ -293,7 +328,8 @@ def test_kv_codec_turboquant_converts_full_and_window_caches_once_due():
     for c in caches:
         c.update_and_fetch(*kv(1, 1))
     maybe_quantize_kv_cache(caches, **options)
-    assert [type(c) for c in caches] == [TurboQuantKVCache, TurboQuantRotatingKVCache]
+    assert isinstance(caches[0], TurboQuantKVCache)
+    assert isinstance(caches[1], TurboQuantRotatingKVCache)
     assert {c.bits for c in caches} == {3}
 
 
@@ -303,7 +339,7 @@ def test_kv_codec_without_kv_bits_uses_four_bits():
     maybe_quantize_kv_cache(
         caches, kv_bits=None, kv_group_size=64, quantized_kv_start=0, kv_codec="turboquant"
     )
-    assert type(caches[0]) is TurboQuantKVCache and caches[0].bits == 4
+    assert isinstance(caches[0], TurboQuantKVCache) and caches[0].bits == 4
 
 
 @pytest.mark.parametrize(

@@ -405,3 +405,25 @@ def test_a_cache_kind_without_from_state_is_refused():
 
     with pytest.raises(RegistrationError, match="from_state"):
         Registry(cache_kinds=[NoState])
+
+
+@pytest.mark.parametrize(
+    ("plugins", "said", "fix"),
+    [
+        (
+            ("toy", "other"),
+            ": by toy (mlx-loom-toy 0.3) and by other (mlx-loom-other 0.3)",
+            "Uninstall",
+        ),
+        (("toy", "toy"), ", both times by toy (mlx-loom-toy 0.3)", "Register it once in toy"),
+        ((None, None), " (both registrations were passed in directly", "Pass each registration"),
+    ],
+)
+def test_an_id_registered_twice_names_who_did_it_without_a_vague_repeat(plugins, said, fix):
+    # Before: registrations without a provider read "by a plugin and by a plugin".
+    twins = [impl(plugin=p) if p else impl(provider=None) for p in plugins]
+    with pytest.raises(RegistrationError) as err:
+        Registry(implementations=twins)
+    message = err.value.message
+    assert message.startswith(f"Implementation id {GRAPH!r} is registered twice{said}")
+    assert "by a plugin and by a plugin" not in message and err.value.fix.startswith(fix)

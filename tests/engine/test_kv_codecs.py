@@ -69,10 +69,12 @@ def test_turboquant_rows_batch_in_one_turboquant_batch(loaded):
     kinds = set()
 
     def watch(_step, _events):
-        kinds.update(type(c).__name__ for g in engine._groups if len(g) > 1 for c in g.caches)
+        kinds.update(
+            (type(c).__name__, c.codec) for g in engine._groups if len(g) > 1 for c in g.caches
+        )
 
     runs = drive(engine, {0: [(str(i), r) for i, r in enumerate(reqs)]}, on_step=watch)
-    assert kinds == {"BatchTurboQuantKVCache"}
+    assert kinds == {("BatchKVCache", "turboquant")}
     for i, r in enumerate(reqs):
         assert_same_run(runs[str(i)], alone(model, r), f"row {i}")
 
@@ -83,7 +85,7 @@ def test_a_finished_turboquant_row_leaves_with_its_own_single_row_caches(loaded)
     req = request(model, prompt=ids(7, 3), max_tokens=6, kv_codec="turboquant", cache=caches)
     other = request(model, prompt=ids(9, 4), max_tokens=12, kv_bits=8, kv_group_size=32)
     drive(Engine(model), {0: [("mine", req), ("other", other)]})
-    assert caches and all(type(c) is TurboQuantKVCache for c in caches)
+    assert caches and all(isinstance(c, TurboQuantKVCache) for c in caches)
     assert {c.offset for c in caches} == {7 + 6 - 1}
 
 

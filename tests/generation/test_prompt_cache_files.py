@@ -10,6 +10,7 @@ import mlx_loom
 from mlx_loom.cache import save_prompt_cache
 from mlx_loom.errors import CacheError
 from mlx_loom.generation import PromptCache
+from mlx_loom.generation.prompt_cache import cache_binding
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 VARIANTS = ["llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4"]
@@ -47,8 +48,7 @@ def forge(path, caches, model, tokens) -> None:
         caches,
         {
             "tokens": json.dumps(tokens),
-            "implementation": model.implementation.id,
-            "model": str(model.model_dir.resolve()),
+            **cache_binding(model),
         },
     )
 
@@ -134,7 +134,7 @@ def test_a_kv_quantized_prompt_cache_round_trips(tmp_path, tmp_path_factory):
             model, tok, "the model", prompt_cache=cache, max_tokens=3, **options
         )
     )
-    assert {type(c).__name__ for c in cache.cache} == {"QuantizedKVCache"}
+    assert {(type(c).__name__, c.codec, c.bits) for c in cache.cache} == {("KVCache", "affine", 4)}
     cache.save(tmp_path / "q.safetensors")
     restored = PromptCache.load(tmp_path / "q.safetensors", model)
     longer = restored.tokens + tok.encode(" reads", add_special_tokens=False)

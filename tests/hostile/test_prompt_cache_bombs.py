@@ -17,6 +17,7 @@ from mlx_loom.cache import save_prompt_cache
 from mlx_loom.cache.persist import HEADER_KEY
 from mlx_loom.errors import CacheError
 from mlx_loom.generation import PromptCache
+from mlx_loom.generation.prompt_cache import cache_binding
 
 from .bounded import run_bounded
 from .conftest import FAMILIES
@@ -73,8 +74,7 @@ def test_tokens_that_disagree_with_the_cache_length_are_refused(model_and_cache,
     target = tmp_path / "tokens.safetensors"
     meta = {
         "tokens": json.dumps(cache.tokens + [1, 2, 3]),
-        "implementation": model.implementation.id,
-        "model": str(model.model_dir.resolve()),
+        **cache_binding(model),
     }
     save_prompt_cache(target, cache.cache, meta)
     refuse(target, model, f"the file lists {len(cache.tokens) + 3}")

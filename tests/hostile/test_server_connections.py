@@ -29,6 +29,8 @@ DEADLINE = 0.5  # every phase's bound in these servers, seconds
 MAX_CONNECTIONS = 8
 #: Slack for a shared, loaded machine: an answer due at the deadline may come this much later.
 SLACK = 4.0
+#: The unread stream's length: far more tokens than the socket buffers hold.
+MAX_TOKENS = 4000
 
 
 @pytest.fixture(scope="module")
@@ -254,17 +256,12 @@ def test_a_body_trickled_slower_than_the_body_timeout_gets_a_408(bounded):
 def test_a_client_that_never_reads_its_stream_is_dropped_and_its_generation_stops(bounded):
     bounded.wait_idle()
     suppress_eos = {str(t): -100 for t in bounded.server.app.tokenizer.eos_token_ids}
-    # This machine's speed now, so that "stopped early" means the same under any load.
-    started = time.monotonic()
-    probe = bounded.post(
-        "/v1/completions", {"prompt": "speed", "max_tokens": 200, "logit_bias": suppress_eos}
-    )
-    assert probe.json["usage"]["completion_tokens"] == 200
-    seconds_per_token = (time.monotonic() - started) / 200
+    service = bounded.server.app.worker.service
+    before = service.stats().engine
     body = json.dumps(
         {
             "prompt": "a stream nobody reads",
-            "max_tokens": 4000,
+            "max_tokens": MAX_TOKENS,
             "stream": True,
             "logprobs": 20,  # ~1 KB per event: the socket buffers fill within a few hundred
             "logit_bias": suppress_eos,
@@ -277,33 +274,44 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_its_generation_stop
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        started = time.monotonic()
         # Nothing is read from `sock`. The server's writes block once the
-        # buffers are full; the write deadline then ends the connection,
-        # and with it the generation.
-        whole_run = 4000 * seconds_per_token
+        # buffers are full; the write deadline then ends the connection, and
+        # with it the generation. The bound below only keeps a broken server
+        # from hanging the test: what is asserted is how the row ended.
         worker = bounded.server.app.worker
-        deadline = time.monotonic() + SLACK + whole_run
+        deadline = time.monotonic() + SLACK
         while not worker.busy:  # its generation has started (after preparation)
             assert time.monotonic() < deadline, "the stream's generation never started"
             time.sleep(0.01)
-        bounded.wait_idle(seconds=whole_run)
-        elapsed = time.monotonic() - started
-        assert elapsed < whole_run / 2, (elapsed, whole_run)
+        bounded.wait_idle(seconds=600)
         wait_until_released(bounded, SLACK)
     finally:
         sock.close()
+    after = service.stats().engine
+    # The row left the batch by cancellation, not by finishing its tokens...
+    assert (after.cancelled - before.cancelled, after.completed - before.completed) == (1, 0)
+    # ... and its generation stopped well short of max_tokens.
+    assert after.generated_tokens - before.generated_tokens < MAX_TOKENS
     assert bounded.get("/health").json["busy"] is False
 
 
+def hold(client, count: int) -> list[socket.socket]:
+    """``count`` idle connections, once the server has accepted them all."""
+    held = [connect(client) for _ in range(count)]
+    deadline = time.monotonic() + SLACK
+    while client.server.open_connections < count:
+        assert time.monotonic() < deadline, "the held connections were not accepted"
+        time.sleep(0.01)
+    return held
+
+
 def test_connections_past_the_limit_are_answered_503_at_once(bounded):
+    from mlx_loom.serve.connection import RESERVED_CONNECTIONS
+
     wait_until_released(bounded, DEADLINE + SLACK)
-    held = [connect(bounded) for _ in range(MAX_CONNECTIONS)]
+    # The limit, then the connections reserved for health checks, all held.
+    held = hold(bounded, MAX_CONNECTIONS + RESERVED_CONNECTIONS)
     try:
-        deadline = time.monotonic() + SLACK
-        while bounded.server.open_connections < MAX_CONNECTIONS:
-            assert time.monotonic() < deadline, "the held connections were not accepted"
-            time.sleep(0.01)
         extra = connect(bounded)
         started = time.monotonic()
         raw = read_to_close(extra)
@@ -327,6 +335,8 @@ def flooded(long_context_model):
 
 
 def test_a_thousand_idle_connections_hold_at_most_the_limit_of_threads(flooded):
+    from mlx_loom.serve.connection import RESERVED_CONNECTIONS
+
     before = threading.active_count()
     started = time.monotonic()
     socks = []
@@ -350,8 +360,10 @@ def test_a_thousand_idle_connections_hold_at_most_the_limit_of_threads(flooded):
     finally:
         for sock in socks:
             sock.close()
-    assert (held, refused) == (MAX_CONNECTIONS, 1000 - MAX_CONNECTIONS)
-    assert peak <= before + MAX_CONNECTIONS, (before, peak)
+    # The reserved connections are held until their health-check deadline, then refused.
+    assert MAX_CONNECTIONS <= held <= MAX_CONNECTIONS + RESERVED_CONNECTIONS, held
+    assert held + refused == 1000, (held, refused)
+    assert peak <= before + MAX_CONNECTIONS + RESERVED_CONNECTIONS, (before, peak)
     assert elapsed < 30, elapsed
     # The held connections end when their clients close them.
     wait_until_released(flooded, SLACK)

@@ -220,6 +220,7 @@ server.stop()
     assert result["growth_mb"] < 300, result["growth_mb"]
 
 
+@pytest.mark.slow  # ~15 s: huge prompts tokenized while small requests are answered
 def test_health_and_small_requests_are_answered_while_huge_prompts_are_tokenized(family_dirs):
     code = (
         SERVER_IN_CHILD

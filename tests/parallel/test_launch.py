@@ -15,7 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .support import mlx_launch
+
+#: Each test launches two ranks of the real command: ~25 s each on 2 cores.
+pytestmark = pytest.mark.slow
 
 LOOM = shutil.which("loom", path=str(Path(sys.executable).parent))
 ARGS = ["generate", "-p", "Once upon a time", "-m", "6", "--no-chat-template"]

@@ -30,6 +30,9 @@ from mlx_loom.cli.main import main
 
 from .support import free_ports, run_ranks
 
+#: One launch of two ranks runs every case: ~140 s on a loaded 2-core machine.
+pytestmark = pytest.mark.slow
+
 MODES = ("tensor", "pipeline")
 API_MODELS = ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4")
 QUANTIZED = ("llama-q4", "qwen3_next-q4", "gemma4_text-q4")

@@ -113,7 +113,8 @@ FORMATS: dict[str, Format] = {
         parser="json_tools",
         call=r"""{{ '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' """
         r"""+ (tool_call.arguments | tojson) + '}\n</tool_call>' }}""",
-        tokens=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+        # "_" is not in the trained test vocabulary; function names hold it.
+        tokens=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "_"),
         tools=_TOOLS
         + r"""{{ '\nCall one as <tool_call>{"name": ..., "arguments": ...}</tool_call>' }}""",
     ),
@@ -141,7 +142,18 @@ FORMATS: dict[str, Format] = {
         call="""{{ '<function name="' + tool_call.name + '">' }}"""
         + _args("", """'<param name="' + key + '">' + """ + _TEXT + """ + '</param>'""")
         + "{{ '</function>' }}",
-        tokens=("<tool_response>", "</tool_response>"),
+        # The trained test vocabulary lacks '<', '>' and '_': the call's markup is added
+        # whole, so a constrained call can be written.
+        tokens=(
+            "<tool_response>",
+            "</tool_response>",
+            "<function name=",
+            '<param name="',
+            '">',
+            "</param>",
+            "</function>",
+            "_",
+        ),
     ),
     "pythonic": Format(
         parser="pythonic",

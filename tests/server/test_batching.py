@@ -193,4 +193,14 @@ def test_a_request_for_more_choices_than_the_queue_holds_queues_none_of_them(che
 def test_health_reports_the_engine_settings(client):
     health = client.get("/health").json
     assert health["decode_concurrency"] == 32 and health["max_queued"] == 64
-    assert set(health["prompt_cache"]) == {"entries", "bytes"}
+    assert set(health["prompt_cache"]) == {
+        "entries",
+        "bytes",
+        "hits",
+        "misses",
+        "checkpoints",
+        "checkpoint_bytes",
+        "disk_bytes",
+        "disk_files",
+        "disk_hits",
+    }

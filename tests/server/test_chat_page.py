@@ -66,6 +66,7 @@ def driver(tmp_path_factory):
         f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
     ):
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, read below
     browser = webdriver.Chrome(service=Service(DRIVER), options=options)
     browser.set_script_timeout(WAIT)
     try:
@@ -123,6 +124,15 @@ def test_the_page_is_self_contained(served):
     html = Client(served[0]).get("/")
     assert html.status == 200 and html.headers["Content-Type"].startswith("text/html")
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", html.text)
+
+
+def test_loading_the_page_logs_no_failed_request(page):
+    # Without an icon of its own the browser asks for /favicon.ico: a 404 in the console.
+    page.get(page.current_url)
+    wait_for(lambda: page.find_element("id", "model").get_attribute("value"))
+    time.sleep(0.5)  # the icon is fetched after the page settles
+    failures = [e["message"] for e in page.get_log("browser") if e["level"] == "SEVERE"]
+    assert failures == []
 
 
 def test_the_page_offers_the_served_model(page):
@@ -189,6 +199,24 @@ def test_stop_ends_a_running_generation(page, served):
     wait_for(lambda: job.cancelled, timeout=5)
     shown = last_reply(page).find_element("css selector", ".content").text
     assert 0 < len(shown) < len(long_text.strip())
+
+
+def test_a_long_replys_stats_line_is_scrolled_into_view(page, served):
+    # The stats line is added after the last chunk: the view must follow it, or
+    # it sits under the input box.
+    _, worker = served
+    worker.chunk = 20
+    worker.script("a long line of the reply\n" * 120)
+    say(page, "tell me everything")
+    stats = wait_for(lambda: last_reply(page).find_element("css selector", ".stats"))
+    time.sleep(0.2)
+    gap = page.execute_script(
+        "const s = arguments[0].getBoundingClientRect();"
+        "const m = document.getElementById('messages').getBoundingClientRect();"
+        "return m.bottom - s.bottom;",
+        stats,
+    )
+    assert gap >= 0, f"the stats line ends {-gap:.0f} px below the visible messages"
 
 
 def test_an_error_answer_is_shown(page, served):

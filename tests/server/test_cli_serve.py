@@ -126,3 +126,13 @@ def test_an_out_of_range_batching_flag_is_a_usage_error(capsys):
             build_parser().parse_args(["serve", *argv])
         assert exit_info.value.code == 2
         assert argv[0] in capsys.readouterr().err
+
+
+def test_serve_reads_the_prompt_cache_directory_and_its_disk_bound(tmp_path):
+    from mlx_loom.cli.serve_cmd import engine_settings
+
+    argv = ["serve", "--prompt-cache-dir", str(tmp_path), "--prompt-cache-disk-bytes", "20GB"]
+    settings = engine_settings(build_parser().parse_args(argv))
+    assert settings.prompt_cache_dir == str(tmp_path)
+    assert settings.prompt_cache_disk_bytes == 20_000_000_000
+    assert engine_settings(build_parser().parse_args(["serve"])).prompt_cache_dir is None

@@ -69,3 +69,31 @@ def test_loom_serve_picks_a_kv_group_size_that_divides_the_heads(checkpoint, mon
     monkeypatch.setattr(serve_cmd, "make_server", fake_make_server)
     assert main(["serve", "--model", str(checkpoint), "--port", "0", "--kv-bits", "8"]) == 1
     assert (seen["kv_bits"], seen["kv_group_size"]) == (8, 32)  # the heads are 32 wide
+
+
+@pytest.mark.parametrize(
+    ("flags", "shown"),
+    [
+        ([], "loom: draft: none; KV cache: plain"),
+        (
+            ["--kv-bits", "8", "--draft", "ngram", "--num-draft-tokens", "4"],
+            "loom: draft: ngram (prompt lookup), 4 tokens a step; "
+            "KV cache: affine 8-bit, group 32, from token 0",
+        ),
+        (
+            ["--kv-codec", "turboquant", "--quantized-kv-start", "16"],
+            "loom: draft: none; KV cache: turboquant 4-bit, from token 16",
+        ),
+    ],
+)
+def test_loom_serves_banner_names_the_draft_and_kv_cache_in_force(
+    checkpoint, monkeypatch, capsys, flags, shown
+):
+    from mlx_loom.serve.server import LoomServer
+
+    def stop_at_once(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LoomServer, "serve_forever", stop_at_once)
+    assert main(["serve", "--model", str(checkpoint), "--port", "0", *flags]) == 0
+    assert shown in capsys.readouterr().err

@@ -75,15 +75,19 @@ def expected_answer(server, oracle) -> tuple[list[int], tuple]:
     opening = parser.opening("get_weather", fmt.tools_template)
     text = tokenizer.apply_chat_template(as_objects, tools=[WEATHER_TOOL]) + parser.start + opening
     ids = tokenizer.encode(text, add_special_tokens=False)
-    responses = list(stream_generate(model, tokenizer, ids, max_tokens=MAX_TOKENS))
+    from mlx_loom.serve.tool_grammar import tool_call_grammar
+    from mlx_loom.serve.tools import ToolPlan, output_parser
+
+    # The server holds the call to the format's grammar where it has one; so does the oracle.
+    plan = ToolPlan(tools=[WEATHER_TOOL], parse=True, forced=opening)
+    grammar = tool_call_grammar(plan, fmt, tokenizer)
+    responses = list(
+        stream_generate(model, tokenizer, ids, max_tokens=MAX_TOKENS, grammar=grammar)
+    )
     generated = "".join(r.text for r in responses)
     # What the answer must be: the forced call's opening plus the generated text, read
     # by the format (the parser's behaviour is specified by its own tests).
-    from mlx_loom.serve.tools import ToolPlan, output_parser
-
-    splitter = output_parser(
-        ToolPlan(tools=[WEATHER_TOOL], parse=True, forced=opening), fmt, in_reasoning=False
-    )
+    splitter = output_parser(plan, fmt, in_reasoning=False)
     events = splitter.feed(generated) + splitter.finish()
     content = "".join(e.text for e in events if isinstance(e, Content)) or None
     reasoning = "".join(e.text for e in events if isinstance(e, Reasoning)) or None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -65,11 +66,18 @@ def test_an_unknown_tool_choice_is_a_400(client):
     assert_error_body(chat(client, tools=[WEATHER_TOOL], tool_choice="any"), 400)
 
 
-@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
-def test_json_response_formats_are_refused_naming_the_parameter(client, kind):
-    fmt = {"type": kind, "json_schema": {"name": "x", "schema": {"type": "object"}}}
-    error = assert_error_body(chat(client, response_format=fmt), 422, param="response_format")
-    assert error["type"] == "refusal" and "constrain" in error["message"]
+def test_a_json_schema_response_format_is_enforced(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    reply = chat(client, response_format=fmt, max_tokens=20).json["choices"][0]
+    assert json.loads(reply["message"]["content"]) in ({"ok": True}, {"ok": False})
+
+
+def test_a_response_format_without_its_schema_is_a_400_naming_the_parameter(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x"}}
+    error = assert_error_body(chat(client, response_format=fmt), 400, param="response_format")
+    assert "json_schema.schema" in error["message"]
 
 
 def test_a_text_response_format_is_served(client):

@@ -41,6 +41,31 @@ class Provider:
         return f"{self.plugin} ({self.distribution} {self.version})"
 
 
+def registered_twice(
+    first: Provider | None, second: Provider | None, *, rename: str
+) -> tuple[str, str]:
+    """How a message names who registered one id twice, and the fix: ``(phrase, fix)``.
+
+    ``phrase`` follows "is registered twice": ``": by A and by B"``, ``", both
+    times by A"`` (one plugin registering it twice), or — for registrations
+    handed to a registry directly, which carry no provider — says so instead
+    of the ambiguous "by a plugin and by a plugin". ``rename`` is what to
+    rename ("one of the ids").
+    """
+    if first is None and second is None:
+        return (
+            " (both registrations were passed in directly, so no plugin is named)",
+            f"Pass each registration once, or rename {rename}.",
+        )
+    if first == second:
+        return f", both times by {first}", f"Register it once in {first}, or rename {rename}."
+    named = [str(p) if p else "a registration passed in directly" for p in (first, second)]
+    return (
+        f": by {named[0]} and by {named[1]}",
+        f"Uninstall or disallow one of the two plugins, or rename {rename}.",
+    )
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One kernel for one backend.
@@ -107,11 +132,13 @@ class KernelRegistry:
             kernel.__post_init__()  # re-checked: a frozen instance can still be forged
             key = (kernel.name, kernel.backend)
             if key in table:
+                who, fix = registered_twice(
+                    table[key].provider, kernel.provider, rename="one of the kernels"
+                )
                 raise RegistrationError(
-                    f"Kernel {kernel.name!r} for backend {kernel.backend!r} is registered twice: "
-                    f"by {table[key].provider or 'a plugin'} and by "
-                    f"{kernel.provider or 'a plugin'}.",
-                    fix="Uninstall or disallow one of the two plugins.",
+                    f"Kernel {kernel.name!r} for backend {kernel.backend!r} is registered "
+                    f"twice{who}.",
+                    fix=fix,
                 )
             table[key] = kernel
         self._table: Mapping[tuple[str, Backend], Kernel] = dict(table)

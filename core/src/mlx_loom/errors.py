@@ -68,7 +68,25 @@ class AdapterError(ArtifactError):
 
 
 class RequestError(LoomError, ValueError):
-    """A generation request has an invalid parameter (empty prompt, bad top-p ...)."""
+    """A generation request has an invalid parameter (empty prompt, bad top-p ...).
+
+    ``param`` names the request field at fault (``"top_p"``, ``"prompt"``;
+    ``None`` when no single field is) and ``code`` says why in a word
+    (``"context_length_exceeded"``), so a front end (the server) can answer
+    in its own wire format without checking the field again.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        fix: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message, fix=fix)
+        self.param = param
+        self.code = code
 
 
 class UsageError(RequestError):

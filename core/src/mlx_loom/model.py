@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import numpy as np
 
 from .causal_lm import CausalLM
 from .cpu.compiled_step import CompiledStep, not_compiled_because
 from .cpu.ops import forward_kernels
-from .errors import AdapterError, CapabilityRefused
+from .errors import AdapterError, CapabilityRefused, RequestError
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -72,6 +73,36 @@ def _compiled_step(
     return CompiledStep(module)
 
 
+def check_token_ids(inputs: Any, vocab: int | None) -> None:
+    """Refuse token ids outside ``0..vocab-1`` with a RequestError naming the first.
+
+    ``inputs`` is an ``mx.array`` or a sequence of ints. The check reads the
+    ids back once (a few microseconds for a prompt) and compares their
+    minimum and maximum; the first offender is looked up only on failure.
+    Without it an id past the table made the embedding gather read past its
+    weights (a crash, or silent garbage), and ``-1`` wrapped to the last row.
+    """
+    if vocab is None:
+        return
+    ids = np.asarray(inputs)
+    if ids.size == 0:
+        return
+    if ids.dtype.kind not in "iu":
+        raise RequestError(
+            f"Token ids must be integers; got an array of {ids.dtype}.",
+            fix="Pass token ids as an integer array (mx.int32 or mx.uint32).",
+        )
+    if int(ids.min()) >= 0 and int(ids.max()) < vocab:
+        return
+    flat = ids.reshape(-1).astype(np.int64)
+    bad = int(flat[(flat < 0) | (flat >= vocab)][0])
+    raise RequestError(
+        f"Token id {bad} is outside the vocabulary (size {vocab}): valid ids are "
+        f"0..{vocab - 1}.",
+        fix="Encode the text with this model's tokenizer; ids must be in 0..vocab_size-1.",
+    )
+
+
 class Model:
     """A built model: the plugin's graph plus the resolution that produced it.
 
@@ -93,6 +124,8 @@ class Model:
         profile_reason: str = "",
         cpu_path: CpuPath | None = None,
         parallel: Parallel | None = None,
+        artifact_fingerprint: str | None = None,
+        weights_identity: str | None = None,
     ) -> None:
         if not isinstance(module, CausalLM):
             raise TypeError(
@@ -109,6 +142,12 @@ class Model:
         self.cpu_path = cpu_path
         #: How this rank's part of a split model was cut (``None``: one process).
         self.parallel = parallel
+        #: The tensor manifest's fingerprint and the weight files' identity
+        #: (:func:`mlx_loom.artifacts.fingerprint.weights_identity`, taken at
+        #: load): what a saved prompt cache is bound to (``None`` when built
+        #: outside :func:`mlx_loom.load`).
+        self.artifact_fingerprint = artifact_fingerprint
+        self.weights_identity = weights_identity
         #: The adapter applied on top of the family's graph, if any
         #: (:class:`mlx_loom.adapters.AppliedAdapter`).
         self.adapter: Any = None
@@ -167,7 +206,29 @@ class Model:
         adapters: Sequence[str | None] | None = None,
     ) -> mx.array:
         """Logits for ``inputs``; ``adapters`` names each row's adapter from
-        :attr:`adapter_set` (``None`` for a row: the base model)."""
+        :attr:`adapter_set` (``None`` for a row: the base model).
+
+        Token ids outside the vocabulary are refused (:func:`check_token_ids`):
+        an embedding gather past its table reads whatever memory follows it.
+        """
+        check_token_ids(inputs, self.vocab_size)
+        return self.forward(inputs, cache, adapters=adapters)
+
+    def forward(
+        self,
+        inputs: mx.array,
+        cache: list[Any] | None = None,
+        *,
+        adapters: Sequence[str | None] | None = None,
+    ) -> mx.array:
+        """:meth:`__call__` without the token-id check, for the engine.
+
+        Why a second door: the engine checks every prompt once, when it takes
+        the request (:meth:`mlx_loom.engine.Engine.insert`), and feeds back
+        only tokens it sampled from the model's own logits; checking its
+        inputs here would read back each step's tokens before the next step
+        is queued, undoing the overlap of compute and bookkeeping.
+        """
         with self.native_kernels():
             step = self.compiled_step
             if (

@@ -97,11 +97,11 @@ def test_kv_quantized_attention_layers_match_mlx_lm(loaders):
     la, lb = ours(mx.array([PROMPT]), cache=ca), ref(mx.array([PROMPT]), cache=cb)
     maybe_quantize_kv_cache(ca, kv_bits=8, kv_group_size=32, quantized_kv_start=0)
     lm_maybe_quantize(cb, quantized_kv_start=0, kv_group_size=32, kv_bits=8)
-    assert [type(c).__name__ for c in ca] == [
-        "RecurrentCache",
-        "QuantizedKVCache",
-        "RecurrentCache",
-        "QuantizedKVCache",
+    assert [(type(c).__name__, getattr(c, "codec", None)) for c in ca] == [
+        ("RecurrentCache", None),
+        ("KVCache", "affine"),
+        ("RecurrentCache", None),
+        ("KVCache", "affine"),
     ]
     for _ in range(8):
         t = mx.argmax(la[:, -1], -1)[:, None]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import cast
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_loom.artifacts import read_safetensors_header
+from mlx_loom.artifacts.finite import named_list, non_finite
 from mlx_loom.errors import AdapterError
 
 from .config import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, AdapterConfig, read_adapter_config
@@ -92,12 +94,21 @@ def read_adapter(path: str | os.PathLike[str]) -> Adapter:
             fix="point at the adapter directory the trainer finished writing",
         )
     read_safetensors_header(weights)
-    tensors = mx.load(str(weights), format="safetensors")
+    # Without return_metadata, mx.load of a safetensors file is a dict of arrays.
+    tensors = cast(dict[str, mx.array], mx.load(str(weights), format="safetensors"))
+    bad = non_finite(sorted(tensors.items()))
+    if bad:  # the rule a base checkpoint meets: NaN or Inf would poison every logit
+        raise AdapterError(
+            f"{weights} holds NaN or Inf values in {named_list(bad)}",
+            fix="the adapter is corrupt or its training diverged; use an earlier checkpoint "
+            "of it, or retrain",
+        )
     return Adapter(path=path, config=config, tensors=tensors)
 
 
 def _factor_shapes(target: Target, rank: int, dora: bool) -> dict[str, tuple[int, ...]]:
     r = rank
+    out: dict[str, tuple[int, ...]]
     if target.kind == "linear":
         out = {"lora_a": (target.cols, r), "lora_b": (r, target.rows)}
     elif target.kind == "expert":

@@ -23,13 +23,13 @@ with the core's bounded JSON parser, and anything over
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from mlx_loom.artifacts.config import validate_family_config
+from mlx_loom.artifacts.fields import FiniteFloat
 from mlx_loom.bounded_json import JsonLimits, read_json_file
 from mlx_loom.errors import AdapterError, ConfigError
 
@@ -46,6 +46,8 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapters.safetensors"
 #: mlx-lm's configs are ~2 KB; a megabyte leaves room for any key list.
 MAX_CONFIG_BYTES = 1 << 20
+#: The largest finite float32.
+FLOAT32_MAX = 3.4028234663852886e38
 
 FineTuneType = Literal["lora", "dora", "full"]
 
@@ -56,15 +58,19 @@ class LoraParameters(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     rank: StrictInt = Field(gt=0)
-    scale: float
+    scale: FiniteFloat
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     keys: tuple[str, ...] | None = None
 
     @field_validator("scale")
     @classmethod
     def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number")
+        # The adapted layers compute in float32 (or half): a scale past its
+        # range is Inf there, and every logit NaN.
+        if not abs(v) <= FLOAT32_MAX:
+            raise ValueError(
+                f"must be a finite number within float32 (|scale| <= {FLOAT32_MAX:.4g})"
+            )
         return v
 
     @field_validator("keys")
@@ -125,12 +131,13 @@ def read_adapter_config(adapter_dir: Path) -> AdapterConfig:
             fix=f"{ADAPTER_CONFIG_FILE} must be a JSON object; re-save the adapter",
         )
     low_rank = raw.get("fine_tune_type", "lora") in ("lora", "dora")
-    if low_rank and "num_layers" not in raw:
+    if low_rank and raw.get("num_layers") is None:
         hint = (
             " (it has 'lora_layers', the older name of the field)" if "lora_layers" in raw else ""
         )
+        missing = "is null" if "num_layers" in raw else "is missing"
         raise AdapterError(
-            f"{path}: num_layers is missing{hint}",
+            f"{path}: num_layers {missing}{hint}",
             fix='add "num_layers": N (how many of the last layers were adapted) to '
             f"{ADAPTER_CONFIG_FILE}",
         )

@@ -121,7 +121,8 @@ class RowSelection:
 
 class _Selected:
     def __init__(self, selection: RowSelection, rows: tuple[int | None, ...]) -> None:
-        self._selection, self._rows, self._before = selection, rows, None
+        self._selection, self._rows = selection, rows
+        self._before: tuple[int | None, ...] | None = None
 
     def __enter__(self) -> None:
         self._before = self._selection.current
@@ -180,6 +181,16 @@ class AdaptedLayer(nn.Module):
         f = self.adapters[slot]
         return f if isinstance(f, Factors) else None
 
+    def _carried(self, slot: int | None) -> Factors:
+        """The factors of a slot known to touch this layer (one :meth:`_rows` kept)."""
+        f = self._factors(slot)
+        if f is None:
+            raise AdapterError(
+                f"adapter slot {slot} has no factors for this layer",
+                fix="select only adapters that adapt this layer for it",
+            )
+        return f
+
     def _rows(self, batch: int) -> tuple[int | None, ...]:
         """Each row's slot, ``None`` for rows whose adapter does not touch this layer."""
         if self._selection is None:
@@ -206,11 +217,11 @@ class AdaptedLayer(nn.Module):
         if slots == {None}:
             return y
         if len(slots) == 1:
-            return update(self._factors(rows[0]), x, y, None)
+            return update(self._carried(rows[0]), x, y, None)
         out = y  # a fresh base output: writing rows into it changes no one else's array
         for slot in sorted(s for s in slots if s is not None):
             index = mx.array([i for i, s in enumerate(rows) if s == slot])
-            out[index] = update(self._factors(slot), x[index], y[index], index)
+            out[index] = update(self._carried(slot), x[index], y[index], index)
         return out
 
     def fused(self, *, dequantize: bool = False) -> dict[str, mx.array]:
@@ -220,7 +231,7 @@ class AdaptedLayer(nn.Module):
                 f"a layer carrying {len(self.adapters)} adapters cannot be fused into one weight",
                 fix="fuse one adapter at a time (loom fuse --adapter-path DIR)",
             )
-        return self._fused(self._factors(0), dequantize)
+        return self._fused(self._carried(0), dequantize)
 
     def _fused(self, f: Factors, dequantize: bool) -> dict[str, mx.array]:
         raise NotImplementedError
@@ -351,7 +362,7 @@ class AdaptedExpertLinear(AdaptedLayer):
             raise _mixed_experts()
         if slot is None:
             return y
-        f = self._factors(slot)
+        f = self._carried(slot)
         z = (x @ f.lora_a[expert].T) @ f.lora_b[expert].T
         return y + (f.scale * z).astype(x.dtype)
 

@@ -141,7 +141,12 @@ def select_targets(
     (they differ only by a wrapper prefix, see :mod:`.names`); whole-model keys
     are matched against that.
     """
-    assert config.lora_parameters is not None and config.num_layers is not None
+    if config.lora_parameters is None or config.num_layers is None:
+        raise AdapterError(
+            "a LoRA/DoRA adapter config needs num_layers and lora_parameters; this one has "
+            f"num_layers={config.num_layers!r}, lora_parameters={config.lora_parameters!r}",
+            fix="read the config with mlx_loom.adapters.read_adapter_config, or set both fields",
+        )
     prefix, layers = decoder_layers(model)
     keys = set(config.lora_parameters.keys or ()) or _default_keys(layers)
     n = len(layers)

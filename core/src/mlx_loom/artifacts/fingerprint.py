@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import mlx.core as mx
 
 from mlx_loom.artifacts.safetensors_header import TensorInfo
-from mlx_loom.artifacts.weights import tensor_signature
+from mlx_loom.artifacts.weights import list_weight_files, tensor_signature
 from mlx_loom.errors import ConfigError
 
-__all__ = ["artifact_fingerprint", "config_fingerprint"]
+__all__ = ["artifact_fingerprint", "config_fingerprint", "weights_identity"]
 
 _PREFIX = "sha256:"
 
@@ -66,3 +67,19 @@ def _is_json(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def weights_identity(model_dir: str | os.PathLike[str]) -> str:
+    """``"sha256:<hex>"`` over the name, size and modification time of each weight file.
+
+    Which weights, not which graph: the artifact fingerprint stays the same
+    when a directory's weights are replaced by others of the same shapes, and
+    a prompt cache saved with the old ones would continue their state. Taken
+    when a model is loaded (a ``stat`` per file, no data read); a copy that
+    keeps both the size and the modification time (``cp -p``) is not told apart.
+    """
+    rows = []
+    for path in list_weight_files(model_dir):
+        st = path.stat()
+        rows.append([os.path.relpath(path, model_dir), st.st_size, st.st_mtime_ns])
+    return _digest(json.dumps(rows, separators=(",", ":")))

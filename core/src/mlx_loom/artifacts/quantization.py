@@ -198,8 +198,15 @@ def apply_quantization(
     installs the checkpoint's arrays in the dtype they were stored in.
 
     Returns the paths of the swapped modules. Raises :class:`WeightsError`
-    listing every module where checkpoint and config disagree, and when the
-    config declares quantization but no module has scales at all.
+    listing every module where checkpoint and config disagree: scales the
+    config does not declare, scales whose packing contradicts it, and a
+    per-module override with no scales behind it.
+
+    A global spec with no scales anywhere is not a disagreement: it is what
+    ``mlx_lm.convert -q`` (and ``loom convert -q``) write when no module's
+    input width is a multiple of the group size. mlx-lm's rule — a module is
+    quantized exactly when its ``scales`` are present — loads it as the dense
+    model it is, and so does this.
     """
     plan: dict[str, QuantSpec] = {}
     problems: list[str] = []
@@ -240,18 +247,6 @@ def apply_quantization(
             continue
         plan[path] = spec
 
-    if qconfig is not None and not plan and not problems:
-        # A quantization claim with nothing quantized behind it: a float
-        # checkpoint whose config was copied from a quantized one (or the
-        # reverse). Loading it would run a different model than its config says.
-        spec = qconfig.default
-        raise WeightsError(
-            f"config.json's {qconfig.source_key!r} declares {spec.bits}-bit, group "
-            f"{spec.group_size} quantization, but no module of the checkpoint has scales: "
-            "its weights are not quantized",
-            fix=f"remove {qconfig.source_key!r} from config.json if this is an unquantized "
-            "checkpoint, or use the quantized checkpoint the config describes",
-        )
     if problems:
         raise WeightsError(
             f"quantized tensors and the config's quantization disagree "

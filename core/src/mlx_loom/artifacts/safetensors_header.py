@@ -228,7 +228,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         tensors.append((name, _check_entry(name, entry, data_len, path, fail)))
 
     # Tile check: sorted by offset, each range starts where the last ended.
-    tensors.sort(key=lambda item: item[1].data_offsets)
+    tensors.sort(key=lambda item: item[1].data_offsets or (0, 0))
     cursor, previous = 0, None
     for name, info in tensors:
         begin, end = info.data_offsets  # type: ignore[misc]

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -194,7 +194,8 @@ def load_weights(model_dir: str | os.PathLike[str]) -> dict[str, mx.array]:
     manifest = read_manifest(model_dir)
     weights: dict[str, mx.array] = {}
     for file in sorted({info.file for info in manifest.values()}):  # type: ignore[type-var]
-        weights.update(mx.load(str(file), format="safetensors"))
+        # Without return_metadata, mx.load of a safetensors file is a dict of arrays.
+        weights.update(cast(dict[str, mx.array], mx.load(str(file), format="safetensors")))
     if weights.keys() != manifest.keys():  # mx.load must agree with our reader
         raise WeightsError(
             f"{model_dir}: mx.load returned different tensors than the headers declare",

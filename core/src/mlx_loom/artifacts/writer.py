@@ -98,7 +98,7 @@ def _write_shard(
         for name in names:
             array = mx.contiguous(tensors.pop(name))  # drop our reference as it is written
             mx.eval(array)
-            out.write(memoryview(array))
+            out.write(memoryview(array))  # type: ignore[arg-type]  # mx.array exports the buffer protocol
             n = _nbytes(array)
             del array
             on_tensor(name, n)

@@ -12,8 +12,8 @@ a quantized cache's output equals the plain cache's output quantized.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, ClassVar, NoReturn, cast
 
 import mlx.core as mx
 
@@ -44,6 +44,11 @@ def apply(fn: Callable[[mx.array], mx.array], x: Stored) -> Stored:
     return fn(x)
 
 
+def rebuild(like: Stored, parts: Sequence[mx.array]) -> Stored:
+    """``parts`` in the structure of ``like``: one array, or a tuple of them."""
+    return tuple(parts) if isinstance(like, tuple) else parts[0]
+
+
 def take(x: Stored, start: int | None, stop: int | None) -> Stored:
     """Slots ``start:stop`` of the sequence axis."""
     return apply(lambda a: a[..., start:stop, :], x)
@@ -53,7 +58,7 @@ def cat(parts: Sequence[Stored]) -> Stored:
     """Concatenate along the sequence axis."""
     if isinstance(parts[0], tuple):
         return tuple(mx.concatenate(list(group), axis=2) for group in zip(*parts, strict=True))
-    return mx.concatenate(list(parts), axis=2)
+    return mx.concatenate(list(cast(Sequence[mx.array], parts)), axis=2)
 
 
 def write(buf: Stored, start: int, new: Stored) -> None:
@@ -68,11 +73,34 @@ def nbytes(*xs: Stored | None) -> int:
 
 
 class PlainCodec:
-    """Stores keys/values as they come."""
+    """Stores keys/values as they come.
 
-    codec: str | None = None
-    bits: None = None
-    group_size: None = None
+    The storage codecs (this one, :class:`AffineCodec`,
+    :class:`~mlx_loom.cache.turboquant.TurboQuantCodec`, or a plugin's) are
+    what a cache layout takes as ``codec=``: the layout moves whole token
+    slots, the codec says what a slot holds and how attention reads it.
+    Every codec offers the methods below; ``codec`` names it (``None``:
+    plain, or a plugin codec known only to its own cache kind), ``leaves``
+    counts the arrays one stored tensor is made of, and :meth:`meta` is the
+    strings that recreate it (see :mod:`mlx_loom.cache.storage`).
+    """
+
+    codec: ClassVar[str | None] = None
+    leaves: ClassVar[int] = 1
+    bits: int | None = None
+    group_size: int | None = None
+
+    def meta(self) -> tuple[str, ...]:
+        """The strings that, with :attr:`codec`, recreate this codec."""
+        return ()
+
+    @property
+    def key(self) -> Hashable:
+        """Equal for two codecs whose stored slots may share one buffer (rows of a batch)."""
+        return (type(self), self.meta())
+
+    def describe(self) -> str:
+        return "plain" if self.codec is None else " ".join((self.codec, *self.meta()))
 
     def encode(self, x: mx.array) -> Stored:
         return x
@@ -94,8 +122,22 @@ class PlainCodec:
     def zeros_values(self, like: mx.array, n: int) -> Stored:
         return self.zeros(like, n)
 
+    def quantize_stored_keys(self, x: Stored) -> Stored:
+        """Plain stored keys (any number of slots) in this codec's storage."""
+        return self.encode_keys(plain_array(x, self.describe()))
+
+    def quantize_stored_values(self, x: Stored) -> Stored:
+        return self.encode_values(plain_array(x, self.describe()))
+
     def view(self, keys: Any, values: Any) -> Any:
         return PlainView(keys, values)
+
+
+def plain_array(x: Stored, owner: str) -> mx.array:
+    """``x`` if it is one plain array; stored keys of a codec cannot be converted again."""
+    if isinstance(x, tuple):
+        raise CacheError(f"{owner}: the keys/values are already quantized")
+    return x
 
 
 class AffineCodec(PlainCodec):
@@ -105,13 +147,32 @@ class AffineCodec(PlainCodec):
     returns them (and as mlx-lm's quantized cache stores them).
     """
 
-    codec = "affine"
+    codec: ClassVar[str | None] = "affine"
+    leaves: ClassVar[int] = 3
+    bits: int
+    group_size: int
+    #: The widths a request may ask for, and the one ``kv_codec="affine"`` alone gets.
+    widths: ClassVar[tuple[int, ...]] = KV_BITS
+    default_bits: ClassVar[int] = 8
 
-    def __init__(self, group_size: int, bits: int, *, owner: str) -> None:
+    def __init__(self, group_size: int, bits: int, *, owner: str = "affine KV codec") -> None:
         check_quantization(group_size, bits, owner=owner)
         self.group_size = group_size
         self.bits = bits
         self.owner = owner
+
+    @classmethod
+    def for_request(cls, *, bits: int, group_size: int) -> AffineCodec:
+        return cls(group_size, bits)
+
+    def meta(self) -> tuple[str, ...]:
+        """``(group_size, bits)`` as decimal strings."""
+        return (str(self.group_size), str(self.bits))
+
+    @classmethod
+    def from_meta(cls, meta: Sequence[str], *, owner: str) -> AffineCodec:
+        group_size, bits = parse_meta(meta, ("group_size", "bits"), owner=owner)
+        return cls(group_size, bits, owner=owner)
 
     def _check_dim(self, D: int) -> None:
         if D % self.group_size:
@@ -132,14 +193,6 @@ class AffineCodec(PlainCodec):
             mx.zeros((B, H, n, D // self.group_size), like.dtype),
             mx.zeros((B, H, n, D // self.group_size), like.dtype),
         )
-
-    def quantize_stored(self, x: Stored) -> Stored:
-        if isinstance(x, tuple):
-            raise CacheError(f"{self.owner}: the keys/values are already quantized")
-        return self.encode(x)
-
-    quantize_stored_keys = quantize_stored
-    quantize_stored_values = quantize_stored
 
     def view(self, keys: Any, values: Any) -> Any:
         return AffineView(keys, values, self.group_size, self.bits)

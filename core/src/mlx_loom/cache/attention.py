@@ -57,8 +57,8 @@ def quantized_scaled_dot_product_attention(
     queries = queries * scale
     if n_repeats > 1:
         queries = mx.reshape(queries, (B, n_kv_heads, n_repeats, L, D))
-        q_keys = tuple(mx.expand_dims(a, axis=-3) for a in q_keys)
-        q_values = tuple(mx.expand_dims(a, axis=-3) for a in q_values)
+        q_keys = _expand_heads(q_keys)
+        q_values = _expand_heads(q_values)
 
     scores = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size, bits=bits)
     if mask is not None:
@@ -81,3 +81,9 @@ def quantized_scaled_dot_product_attention(
     if n_repeats > 1:
         out = mx.reshape(out, (B, n_q_heads, L, -1))
     return out
+
+
+def _expand_heads(x: tuple[mx.array, mx.array, mx.array]) -> tuple[mx.array, mx.array, mx.array]:
+    """A ``(packed, scales, biases)`` triple with a query-group axis before the sequence."""
+    a, b, c = (mx.expand_dims(t, axis=-3) for t in x)
+    return a, b, c

@@ -10,17 +10,19 @@ forward) are declared with :meth:`prepare` and rolled into left padding by
 sequences. Slot and padding bookkeeping match mlx-lm's ``BatchKVCache`` and
 ``BatchRotatingKVCache`` bit for bit (parity-tested).
 
-:class:`BatchQuantizedKVCache` is :class:`BatchKVCache` over affine-quantized
-storage: the same slot bookkeeping, written once over "an array or a
-``(packed, scales, biases)`` triple" (see ``_buffers``), so its row ``i``
-holds exactly what the single-row :class:`~mlx_loom.cache.QuantizedKVCache`
-of that sequence holds.
+:class:`BatchKVCache` takes a storage codec like the single-row layouts
+(:mod:`mlx_loom.cache.storage`): the same slot bookkeeping, written once over
+"an array or a codec's tuple of arrays" (see ``_buffers``), so its row ``i``
+holds exactly what the single-row :class:`~mlx_loom.cache.KVCache` of that
+sequence holds in that codec. :class:`BatchRotatingKVCache` (mlx-lm's padded
+window layout) stores plain keys/values only; windows in a codec batch by
+stacking (:class:`~mlx_loom.cache.StackedRotatingKVCache`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn, cast
 
 import mlx.core as mx
 
@@ -28,12 +30,12 @@ from mlx_loom.cache import _buffers as buf
 from mlx_loom.cache.kv import KVCache
 from mlx_loom.cache.masks import create_causal_mask
 from mlx_loom.cache.protocol import Mask
-from mlx_loom.cache.quantized import QuantizedKVCache
 from mlx_loom.cache.rotating import RotatingKVCache, check_window
+from mlx_loom.cache.storage import CodecLayout, common_codec, split_meta
 from mlx_loom.cache.views import PlainView
 from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
 
-__all__ = ["BatchKVCache", "BatchQuantizedKVCache", "BatchRotatingKVCache", "dynamic_roll"]
+__all__ = ["BatchKVCache", "BatchRotatingKVCache", "dynamic_roll"]
 
 
 def dynamic_roll(x: mx.array, shifts: mx.array, axis: int) -> mx.array:
@@ -69,9 +71,13 @@ def _refuse_quantize(kind: str) -> NoReturn:
 
 def _cat_rows(parts: Sequence[buf.Stored]) -> buf.Stored:
     """Concatenate stored buffers along the batch axis."""
-    if isinstance(parts[0], tuple):
-        return tuple(mx.concatenate(list(group)) for group in zip(*parts, strict=True))
-    return mx.concatenate(list(parts))
+    groups = zip(*(buf.leaves(p) for p in parts), strict=True)
+    return buf.rebuild(parts[0], [mx.concatenate(list(g)) for g in groups])
+
+
+def _ints(a: mx.array) -> list[int]:
+    """A 1-D integer array as a list of ints."""
+    return [int(x) for x in cast(list[int], a.tolist())]
 
 
 class _BatchRowsBase:
@@ -86,8 +92,8 @@ class _BatchRowsBase:
                 f"{self.kind}: left_padding={pads} has a negative entry",
                 fix="left padding counts pad tokens and must be >= 0",
             )
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.keys: buf.Stored | None = None
+        self.values: buf.Stored | None = None
         self.left_padding = mx.array(pads)
         self.offset = mx.array([-p for p in pads])
         self._idx = 0
@@ -190,8 +196,11 @@ class _BatchRowsBase:
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> NoReturn:
         _refuse_quantize(self.kind)
 
+    def to_codec(self, codec: Any) -> NoReturn:
+        _refuse_quantize(self.kind)
 
-class BatchKVCache(_BatchRowsBase):
+
+class BatchKVCache(CodecLayout, _BatchRowsBase):
     """Full KV cache for a left-padded batch.
 
     ``left_padding[i]`` pad tokens precede row ``i``'s prompt, e.g. prompts
@@ -207,14 +216,12 @@ class BatchKVCache(_BatchRowsBase):
 
     kind: ClassVar[str] = "BatchKVCache"
     step: ClassVar[int] = 256
-    _codec: ClassVar[Any] = buf.PlainCodec()
     #: The single-row kind a row of this batch is (``merge`` takes, ``extract`` gives).
     _single: ClassVar[type] = KVCache
 
-    def __init__(self, left_padding: Sequence[int]) -> None:
+    def __init__(self, left_padding: Sequence[int], *, codec: Any = None) -> None:
         super().__init__(left_padding)
-        self.keys: buf.Stored | None = None  # type: ignore[assignment]
-        self.values: buf.Stored | None = None  # type: ignore[assignment]
+        self._take_codec(codec)
         self._right_padding: mx.array | None = None
         #: Where the rows ended when a speculative round began (``None``: no round).
         self._round_idx: int | None = None
@@ -222,11 +229,11 @@ class BatchKVCache(_BatchRowsBase):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         prev = self._idx
         L = keys.shape[2]
-        if self.keys is None or prev + L > buf.seq_len(self.keys):
+        if self.keys is None or self.values is None or prev + L > buf.seq_len(self.keys):
             n = (L + self.step - 1) // self.step * self.step
             new_k = self._codec.zeros_keys(keys, n)
             new_v = self._codec.zeros_values(values, n)
-            if self.keys is None:
+            if self.keys is None or self.values is None:
                 self.keys, self.values = new_k, new_v
             else:
                 if prev % self.step != 0:
@@ -245,7 +252,7 @@ class BatchKVCache(_BatchRowsBase):
         return self._codec.view(*self.update_and_fetch(keys, values))
 
     def keys_and_values(self) -> tuple[Any, Any]:
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             raise CacheError(f"{self.kind}: no keys/values yet", fix="call update_and_fetch first")
         return buf.take(self.keys, None, self._idx), buf.take(self.values, None, self._idx)
 
@@ -278,8 +285,9 @@ class BatchKVCache(_BatchRowsBase):
         if self._right_padding is None:
             return
         pads = self._right_padding
-        self.keys = buf.apply(lambda a: dynamic_roll(a, pads[:, None], axis=2), self.keys)
-        self.values = buf.apply(lambda a: dynamic_roll(a, pads[:, None], axis=2), self.values)
+        keys, values = self._stored()
+        self.keys = buf.apply(lambda a: dynamic_roll(a, pads[:, None], axis=2), keys)
+        self.values = buf.apply(lambda a: dynamic_roll(a, pads[:, None], axis=2), values)
         self.offset = self.offset - pads
         self.left_padding = self.left_padding + pads
         self._right_padding = None
@@ -344,8 +352,9 @@ class BatchKVCache(_BatchRowsBase):
         def roll(a: mx.array) -> mx.array:
             return dynamic_roll(a[..., :used, :], shift, axis=2)
 
-        self.keys = buf.apply(roll, self.keys)
-        self.values = buf.apply(roll, self.values)
+        keys, values = self._stored()
+        self.keys = buf.apply(roll, keys)
+        self.values = buf.apply(roll, values)
         self.left_padding = self.left_padding + shift[:, 0]
         self.offset = self.offset - shift[:, 0]
 
@@ -353,33 +362,37 @@ class BatchKVCache(_BatchRowsBase):
 
     def filter(self, rows: Sequence[int]) -> None:
         idx = self._rows(rows)
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             self.keys = buf.apply(lambda a: a[idx], self.keys)
             self.values = buf.apply(lambda a: a[idx], self.values)
         self.offset = self.offset[idx]
         self.left_padding = self.left_padding[idx]
         # Drop slots that are padding in every remaining row.
-        shift = min(self.left_padding.tolist())
+        shift = min(_ints(self.left_padding))
         if shift > 0:
-            if self.keys is not None:
+            if self.keys is not None and self.values is not None:
                 self.keys = buf.take(self.keys, shift, None)
                 self.values = buf.take(self.values, shift, None)
             self._idx -= shift
             self.left_padding = self.left_padding - shift
+
+    def _check_other(self, other: Any) -> None:
+        super()._check_other(other)
+        self._check_codec(other, "extend")
 
     def extend(self, other: BatchKVCache) -> None:
         self._check_other(other)
         self._extend_rows(other)
 
     def _empty_single(self) -> Any:
-        return self._single()
+        return self._single(codec=self._codec)
 
     def extract(self, row: int) -> Any:
         row = self._row(row)
         cache = self._empty_single()
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             return cache
-        pad = self.left_padding.tolist()[row]
+        pad = _ints(self.left_padding)[row]
         cut = lambda a: mx.contiguous(a[row : row + 1, :, pad : self._idx])  # noqa: E731
         cache.keys = buf.apply(cut, self.keys)
         cache.values = buf.apply(cut, self.values)
@@ -400,7 +413,7 @@ class BatchKVCache(_BatchRowsBase):
 
     @classmethod
     def _new_like(cls, caches: Sequence[Any], pads: list[int]) -> BatchKVCache:
-        return cls(pads)
+        return cls(pads, codec=common_codec(caches, owner=f"{cls.kind}.merge"))
 
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> BatchKVCache:
@@ -454,100 +467,25 @@ class BatchKVCache(_BatchRowsBase):
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        return (str(self._idx),)
+        """``(idx,)`` as a decimal string, then the codec's part."""
+        return (str(self._idx), *self._codec_meta())
 
     @classmethod
     def from_state(cls, state: Sequence[mx.array], meta_state: Sequence[str]) -> BatchKVCache:
-        arrays = buf.check_state_len(state, (2, 4), owner=cls.kind)
-        (idx,) = buf.parse_meta(meta_state, ("idx",), owner=cls.kind)
-        cache = cls.__new__(cls)
+        own, codec = split_meta(meta_state, 1, owner=cls.kind)
+        (idx,) = buf.parse_meta(own, ("idx",), owner=cls.kind)
+        cache = cls([0], codec=codec)
+        n = cache._codec.leaves
+        arrays = buf.check_state_len(state, (2, 2 + 2 * n), owner=cls.kind)
         cache.offset, cache.left_padding = arrays[0], arrays[1]
-        cache.keys = arrays[2] if len(arrays) == 4 else None
-        cache.values = arrays[3] if len(arrays) == 4 else None
+        if len(arrays) > 2:
+            cache.keys = arrays[2] if n == 1 else tuple(arrays[2 : 2 + n])
+            cache.values = arrays[3] if n == 1 else tuple(arrays[2 + n :])
         cache._idx = idx
-        cache._right_padding = None
-        cache._round_idx = None
         return cache
 
     def empty_batch(self, left_padding: Sequence[int]) -> BatchKVCache:
-        return BatchKVCache(left_padding)
-
-
-class BatchQuantizedKVCache(BatchKVCache):
-    """:class:`BatchKVCache` over affine-quantized keys/values (``bits`` per ``group_size``).
-
-    Row ``i`` holds, slot for slot, what the row's own
-    :class:`~mlx_loom.cache.QuantizedKVCache` holds, so its
-    :class:`~mlx_loom.cache.AffineView` attends over it with
-    ``mx.quantized_matmul`` exactly as for the single row.
-    """
-
-    kind: ClassVar[str] = "BatchQuantizedKVCache"
-    _single: ClassVar[type] = QuantizedKVCache
-
-    def __init__(self, left_padding: Sequence[int], *, group_size: int = 64, bits: int = 8) -> None:
-        super().__init__(left_padding)
-        self._codec = buf.AffineCodec(group_size, bits, owner=self.kind)  # type: ignore[misc]
-
-    @property
-    def group_size(self) -> int:
-        return self._codec.group_size  # type: ignore[return-value]
-
-    @property
-    def bits(self) -> int:
-        return self._codec.bits  # type: ignore[return-value]
-
-    def _empty_single(self) -> QuantizedKVCache:
-        return QuantizedKVCache(group_size=self.group_size, bits=self.bits)
-
-    def _check_other(self, other: Any) -> None:
-        super()._check_other(other)
-        if (other.group_size, other.bits) != (self.group_size, self.bits):
-            raise CacheError(
-                f"{self.kind}.extend: rows quantized with group_size={other.group_size}, "
-                f"bits={other.bits} cannot join rows with group_size={self.group_size}, "
-                f"bits={self.bits}",
-                fix="batch only rows quantized the same way",
-            )
-
-    @classmethod
-    def _new_like(cls, caches: Sequence[Any], pads: list[int]) -> BatchQuantizedKVCache:
-        widths = {(c.group_size, c.bits) for c in caches}
-        if len(widths) > 1:
-            raise CacheError(
-                f"{cls.kind}.merge: the caches are quantized differently {sorted(widths)}",
-                fix="merge only caches quantized with the same group_size and bits",
-            )
-        group_size, bits = widths.pop()
-        return cls(pads, group_size=group_size, bits=bits)
-
-    @property
-    def state(self) -> tuple[mx.array, ...]:
-        """``(offset, left_padding[, six key/value arrays])``, cut to the used slots."""
-        return super().state
-
-    @property
-    def meta_state(self) -> tuple[str, ...]:
-        """``(idx, group_size, bits)`` as decimal strings."""
-        return (str(self._idx), str(self.group_size), str(self.bits))
-
-    @classmethod
-    def from_state(
-        cls, state: Sequence[mx.array], meta_state: Sequence[str]
-    ) -> BatchQuantizedKVCache:
-        arrays = buf.check_state_len(state, (2, 8), owner=cls.kind)
-        idx, group_size, bits = buf.parse_meta(
-            meta_state, ("idx", "group_size", "bits"), owner=cls.kind
-        )
-        cache = cls([0], group_size=group_size, bits=bits)
-        cache.offset, cache.left_padding = arrays[0], arrays[1]
-        cache.keys = tuple(arrays[2:5]) if len(arrays) == 8 else None
-        cache.values = tuple(arrays[5:8]) if len(arrays) == 8 else None
-        cache._idx = idx
-        return cache
-
-    def empty_batch(self, left_padding: Sequence[int]) -> BatchQuantizedKVCache:
-        return BatchQuantizedKVCache(left_padding, group_size=self.group_size, bits=self.bits)
+        return BatchKVCache(left_padding, codec=self._codec)
 
 
 class BatchRotatingKVCache(_BatchRowsBase):
@@ -568,6 +506,13 @@ class BatchRotatingKVCache(_BatchRowsBase):
 
     # --- slot moves -----------------------------------------------------------
 
+    def _kv(self) -> tuple[mx.array, mx.array]:
+        """The stored keys and values: plain arrays (this layout stores no codec)."""
+        k, v = self.keys, self.values
+        if not isinstance(k, mx.array) or not isinstance(v, mx.array):
+            raise CacheError(f"{self.kind}: no keys/values yet", fix="call update_and_fetch first")
+        return k, v
+
     def _drop_front(self, n: int, v: mx.array, append: mx.array | None = None) -> mx.array:
         if n > 0:
             v = v[..., n:, :]
@@ -575,41 +520,45 @@ class BatchRotatingKVCache(_BatchRowsBase):
 
     def _to_time_order(self) -> None:
         if self.rotated:
-            self.keys = mx.roll(self.keys, -self._idx, axis=2)
-            self.values = mx.roll(self.values, -self._idx, axis=2)
+            k, v = self._kv()
+            self.keys = mx.roll(k, -self._idx, 2)
+            self.values = mx.roll(v, -self._idx, 2)
             self._idx = self.keys.shape[2]
             self.rotated = False
 
-    def _roll_out_right_padding(self) -> None:
-        roll = mx.maximum(0, self.offset - self._lengths)
-        self.keys = dynamic_roll(self.keys, roll[:, None], axis=2)
-        self.values = dynamic_roll(self.values, roll[:, None], axis=2)
+    def _roll_out_right_padding(self, lengths: mx.array) -> None:
+        k, v = self._kv()
+        roll = mx.maximum(0, self.offset - lengths)
+        self.keys = dynamic_roll(k, roll[:, None], axis=2)
+        self.values = dynamic_roll(v, roll[:, None], axis=2)
         self.left_padding = self.left_padding + roll
         self.offset = self.offset - roll
 
     def _append_chunk(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.keys is None:
-            self.keys, self.values = keys, values
+            k, v = keys, values
         else:
             self._to_time_order()
-            if self.keys.shape[2] > self._idx:
-                self.keys = self.keys[..., : self._idx, :]
-                self.values = self.values[..., : self._idx, :]
+            k, v = self._kv()
+            if k.shape[2] > self._idx:
+                self.keys, self.values = k[..., : self._idx, :], v[..., : self._idx, :]
             if self._lengths is not None:
-                self._roll_out_right_padding()
+                self._roll_out_right_padding(self._lengths)
+            k, v = self._kv()
             drop = self._idx - self.max_size + 1
             if drop > 0:
                 self.left_padding = self.left_padding - drop
-            self.keys = self._drop_front(drop, self.keys, keys)
-            self.values = self._drop_front(drop, self.values, values)
+            k = self._drop_front(drop, k, keys)
+            v = self._drop_front(drop, v, values)
         L = keys.shape[2]
         self.offset = self.offset + L
         self._offset += L
-        self._idx = self.keys.shape[2]
+        self._idx = k.shape[2]
         # Tie the bookkeeping arrays to the keys so evaluating the cache
         # evaluates them too (their graphs would otherwise grow every step).
-        self.keys = mx.depends(self.keys, (self.left_padding, self.offset))
-        return self.keys, self.values
+        k = mx.depends(k, (self.left_padding, self.offset))
+        self.keys, self.values = k, v
+        return k, v
 
     def _write_in_place(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self._lengths is not None:
@@ -619,20 +568,21 @@ class BatchRotatingKVCache(_BatchRowsBase):
             )
         B, H, S, Dk = keys.shape
         prev = self._offset
-        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
+        old = None if self.keys is None else self._kv()
+        if old is None or (prev >= old[0].shape[2] and old[0].shape[2] < self.max_size):
             n = min(self.step, self.max_size - prev)
             new_k = mx.zeros((B, H, n, Dk), keys.dtype)
             new_v = mx.zeros((B, H, n, values.shape[3]), values.dtype)
-            if self.keys is None:
+            if old is None:
                 self.keys, self.values = new_k, new_v
             else:
-                self.keys = mx.concatenate([self.keys, new_k], axis=2)
-                self.values = mx.concatenate([self.values, new_v], axis=2)
+                self.keys = mx.concatenate([old[0], new_k], axis=2)
+                self.values = mx.concatenate([old[1], new_v], axis=2)
             self._idx = prev
-        excess = self.keys.shape[2] - self.max_size
+        k, v = self._kv()
+        excess = k.shape[2] - self.max_size
         if excess > 0:
-            self.keys = self._drop_front(excess, self.keys)
-            self.values = self._drop_front(excess, self.values)
+            k, v = self._drop_front(excess, k), self._drop_front(excess, v)
             self._idx = self.max_size
             self.left_padding = self.left_padding - excess
         if self._idx == self.max_size:
@@ -640,12 +590,12 @@ class BatchRotatingKVCache(_BatchRowsBase):
             self._idx = 0
         if self.rotated:
             self.left_padding = self.left_padding - S
-        self.keys[..., self._idx : self._idx + S, :] = keys
-        self.values[..., self._idx : self._idx + S, :] = values
+        k[..., self._idx : self._idx + S, :] = keys
+        v[..., self._idx : self._idx + S, :] = values
         self._offset += S
         self.offset = self.offset + S
         self._idx += S
-        self.keys = mx.depends(self.keys, (self.left_padding, self.offset))
+        self.keys, self.values = mx.depends(k, (self.left_padding, self.offset)), v
         return self.keys_and_values()
 
     # --- append and attend ----------------------------------------------
@@ -660,11 +610,10 @@ class BatchRotatingKVCache(_BatchRowsBase):
         return PlainView(*self.update_and_fetch(keys, values))
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        if self.keys is None:
-            raise CacheError(f"{self.kind}: no keys/values yet", fix="call update_and_fetch first")
-        if self._offset < self.keys.shape[2]:
-            return self.keys[..., : self._offset, :], self.values[..., : self._offset, :]
-        return self.keys, self.values
+        k, v = self._kv()
+        if self._offset < k.shape[2]:
+            return k[..., : self._offset, :], v[..., : self._offset, :]
+        return k, v
 
     def make_mask(
         self, N: int, *, window_size: int | None = None, return_array: bool = False
@@ -685,7 +634,7 @@ class BatchRotatingKVCache(_BatchRowsBase):
         mask = mask & (key_pos >= mx.expand_dims(left, (1, 2, 3)))
         if rotated:
             idx = 0 if self._idx >= self.max_size else self._idx
-            mask = mx.roll(mask, shift=idx + 1, axis=-1)
+            mask = mx.roll(mask, idx + 1, -1)
         return mask
 
     # --- padded prefill -------------------------------------------------------
@@ -712,7 +661,7 @@ class BatchRotatingKVCache(_BatchRowsBase):
 
     def finalize(self) -> None:
         if self._lengths is not None:
-            self._roll_out_right_padding()
+            self._roll_out_right_padding(self._lengths)
             self._lengths = None
 
     # --- trim -----------------------------------------------------------------
@@ -743,8 +692,8 @@ class BatchRotatingKVCache(_BatchRowsBase):
     def filter(self, rows: Sequence[int]) -> None:
         idx = self._rows(rows)
         if self.keys is not None:
-            self.keys = self.keys[idx]
-            self.values = self.values[idx]
+            k, v = self._kv()
+            self.keys, self.values = k[idx], v[idx]
         self.offset = self.offset[idx]
         self.left_padding = self.left_padding[idx]
 
@@ -769,17 +718,18 @@ class BatchRotatingKVCache(_BatchRowsBase):
         cache = RotatingKVCache(self.max_size)
         if self.keys is None:
             return cache
-        pad = max(0, self.left_padding.tolist()[row])
-        keys, values = self.keys[row : row + 1], self.values[row : row + 1]
+        k, v = self._kv()
+        pad = max(0, _ints(self.left_padding)[row])
+        keys, values = k[row : row + 1], v[row : row + 1]
         end = self._idx
         if self.rotated:
-            keys = mx.roll(keys, -self._idx, axis=2)
-            values = mx.roll(values, -self._idx, axis=2)
+            keys = mx.roll(keys, -self._idx, 2)
+            values = mx.roll(values, -self._idx, 2)
             end = self.max_size
-        cache.keys = mx.contiguous(keys[:, :, pad:end])
-        cache.values = mx.contiguous(values[:, :, pad:end])
-        cache.offset = self.offset.tolist()[row]
-        cache._idx = cache.keys.shape[2]
+        kept = mx.contiguous(keys[:, :, pad:end])
+        cache.keys, cache.values = kept, mx.contiguous(values[:, :, pad:end])
+        cache.offset = _ints(self.offset)[row]
+        cache._idx = kept.shape[2]
         return cache
 
     @classmethod
@@ -787,10 +737,12 @@ class BatchRotatingKVCache(_BatchRowsBase):
         if not caches:
             raise CacheError(f"{cls.kind}.merge: no caches given", fix="pass at least one cache")
         for i, c in enumerate(caches):
-            if type(c) is not RotatingKVCache:
+            if type(c) is not RotatingKVCache or not c.plain:
+                what = type(c).__name__ if type(c) is not RotatingKVCache else c.storage.describe()
                 raise CacheError(
-                    f"{cls.kind}.merge: caches[{i}] is a {type(c).__name__}, not a RotatingKVCache",
-                    fix="merge only unquantized sliding-window caches into a BatchRotatingKVCache",
+                    f"{cls.kind}.merge: caches[{i}] is a {what}, not a plain RotatingKVCache",
+                    fix="merge only unquantized sliding-window caches into a BatchRotatingKVCache "
+                    "(windows in a codec batch by stack())",
                 )
             c._check_batchable()
         sizes = {c.max_size for c in caches}
@@ -805,18 +757,19 @@ class BatchRotatingKVCache(_BatchRowsBase):
         if longest == 0:
             return cls(max_size, [0] * len(caches))
         pads = [longest - n for n in lengths]
-        full = [c for c in caches if c.keys is not None]
-        H = max(c.keys.shape[1] for c in full)
-        Dk = max(c.keys.shape[3] for c in full)
-        Dv = max(c.values.shape[3] for c in full)
-        dtype = full[0].keys.dtype
+        stored = [c._stored() if c.keys is not None else None for c in caches]
+        full = [cast(tuple[mx.array, mx.array], kv) for kv in stored if kv is not None]
+        H = max(k.shape[1] for k, _ in full)
+        Dk = max(k.shape[3] for k, _ in full)
+        Dv = max(v.shape[3] for _, v in full)
+        dtype = full[0][0].dtype
         keys = mx.zeros((len(caches), H, longest, Dk), dtype=dtype)
         values = mx.zeros((len(caches), H, longest, Dv), dtype=dtype)
-        for i, (p, n, c) in enumerate(zip(pads, lengths, caches, strict=True)):
-            if c.keys is None or n == 0:
+        for i, (p, n, c, kv) in enumerate(zip(pads, lengths, caches, stored, strict=True)):
+            if kv is None or n == 0:
                 continue
-            keys[i : i + 1, :, p : p + n] = c._time_ordered(c.keys)[..., -n:, :]
-            values[i : i + 1, :, p : p + n] = c._time_ordered(c.values)[..., -n:, :]
+            keys[i : i + 1, :, p : p + n] = cast(mx.array, c._time_ordered(kv[0]))[..., -n:, :]
+            values[i : i + 1, :, p : p + n] = cast(mx.array, c._time_ordered(kv[1]))[..., -n:, :]
         cache = cls(max_size, pads)
         cache.keys, cache.values = keys, values
         cache.offset = mx.array([c.offset for c in caches])
@@ -834,7 +787,7 @@ class BatchRotatingKVCache(_BatchRowsBase):
         """``(offset, left_padding[, keys, values])``, keys in slot order."""
         if self.keys is None:
             return (self.offset, self.left_padding)
-        return (self.offset, self.left_padding, self.keys, self.values)
+        return (self.offset, self.left_padding, *self._kv())
 
     @property
     def meta_state(self) -> tuple[str, ...]:

@@ -1,7 +1,13 @@
 """KV codecs: how a request names the storage its caches switch to.
 
-A codec is not a separate registry. It is a set of registered cache kinds
-that declare the same ``codec`` name and can be made from a plain cache::
+The core's codecs, ``"affine"`` and ``"turboquant"``, are storage codecs
+(:mod:`mlx_loom.cache.storage`) that every core layout takes: converting a
+plain cache asks the cache for its form in the codec (``cache.to_codec``), so
+full, window, batch and stacked forms all exist without a class each.
+
+A plugin's codec is not a separate registry either. It is a set of
+registered cache kinds that declare the same ``codec`` name and can be made
+from a plain cache::
 
     class MyKVCache(KVCache):            # or any cache kind
         kind = "MyKVCache"
@@ -18,12 +24,10 @@ that declare the same ``codec`` name and can be made from a plain cache::
         def append(self, keys, values):     # its own view: its own arithmetic
             ...
 
-The core's kinds provide ``"affine"`` (:class:`~mlx_loom.cache.QuantizedKVCache`
-and its window kind) and ``"turboquant"``; a plugin adds a codec by
-registering its kinds (``loom_cache_kinds`` or ``Family(cache_kinds=...)``),
-and every family's graph then uses it — graphs only ever call the view that
-``append`` returns. Registering the kinds also makes prompt-cache files of
-that codec loadable.
+A plugin adds a codec by registering its kinds (``loom_cache_kinds`` or
+``Family(cache_kinds=...)``), and every family's graph then uses it — graphs
+only ever call the view that ``append`` returns. Registering the kinds also
+makes prompt-cache files of that codec loadable.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_loom.cache.storage import CODECS
 from mlx_loom.errors import CapabilityRefused, RequestError
 
 __all__ = ["KVCodec", "codec_table", "resolve_kv_codec"]
@@ -42,14 +47,19 @@ DEFAULT_CODEC = "affine"
 
 @dataclass(frozen=True)
 class KVCodec:
-    """One codec: its name and the cache kinds that store in it."""
+    """One codec: its name, and the storage codec class or the cache kinds that store in it."""
 
     name: str
-    kinds: tuple[type, ...]
+    #: A plugin's cache kinds (classes declaring ``codec`` and ``from_plain``).
+    kinds: tuple[Any, ...] = ()
+    #: A storage codec class (``widths``, ``default_bits``, ``for_request``) every layout takes.
+    storage: Any = None
 
     @property
     def bits(self) -> tuple[int, ...]:
         """The widths every kind of the codec accepts."""
+        if self.storage is not None:
+            return tuple(self.storage.widths)
         common: set[int] | None = None
         for cls in self.kinds:
             allowed = set(getattr(cls, "codec_bits", ()) or ())
@@ -58,6 +68,9 @@ class KVCodec:
 
     @property
     def default_bits(self) -> int | None:
+        if self.storage is not None:
+            default: int = self.storage.default_bits
+            return default
         for cls in self.kinds:
             bits = getattr(cls, "codec_default_bits", None)
             if isinstance(bits, int) and not isinstance(bits, bool):
@@ -65,7 +78,15 @@ class KVCodec:
         return None
 
     def convert(self, cache: Any, *, bits: int, group_size: int) -> Any | None:
-        """``cache`` in this codec, or ``None`` when no kind of the codec takes its kind."""
+        """``cache`` in this codec, or ``None`` when no kind of the codec takes its kind.
+
+        A plain cache that can take a storage codec (``to_codec``) is asked
+        for its form in it; a batch cache refuses
+        (:class:`~mlx_loom.errors.CapabilityRefused`).
+        """
+        to_codec = getattr(cache, "to_codec", None)
+        if self.storage is not None and callable(to_codec) and getattr(cache, "codec", 0) is None:
+            return to_codec(self.storage.for_request(bits=bits, group_size=group_size))
         for cls in self.kinds:
             converted = cls.from_plain(cache, bits=bits, group_size=group_size)
             if converted is not None:
@@ -83,7 +104,7 @@ class KVCodec:
                 continue
             bits = self.default_bits if self.default_bits is not None else 0
             if self.convert(cache, bits=bits, group_size=64) is None and self.name != "affine":
-                kinds = ", ".join(k.__name__ for k in self.kinds)
+                kinds = ", ".join(k.__name__ for k in self.kinds) or "the core layouts"
                 raise CapabilityRefused(
                     f"the {self.name!r} KV codec has no cache kind for a "
                     f"{type(cache).__name__} (its kinds: {kinds})",
@@ -93,7 +114,10 @@ class KVCodec:
 
 
 def codec_table(kinds: Mapping[str, type] | None = None) -> dict[str, KVCodec]:
-    """Every codec the cache-kind table ``kinds`` provides (default: the core's kinds)."""
+    """The core's storage codecs, and every codec the cache-kind table ``kinds`` adds.
+
+    ``kinds`` defaults to the core's kinds (which add none).
+    """
     if kinds is None:
         from mlx_loom.cache import CACHE_KINDS  # the package imports this module
 
@@ -103,7 +127,11 @@ def codec_table(kinds: Mapping[str, type] | None = None) -> dict[str, KVCodec]:
         name = getattr(cls, "codec", None)
         if isinstance(name, str) and name and callable(getattr(cls, "from_plain", None)):
             found.setdefault(name, []).append(cls)
-    return {name: KVCodec(name, tuple(classes)) for name, classes in sorted(found.items())}
+    table = {name: KVCodec(name, storage=storage) for name, storage in CODECS.items()}
+    for name, classes in found.items():
+        core = table.get(name)
+        table[name] = KVCodec(name, tuple(classes), storage=core.storage if core else None)
+    return dict(sorted(table.items()))
 
 
 def resolve_kv_codec(

@@ -19,7 +19,16 @@ from mlx_loom.cache._buffers import KV_BITS, KV_GROUP_SIZES
 from mlx_loom.cache.codecs import resolve_kv_codec
 from mlx_loom.errors import CapabilityRefused, RequestError
 
-__all__ = ["maybe_quantize_kv_cache", "validate_kv_quantization"]
+__all__ = ["convertible", "maybe_quantize_kv_cache", "validate_kv_quantization"]
+
+
+def convertible(cache: Any) -> bool:
+    """Whether a codec may still take ``cache``: KV storage, still plain.
+
+    Recurrent state has nothing to compress (no ``to_quantized``); a cache
+    already in a codec names it (``codec``, a string).
+    """
+    return hasattr(cache, "to_quantized") and not isinstance(getattr(cache, "codec", None), str)
 
 
 def validate_kv_quantization(
@@ -81,9 +90,9 @@ def maybe_quantize_kv_cache(
     if codec is None or bits is None:
         return
     for i, cache in enumerate(caches):
-        to_quantized = getattr(cache, "to_quantized", None)
-        if to_quantized is None or isinstance(getattr(cache, "codec", None), str):
+        if not convertible(cache):
             continue  # nothing to compress (recurrent state), or already in a codec
+        to_quantized = cache.to_quantized
         offset = cache.offset
         # A batch cache's offset is an array: it is refused at once, whatever
         # the offsets, so the request fails before any work is done.
@@ -94,7 +103,7 @@ def maybe_quantize_kv_cache(
             if codec.name == "affine":
                 converted = to_quantized(group_size=kv_group_size, bits=bits)  # refuses batches
             else:
-                kinds_of = ", ".join(k.__name__ for k in codec.kinds)
+                kinds_of = ", ".join(k.__name__ for k in codec.kinds) or "the core layouts"
                 raise CapabilityRefused(
                     f"the {codec.name!r} KV codec has no cache kind for a "
                     f"{type(cache).__name__} (its kinds: {kinds_of})",

@@ -58,8 +58,8 @@ def _expected(short: Any, long: Any, loaded: Any) -> tuple[Any, Any] | None:
     probe the way it was converted itself (``convert_like``); the converted
     probes must then be of the loaded kind.
     """
-    kind = getattr(type(loaded), "kind", None)
-    if getattr(type(short), "kind", None) == kind:
+    form = _form(loaded)
+    if _form(short) == form:
         return short, long
     convert_like = getattr(loaded, "convert_like", None)
     if not callable(convert_like) or not hasattr(short, "to_quantized"):
@@ -68,9 +68,14 @@ def _expected(short: Any, long: Any, loaded: Any) -> tuple[Any, Any] | None:
         pair = (convert_like(short), convert_like(long))
     except LoomError:
         return None
-    if any(getattr(type(p), "kind", None) != kind for p in pair):
+    if any(_form(p) != form for p in pair):
         return None
     return pair
+
+
+def _form(cache: Any) -> tuple[Any, Any]:
+    """A cache's kind and the codec it stores in (a layout's kind is the same in every codec)."""
+    return getattr(type(cache), "kind", None), getattr(cache, "codec", None)
 
 
 def _layer_problems(i: int, loaded: Any, short: Any, long: Any, tokens: int) -> list[str]:

@@ -2,7 +2,9 @@
 
 The buffer grows ``step`` (256) slots at a time and is written in place, so
 decoding does not reallocate per token; fetched keys/values are the first
-``offset`` slots. Slot bookkeeping matches mlx-lm's ``KVCache`` (and its
+``offset`` slots. Slots hold what the cache's storage codec makes of a token
+(plain, affine, TurboQuant, a plugin's; see :mod:`mlx_loom.cache.storage`).
+Slot bookkeeping matches mlx-lm's ``KVCache`` (and, stored affine, its
 ``QuantizedKVCache``), which our parity tests compare against bit for bit.
 """
 
@@ -16,27 +18,29 @@ import mlx.core as mx
 from mlx_loom.cache import _buffers as buf
 from mlx_loom.cache.masks import mask_for_offset
 from mlx_loom.cache.protocol import Mask
+from mlx_loom.cache.rotating import RotatingKVCache
+from mlx_loom.cache.storage import CodecLayout, split_meta
+from mlx_loom.cache.turboquant import TurboQuantCodec
 from mlx_loom.errors import CacheError
 
 if TYPE_CHECKING:
     from mlx_loom.cache.batch import BatchKVCache
-    from mlx_loom.cache.quantized import QuantizedKVCache
-    from mlx_loom.cache.turboquant_caches import TurboQuantKVCache
 
 __all__ = ["KVCache"]
 
 
-class GrowingKV:
-    """Slot bookkeeping shared by :class:`KVCache` and the quantized full cache.
+class KVCache(CodecLayout):
+    """Full KV cache for one sequence (``B`` may be > 1 only without padding).
 
-    Subclasses set ``_codec`` (plain or affine) and ``kind``.
+    ``codec`` is the storage codec (default plain): ``KVCache(codec=AffineCodec(64, 4))``
+    is mlx-lm's ``QuantizedKVCache``.
     """
 
-    kind: ClassVar[str]
+    kind: ClassVar[str] = "KVCache"
     step: ClassVar[int] = 256
-    _codec: Any
 
-    def __init__(self) -> None:
+    def __init__(self, *, codec: Any = None) -> None:
+        self._take_codec(codec)
         self.keys: buf.Stored | None = None
         self.values: buf.Stored | None = None
         self.offset: int = 0
@@ -46,11 +50,11 @@ class GrowingKV:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         prev = self.offset
         L = keys.shape[2]
-        if self.keys is None or prev + L > buf.seq_len(self.keys):
+        if self.keys is None or self.values is None or prev + L > buf.seq_len(self.keys):
             n = (L + self.step - 1) // self.step * self.step
             new_k = self._codec.zeros_keys(keys, n)
             new_v = self._codec.zeros_values(values, n)
-            if self.keys is None:
+            if self.keys is None or self.values is None:
                 self.keys, self.values = new_k, new_v
             else:
                 if prev % self.step != 0:
@@ -70,7 +74,7 @@ class GrowingKV:
         return self._codec.view(*self.update_and_fetch(keys, values))
 
     def keys_and_values(self) -> tuple[Any, Any]:
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             raise CacheError(f"{self.kind}: no keys/values yet", fix="call update_and_fetch first")
         if self.offset == buf.seq_len(self.keys):
             return self.keys, self.values
@@ -104,72 +108,74 @@ class GrowingKV:
     def nbytes(self) -> int:
         return buf.nbytes(self.keys, self.values)
 
-    def _valid(self) -> tuple[buf.Stored, buf.Stored] | None:
-        if self.keys is None:
-            return None
-        return self.keys_and_values()
-
-
-class KVCache(GrowingKV):
-    """Full KV cache for one sequence (``B`` may be > 1 only without padding)."""
-
-    kind: ClassVar[str] = "KVCache"
-    _codec = buf.PlainCodec()
+    # --- state ---------------------------------------------------------------
 
     @property
     def state(self) -> tuple[mx.array, ...]:
-        """``(keys, values)`` cut to ``offset`` (the unused growth tail is not state)."""
-        valid = self._valid()
-        return () if valid is None else valid
+        """The stored keys then values (an array each, or the codec's arrays), cut to ``offset``."""
+        if self.keys is None:
+            return ()
+        k, v = self.keys_and_values()
+        return (*buf.leaves(k), *buf.leaves(v))
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        return ()
+        """Nothing for plain storage; else the codec's name and fields."""
+        return self._codec_meta()
 
     @classmethod
     def from_state(cls, state: Sequence[mx.array], meta_state: Sequence[str] = ()) -> KVCache:
-        arrays = buf.check_state_len(state, (0, 2), owner=cls.kind)
-        buf.parse_meta(meta_state, (), owner=cls.kind)
-        cache = cls()
+        _, codec = split_meta(meta_state, 0, owner=cls.kind)
+        cache = cls(codec=codec)
+        n = cache._codec.leaves
+        arrays = buf.check_state_len(state, (0, 2 * n), owner=cls.kind)
         if arrays:
-            cache.keys, cache.values = arrays
+            cache.keys, cache.values = _halves(arrays, n)
             cache.offset = arrays[0].shape[2]
         return cache
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
+    # --- codecs, bounds and batches -------------------------------------------------
+
+    def to_codec(self, codec: Any) -> KVCache:
+        """The same tokens stored in ``codec`` (this cache must be plain)."""
+        q = KVCache(codec=codec)
+        q.offset = self.offset
+        if self.keys is not None and self.values is not None:
+            q.keys = codec.quantize_stored_keys(self.keys)
+            q.values = codec.quantize_stored_values(self.values)
+        return q
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> KVCache:
         """The same tokens, affine-quantized (as mlx-lm's ``KVCache.to_quantized``)."""
-        from mlx_loom.cache.quantized import QuantizedKVCache  # subclasses this module's kinds
+        return self.to_codec(buf.AffineCodec(group_size, bits, owner=self.kind))
 
-        q = QuantizedKVCache(group_size=group_size, bits=bits)
-        q.offset = self.offset
-        if self.keys is not None:
-            q.keys = q._codec.quantize_stored_keys(self.keys)
-            q.values = q._codec.quantize_stored_values(self.values)
-        return q
-
-    def to_turboquant(self, bits: int = 4) -> TurboQuantKVCache:
+    def to_turboquant(self, bits: int = 4) -> KVCache:
         """The same tokens in TurboQuant storage (int8 keys, ``bits``-wide rotated values)."""
-        # subclasses this module's kinds
-        from mlx_loom.cache.turboquant_caches import TurboQuantKVCache
+        return self.to_codec(TurboQuantCodec(bits, owner=self.kind))
 
-        q = TurboQuantKVCache(bits=bits)
-        q.offset = self.offset
-        if self.keys is not None:
-            q.keys = q._codec.quantize_stored_keys(self.keys)
-            q.values = q._codec.quantize_stored_values(self.values)
-        return q
+    def bounded(self, max_tokens: int) -> RotatingKVCache:
+        """A fresh cache of this layer holding at most ``max_tokens``: a window, same codec.
+
+        ``keep=0``: no leading tokens are pinned, so rows stay batchable.
+        """
+        return RotatingKVCache(max_tokens, 0, codec=self._codec)
 
     def empty_batch(self, left_padding: Sequence[int]) -> BatchKVCache:
         """An empty batch cache of this kind, one row per entry of ``left_padding``."""
         from mlx_loom.cache.batch import BatchKVCache  # subclasses this module's kinds
 
+        if self.codec is not None:
+            buf.refuse_padded_batch(self.kind, codec=self.codec, option="kv_bits / kv_codec")
         return BatchKVCache(left_padding)
 
     @classmethod
     def merge(cls, caches: Sequence[KVCache]) -> BatchKVCache:
-        """A left-padded batch cache holding each single-row cache as one row."""
+        """A left-padded batch cache holding each single-row cache as one row (plain only)."""
         from mlx_loom.cache.batch import BatchKVCache  # subclasses this module's kinds
 
+        for c in caches:
+            if isinstance(c, KVCache) and c.codec is not None:
+                buf.refuse_padded_batch(c.kind, codec=c.codec, option="kv_bits / kv_codec")
         return BatchKVCache.merge(caches)
 
     @classmethod
@@ -178,3 +184,12 @@ class KVCache(GrowingKV):
         from mlx_loom.cache.batch import BatchKVCache  # subclasses this module's kinds
 
         return BatchKVCache.stack(caches)
+
+
+def _halves(arrays: tuple[mx.array, ...], leaves: int) -> tuple[buf.Stored, buf.Stored]:
+    """Stored keys and values from a state of ``2 * leaves`` arrays."""
+    if leaves == 1:
+        return arrays[0], arrays[1]
+    return tuple(arrays[:leaves]), tuple(arrays[leaves:])
+
+

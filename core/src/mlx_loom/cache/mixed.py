@@ -25,11 +25,18 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
-from mlx_loom.cache.protocol import Mask
 from mlx_loom.cache.views import RowsMask, RowsView
 from mlx_loom.errors import CacheError, CacheNotTrimmable
 
 __all__ = ["MixedRowsCache", "join_rows", "row_signature", "stack_rows"]
+
+
+def _storage(cache: Any) -> Hashable:
+    """The cache's storage codec (``codec_key``), or its declared width for a plugin kind."""
+    key = getattr(cache, "codec_key", None)
+    if key is not None:
+        return key
+    return (getattr(cache, "bits", None), getattr(cache, "group_size", None))
 
 
 def row_signature(cache: Any) -> Hashable:
@@ -38,8 +45,7 @@ def row_signature(cache: Any) -> Hashable:
         type(cache),
         getattr(cache, "max_size", None),
         getattr(cache, "keep", None),
-        getattr(cache, "bits", None),
-        getattr(cache, "group_size", None),
+        _storage(cache),
     )
 
 
@@ -50,8 +56,7 @@ def _batch_signature(cache: Any) -> Hashable:
         single,
         getattr(cache, "max_size", None),
         0 if getattr(cache, "max_size", None) is not None else None,
-        getattr(cache, "bits", None),
-        getattr(cache, "group_size", None),
+        _storage(cache),
     )
 
 
@@ -155,7 +160,7 @@ class MixedRowsCache:
 
     def make_mask(
         self, N: int, *, window_size: int | None = None, return_array: bool = False
-    ) -> Mask:
+    ) -> RowsMask:
         return RowsMask(
             tuple(
                 seg.make_mask(N, window_size=window_size, return_array=return_array)
@@ -190,7 +195,8 @@ class MixedRowsCache:
             s, j = self.rows[r]
             new_rows.append((s, len(per_seg[s])))
             per_seg[s].append(j)
-        remap, segments = {}, []
+        remap: dict[int, int] = {}
+        segments: list[Any] = []
         for s, (seg, chosen) in enumerate(zip(self.segments, per_seg, strict=True)):
             if chosen:
                 seg.filter(chosen)

@@ -29,6 +29,10 @@ Loading checks, in this order, each failure a ``CacheError`` naming the file:
    forgery: anyone can write a consistent file, which is why checks 1-2 and the
    kind table do not trust it.)
 
+Files written before the KV caches took a storage codec name kinds such as
+``QuantizedKVCache``; :data:`KIND_ALIASES` reads them as the layout they
+are, with the codec named in its ``meta_state`` as files name it today.
+
 Files of format version 1 (before the checksum) are refused with the fix
 "rebuild the cache": without a checksum their body cannot be verified, and a
 prompt cache is cheap to rebuild. Saving writes a temporary file beside the
@@ -48,7 +52,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal, cast
 
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
@@ -57,15 +61,16 @@ from mlx_loom.artifacts.safetensors_header import (
     SafetensorsHeader,
     read_safetensors_header,
 )
+from mlx_loom.artifacts.staging import remove_orphans, temp_name
 from mlx_loom.artifacts.weights import tensor_signature
 from mlx_loom.bounded_json import JsonLimits, parse_json
 from mlx_loom.errors import CacheError, SafetensorsHeaderError
 
-__all__ = ["kind_table", "load_prompt_cache", "save_prompt_cache"]
+__all__ = ["KIND_ALIASES", "kind_table", "load_prompt_cache", "save_prompt_cache"]
 
 HEADER_KEY = "mlx_loom.prompt_cache"
-FORMAT = "mlx-loom-prompt-cache"
-FORMAT_VERSION = 2
+FORMAT: Final = "mlx-loom-prompt-cache"
+FORMAT_VERSION: Final = 2
 
 #: More layers than any published model has (the deepest have ~120).
 MAX_LAYERS = 4096
@@ -81,6 +86,32 @@ _HEADER_JSON = JsonLimits(max_bytes=None)
 _REBUILD = "rebuild the prompt cache (save it again from a live PromptCache)"
 
 _MetaString = Annotated[str, StringConstraints(max_length=_MAX_META_CHARS)]
+
+#: Kind names of files written when each layout and codec had a class of its
+#: own: ``name -> (layout kind, the layout's own meta_state fields, codec)``.
+#: Their ``meta_state`` was the layout's fields then the codec's, so the codec's
+#: name goes between the two.
+KIND_ALIASES: Mapping[str, tuple[str, int, str]] = MappingProxyType(
+    {
+        "QuantizedKVCache": ("KVCache", 0, "affine"),
+        "QuantizedRotatingKVCache": ("RotatingKVCache", 4, "affine"),
+        "BatchQuantizedKVCache": ("BatchKVCache", 1, "affine"),
+        "StackedQuantizedRotatingKVCache": ("StackedRotatingKVCache", 3, "affine"),
+        "TurboQuantKVCache": ("KVCache", 0, "turboquant"),
+        "TurboQuantRotatingKVCache": ("RotatingKVCache", 4, "turboquant"),
+        "BatchTurboQuantKVCache": ("BatchKVCache", 1, "turboquant"),
+        "StackedTurboQuantRotatingKVCache": ("StackedRotatingKVCache", 3, "turboquant"),
+    }
+)
+
+
+def _unalias(kind: str, meta_state: list[str], table: Mapping[str, type]) -> tuple[str, list[str]]:
+    """A layer's kind and ``meta_state`` as files name them today (aliases resolved)."""
+    alias = KIND_ALIASES.get(kind)
+    if alias is None or kind in table:
+        return kind, meta_state
+    layout, fields, codec = alias
+    return layout, [*meta_state[:fields], codec, *meta_state[fields:]]
 
 
 class _Layer(BaseModel):
@@ -127,7 +158,8 @@ def array_checksum(header: _Header, arrays: Mapping[str, mx.array]) -> str:
         mx.eval(array)
         shape, code = tensor_signature(array)
         digest.update(_tensor_line(name, code, shape))
-        digest.update(memoryview(array))
+        # mx.array has the buffer protocol; its type stub does not declare it.
+        digest.update(memoryview(cast(Any, array)))
     return _CHECKSUM_PREFIX + digest.hexdigest()
 
 
@@ -197,8 +229,9 @@ def save_prompt_cache(
     arrays: dict[str, mx.array] = {}
     layers = []
     for i, cache in enumerate(caches):
-        kind = getattr(type(cache), "kind", None)
-        if kind not in table or table[kind] is not type(cache):
+        cls: Any = type(cache)
+        kind = getattr(cls, "kind", None)
+        if not isinstance(kind, str) or table.get(kind) is not cls:
             raise CacheError(
                 f"save_prompt_cache: layer {i} holds a {type(cache).__name__}, which is not a "
                 f"registered cache kind ({', '.join(sorted(table))})",
@@ -230,15 +263,37 @@ def save_prompt_cache(
             fix=f"save at most {MAX_LAYERS} layers of registered kinds",
         ) from None
     header = header.model_copy(update={"checksum": array_checksum(header, arrays)})
-    # mx.save_safetensors appends ".safetensors" to names without it, so the
-    # temporary name keeps the suffix.
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
+    _write_atomically(path, arrays, {HEADER_KEY: header.model_dump_json()})
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.stem}.tmp-"
+
+
+# mx.save_safetensors appends ".safetensors" to names without it, so the
+# temporary name keeps the suffix.
+_TEMP_SUFFIX = ".safetensors"
+
+
+def _write_atomically(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str]) -> None:
+    """Write under a name of this writer's own, then rename into place.
+
+    Each save gets its own temporary name (:mod:`mlx_loom.artifacts.staging`):
+    threads saving to one path no longer write one file. Temporaries left
+    by a writer that was killed are removed first. A failed write (a full
+    disk: MLX raises ``RuntimeError``, Python ``OSError``) is a CacheError
+    and leaves the target as it was.
+    """
+    remove_orphans(path.parent, _temp_prefix(path), _TEMP_SUFFIX)
+    tmp = path.with_name(temp_name(_temp_prefix(path), _TEMP_SUFFIX))
     try:
-        mx.save_safetensors(str(tmp), arrays, {HEADER_KEY: header.model_dump_json()})
+        mx.save_safetensors(str(tmp), arrays, metadata)
         os.replace(tmp, path)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise CacheError(
-            f"save_prompt_cache: cannot write {str(path)!r}: {err.strerror or err}",
+            f"save_prompt_cache: cannot write {str(path)!r}: {reason} "
+            f"(the disk may be full; {str(path)!r} was left as it was)",
             fix="choose a writable path with enough free space",
         ) from None
     finally:
@@ -275,7 +330,7 @@ def load_prompt_cache(
         )
     _verify_checksum(path, file_header, header, names, where)
     try:
-        arrays = mx.load(str(path), format="safetensors")
+        arrays = cast(dict[str, mx.array], mx.load(str(path), format="safetensors"))
     except (RuntimeError, ValueError, OSError) as err:
         raise CacheError(
             f"{where} is not a readable .safetensors file ({err})",
@@ -283,7 +338,8 @@ def load_prompt_cache(
         ) from None
     caches = []
     for i, layer in enumerate(header.layers):
-        cls = table.get(layer.kind)
+        kind, meta_state = _unalias(layer.kind, layer.meta_state, table)
+        cls: Any = table.get(kind)
         if cls is None:
             raise CacheError(
                 f"{where}: layer {i} names cache kind {layer.kind!r}, which is not "
@@ -292,7 +348,7 @@ def load_prompt_cache(
             )
         state = [arrays[f"{i}.{j}"] for j in range(layer.n_arrays)]
         try:
-            caches.append(cls.from_state(state, layer.meta_state))
+            caches.append(cls.from_state(state, meta_state))
         except CacheError as err:
             raise CacheError(f"{where}: layer {i}: {err.message}", fix=_REBUILD) from None
         except (ValueError, TypeError, IndexError, RuntimeError) as err:

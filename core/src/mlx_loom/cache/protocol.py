@@ -119,6 +119,22 @@ class Stackable(Protocol):
 
 
 @runtime_checkable
+class Boundable(Protocol):
+    """Caches that can hold at most a given number of tokens (``max_kv_size``).
+
+    The engine asks every fresh cache of a request for its bounded form and
+    never looks at its class: a full cache becomes a window of that many
+    tokens in the same codec, a wider window narrows, state that does not
+    grow (recurrent) is returned as it is. A kind that cannot be bounded
+    does not provide ``bounded`` (or raises
+    :class:`~mlx_loom.errors.CapabilityRefused`), and the request is refused.
+    """
+
+    def bounded(self, max_tokens: int) -> Any:
+        """A fresh cache for this layer that holds at most ``max_tokens`` tokens (or ``self``)."""
+
+
+@runtime_checkable
 class SpeculativeRounds(Protocol):
     """Caches that cannot be trimmed but can roll a speculative window back."""
 
@@ -127,3 +143,21 @@ class SpeculativeRounds(Protocol):
 
     def commit(self, keep: int | Sequence[int]) -> None:
         """Keep the first ``keep`` tokens of the window (one count, or one per row)."""
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """Caches that cannot always trim, and instead snapshot their state at chosen positions.
+
+    The prefix store keeps these checkpoints while a prompt is prefilled (at
+    turn boundaries and every few chunks), so a later prompt sharing a prefix
+    restores the checkpoint (``checkpoint.restore()``: a new cache of the same
+    kind) where a trimmable cache would be trimmed.
+    """
+
+    def checkpoint(self) -> Any:
+        """An immutable snapshot of this single-row cache.
+
+        A :class:`~mlx_loom.cache.checkpoint.Checkpoint`; its ``restore()``
+        is a new cache of the same kind holding this state.
+        """

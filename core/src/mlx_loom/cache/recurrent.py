@@ -42,11 +42,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import mlx.core as mx
 
 from mlx_loom.cache._buffers import parse_count
+from mlx_loom.cache.checkpoint import Checkpoint, refuse_open_round
 from mlx_loom.errors import CacheError, CacheNotTrimmable
 
 __all__ = ["RecurrentCache", "ReplayFn"]
@@ -232,7 +233,7 @@ class RecurrentCache:
             self.left_padding = self.left_padding - n
             # Once every row is past its pads, drop the mask: the unmasked
             # recurrence gives the same state and skips the select.
-            if int(self.left_padding.max().item()) <= 0:
+            if _int(self.left_padding.max()) <= 0:
                 self.left_padding = None
         if self.lengths is not None:
             self.lengths = self.lengths - n
@@ -284,29 +285,27 @@ class RecurrentCache:
                 fix="call begin_round() before verifying a window",
             )
         S = r.window
-        per_row = not isinstance(keep, int)
-        keep_rows = _as_rows(keep) if per_row else None
-        if per_row:
-            assert keep_rows is not None
+        keep_rows = None if isinstance(keep, int) else _as_rows(keep)
+        if keep_rows is not None:
             if keep_rows.shape != (self.batch_size,):
                 raise CacheError(
                     f"{self.kind}.commit got {keep_rows.shape[0]} keep counts for "
                     f"{self.batch_size} rows",
                     fix="pass one keep count per row, or a single int",
                 )
-            lo, hi = int(keep_rows.min().item()), int(keep_rows.max().item())
+            lo, hi = _int(keep_rows.min()), _int(keep_rows.max())
         else:
-            lo = hi = int(keep)  # type: ignore[arg-type]
+            lo = hi = int(cast(int, keep))
         if lo < 0 or hi > S:
             raise CacheError(
-                f"{self.kind}.commit(keep={keep if not per_row else keep_rows.tolist()}) is "
+                f"{self.kind}.commit(keep={keep if keep_rows is None else keep_rows.tolist()}) is "
                 f"outside the verified window of {S} token(s)",
                 fix=f"keep between 0 and {S} tokens",
             )
         self._round = None
         if lo == S:  # everything kept: the live state is already right
             return
-        self._rollback(r, S, keep_rows if per_row and lo != hi else lo)
+        self._rollback(r, S, keep_rows if keep_rows is not None and lo != hi else lo)
 
     def _rollback(self, r: _Round, S: int, keep: int | mx.array) -> None:
         # A round begun on an empty cache replays from the empty state: a zero
@@ -367,7 +366,7 @@ class RecurrentCache:
         self._offset = self._offset + n
         if self.left_padding is not None:
             self.left_padding = self.left_padding - n
-            if int(self.left_padding.max().item()) <= 0:
+            if _int(self.left_padding.max()) <= 0:
                 self.left_padding = None
         if self.lengths is not None:
             self.lengths = self.lengths - n
@@ -429,7 +428,7 @@ class RecurrentCache:
         if self.recurrent_state is not None:
             out.recurrent_state = mx.contiguous(self.recurrent_state[row : row + 1])
         off = self._offset
-        out._offset = int(off[row].item()) if isinstance(off, mx.array) else off
+        out._offset = _int(off[row]) if isinstance(off, mx.array) else off
         return out
 
     @classmethod
@@ -487,6 +486,10 @@ class RecurrentCache:
         """An empty batch cache of this kind, one row per entry of ``left_padding``."""
         return RecurrentCache(left_padding=left_padding)
 
+    def bounded(self, max_tokens: int) -> RecurrentCache:
+        """This cache: recurrent state does not grow with the sequence, so it is bounded."""
+        return self
+
     # --- size and state -----------------------------------------------------------
 
     def empty(self) -> bool:
@@ -494,11 +497,25 @@ class RecurrentCache:
 
     def size(self) -> int:
         off = self._offset
-        return int(off.max().item()) if isinstance(off, mx.array) else off
+        return _int(off.max()) if isinstance(off, mx.array) else off
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.conv_state, self.recurrent_state) if a is not None)
+
+    def checkpoint(self) -> Checkpoint:
+        """This row's tail and state as an immutable snapshot (the state cannot be trimmed).
+
+        Free until the cache advances: every forward replaces both arrays.
+        """
+        refuse_open_round(self, self._round is not None)
+        if isinstance(self._offset, mx.array):
+            raise CacheError(
+                f"{self.kind}.checkpoint is for a single-row cache; this one holds "
+                f"{self.batch_size} rows",
+                fix="extract(row) the row first",
+            )
+        return Checkpoint.of(self, self.state, self.meta_state, self._offset)
 
     @property
     def state(self) -> tuple[mx.array, ...]:
@@ -545,3 +562,11 @@ class RecurrentCache:
             f"RecurrentCache(rows={self.batch_size}, offset={self._offset}, "
             f"empty={self.empty()}, in_round={self.in_round})"
         )
+
+
+def _int(a: mx.array) -> int:
+    """A one-element integer array as an int."""
+    value = a.item()
+    if isinstance(value, complex):
+        raise CacheError(f"expected an integer count, found {value!r}")
+    return int(value)

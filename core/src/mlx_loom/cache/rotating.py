@@ -19,15 +19,16 @@ import mlx.core as mx
 
 from mlx_loom.cache import _buffers as buf
 from mlx_loom.cache import window_round as rnd
+from mlx_loom.cache.checkpoint import Checkpoint, refuse_open_round
 from mlx_loom.cache.masks import create_causal_mask
 from mlx_loom.cache.protocol import Mask
+from mlx_loom.cache.storage import CodecLayout, split_meta
+from mlx_loom.cache.turboquant import TurboQuantCodec
 from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
 
 if TYPE_CHECKING:
     from mlx_loom.cache.batch import BatchRotatingKVCache
-    from mlx_loom.cache.quantized import QuantizedRotatingKVCache
     from mlx_loom.cache.stacked import StackedRotatingKVCache
-    from mlx_loom.cache.turboquant_caches import TurboQuantRotatingKVCache
 
 __all__ = ["RotatingKVCache"]
 
@@ -45,15 +46,20 @@ def check_window(max_size: Any, keep: Any, *, owner: str) -> None:
         )
 
 
-class RotatingBase:
-    """Window slot bookkeeping shared by the plain and quantized rotating caches."""
+class RotatingKVCache(CodecLayout):
+    """Sliding-window KV cache of ``max_size`` slots keeping ``keep`` leading tokens.
 
-    kind: ClassVar[str]
+    ``codec`` is the storage codec (default plain); slots move the same way
+    whatever they hold, so a window in a codec holds, slot for slot, the
+    codec's form of what the plain window holds.
+    """
+
+    kind: ClassVar[str] = "RotatingKVCache"
     step: ClassVar[int] = 256
-    _codec: Any
 
-    def __init__(self, max_size: int, keep: int = 0) -> None:
+    def __init__(self, max_size: int, keep: int = 0, *, codec: Any = None) -> None:
         check_window(max_size, keep, owner=self.kind)
+        self._take_codec(codec)
         self.max_size = max_size
         self.keep = keep
         self.keys: buf.Stored | None = None
@@ -88,7 +94,7 @@ class RotatingBase:
 
     def _append_chunk(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         new_k, new_v = self._codec.encode_keys(keys), self._codec.encode_values(values)
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             self.keys, self.values = new_k, new_v
         else:
             self.keys = self._time_ordered(self.keys)
@@ -106,12 +112,14 @@ class RotatingBase:
     def _write_in_place(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         S = keys.shape[2]
         prev = self.offset
-        if self.keys is None or (
-            prev >= buf.seq_len(self.keys) and buf.seq_len(self.keys) < self.max_size
+        if (
+            self.keys is None
+            or self.values is None
+            or (prev >= buf.seq_len(self.keys) and buf.seq_len(self.keys) < self.max_size)
         ):
             n = min(self.step, self.max_size - prev)
             new_k, new_v = self._codec.zeros_keys(keys, n), self._codec.zeros_values(values, n)
-            if self.keys is None:
+            if self.keys is None or self.values is None:
                 self.keys, self.values = new_k, new_v
             else:
                 self.keys = buf.cat([self.keys, new_k])
@@ -145,7 +153,7 @@ class RotatingBase:
         return self._codec.view(*self.update_and_fetch(keys, values))
 
     def keys_and_values(self) -> tuple[Any, Any]:
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             raise CacheError(f"{self.kind}: no keys/values yet", fix="call update_and_fetch first")
         if self.offset < buf.seq_len(self.keys):
             return buf.take(self.keys, 0, self.offset), buf.take(self.values, 0, self.offset)
@@ -169,7 +177,7 @@ class RotatingBase:
             idx = 0 if self._idx >= self.max_size else self._idx
             n = self.offset + 1 if self.offset < self.max_size else self.max_size
             mask = mx.arange(n) >= (n - window_size)
-            return mx.roll(mask, shift=idx + 1)
+            return mx.roll(mask, idx + 1)
         return None
 
     # --- speculative rounds ---------------------------------------------------
@@ -186,7 +194,11 @@ class RotatingBase:
                 fix="commit(keep) the open round before beginning another",
             )
         before = (self.keys, self.values, self._idx)
-        if self.keys is not None and buf.seq_len(self.keys) > self.max_size:
+        if (
+            self.keys is not None
+            and self.values is not None
+            and buf.seq_len(self.keys) > self.max_size
+        ):
             # What the next one-token write would do first (drop the oldest
             # slots a chunk left beyond the window); pure data movement, into
             # new arrays, so the window as it was can come back at commit(0).
@@ -270,7 +282,7 @@ class RotatingBase:
         index, _ = rnd.combined_order(layout, old)
         new_k = self._codec.encode_keys(mx.concatenate(r.keys, axis=2))
         new_v = self._codec.encode_values(mx.concatenate(r.values, axis=2))
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             src_k, src_v = new_k, new_v
         else:
             src_k, src_v = buf.cat([self.keys, new_k]), buf.cat([self.values, new_v])
@@ -307,6 +319,19 @@ class RotatingBase:
         self.offset -= n
         self._idx -= n
         return n
+
+    # --- checkpoints ---------------------------------------------------------
+
+    def checkpoint(self) -> Checkpoint:
+        """This window (its slots, offset and write index) as an immutable snapshot.
+
+        A window that has filled cannot be trimmed back, so the prefix store
+        keeps these at chosen positions instead; :meth:`Checkpoint.restore`
+        gives a new window that decodes exactly as this one would.
+        """
+        refuse_open_round(self, self._round is not None)
+        kind: Any = self  # each window kind names its own state and meta_state
+        return Checkpoint.of(self, kind.state, kind.meta_state, self.offset)
 
     # --- size and state -------------------------------------------------------
 
@@ -350,55 +375,63 @@ class RotatingBase:
         self._idx = idx
 
 
-class RotatingKVCache(RotatingBase):
-    """Sliding-window KV cache of ``max_size`` slots keeping ``keep`` leading tokens."""
-
-    kind: ClassVar[str] = "RotatingKVCache"
-    _codec = buf.PlainCodec()
+    # --- state ----------------------------------------------------------------
 
     @property
     def state(self) -> tuple[mx.array, ...]:
-        """``(keys, values)`` in slot order (rotated once wrapped)."""
+        """The stored keys then values (each an array, or the codec's arrays) in slot order."""
         return self._stored_state()
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        """``(keep, max_size, offset, idx)`` as decimal strings."""
-        return self._window_meta()
+        """``(keep, max_size, offset, idx)`` as decimal strings, then the codec's part."""
+        return (*self._window_meta(), *self._codec_meta())
 
     @classmethod
     def from_state(cls, state: Sequence[mx.array], meta_state: Sequence[str]) -> RotatingKVCache:
-        arrays = buf.check_state_len(state, (0, 2), owner=cls.kind)
+        own, codec = split_meta(meta_state, 4, owner=cls.kind)
         keep, max_size, offset, idx = buf.parse_meta(
-            meta_state, ("keep", "max_size", "offset", "idx"), owner=cls.kind
+            own, ("keep", "max_size", "offset", "idx"), owner=cls.kind
         )
-        cache = cls(max_size, keep)
+        cache = cls(max_size, keep, codec=codec)
+        arrays = buf.check_state_len(state, (0, 2 * cache._codec.leaves), owner=cls.kind)
         cache._restore_window(arrays, offset, idx)
         return cache
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedRotatingKVCache:
+    # --- codecs, bounds and batches -------------------------------------------------
+
+    def to_codec(self, codec: Any) -> RotatingKVCache:
+        """The same window stored in ``codec``, slot for slot (this cache must be plain)."""
+        q = RotatingKVCache(self.max_size, self.keep, codec=codec)
+        q.offset, q._idx = self.offset, self._idx
+        if self.keys is not None and self.values is not None:
+            q.keys = codec.quantize_stored_keys(self.keys)
+            q.values = codec.quantize_stored_values(self.values)
+        return q
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> RotatingKVCache:
         """The same window, affine-quantized slot for slot (mlx-lm cannot do this)."""
-        # subclasses this module's kinds
-        from mlx_loom.cache.quantized import QuantizedRotatingKVCache
+        return self.to_codec(buf.AffineCodec(group_size, bits, owner=self.kind))
 
-        q = QuantizedRotatingKVCache(self.max_size, self.keep, group_size=group_size, bits=bits)
-        q.offset, q._idx = self.offset, self._idx
-        if self.keys is not None:
-            q.keys = q._codec.quantize_stored_keys(self.keys)
-            q.values = q._codec.quantize_stored_values(self.values)
-        return q
-
-    def to_turboquant(self, bits: int = 4) -> TurboQuantRotatingKVCache:
+    def to_turboquant(self, bits: int = 4) -> RotatingKVCache:
         """The same window in TurboQuant storage, slot for slot."""
-        # subclasses this module's kinds
-        from mlx_loom.cache.turboquant_caches import TurboQuantRotatingKVCache
+        return self.to_codec(TurboQuantCodec(bits, owner=self.kind))
 
-        q = TurboQuantRotatingKVCache(self.max_size, self.keep, bits=bits)
-        q.offset, q._idx = self.offset, self._idx
-        if self.keys is not None:
-            q.keys = q._codec.quantize_stored_keys(self.keys)
-            q.values = q._codec.quantize_stored_values(self.values)
-        return q
+    def bounded(self, max_tokens: int) -> RotatingKVCache:
+        """A fresh window of at most ``max_tokens`` slots, same ``keep`` and codec.
+
+        This cache itself when its window is already that narrow; refused
+        (:class:`CapabilityRefused`) when the kept leading tokens would fill it.
+        """
+        if self.keep >= min(max_tokens, self.max_size):
+            raise CapabilityRefused(
+                f"max_kv_size={max_tokens} cannot bound a {self.kind}(max_size={self.max_size}, "
+                f"keep={self.keep}): its kept leading tokens would fill the window",
+                fix="Drop max_kv_size for this model, or raise it above the kept tokens.",
+            )
+        if self.max_size <= max_tokens:
+            return self
+        return RotatingKVCache(max_tokens, self.keep, codec=self._codec)
 
     def _check_batchable(self) -> None:
         if self.keep != 0:
@@ -409,17 +442,22 @@ class RotatingKVCache(RotatingBase):
             )
 
     def empty_batch(self, left_padding: Sequence[int]) -> BatchRotatingKVCache:
-        """An empty batch window cache with this ``max_size``."""
+        """An empty batch window cache with this ``max_size`` (plain storage only)."""
         from mlx_loom.cache.batch import BatchRotatingKVCache  # subclasses this module's kinds
 
+        if self.codec is not None:
+            buf.refuse_padded_batch(self.kind, codec=self.codec, option="kv_bits / kv_codec")
         self._check_batchable()
         return BatchRotatingKVCache(self.max_size, left_padding)
 
     @classmethod
     def merge(cls, caches: Sequence[RotatingKVCache]) -> BatchRotatingKVCache:
-        """mlx-lm's batch layout: rows re-aligned on one shared write index."""
+        """mlx-lm's batch layout: rows re-aligned on one shared write index (plain only)."""
         from mlx_loom.cache.batch import BatchRotatingKVCache  # subclasses this module's kinds
 
+        for c in caches:
+            if isinstance(c, RotatingKVCache) and c.codec is not None:
+                buf.refuse_padded_batch(c.kind, codec=c.codec, option="kv_bits / kv_codec")
         return BatchRotatingKVCache.merge(caches)
 
     @classmethod

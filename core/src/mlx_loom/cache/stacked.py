@@ -40,14 +40,14 @@ import mlx.core as mx
 from mlx_loom.cache import _buffers as buf
 from mlx_loom.cache import window_round as rnd
 from mlx_loom.cache.protocol import Mask
-from mlx_loom.cache.quantized import QuantizedRotatingKVCache
-from mlx_loom.cache.rotating import RotatingBase, RotatingKVCache, check_window
+from mlx_loom.cache.rotating import RotatingKVCache, check_window
+from mlx_loom.cache.storage import CodecLayout, common_codec, split_meta
 from mlx_loom.errors import CacheError, CacheNotTrimmable, CapabilityRefused
 
-__all__ = ["StackedQuantizedRotatingKVCache", "StackedRotatingKVCache"]
+__all__ = ["StackedRotatingKVCache"]
 
 
-def _row_slots(cache: RotatingBase) -> tuple[buf.Stored | None, buf.Stored | None, int, int]:
+def _row_slots(cache: RotatingKVCache) -> tuple[buf.Stored | None, buf.Stored | None, int, int]:
     """``(keys, values, count, next_write)`` of a single-row window, normalised.
 
     After a prefill chunk a window may hold more than ``max_size`` slots (in
@@ -57,7 +57,7 @@ def _row_slots(cache: RotatingBase) -> tuple[buf.Stored | None, buf.Stored | Non
     after that write, so the batch can write every row the same way.
     """
     W = cache.max_size
-    if cache.keys is None:
+    if cache.keys is None or cache.values is None:
         return None, None, 0, 0
     count = cache.offset
     length = buf.seq_len(cache.keys)
@@ -78,16 +78,19 @@ def _row_slots(cache: RotatingBase) -> tuple[buf.Stored | None, buf.Stored | Non
     return cache.keys, cache.values, count, cache._idx % W
 
 
-class StackedRotatingKVCache:
-    """Sliding-window KV cache (``keep == 0``) for several rows, each in its own slot order."""
+class StackedRotatingKVCache(CodecLayout):
+    """Sliding-window KV cache (``keep == 0``) for several rows, each in its own slot order.
+
+    ``codec`` is the storage codec its rows share (default plain).
+    """
 
     kind: ClassVar[str] = "StackedRotatingKVCache"
     step: ClassVar[int] = 256
-    _codec: ClassVar[Any] = buf.PlainCodec()
-    _single: ClassVar[type[RotatingBase]] = RotatingKVCache
+    _single: ClassVar[type[RotatingKVCache]] = RotatingKVCache
 
-    def __init__(self, max_size: int, rows: int = 0) -> None:
+    def __init__(self, max_size: int, rows: int = 0, *, codec: Any = None) -> None:
         check_window(max_size, 0, owner=self.kind)
+        self._take_codec(codec)
         self.max_size = max_size
         self.keys: buf.Stored | None = None
         self.values: buf.Stored | None = None
@@ -143,8 +146,9 @@ class StackedRotatingKVCache:
             )
         self._grow_for_write(keys, values)
         where = mx.array(self._next, dtype=mx.int32)[:, None, None, None]
-        self.keys = _scatter(self.keys, where, self._codec.encode_keys(keys))
-        self.values = _scatter(self.values, where, self._codec.encode_values(values))
+        stored_k, stored_v = self._stored()
+        self.keys = _scatter(stored_k, where, self._codec.encode_keys(keys))
+        self.values = _scatter(stored_v, where, self._codec.encode_values(values))
         W = self.max_size
         self._count = [c + 1 for c in self._count]
         self._next = [(n + 1) % W for n in self._next]
@@ -264,7 +268,7 @@ class StackedRotatingKVCache:
         grow = slots - self._slots()
         new_k = self._codec.zeros_keys(keys, grow)
         new_v = self._codec.zeros_values(values, grow)
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             self.keys, self.values = new_k, new_v
         else:
             self.keys = buf.cat([self.keys, new_k])
@@ -284,12 +288,12 @@ class StackedRotatingKVCache:
                 old = mx.take_along_axis(b, where, axis=2)
                 return mx.put_along_axis(b, where, mx.where(on, n, old), axis=2)
 
-            if isinstance(stored, tuple):
-                return tuple(one(b, n) for b, n in zip(stored, new, strict=True))
-            return one(stored, new)
+            pairs = zip(buf.leaves(stored), buf.leaves(new), strict=True)
+            return buf.rebuild(stored, [one(b, n) for b, n in pairs])
 
-        self.keys = merged(self.keys, self._codec.encode_keys(keys))
-        self.values = merged(self.values, self._codec.encode_values(values))
+        stored_k, stored_v = self._stored()
+        self.keys = merged(stored_k, self._codec.encode_keys(keys))
+        self.values = merged(stored_v, self._codec.encode_values(values))
         W = self.max_size
         self._count = [c + w for c, w in zip(self._count, writing, strict=True)]
         self._next = [(n + 1) % W if w else n for n, w in zip(self._next, writing, strict=True)]
@@ -355,7 +359,7 @@ class StackedRotatingKVCache:
 
     def filter(self, rows: Sequence[int]) -> None:
         idx = _check_rows(rows, self.batch_size, owner=f"{self.kind}.filter")
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             take = mx.array(idx, dtype=mx.int32)
             self.keys = buf.apply(lambda a: a[take], self.keys)
             self.values = buf.apply(lambda a: a[take], self.values)
@@ -374,26 +378,25 @@ class StackedRotatingKVCache:
                 f"{self.kind}.extend: max_size {other.max_size} differs from {self.max_size}",
                 fix="extend only with a batch cache of the same window",
             )
+        self._check_codec(other, "extend")
 
     def extend(self, other: StackedRotatingKVCache) -> None:
         self._compatible(other)
         if other.keys is not None or self.keys is not None:
             S = max(self._slots(), other._slots())
-            ref = self if self.keys is not None else other
-            self.keys = _cat_rows(
-                [_padded(c.keys, ref.keys, c.batch_size, S) for c in (self, other)]
-            )
+            ref_k, ref_v = (self if self.keys is not None else other)._stored()
+            self.keys = _cat_rows([_padded(c.keys, ref_k, c.batch_size, S) for c in (self, other)])
             self.values = _cat_rows(
-                [_padded(c.values, ref.values, c.batch_size, S) for c in (self, other)]
+                [_padded(c.values, ref_v, c.batch_size, S) for c in (self, other)]
             )
         self._count = self._count + other._count
         self._next = self._next + other._next
         self._offset_array = None
 
-    def _empty_single(self) -> RotatingBase:
-        return self._single(self.max_size, 0)
+    def _empty_single(self) -> RotatingKVCache:
+        return self._single(self.max_size, 0, codec=self._codec)
 
-    def extract(self, row: int) -> RotatingBase:
+    def extract(self, row: int) -> RotatingKVCache:
         """Row ``row`` as a single-row window cache that continues exactly as the row would."""
         if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.batch_size:
             raise CacheError(
@@ -403,7 +406,7 @@ class StackedRotatingKVCache:
             )
         cache = self._empty_single()
         count, nxt = self._count[row], self._next[row]
-        if self.keys is None or count == 0:
+        if self.keys is None or self.values is None or count == 0:
             return cache
         W = self.max_size
         keep = W if count >= W else count
@@ -417,11 +420,12 @@ class StackedRotatingKVCache:
         return cache
 
     @classmethod
-    def _new_like(cls, caches: Sequence[RotatingBase]) -> StackedRotatingKVCache:
-        return cls(caches[0].max_size, len(caches))
+    def _new_like(cls, caches: Sequence[RotatingKVCache]) -> StackedRotatingKVCache:
+        codec = common_codec(caches, owner=f"{cls.kind}.stack")
+        return cls(caches[0].max_size, len(caches), codec=codec)
 
     @classmethod
-    def stack(cls, caches: Sequence[RotatingBase]) -> StackedRotatingKVCache:
+    def stack(cls, caches: Sequence[RotatingKVCache]) -> StackedRotatingKVCache:
         """The batch whose row ``i`` decodes exactly as ``caches[i]`` alone."""
         if not caches:
             raise CacheError(f"{cls.kind}.stack: no caches given", fix="pass at least one cache")
@@ -446,11 +450,11 @@ class StackedRotatingKVCache:
             )
         out = cls._new_like(caches)
         rows = [_row_slots(c) for c in caches]
-        filled = [r for r in rows if r[0] is not None]
+        filled = [(k, v) for k, v, _, _ in rows if k is not None and v is not None]
         if filled:
-            S = max(max(buf.seq_len(r[0]) for r in filled), max(r[3] for r in rows) + 1)
+            S = max(max(buf.seq_len(k) for k, _ in filled), max(r[3] for r in rows) + 1)
             S = min(S, out.max_size)
-            ref_k, ref_v = filled[0][0], filled[0][1]
+            ref_k, ref_v = filled[0]
             out.keys = _cat_rows([_padded(r[0], ref_k, 1, S) for r in rows])
             out.values = _cat_rows([_padded(r[1], ref_v, 1, S) for r in rows])
         out._count = [r[2] for r in rows]
@@ -478,21 +482,17 @@ class StackedRotatingKVCache:
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        """``(max_size, counts, next slots)``: counts and slots comma-separated."""
+        """``(max_size, counts, next slots)`` (counts and slots comma-separated), then the codec."""
         return (
             str(self.max_size),
             ",".join(map(str, self._count)),
             ",".join(map(str, self._next)),
+            *self._codec_meta(),
         )
 
     @classmethod
-    def _from_meta(cls, meta_state: Sequence[str], n_meta: int) -> tuple[Any, list[int], list[int]]:
-        if not isinstance(meta_state, (list, tuple)) or len(meta_state) != n_meta:
-            raise CacheError(
-                f"{cls.kind}.from_state: meta_state must hold {n_meta} strings; "
-                f"found {meta_state!r}",
-                fix="recreate the cache state with this version of mlx-loom",
-            )
+    def _from_meta(cls, meta_state: Sequence[str]) -> tuple[Any, list[int], list[int], Any]:
+        meta_state, codec = split_meta(meta_state, 3, owner=cls.kind)
         try:
             counts = [int(x) for x in meta_state[1].split(",") if x]
             nexts = [int(x) for x in meta_state[2].split(",") if x]
@@ -507,18 +507,20 @@ class StackedRotatingKVCache:
                 f"{cls.kind}.from_state: {len(counts)} row counts but {len(nexts)} next slots",
                 fix="recreate the cache state with this version of mlx-loom",
             )
-        return meta_state, counts, nexts
+        return meta_state, counts, nexts, codec
 
     @classmethod
     def from_state(
         cls, state: Sequence[mx.array], meta_state: Sequence[str]
     ) -> StackedRotatingKVCache:
-        arrays = buf.check_state_len(state, (0, 2), owner=cls.kind)
-        meta, counts, nexts = cls._from_meta(meta_state, 3)
+        meta, counts, nexts, codec = cls._from_meta(meta_state)
         (max_size,) = buf.parse_meta(meta[:1], ("max_size",), owner=cls.kind)
-        cache = cls(max_size, len(counts))
+        cache = cls(max_size, len(counts), codec=codec)
+        n = cache._codec.leaves
+        arrays = buf.check_state_len(state, (0, 2 * n), owner=cls.kind)
         if arrays:
-            cache.keys, cache.values = arrays
+            cache.keys = arrays[0] if n == 1 else tuple(arrays[:n])
+            cache.values = arrays[1] if n == 1 else tuple(arrays[n:])
         cache._count, cache._next = counts, nexts
         return cache
 
@@ -526,81 +528,13 @@ class StackedRotatingKVCache:
         return f"{self.kind}(max_size={self.max_size}, rows={self.batch_size})"
 
 
-class StackedQuantizedRotatingKVCache(StackedRotatingKVCache):
-    """:class:`StackedRotatingKVCache` over affine-quantized keys/values."""
-
-    kind: ClassVar[str] = "StackedQuantizedRotatingKVCache"
-    _single: ClassVar[type[RotatingBase]] = QuantizedRotatingKVCache
-
-    def __init__(self, max_size: int, rows: int = 0, *, group_size: int = 64, bits: int = 8):
-        super().__init__(max_size, rows)
-        self._codec = buf.AffineCodec(group_size, bits, owner=self.kind)  # type: ignore[misc]
-
-    @property
-    def group_size(self) -> int:
-        return self._codec.group_size  # type: ignore[return-value]
-
-    @property
-    def bits(self) -> int:
-        return self._codec.bits  # type: ignore[return-value]
-
-    def _empty_single(self) -> RotatingBase:
-        return QuantizedRotatingKVCache(
-            self.max_size, 0, group_size=self.group_size, bits=self.bits
-        )
-
-    def _compatible(self, other: Any) -> None:
-        super()._compatible(other)
-        if (other.group_size, other.bits) != (self.group_size, self.bits):
-            raise CacheError(
-                f"{self.kind}.extend: rows quantized with group_size={other.group_size}, "
-                f"bits={other.bits} cannot join rows with group_size={self.group_size}, "
-                f"bits={self.bits}",
-                fix="batch only rows quantized the same way",
-            )
-
-    @classmethod
-    def _new_like(cls, caches: Sequence[RotatingBase]) -> StackedQuantizedRotatingKVCache:
-        widths = {(c.group_size, c.bits) for c in caches}  # type: ignore[attr-defined]
-        if len(widths) > 1:
-            raise CacheError(
-                f"{cls.kind}.stack: the caches are quantized differently {sorted(widths)}",
-                fix="stack only caches quantized with the same group_size and bits",
-            )
-        group_size, bits = widths.pop()
-        return cls(caches[0].max_size, len(caches), group_size=group_size, bits=bits)
-
-    @property
-    def meta_state(self) -> tuple[str, ...]:
-        """``(max_size, counts, next slots, group_size, bits)``."""
-        return (*super().meta_state, str(self.group_size), str(self.bits))
-
-    @classmethod
-    def from_state(
-        cls, state: Sequence[mx.array], meta_state: Sequence[str]
-    ) -> StackedQuantizedRotatingKVCache:
-        arrays = buf.check_state_len(state, (0, 6), owner=cls.kind)
-        meta, counts, nexts = cls._from_meta(meta_state, 5)
-        max_size, group_size, bits = buf.parse_meta(
-            (meta[0], meta[3], meta[4]), ("max_size", "group_size", "bits"), owner=cls.kind
-        )
-        cache = cls(max_size, len(counts), group_size=group_size, bits=bits)
-        if arrays:
-            cache.keys, cache.values = tuple(arrays[:3]), tuple(arrays[3:])
-        cache._count, cache._next = counts, nexts
-        return cache
-
-
 # --- helpers ----------------------------------------------------------------------
 
 
 def _scatter(buffer: buf.Stored, where: mx.array, new: buf.Stored) -> buf.Stored:
     """Write each row's one new slot at that row's own index (``where`` is ``[B,1,1,1]``)."""
-    if isinstance(buffer, tuple):
-        return tuple(
-            mx.put_along_axis(b, where, n, axis=2) for b, n in zip(buffer, new, strict=True)
-        )
-    return mx.put_along_axis(buffer, where, new, axis=2)
+    pairs = zip(buf.leaves(buffer), buf.leaves(new), strict=True)
+    return buf.rebuild(buffer, [mx.put_along_axis(b, where, n, axis=2) for b, n in pairs])
 
 
 def _padded(x: buf.Stored | None, like: buf.Stored, rows: int, slots: int) -> buf.Stored:
@@ -614,9 +548,9 @@ def _padded(x: buf.Stored | None, like: buf.Stored, rows: int, slots: int) -> bu
 
 
 def _cat_rows(parts: Sequence[buf.Stored]) -> buf.Stored:
-    if isinstance(parts[0], tuple):
-        return tuple(mx.concatenate(list(group)) for group in zip(*parts, strict=True))
-    return mx.concatenate(list(parts))
+    """Concatenate stored buffers along the batch axis."""
+    groups = zip(*(buf.leaves(p) for p in parts), strict=True)
+    return buf.rebuild(parts[0], [mx.concatenate(list(g)) for g in groups])
 
 
 def _check_rows(rows: Sequence[int], size: int, *, owner: str) -> list[int]:

@@ -29,9 +29,9 @@ generator), so a saved cache decodes identically in any later process.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import mlx.core as mx
 
@@ -55,6 +55,11 @@ TURBOQUANT_BITS = (3, 4)
 
 #: Head sizes ``mx.hadamard_transform`` handles: ``m * 2**k`` for these ``m``.
 _HADAMARD_FACTORS = (1, 12, 20, 28)
+#: The ``m`` whose transform matrix is symmetric, hence its own inverse once
+#: normalised (Sylvester's for 1, MLX's 12 as well); MLX's 20 and 28 are
+#: orthogonal but not symmetric (checked on MLX 0.32.4 against the matrix the
+#: transform applies to the identity), so their inverse is the transpose.
+_SYMMETRIC_FACTORS = (1, 12)
 
 
 def _phi(x: float) -> float:
@@ -128,11 +133,21 @@ def check_bits(bits: Any, *, owner: str) -> int:
     return int(bits)
 
 
+def hadamard_factor(D: int) -> int | None:
+    """The ``m`` with ``D = m * 2**k`` that ``mx.hadamard_transform`` needs, or ``None``.
+
+    Each candidate ``m`` is tried whole: dividing out every factor 2 first
+    would take 24 = 12 * 2 down to 3 and refuse it.
+    """
+    for m in _HADAMARD_FACTORS:
+        rest, remainder = divmod(D, m)
+        if D >= 2 and remainder == 0 and rest & (rest - 1) == 0:
+            return m
+    return None
+
+
 def check_head_dim(D: int, *, owner: str) -> None:
-    m = D
-    while m % 2 == 0 and m > 1:
-        m //= 2
-    if D < 2 or m not in _HADAMARD_FACTORS:
+    if hadamard_factor(D) is None:
         raise CapabilityRefused(
             f"{owner}: head dimension {D} has no fast Walsh–Hadamard transform "
             "(TurboQuant needs m * 2^k with m in 1, 12, 20, 28)",
@@ -143,16 +158,42 @@ def check_head_dim(D: int, *, owner: str) -> None:
 class TurboQuantCodec:
     """Encodes keys (int8 + scale) and values (rotated, Lloyd–Max ``bits`` wide)."""
 
-    codec: ClassVar[str] = "turboquant"
+    codec: ClassVar[str | None] = "turboquant"
+    leaves: ClassVar[int] = 2
     group_size: ClassVar[None] = None
+    #: The widths a request may ask for, and the one ``kv_codec="turboquant"`` alone gets.
+    widths: ClassVar[tuple[int, ...]] = TURBOQUANT_BITS
+    default_bits: ClassVar[int] = 4
 
-    def __init__(self, bits: int, *, owner: str) -> None:
+    def __init__(self, bits: int, *, owner: str = "TurboQuant KV codec") -> None:
         self.bits = check_bits(bits, owner=owner)
         self.owner = owner
         # Arrays are made on first use, on the thread that encodes (a request
         # checked on a caller's thread builds caches but never encodes).
         self._tables: tuple[mx.array, mx.array] | None = None
         self._sign_cache: dict[int, mx.array] = {}
+        self._inverse_cache: dict[int, mx.array] = {}
+
+    @classmethod
+    def for_request(cls, *, bits: int, group_size: int) -> TurboQuantCodec:
+        return cls(bits)
+
+    def meta(self) -> tuple[str, ...]:
+        """``(bits,)`` as a decimal string."""
+        return (str(self.bits),)
+
+    @classmethod
+    def from_meta(cls, meta: Sequence[str], *, owner: str) -> TurboQuantCodec:
+        (bits,) = state_bits(meta, ("bits",), owner=owner)
+        return cls(bits, owner=owner)
+
+    @property
+    def key(self) -> Hashable:
+        """Equal for two codecs whose stored slots may share one buffer (rows of a batch)."""
+        return (type(self), self.meta())
+
+    def describe(self) -> str:
+        return f"turboquant {self.bits}"
 
     @property
     def _levels(self) -> mx.array:
@@ -184,9 +225,22 @@ class TurboQuantCodec:
         return mx.hadamard_transform(x.astype(mx.float32) * self._sign(D), scale=D**-0.5)
 
     def unrotate(self, y: mx.array) -> mx.array:
-        """``R^T y = s ⊙ (H y / sqrt(D))`` (the normalised H is symmetric and its own inverse)."""
+        """``R^T y = s ⊙ (H^T y / sqrt(D))``.
+
+        Where H is symmetric (``D = 2^k`` or ``12 * 2^k``) the transform is its
+        own inverse; otherwise ``H^T`` is applied as a ``D x D`` product, on
+        the ``L`` output vectors of a step only (deferred-V).
+        """
         D = y.shape[-1]
-        return mx.hadamard_transform(y.astype(mx.float32), scale=D**-0.5) * self._sign(D)
+        sign = self._sign(D)
+        if hadamard_factor(D) in _SYMMETRIC_FACTORS:
+            return mx.hadamard_transform(y.astype(mx.float32), scale=D**-0.5) * sign
+        if D not in self._inverse_cache:
+            # Row i of ``forward`` is the transform of e_i, so T(x) = x @ forward
+            # and its inverse is ``@ forward.T / D``.
+            forward = mx.hadamard_transform(mx.eye(D, dtype=mx.float32), scale=1.0)
+            self._inverse_cache[D] = forward.T * D**-0.5
+        return (y.astype(mx.float32) @ self._inverse_cache[D]) * sign
 
     # --- keys -----------------------------------------------------------------------
 
@@ -253,7 +307,7 @@ class TurboQuantCodec:
     def quantize_stored_values(self, x: Stored) -> Stored:
         return self.encode_values(_plain(x, self.owner))
 
-    def view(self, keys: Stored, values: Stored, *, head_dim: int | None = None) -> TurboQuantView:
+    def view(self, keys: Any, values: Any, *, head_dim: int | None = None) -> TurboQuantView:
         D = keys[0].shape[-1] if head_dim is None else head_dim
         return TurboQuantView(keys, values, self, D)
 
@@ -288,10 +342,6 @@ class TurboQuantView:
             queries, k, v, scale=scale, mask=single_mask(mask), sinks=sinks
         )
         return self.codec.unrotate(out).astype(dtype)
-
-
-def refuse_padded_batch(kind: str) -> NoReturn:
-    buf.refuse_padded_batch(kind, codec="TurboQuant", option="kv_codec")
 
 
 def state_bits(meta_state: Sequence[str], names: Sequence[str], *, owner: str) -> list[int]:

@@ -44,7 +44,7 @@ __all__ = [
 #: 128K-token context is ~0.5 MB of text); it bounds memory for a wrong or
 #: hostile file before the JSON parser sees it.
 MAX_CONVERSATION_BYTES = 16 * 1024 * 1024
-FORMAT = "mlx-loom-chat"
+FORMAT: Literal["mlx-loom-chat"] = "mlx-loom-chat"
 
 
 class ChatMessage(BaseModel):

@@ -7,9 +7,11 @@ The flags are ``mlx_lm.convert``'s, so its commands work unchanged; see
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
-from ..artifacts import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from ..artifacts import INDEX_FILE, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from ..convert import DTYPES, MODES, RECIPES, convert
 from ..errors import Refusal
 from .fuse_cmd import describe_output
@@ -94,4 +96,29 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     print(describe_output(path), file=sys.stderr)
+    if args.quantize:
+        note = nothing_packed_note(path)
+        if note:
+            print(note, file=sys.stderr)
     return 0
+
+
+def nothing_packed_note(path: Path) -> str | None:
+    """A note when ``-q`` packed no module, or ``None``.
+
+    Like ``mlx_lm.convert``, a module whose input width is not a multiple of
+    the group size stays dense; when that is every module, the output declares
+    quantization and holds only dense weights. It loads (a module is quantized
+    exactly when its scales are present) but is not what ``-q`` was asked for.
+    """
+    names = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    if any(name.endswith(".scales") for name in names):
+        return None
+    spec = json.loads((path / "config.json").read_text()).get("quantization") or {}
+    group = spec.get("group_size")
+    smallest = min(SUPPORTED_GROUP_SIZES)
+    hint = f"; --q-group-size {smallest} may pack them" if group != smallest else ""
+    return (
+        f"loom: note: no module was quantized: no weight's input width is a multiple of "
+        f"group size {group}, so every weight stays dense (as mlx_lm.convert does){hint}"
+    )

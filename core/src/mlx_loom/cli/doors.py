@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlx_loom.engine.lockstep_service import lockstep_of
 from mlx_loom.errors import ParallelRefused
 from mlx_loom.parallel.build import MODES
 
@@ -75,7 +76,7 @@ def shared_input(model: Model, read: Callable[[], Any]) -> Any:
     """
     if model.parallel is None:
         return read()
-    engine = model.engine
+    engine = lockstep_of(model)
     if not model.parallel.leader:
         message = engine.share()
         if "failed" in message:
@@ -117,7 +118,7 @@ def finish(model: Model) -> str | None:
     info = model.parallel
     if info is None:
         return None
-    figures = model.engine.gather([float(mx.get_peak_memory()), float(info.weight_bytes)])
+    figures = lockstep_of(model).gather([float(mx.get_peak_memory()), float(info.weight_bytes)])
     peaks = ", ".join(f"{peak / 1e9:.3f}" for peak, _ in figures)
     weights = ", ".join(f"{w / 1e9:.3f}" for _, w in figures)
     return (

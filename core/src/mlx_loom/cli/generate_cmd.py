@@ -12,6 +12,9 @@ from typing import Any
 
 from ..assets import BUNDLED_MODEL_ALIAS
 from ..cache import resolve_kv_codec
+from ..engine.constraints import MAX_SOURCE_BYTES
+from ..engine.kv_groups import kv_group_size_for
+from ..errors import RequestError, UsageError
 from ..generation import stream_generate
 from ..loader import load
 from ..model import Model
@@ -34,8 +37,6 @@ TEMPLATE_MAX_OUTPUT = flags.integer(
     valid="a number of characters >= 1",
     fix="pass a size such as {flag} 4194304",
 )
-#: The group size mlx-lm and the API default to; the CLI prefers it when it fits.
-PREFERRED_KV_GROUP_SIZE = 64
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -169,61 +170,16 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def model_head_dims(model: Model) -> set[int]:
-    """The attention head sizes ``config.json`` declares (what KV groups must divide).
-
-    Read from ``head_dim`` and ``global_head_dim`` (Gemma 4's full-attention
-    layers), else ``hidden_size / num_attention_heads`` — the sizes the
-    families' key/value caches hold.
-    """
-    text = model.config.text_config()
-    dims = {v for k in ("head_dim", "global_head_dim") if isinstance(v := text.get(k), int)}
-    hidden, heads = text.get("hidden_size"), text.get("num_attention_heads")
-    if not dims and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
-        dims.add(hidden // heads)
-    return {d for d in dims if d > 0}
-
-
 def kv_group_size(args: argparse.Namespace, model: Model) -> int:
-    """The KV quantization group size: the user's, else the preferred one that fits.
-
-    mlx-lm always defaults to 64, which fails on models with 32-wide heads
-    (the bundled model among them); a default that cannot work is not a
-    default. An explicit ``--kv-group-size`` is checked, never replaced.
-    """
-    dims = model_head_dims(model)
-    if getattr(args, "kv_codec", None) not in (None, "affine"):
-        # Only affine storage groups values; other codecs ignore the size.
-        return args.kv_group_size if args.kv_group_size is not None else PREFERRED_KV_GROUP_SIZE
-    if args.kv_group_size is not None:
-        if args.kv_bits is not None:
-            bad = sorted(d for d in dims if d % args.kv_group_size)
-            if bad:
-                raise usage_error(
-                    "--kv-group-size",
-                    f"{args.kv_group_size} does not divide this model's head dimension "
-                    f"({', '.join(map(str, bad))})",
-                    _group_fix(dims),
-                )
-        return args.kv_group_size
-    if args.kv_bits is None:
-        return PREFERRED_KV_GROUP_SIZE
-    for size in (PREFERRED_KV_GROUP_SIZE, 32):  # 128 only ever fits where 64 does
-        if all(d % size == 0 for d in dims):
-            return size
-    raise usage_error(
-        "--kv-bits",
-        f"this model's head dimension ({', '.join(map(str, sorted(dims)))}) is not a "
-        "multiple of any KV quantization group size (32, 64 or 128)",
-        "omit --kv-bits for this model",
-    )
-
-
-def _group_fix(dims: set[int]) -> str:
-    fits = [s for s in (32, 64, 128) if all(d % s == 0 for d in dims)]
-    if fits:
-        return f"pass --kv-group-size {fits[-1]}, or omit it to pick one that fits"
-    return "omit --kv-bits for this model: no KV group size divides its head dimension"
+    """The KV quantization group size: the engine's one rule (:mod:`mlx_loom.engine.kv_groups`),
+    applied once the model is known, its refusal spoken in flags (exit 2)."""
+    try:
+        return kv_group_size_for(
+            model, args.kv_group_size, kv_bits=args.kv_bits, kv_codec=args.kv_codec
+        )
+    except RequestError as err:
+        fix = flags.speak_flags(err.fix) if err.fix else None
+        raise UsageError(flags.speak_flags(err.message), fix=fix) from None
 
 
 def sampling_kwargs(args: argparse.Namespace, model: Model) -> dict[str, Any]:
@@ -318,9 +274,45 @@ def register(sub: argparse._SubParsersAction) -> None:
         "default: the whole context)",
     )
     parser.add_argument("--verbose", action="store_true", help="also show what was resolved")
+    structured = parser.add_argument_group("structured output")
+    structured.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="hold the output to the JSON schema in FILE (enforced while decoding)",
+    )
+    structured.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="hold the output to the grammar in FILE: Lark, or llama.cpp's GBNF",
+    )
     add_speculation_options(parser)
     add_sampling_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
+
+
+def constraint_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``response_format=`` / ``grammar=`` from --json-schema / --grammar (one of them)."""
+    if args.json_schema is not None and args.grammar is not None:
+        raise usage_error(
+            "--grammar",
+            "both --json-schema and --grammar were given; the output follows one",
+            "pass one of them",
+        )
+    flag, path = ("--grammar", args.grammar)
+    if args.json_schema is not None:
+        flag, path = "--json-schema", args.json_schema
+    if path is None:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(MAX_SOURCE_BYTES + 1)
+    except (OSError, UnicodeDecodeError) as err:
+        raise usage_error(
+            flag, f"{path} could not be read ({err})", "pass a readable text file"
+        ) from None
+    if flag == "--grammar":
+        return {"grammar": text}
+    return {"response_format": {"type": "json_schema", "json_schema": {"schema": text}}}
 
 
 def prompt_from_args(args: argparse.Namespace) -> str:
@@ -367,6 +359,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         ids = prompt
     options.update(speculation_kwargs(args))
+    options.update(constraint_kwargs(args))
     last = None
     for last in stream_generate(model, tokenizer, ids, **options):
         print(last.text, end="", flush=True)

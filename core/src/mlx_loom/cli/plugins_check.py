@@ -13,7 +13,7 @@ import json
 import sys
 
 from ..host import PluginHost
-from ..host._advice import allow_plugin_fix
+from ..host._advice import allow_plugin_fix, quarantine_fix
 
 EXIT_OK, EXIT_FAILED, EXIT_UNAVAILABLE = 0, 1, 3
 
@@ -35,8 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..testing.conformance import run_conformance  # start-up: the kit imports pytest
 
-    # Respect the host policy: a plugin this environment blocks is reported as
-    # such, not checked behind the user's back.
+    # Respect the host as this environment builds it: a plugin it blocks or
+    # quarantines (a collision with another installed plugin among the causes)
+    # is reported as such, not checked alone behind the user's back.
     host = PluginHost()
     record = host.record(args.name)
     if record is not None and record.status == "blocked":
@@ -44,6 +45,13 @@ def run(args: argparse.Namespace) -> int:
             args,
             f"plugin {args.name!r} is {record.reason}",
             allow_plugin_fix(args.name, host.policy),
+        )
+    if record is not None and record.status == "quarantined":
+        return _unavailable(
+            args,
+            f"plugin {args.name!r} ({record.distribution} {record.version}) is quarantined: "
+            f"{record.reason}",
+            quarantine_fix(record, host),
         )
     report = run_conformance(args.name)
     if not report.available:

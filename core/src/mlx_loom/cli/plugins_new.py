@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import RequestError
+from ..host import PluginHost
 
 TEMPLATE_PACKAGE = "mlx_loom.testing"
 TEMPLATE_DIR = "template"
@@ -102,7 +103,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run, _parser=parser)
 
 
+def refuse_claimed_model_type(name: str) -> None:
+    """Refuse ``name`` when an installed plugin already claims it as a model type.
+
+    The new plugin claims the model type ``name``; installed beside a plugin
+    that claims it too, the host quarantines both (and the other family's
+    checkpoints stop loading).
+    """
+    for record in PluginHost().records:
+        if name in record.registers.get("model_types", ()):
+            raise RequestError(
+                f"model_type {name!r} is already claimed by plugin {record.name!r} "
+                f"({record.distribution}): a plugin claiming it too would quarantine both.",
+                fix=f"Choose another name (e.g. '{name}_custom'); to tune how {name!r} "
+                "checkpoints run, write an implementation-only plugin (docs/plugin-authors.md).",
+            )
+
+
 def run(args: argparse.Namespace) -> int:
+    check_name(args.name)
+    refuse_claimed_model_type(args.name)
     written = write_plugin_package(args.name, args.path)
     root = Path(args.path)
     values = placeholders(args.name)

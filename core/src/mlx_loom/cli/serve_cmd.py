@@ -11,6 +11,7 @@ from typing import Any
 from ..adapters import AdapterSet
 from ..assets import BUNDLED_MODEL_NAME
 from ..bounded_json import REQUEST_JSON, parse_json
+from ..cache import resolve_kv_codec
 from ..engine import EngineSettings
 from ..engine.settings import (
     DEFAULT_DECODE_CONCURRENCY,
@@ -20,13 +21,21 @@ from ..engine.settings import (
 )
 from ..errors import RequestError
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
+from ..serve.server import DEFAULT_SHUTDOWN_GRACE
 from ..serve.adapters import parse_adapter_specs
-from ..serve.app import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_QUEUED, server_engine_settings
+from ..serve.app import (
+    DEFAULT_MAX_PROMPT_CHARS,
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_MAX_RESPONSE_ENTRIES,
+    ServeApp,
+    server_engine_settings,
+)
 from ..serve.connection import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
     DEFAULT_WRITE_TIMEOUT,
 )
 from ..serve.prepare import DEFAULT_THREADS
@@ -224,6 +233,21 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="most bytes of prompt caches kept, e.g. 2GB (default: no byte bound)",
     )
     group.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="also keep prompt caches in DIR: entries evicted from memory, and all of them at "
+        "shutdown, are written there and serve later requests and restarted servers",
+    )
+    group.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="most bytes of prompt-cache files kept in --prompt-cache-dir, e.g. 20GB "
+        "(default: no byte bound)",
+    )
+    group.add_argument(
         "--queue-size",
         type=_count("--queue-size", 0, "requests that may wait for a row", 64),
         default=DEFAULT_MAX_QUEUED,
@@ -240,6 +264,8 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         prefill_step_size=args.prefill_step_size,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
         max_queued=args.queue_size,
     )
 
@@ -262,6 +288,14 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         help="longest prompt in tokens (default: the model's context)",
     )
     prompts.add_argument(
+        "--max-response-entries",
+        type=_count("--max-response-entries", 1, "entries", DEFAULT_MAX_RESPONSE_ENTRIES),
+        default=DEFAULT_MAX_RESPONSE_ENTRIES,
+        metavar="N",
+        help="most token entries one answer may ask for: max_tokens x n x (1 + logprobs) "
+        f"(default: {DEFAULT_MAX_RESPONSE_ENTRIES})",
+    )
+    prompts.add_argument(
         "--tokenizer-threads",
         type=_count("--tokenizer-threads", 1, "threads", DEFAULT_THREADS),
         default=DEFAULT_THREADS,
@@ -277,6 +311,16 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="connections served at once; more are answered 503 and closed "
         f"(default: {DEFAULT_MAX_CONNECTIONS})",
+    )
+    conns.add_argument(
+        "--max-connections-per-client",
+        type=_count(
+            "--max-connections-per-client", 1, "connections from one address", 64
+        ),
+        default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+        metavar="N",
+        help="connections one client address may hold; behind a reverse proxy, raise it to "
+        f"--max-connections (default: {DEFAULT_MAX_CONNECTIONS_PER_CLIENT})",
     )
     for flag, default, what in (
         ("--idle-timeout", DEFAULT_IDLE_TIMEOUT, "close a connection that sends no request for"),
@@ -295,6 +339,20 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
             metavar="SECONDS",
             help=f"{what} this many seconds (default: {default:g})",
         )
+    conns.add_argument(
+        "--shutdown-grace",
+        type=flags.finite(
+            "--shutdown-grace",
+            check=lambda v: v >= 0,
+            valid="a number of seconds >= 0",
+            fix=f"pass a number of seconds, e.g. {{flag}} {DEFAULT_SHUTDOWN_GRACE:g}",
+        ),
+        default=DEFAULT_SHUTDOWN_GRACE,
+        metavar="SECONDS",
+        help="on SIGTERM, stop accepting and let requests in flight run this long before "
+        "their answers are ended (an error event, then [DONE]); SIGINT ends them at once "
+        f"(default: {DEFAULT_SHUTDOWN_GRACE:g})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -330,8 +388,10 @@ def run(args: argparse.Namespace) -> int:
         kv_codec=args.kv_codec,
         max_prompt_chars=args.max_prompt_chars,
         max_prompt_tokens=args.max_prompt_tokens,
+        max_response_entries=args.max_response_entries,
         tokenizer_threads=args.tokenizer_threads,
         max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
         idle_timeout=args.idle_timeout,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
@@ -356,10 +416,30 @@ def run(args: argparse.Namespace) -> int:
         f"loom: tool calls: {tools} ({fmt.tool_parser_reason}); reasoning: {reasoning}",
         file=sys.stderr,
     )
+    print(decoding_line(server.app, args.draft_model), file=sys.stderr)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-    finally:
+        server.serve_until_signalled(args.shutdown_grace)
+    except KeyboardInterrupt:  # a second signal while draining: do not wait
         server.stop()
+        return 1
     return 0
+
+
+def decoding_line(app: ServeApp, draft_model: str | None) -> str:
+    """The banner line naming the draft and the KV cache storage every request gets."""
+    spec = app.speculation
+    if spec is None:
+        draft = "none"
+    else:
+        who = "ngram (prompt lookup)" if spec.draft is None else f"{draft_model} (draft model)"
+        draft = f"{who}, {spec.num_draft} tokens a step"
+        if app.adapters is not None:
+            draft += "; adapter requests do not draft"
+    kv, kinds = app.kv, app.model.binding.cache_kinds
+    codec, bits = resolve_kv_codec(kv["kv_codec"], kv["kv_bits"], kinds=kinds)
+    if codec is None:
+        cache = "plain"
+    else:
+        group = f", group {kv['kv_group_size']}" if codec.name == "affine" else ""
+        cache = f"{codec.name} {bits}-bit{group}, from token {kv['quantized_kv_start']}"
+    return f"loom: draft: {draft}; KV cache: {cache}"

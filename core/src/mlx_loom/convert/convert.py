@@ -51,7 +51,7 @@ def load_lazily(source: str | os.PathLike[str], **host_options: Any):
     what the checkpoint holds, transformed only as asked.
     """
     options = {"compute_dtype": "checkpoint", "cpu_kernels": "cpu-ops", **host_options}
-    resolved = resolve_model(source, **options)
+    resolved = resolve_model(os.fspath(source), **options)
     return build_model(resolved, lazy=True), resolved
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -41,7 +41,8 @@ def fused_tensors(module, *, dequantize: bool = False) -> dict[str, mx.array]:
     adapted = dict(adapted_layers(module))
     written: set[str] = set()
     out: dict[str, mx.array] = {}
-    for name, value in tree_flatten(module.parameters()):
+    flat = cast(list[tuple[str, mx.array]], tree_flatten(module.parameters()))
+    for name, value in flat:
         owner = next((p for p in adapted if name.startswith(p + ".")), None)
         if owner is None:
             out[name] = value

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_loom.artifacts import CONFIG_FILE, hub_offline, parse_repo_ref
+from mlx_loom.artifacts.staging import remove_orphans, temp_name
 from mlx_loom.artifacts.writer import MAX_SHARD_BYTES, write_weights
 from mlx_loom.errors import ConvertError, HubRefused
 
@@ -191,8 +191,15 @@ def write_model(
     if max_shard_bytes is None:
         max_shard_bytes = MAX_SHARD_BYTES
     check_destination(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        # Staging directories of a run that was killed (kill -9) are removed
+        # here, by the next run to the same target (mlx_loom.artifacts.staging).
+        remove_orphans(dst.parent, _staging_prefix(dst))
+        staging = dst.parent / temp_name(_staging_prefix(dst))
+        staging.mkdir()
+    except OSError as err:
+        raise _write_failed(dst, err) from None
     try:
         total = sum(int(a.nbytes) for a in tensors.values())
         bar = _Progress(total, desc, progress)
@@ -204,10 +211,27 @@ def write_model(
         copy_tokenizer_files(source_dir, staging)
         (staging / "README.md").write_text(model_card(base_model))
         os.replace(staging, dst)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(err, OSError):  # the files are written by Python (artifacts.writer)
+            raise _write_failed(dst, err) from None
         raise
     return dst
+
+
+def _staging_prefix(dst: Path) -> str:
+    return f".{dst.name}.partial-"
+
+
+def _write_failed(dst: Path, err: BaseException) -> ConvertError:
+    """A write that failed (a full disk, no permission) as one clean error."""
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+    return ConvertError(
+        f"cannot write the converted model to {str(dst)!r}: {reason} (nothing was left at "
+        f"{str(dst)!r}; the partial output was removed)",
+        fix="free space on that disk (the output needs about the size of the converted "
+        "weights), or choose another output directory",
+    )
 
 
 def upload(path: Path, repo: str) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -141,7 +141,7 @@ class CompiledStep:
             return False
         first = cache[0]
         for c in cache:
-            if type(c) is not KVCache or c.keys is None:
+            if type(c) is not KVCache or not c.plain or not isinstance(c.keys, mx.array):
                 return False
             if c.offset != first.offset or c.offset >= c.keys.shape[2]:
                 return False
@@ -150,7 +150,10 @@ class CompiledStep:
     def __call__(self, inputs: mx.array, cache: Sequence[KVCache]) -> mx.array:
         offset = mx.array(cache[0].offset, dtype=mx.int32)
         logits, keys, values = self._compiled(
-            inputs, offset, [c.keys for c in cache], [c.values for c in cache]
+            inputs,
+            offset,
+            [cast(mx.array, c.keys) for c in cache],  # plain: one array each (applies())
+            [cast(mx.array, c.values) for c in cache],
         )
         for c, k, v in zip(cache, keys, values, strict=True):
             c.keys, c.values = k, v

@@ -28,7 +28,8 @@ NATIVE_KERNEL_SETS = frozenset({"cpu-native", "cpu-native-int8-act"})
 @functools.cache
 def _load() -> tuple[ModuleType | None, str]:
     try:
-        from . import _native  # optional: built only on x86-64 Linux; its absence is reported
+        # optional: built only on x86-64 Linux; its absence is reported
+        from . import _native  # type: ignore[attr-defined]  # compiled; no stub
     except ImportError as err:
         if sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64"):
             why = (

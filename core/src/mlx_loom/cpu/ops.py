@@ -59,8 +59,22 @@ MAX_NORM_WIDTH = 16384
 MAX_ROPE_WIDTH = 4096
 
 
-def _offsets(offset: int | mx.array) -> mx.array:
+_INT32_MAX = 2**31 - 1
+
+
+def _offsets(offset: int | mx.array, length: int) -> mx.array:
+    """RoPE offsets as the kernel takes them (int32 ``[1]`` or ``[B]``).
+
+    A Python offset is checked here: positions ``offset .. offset + length - 1``
+    must lie in ``0..2**31 - 1`` (MLX cannot even hold a larger one in int32).
+    The kernel binding checks array offsets that hold data the same way.
+    """
     if isinstance(offset, int):
+        if offset < 0 or offset + max(length, 1) - 1 > _INT32_MAX:
+            raise ValueError(
+                f"[loom native kernels] rope's offset {offset} with {length} positions is "
+                f"out of range: positions must lie in 0..{_INT32_MAX}."
+            )
         return mx.array([offset], dtype=mx.int32)
     return offset.astype(mx.int32).reshape(-1)
 
@@ -86,8 +100,9 @@ class NativeRoPE(nn.RoPE):
         self._inv_freq = 1.0 / (mx.array(self.base, mx.float32) ** exponents)
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        offsets = _offsets(offset, x.shape[-2])
         return native.module().rope(
-            x, self.dims, self.traditional, self._inv_freq, float(self.scale), _offsets(offset)
+            x, self.dims, self.traditional, self._inv_freq, float(self.scale), offsets
         )
 
 
@@ -103,7 +118,7 @@ class NativeFreqsRoPE(FreqsRoPE):
         if self.input_scale != 1.0:
             x = x.at[..., : self.dims].multiply(self.input_scale)
         return native.module().rope(
-            x, self.dims, self.traditional, self._inv_freq, 1.0, _offsets(offset)
+            x, self.dims, self.traditional, self._inv_freq, 1.0, _offsets(offset, x.shape[-2])
         )
 
 

@@ -11,13 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from mlx_loom.cache import (
-    KVCache,
-    QuantizedKVCache,
-    QuantizedRotatingKVCache,
-    RecurrentCache,
-    RotatingKVCache,
-)
+from mlx_loom.cache.convert import convertible
 from mlx_loom.errors import CapabilityRefused
 
 if TYPE_CHECKING:
@@ -27,10 +21,11 @@ if TYPE_CHECKING:
 def fresh_caches(model: Model, max_kv_size: int | None) -> list[Any]:
     """The model's own caches, each attention layer bounded to ``max_kv_size`` if given.
 
-    ``max_kv_size`` turns a full cache into a sliding window of that many
-    tokens (``keep=0``: no leading "sink" tokens are pinned, so rows stay
-    batchable) and narrows a wider window; recurrent state does not grow and
-    is left as it is. A cache kind that cannot be bounded is refused — never
+    Each cache is asked for its bounded form (``cache.bounded(max_kv_size)``):
+    a full cache becomes a sliding window of that many tokens in the same
+    codec (``keep=0``: no leading "sink" tokens are pinned, so rows stay
+    batchable), a wider window narrows, and recurrent state, which does not
+    grow, is left as it is. A cache kind that cannot be bounded is refused — never
     left unbounded while the caller believes otherwise (mlx-lm ignores
     ``max_kv_size`` for every model that makes its own caches).
     """
@@ -41,24 +36,15 @@ def fresh_caches(model: Model, max_kv_size: int | None) -> list[Any]:
 
 
 def _bounded(cache: Any, n: int) -> Any:
-    kind = type(cache)
-    if kind is RecurrentCache:
-        return cache
-    if kind is KVCache:
-        return RotatingKVCache(n, 0)
-    if kind is QuantizedKVCache:
-        return QuantizedRotatingKVCache(n, 0, group_size=cache.group_size, bits=cache.bits)
-    if kind in (RotatingKVCache, QuantizedRotatingKVCache) and cache.keep < min(n, cache.max_size):
-        if cache.max_size <= n:
-            return cache
-        if kind is RotatingKVCache:
-            return RotatingKVCache(n, cache.keep)
-        return QuantizedRotatingKVCache(n, cache.keep, group_size=cache.group_size, bits=cache.bits)
-    raise CapabilityRefused(
-        f"max_kv_size={n} cannot bound a {kind.__name__} cache (this model makes one per layer "
-        "of that kind).",
-        fix="Drop max_kv_size for this model.",
-    )
+    """The cache's own bounded form (:class:`~mlx_loom.cache.protocol.Boundable`)."""
+    bounded = getattr(cache, "bounded", None)
+    if not callable(bounded):
+        raise CapabilityRefused(
+            f"max_kv_size={n} cannot bound a {type(cache).__name__} cache (this model makes one "
+            "per layer of that kind, and the kind has no bounded form).",
+            fix="Drop max_kv_size for this model.",
+        )
+    return bounded(n)
 
 
 def layout(caches: Sequence[Any]) -> tuple[Hashable, ...]:
@@ -95,7 +81,7 @@ def quantization_pending(caches: Sequence[Any], bits: int | None) -> bool:
     its own point (``quantized_kv_start``), which a shared batch cache could
     not do for one row.
     """
-    return bits is not None and any(hasattr(c, "to_quantized") for c in caches)
+    return bits is not None and any(convertible(c) for c in caches)
 
 
 def snapshot(caches: Sequence[Any]) -> list[Any]:

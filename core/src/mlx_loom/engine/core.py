@@ -41,15 +41,18 @@ import mlx.core as mx
 
 from mlx_loom.capabilities import BATCH
 from mlx_loom.engine.caches import fresh_caches
+from mlx_loom.engine.disk import DiskTier
 from mlx_loom.engine.events import Done, Event
 from mlx_loom.engine.group import DecodeGroup, Left
 from mlx_loom.engine.prefill import prefill_step
-from mlx_loom.engine.prefix import PrefixStore
+from mlx_loom.engine.prefix import MAX_CHECKPOINTS_PER_ENTRY, PrefixStore, take_checkpoint
 from mlx_loom.engine.request import Request
 from mlx_loom.engine.row import Row
 from mlx_loom.engine.settings import EngineSettings
+from mlx_loom.engine.splits import ends_chunk, takes_checkpoint
 from mlx_loom.engine.speculative import SpeculativeGroup
-from mlx_loom.errors import LoomError, RequestError
+from mlx_loom.errors import CapabilityRefused, LoomError, RequestError
+from mlx_loom.model import check_token_ids
 from mlx_loom.streams import generation_stream
 
 if TYPE_CHECKING:
@@ -76,6 +79,15 @@ class EngineStats:
     prefix_entries: int = 0
     prefix_bytes: int = 0
     prefix_hits: int = 0
+    prefix_misses: int = 0
+    #: Checkpoints of caches that cannot trim (part of ``prefix_bytes``).
+    prefix_checkpoints: int = 0
+    prefix_checkpoint_bytes: int = 0
+    prefix_checkpoint_hits: int = 0
+    #: The prefix store's disk tier.
+    prefix_disk_bytes: int = 0
+    prefix_disk_files: int = 0
+    prefix_disk_hits: int = 0
     #: Speculative decoding: draft tokens proposed, and how many the target accepted.
     draft_tokens: int = 0
     accepted_drafts: int = 0
@@ -100,7 +112,9 @@ class Engine:
         self._waiting: deque[Row] = deque()
         self._prefilling: list[Row] = []
         self._groups: list[DecodeGroup | SpeculativeGroup] = []
-        self.store = PrefixStore(self.settings.prompt_cache_size, self.settings.prompt_cache_bytes)
+        self.store = PrefixStore(
+            self.settings.prompt_cache_size, self.settings.prompt_cache_bytes, self._disk()
+        )
         self._batchable = BATCH in model.capabilities
         self._counts = dict(
             completed=0,
@@ -117,8 +131,37 @@ class Engine:
 
     def configure(self, settings: EngineSettings) -> None:
         """New scheduling settings, taking effect from the next step."""
-        self.settings = settings
+        old, self.settings = self.settings, settings
+        if (old.prompt_cache_dir, old.prompt_cache_disk_bytes) != (
+            settings.prompt_cache_dir,
+            settings.prompt_cache_disk_bytes,
+        ):
+            self.flush()
+            try:
+                self.store.disk = self._disk()
+            except LoomError:  # the service checked the directory; it changed since
+                log.exception("the prompt-cache directory cannot be used; keeping none")
+                self.store.disk = None
         self.store.resize(settings.prompt_cache_size, settings.prompt_cache_bytes)
+
+    def _disk(self) -> DiskTier | None:
+        s = self.settings
+        if s.prompt_cache_dir is None:
+            return None
+        if self.model.parallel is not None:
+            # Each rank holds its own part of every cache; one directory would mix them.
+            raise CapabilityRefused(
+                "A prompt-cache directory is not supported for a model split across ranks.",
+                fix="Drop --prompt-cache-dir (prompt_cache_dir) for a split model.",
+            )
+        return DiskTier(s.prompt_cache_dir, s.prompt_cache_disk_bytes, self.model)
+
+    def flush(self) -> None:
+        """Write the prefix store's entries to its disk tier (when the engine stops)."""
+        try:
+            self.store.flush()
+        except Exception:  # never let a full disk stop a shutdown
+            log.exception("could not write the prompt caches to disk")
 
     # --- the BatchGenerator-shaped API ------------------------------------------
 
@@ -131,6 +174,9 @@ class Engine:
                     f"Engine.insert takes Request objects; got {type(request).__name__}.",
                     fix="Build requests with mlx_loom.engine.make_request(...).",
                 )
+            # The one check every engine door passes (a Request can be built by hand);
+            # the engine's forwards skip it after this (Model.forward).
+            check_token_ids(request.prompt, self.model.vocab_size)
             uid = next(self._uids)
             self._waiting.append(Row(uid, request, to_feed=list(request.prompt), cached=0))
             uids.append(uid)
@@ -179,6 +225,13 @@ class Engine:
             prefix_entries=store.entries,
             prefix_bytes=store.nbytes,
             prefix_hits=store.hits,
+            prefix_misses=store.misses,
+            prefix_checkpoints=store.checkpoints,
+            prefix_checkpoint_bytes=store.checkpoint_bytes,
+            prefix_checkpoint_hits=store.checkpoint_hits,
+            prefix_disk_bytes=store.disk_bytes,
+            prefix_disk_files=store.disk_files,
+            prefix_disk_hits=store.disk_hits,
             **self._counts,
         )
 
@@ -243,11 +296,21 @@ class Engine:
         if request.cache is not None:
             row.caches = request.cache
             row.cached = len(request.history)
+            if request.checkpoints:
+                row.aligned = request.eos
         else:
-            key = self._store_key(request)
-            hit = self.store.fetch(key, request.prompt) if self.store.max_entries else None
+            row.aligned = request.eos
+            step = self._step(request)
+            hit = None
+            if self.store.max_entries:
+                hit = self.store.find(
+                    self._store_key(request),
+                    request.prompt,
+                    lambda p: ends_chunk(request.prompt, p, step, request.eos),
+                )
             if hit is not None:
-                row.caches, row.cached = hit
+                row.caches, row.cached, row.exact = hit.caches, hit.reused, hit.from_checkpoint
+                row.checkpoints = list(hit.earlier)
                 row.to_feed = list(request.prompt[row.cached :])
             else:
                 row.caches = fresh_caches(self.model, request.max_kv_size)
@@ -264,17 +327,22 @@ class Engine:
             return SpeculativeGroup(self.model, row, row.caches, step)
         return DecodeGroup(self.model, row, row.caches)
 
+    def _step(self, request: Request) -> int:
+        return request.prefill_step_size or self.settings.prefill_step_size
+
     def _prefill(self, events: list[Event]) -> None:
         rows = self._prefilling[: self.settings.prompt_concurrency]
         if not rows:
             return
-        steps = [r.request.prefill_step_size or self.settings.prefill_step_size for r in rows]
+        steps = [self._step(r.request) for r in rows]
         failed = prefill_step(self.model, rows, steps, self._batchable)
-        for row in rows:
+        for row, step in zip(rows, steps, strict=True):
             if row.uid in failed:
                 self._prefilling.remove(row)
                 events.append(self._leave(Left(row, None, _typed(failed[row.uid])), "failed"))
-            elif row.prefill_left == 0:
+                continue
+            self._checkpoint(row, step)
+            if row.prefill_left == 0:
                 self._prefilling.remove(row)
                 try:
                     self._groups.append(self._group(row))
@@ -299,13 +367,41 @@ class Engine:
             home.absorb(others)
             self._groups = [g for g in self._groups if g not in others]
 
+    def _checkpoint(self, row: Row, step: int) -> None:
+        """Keep the row's caches at this position if the prefix store wants them here.
+
+        Only rows whose caches are exact (a fresh start or a restored
+        checkpoint) and whose chunks follow the prompt's own grid take them.
+        """
+        request = row.request
+        if row.aligned is None or not row.exact:
+            return
+        if request.cache is None and not self.store.max_entries:
+            return
+        # A caller's own caches (a PromptCache) keep turn boundaries and the prompt's end.
+        every = self.settings.checkpoint_chunks if request.cache is None else 0
+        if takes_checkpoint(request.prompt, row.prompt_position, step, request.eos, every):
+            assert row.caches is not None
+            row.checkpoints.append(take_checkpoint(row.position, row.caches))
+            # A long history of short messages must not hold a state per message.
+            del row.checkpoints[:-MAX_CHECKPOINTS_PER_ENTRY]
+
     # --- leaving ------------------------------------------------------------------
 
     def _store_key(self, request: Request) -> Hashable:
         kv = request.kv
         # A prefix computed with one adapter is not another's (nor the base model's),
-        # and one stored in one KV codec is not another's.
-        return (request.max_kv_size, kv.codec, kv.bits, kv.group_size, kv.start, request.adapter)
+        # and one stored in one KV codec is not another's; checkpoints sit on the
+        # grid of one prefill step.
+        return (
+            request.max_kv_size,
+            kv.codec,
+            kv.bits,
+            kv.group_size,
+            kv.start,
+            request.adapter,
+            self._step(request),
+        )
 
     def _leave(self, left: Left, outcome: str) -> Done:
         row, request = left.row, left.row.request
@@ -326,10 +422,17 @@ class Engine:
         elif caches is not None and self.store.max_entries and row.fed:
             held = [*request.prompt[: row.cached], *row.fed]
             try:
-                self.store.insert(self._store_key(request), held, caches)
+                self.store.insert(self._store_key(request), held, caches, row.checkpoints)
             except LoomError:
                 log.exception("could not keep a prompt cache")
-        return Done(row.uid, outcome, caches=caches, fed=tuple(row.fed))  # type: ignore[arg-type]
+        taken = tuple(row.checkpoints) if request.cache is not None else ()
+        return Done(
+            row.uid,
+            outcome,  # type: ignore[arg-type]
+            caches=caches,
+            fed=tuple(row.fed),
+            checkpoints=taken,
+        )
 
 
 def _typed(err: BaseException) -> BaseException:

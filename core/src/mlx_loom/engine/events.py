@@ -54,6 +54,9 @@ class Done:
     error: BaseException | None = None
     caches: list[Any] | None = field(default=None, repr=False)
     fed: tuple[int, ...] = ()
+    #: For a request that asked (``checkpoints=True``): the checkpoints taken
+    #: while its prompt was prefilled, positions counted in its caches.
+    checkpoints: tuple[Any, ...] = field(default=(), repr=False)
 
     @property
     def ok(self) -> bool:

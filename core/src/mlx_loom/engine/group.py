@@ -14,9 +14,12 @@ One step (:meth:`DecodeGroup.step`), in ``generate_step``'s order:
    ``max_tokens``;
 2. the forward over every other row's current token, then (for a row alone)
    the KV-quantization check;
-3. per row: its logits processors over its own token history, then the
+3. per row: its logits processors over its own token history, and its
+   grammar's mask (a constrained row: :mod:`mlx_loom.engine.constraints`;
+   the current tokens are read first, while the forward runs), then the
    log-softmax of the batch, then each row's own sampler (greedy rows share
-   one ``argmax``);
+   one ``argmax``) — :mod:`mlx_loom.engine.next_token`, which speculative
+   steps use too;
 4. ``mx.async_eval`` of the next tokens — queued *before* the current
    tokens are read back, so host work overlaps the device;
 5. the current tokens are read and handed to their rows (text, stops,
@@ -38,9 +41,17 @@ import mlx.core as mx
 
 from mlx_loom.cache.mixed import join_rows, stack_rows
 from mlx_loom.engine.caches import layout, quantization_pending, stackable
+from mlx_loom.engine.constraints import constrain_rows
 from mlx_loom.engine.events import TokenEvent
+from mlx_loom.engine.next_token import (
+    host_floats,
+    host_ints,
+    log_probs,
+    process_batch,
+    sample_batch,
+)
 from mlx_loom.engine.row import Row, adapter_batch_key, row_adapters
-from mlx_loom.engine.sampling import logprobs_from_logits, logprobs_top_k
+from mlx_loom.engine.sampling import logprobs_top_k
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
@@ -199,8 +210,8 @@ class DecodeGroup:
         if self.rows:
             failed = self._queue_next()
         # Read the current tokens back (the next step is already queued).
-        tokens = cur_tokens.tolist()
-        chosen = cur_chosen.tolist() if any(cur_emit) else [0.0] * len(tokens)
+        tokens = host_ints(cur_tokens)
+        chosen = host_floats(cur_chosen) if any(cur_emit) else [0.0] * len(tokens)
         fed_rows = set(going)
         leaving: dict[int, Left] = {}
         for i, row in enumerate(rows):
@@ -209,10 +220,10 @@ class DecodeGroup:
             if not cur_emit[i]:
                 continue
             extra = cur_extras[i]
-            top = []
+            top: list[tuple[int, float]] = []
             if extra.top is not None:
                 ids, vals = extra.top
-                top = list(zip(ids[0].tolist(), vals[0].tolist(), strict=True))
+                top = list(zip(host_ints(ids[0]), host_floats(vals[0]), strict=True))
             out.events.append(row.accept(tokens[i], chosen[i], top, extra.vector))
         for i, caches in ending:
             leaving[rows[i].uid] = Left(rows[i], caches)
@@ -230,28 +241,29 @@ class DecodeGroup:
         """Build and queue the forward and sampling of the next tokens of every row."""
         rows, B = self.rows, len(self.rows)
         inputs = self.tokens
-        logits = self.model(inputs[:, None], self.caches, adapters=row_adapters(rows))[:, -1, :]
+        logits = self.model.forward(inputs[:, None], self.caches, adapters=row_adapters(rows))
+        logits = logits[:, -1, :]
         if not self.stacked:
             rows[0].request.kv.apply(self.caches)
         failed: dict[int, BaseException] = {}
-        if any(row.processors for row in rows):
-            parts = []
-            for j, row in enumerate(rows):
-                part = logits if B == 1 else logits[j : j + 1]
-                if row.processors:
-                    try:
-                        if self.emit[j]:
-                            row.context = mx.concatenate([row.context, inputs[j : j + 1]])
-                        for processor in row.processors:
-                            part = processor(row.context, part)
-                    except BaseException as err:  # a user's processor: this row fails alone
-                        failed[j] = err
-                        part = logits if B == 1 else logits[j : j + 1]
-                parts.append(part)
-            logits = parts[0] if B == 1 else mx.concatenate(parts)
-        with self.model.native_kernels():
-            logprobs = logprobs_from_logits(logits)
-        tokens = self._sample(logprobs, failed)
+        pickers = [row.picker for row in rows]
+        for j, picker in enumerate(pickers):
+            if self.emit[j]:  # the token fed now was generated: the history takes it
+                picker.note(inputs[j : j + 1])
+        logits = process_batch(pickers, logits, failed)
+        if any(row.constraint is not None for row in rows):
+            # The forward runs while the masks are computed; each mask needs
+            # its row's newest token, so the current tokens are read here.
+            mx.async_eval(logits)
+            fed: list[int] = inputs.tolist()  # type: ignore[assignment]
+            logits = constrain_rows(
+                [row.constraint for row in rows],
+                [fed[j] if self.emit[j] else None for j in range(B)],
+                logits,
+                failed,
+            )
+        logprobs = log_probs(self.model, logits)
+        tokens = sample_batch(pickers, logprobs, failed)
         chosen = mx.take_along_axis(logprobs, tokens[:, None].astype(mx.int32), axis=-1)[:, 0]
         extras = []
         for j, row in enumerate(rows):
@@ -271,31 +283,11 @@ class DecodeGroup:
                 pending.extend(e.top)
             if e.vector is not None:
                 pending.append(e.vector)
-        pending.extend(row.context for row in rows if row.context is not None)
+        pending.extend(p.history for p in pickers if p.history is not None)
         mx.async_eval(*pending)
         self.tokens, self.chosen, self.extras = tokens, chosen, extras
         self.emit = [True] * B
         return failed
-
-    def _sample(self, logprobs: mx.array, failed: dict[int, BaseException]) -> mx.array:
-        rows, B = self.rows, len(self.rows)
-        if all(row.greedy for row in rows):
-            return mx.argmax(logprobs, axis=-1)
-        if B == 1:
-            return rows[0].sampler(logprobs)
-        greedy = mx.argmax(logprobs, axis=-1) if any(row.greedy for row in rows) else None
-        parts = []
-        for j, row in enumerate(rows):
-            if row.greedy:
-                parts.append(greedy[j : j + 1])
-                continue
-            try:
-                token = mx.reshape(row.sampler(logprobs[j : j + 1]), (1,)).astype(mx.uint32)
-            except BaseException as err:  # a user's sampler: this row fails alone
-                failed[j] = err
-                token = mx.argmax(logprobs[j : j + 1], axis=-1)
-            parts.append(token)
-        return mx.concatenate(parts)
 
 
 def _into(row: Row, caches: list[Any]) -> list[Any]:

@@ -41,7 +41,7 @@ import logging
 import secrets
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -50,7 +50,7 @@ from mlx_loom.engine.core import Engine
 from mlx_loom.engine.events import Done, Event
 from mlx_loom.engine.prefix import PrefixStore
 from mlx_loom.engine.request import Request
-from mlx_loom.engine.service import EngineService, Handle, Sink
+from mlx_loom.engine.service import EngineService, Handle, Sink, Turns
 from mlx_loom.engine.settings import EngineSettings
 from mlx_loom.errors import EngineStopped, LoomError, ParallelRefused, RequestError
 from mlx_loom.parallel.lockstep import Lockstep
@@ -58,7 +58,7 @@ from mlx_loom.parallel.lockstep import Lockstep
 if TYPE_CHECKING:
     from mlx_loom.model import Model
 
-__all__ = ["AgreeingPrefixStore", "LockstepService"]
+__all__ = ["AgreeingPrefixStore", "LockstepService", "LockstepTurns"]
 
 log = logging.getLogger("mlx_loom.parallel")
 
@@ -106,132 +106,107 @@ class AgreeingPrefixStore(PrefixStore):
         super().__init__(max_entries, max_bytes)
         self._lockstep = lockstep
 
-    def measure(self, caches: list[Any]) -> tuple[int, bool]:
+    def measure(self, caches: Sequence[Any]) -> tuple[int, bool]:
         nbytes, trimmable = super().measure(caches)
         every = self._lockstep.gather([float(nbytes), float(trimmable)])
         return int(max(n for n, _ in every)), all(t == 1.0 for _, t in every)
 
+    def weigh(self, nbytes: int) -> int:
+        # A stage may hold no layer that checkpoints: weigh the largest rank's part.
+        return int(max(n for (n,) in self._lockstep.gather([float(nbytes)])))
 
-class LockstepService(EngineService):
-    """The engine thread of one rank of a split model (see the module docstring)."""
 
-    def __init__(self, model: Model, settings: EngineSettings | None = None) -> None:
-        assert model.parallel is not None
-        self._lockstep = model.parallel.lockstep()
-        super().__init__(model, settings)
-        self._engine = self._new_engine()
-        self._builder: Builder | None = None
+class LockstepTurns(Turns):
+    """The turns of one rank of a split model's engine thread (see the module docstring).
+
+    The policy :class:`LockstepService` gives its :class:`EngineService`:
+    rank 0 plans each turn and announces it, every rank applies it.
+    """
+
+    def __init__(self, lockstep: Lockstep) -> None:
+        self.lockstep = lockstep
+        self.builder: Builder | None = None
         self._seq = 0  # submissions announced so far, numbering them on every rank
         self._uids: dict[int, int] = {}  # announced number -> engine uid
         self._specs: dict[int, Any] = {}  # id(request) -> its description, until announced
         self._local: dict[str, deque[Any]] = {"submit": deque(), "share": deque()}
         self._pending: set[_Shared] = set()  # exchanges posted, not yet resolved
-        self._failure: BaseException | None = None
+        self.failure: BaseException | None = None
         self._live: dict[int, Handle] = {}  # running requests, kept across parked threads
 
     @property
     def leader(self) -> bool:
-        return self._lockstep.leader
+        return self.lockstep.leader
 
     # --- any thread ---------------------------------------------------------------
 
-    def submit(self, request: Request, *, sink: Sink | None = None, spec: Any = None) -> Handle:
-        """Queue ``request``; on rank 0, ``spec`` lets the other ranks build it themselves."""
-        if spec is not None:
-            with self._lock:
-                self._specs[id(request)] = spec
-        try:
-            return super().submit(request, sink=sink)
-        except BaseException:
-            with self._lock:
-                self._specs.pop(id(request), None)
-            raise
+    def describe(self, request: Request, spec: Any) -> None:
+        """Remember ``spec``, the plain description rank 0 announces ``request`` with."""
+        with self.service._lock:
+            self._specs[id(request)] = spec
 
-    def share(self, value: Any = None) -> Any:
-        """Rank 0's JSON ``value`` on every rank, exchanged in turn by the engine thread."""
-        return self._exchange(value)
+    def forget(self, request: Request) -> None:
+        with self.service._lock:
+            self._specs.pop(id(request), None)
 
-    def gather(self, values: list[float]) -> list[list[float]]:
-        """Every rank's ``values`` (the same length everywhere), in rank order."""
-        return self._exchange({"gather": values})
-
-    def follow(self, builder: Builder) -> None:
-        """Run rank 0's requests, built with ``builder``, until rank 0 stops (followers)."""
-        if self.leader:
-            raise RuntimeError("rank 0 leads; only the other ranks follow")
-        self._builder = builder
-        with self._lock:
-            self._ensure_thread()
-            thread = self._thread
-        assert thread is not None
-        thread.join()
-        if self._failure is not None:
-            raise self._failure
-
-    def close(self, timeout: float = 10.0) -> None:
-        if self._builder is not None:
-            # A follower of a server stops when rank 0's server does (announced).
-            with self._lock:
-                self._closed = True
-            for thread in [t for t in self._threads if t is not threading.current_thread()]:
-                thread.join(timeout)
-            return
-        super().close(timeout)
-
-    def _post(self, command: tuple[str, Any]) -> None:
+    def admit(self, command: tuple[str, Any]) -> bool:
         kind, item = command
         if not self.leader and kind in ("cancel", "configure"):
-            return  # rank 0's cancellations and settings are the ones every rank applies
+            return False  # rank 0's cancellations and settings are the ones every rank applies
         if kind == "cancel" and item.done is not None:
             # Already over (its reader saw the end before the engine marked it done):
             # a cancel must not restart a parked thread, which would wait alone.
-            return
-        super()._post(command)
+            return False
+        return True
 
-    def _exchange(self, value: Any) -> Any:
+    def exchange(self, value: Any) -> Any:
+        service = self.service
         shared = _Shared(value)
-        with self._lock:
-            if self._thread is threading.current_thread():
+        with service._lock:
+            if service._thread is threading.current_thread():
                 raise RequestError(
                     "The engine thread cannot wait for its own exchange.",
                     fix="Share values from the caller's thread.",
                 )
-            if self._closed:
+            if service._closed:
                 raise EngineStopped(
                     "The model's generation engine has been shut down.",
                     fix="Load the model again to generate.",
                 )
             self._pending.add(shared)
-            self._inbox.put(("share", shared))
-            self._ensure_thread()
+            service._inbox.put(("share", shared))
+            service._ensure_thread()
         try:
             return shared.wait()
         finally:
-            with self._lock:
+            with service._lock:
                 self._pending.discard(shared)
 
     # --- the engine thread ------------------------------------------------------------
 
-    def _new_engine(self) -> Engine:
-        engine = Engine(self.model, self._settings)
+    def new_engine(self) -> Engine:
+        service = self.service
+        settings = service.settings
+        engine = Engine(service.model, settings)
         engine.store = AgreeingPrefixStore(
-            self._lockstep, self._settings.prompt_cache_size, self._settings.prompt_cache_bytes
+            self.lockstep, settings.prompt_cache_size, settings.prompt_cache_bytes
         )
         return engine
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        service = self.service
         # A thread started while the last one parks waits for it: one thread at a
         # time runs this rank's collectives.
         me = threading.current_thread()
-        for thread in [t for t in self._threads if t is not me]:
+        for thread in [t for t in service._threads if t is not me]:
             thread.join()
         handles = self._live
         parked = False
         try:
             # Custom samplers draw from this thread's global generator: alike everywhere.
-            mx.random.seed(self._lockstep.share_int(secrets.randbits(63)))
+            mx.random.seed(self.lockstep.share_int(secrets.randbits(63)))
             while True:
-                outcome = self._serve(handles)
+                outcome = self.turn(handles)
                 if outcome == "park":
                     parked = True
                     break
@@ -239,26 +214,27 @@ class LockstepService(EngineService):
                     break
         except BaseException as err:  # follow() raises it; mlx.launch tells the other ranks
             log.exception("a split model's engine failed; this rank cannot stay in step")
-            self._failure = err
+            self.failure = err
         finally:
             if not parked:
-                self._fail_everything(self._failure)
+                self._fail_everything(self.failure)
             mx.synchronize()
             mx.clear_streams()
 
     def _fail_everything(self, failure: BaseException | None) -> None:
+        service = self.service
         stopped: BaseException = EngineStopped(
             "The generation engine stopped before this request finished.",
             fix="Generate again (load the model again if it was closed).",
         )
         if isinstance(failure, LoomError):
             stopped = failure
-        with self._lock:
-            self._closed = True
-            self._thread = None
+        with service._lock:
+            service._closed = True
+            service._thread = None
             leftover = []
-            while not self._inbox.empty():
-                leftover.append(self._inbox.get_nowait())
+            while not service._inbox.empty():
+                leftover.append(service._inbox.get_nowait())
             pending = [*self._pending, *self._local["share"]]
             local = list(self._local["submit"])
             self._local["share"].clear()
@@ -276,30 +252,31 @@ class LockstepService(EngineService):
         for shared in pending:
             shared.resolve(error=stopped)
 
-    def _serve(self, handles: dict[int, Handle]) -> str:  # type: ignore[override]
+    def turn(self, handles: dict[int, Handle]) -> str:
         """One turn: agree on the operations, apply them, step; "go", "park" or "stop"."""
+        service = self.service
         if self.leader:
             ops, items = self._plan()
-            self._lockstep.share_list(ops)
+            self.lockstep.share_list(ops)
         else:
-            ops = self._lockstep.share_list()
+            ops = self.lockstep.share_list()
             items = [None] * len(ops)
         for op, item in zip(ops, items, strict=True):
             if not self._apply(op, item, handles):
-                with self._lock:
-                    self._stats = self._engine.stats()
+                with service._lock:
+                    service._stats = service._engine.stats()
                 return "stop"
         events: list[Event] = []
-        if self._engine.has_work:
+        if service._engine.has_work:
             try:
-                events = self._engine.step()
+                events = service._engine.step()
             except BaseException as err:  # an engine bug: fail what runs, keep serving
                 events = [Done(uid, "failed", error=err) for uid in handles]
-                self._engine = self._new_engine()
-        outcome = "go" if self._engine.has_work else self._idle()
+                service._engine = self.new_engine()
+        outcome = "go" if service._engine.has_work else self._idle()
         self._dispatch(events, handles)
-        with self._lock:
-            self._stats = self._engine.stats()
+        with service._lock:
+            service._stats = service._engine.stats()
         return outcome
 
     def _idle(self) -> str:
@@ -312,29 +289,31 @@ class LockstepService(EngineService):
         while this thread still exchanges. A server (``idle_seconds=None``)
         never parks; neither do the ranks following it.
         """
+        service = self.service
         if self.leader:
-            with self._lock:
-                park = self._settings.idle_seconds is not None and self._inbox.empty()
+            with service._lock:
+                park = service.settings.idle_seconds is not None and service._inbox.empty()
                 if park:
-                    self._thread = None
-            self._lockstep.share_int(int(park))
+                    service._thread = None
+            self.lockstep.share_int(int(park))
             return "park" if park else "go"
-        park = bool(self._lockstep.share_int())
-        if not park or self._builder is not None:
+        park = bool(self.lockstep.share_int())
+        if not park or self.builder is not None:
             return "go"  # a server's follower listens on (it has nothing else to do)
-        with self._lock:
-            self._thread = None
-            if not self._inbox.empty() or any(self._local.values()):
-                self._ensure_thread()  # its callers already asked for more
+        with service._lock:
+            service._thread = None
+            if not service._inbox.empty() or any(self._local.values()):
+                service._ensure_thread()  # its callers already asked for more
         return "park"
 
     def _plan(self) -> tuple[list[Any], list[Any]]:
         """Rank 0: this turn's commands, as operations to announce and the items behind them."""
+        service = self.service
         commands: list[tuple[str, Any]] = []
-        idle = not self._engine.has_work
+        idle = not service._engine.has_work
         if idle:
-            commands.append(self._inbox.get())
-        self._drain(commands, gather=idle)
+            commands.append(service._inbox.get())
+        service._drain(commands, gather=idle)
         ops: list[Any] = []
         items: list[Any] = []
         for kind, item in commands:
@@ -348,7 +327,7 @@ class LockstepService(EngineService):
             elif kind == "submit":
                 item.seq = self._seq
                 self._seq += 1
-                with self._lock:
+                with service._lock:
                     spec = self._specs.pop(id(item.request), None)
                 ops.append(["submit", spec, _seed_for(item.request)])
                 items.append(item)
@@ -365,12 +344,13 @@ class LockstepService(EngineService):
 
     def _apply(self, op: list[Any], item: Any, handles: dict[int, Handle]) -> bool:
         """Apply one announced operation, as every rank does; False to stop."""
+        service = self.service
         kind = op[0]
         if kind == "stop":
             return False
         if kind == "configure":
-            self._settings = EngineSettings(**op[1])
-            self._engine.configure(self._settings)
+            service._settings = EngineSettings(**op[1])
+            service._engine.configure(service._settings)
         elif kind == "submit":
             _, spec, seed = op
             if item is None:
@@ -382,27 +362,27 @@ class LockstepService(EngineService):
                 request = dataclasses.replace(
                     request, params=request.params.model_copy(update={"seed": seed})
                 )
-            (uid,) = self._engine.insert([request])
+            (uid,) = service._engine.insert([request])
             item.uid = uid
             handles[uid] = item
             self._uids[item.seq] = uid
         elif kind == "cancel":
-            uid = self._uids.get(op[1])
-            if uid is not None:
-                self._dispatch(self._engine.remove([uid]), handles)
+            cancelled = self._uids.get(op[1])
+            if cancelled is not None:
+                self._dispatch(service._engine.remove([cancelled]), handles)
         elif kind == "share":
             value = op[1]
             if item is None:
                 item = self._next_local("share")
             if isinstance(value, dict) and "gather" in value:
-                item.resolve(self._lockstep.gather(item.value["gather"]))
+                item.resolve(self.lockstep.gather(item.value["gather"]))
             else:
                 item.resolve(value)
         return True
 
     def _taken(self) -> None:
-        with self._lock:
-            self._submitted -= 1
+        with self.service._lock:
+            self.service._submitted -= 1
 
     def _follow_submit(self, spec: Any) -> Handle:
         """A follower's request for rank 0's submission: built from ``spec``, or its own."""
@@ -410,13 +390,13 @@ class LockstepService(EngineService):
             handle = self._next_local("submit")
             self._taken()
         else:
-            if self._builder is None:
+            if self.builder is None:
                 raise ParallelRefused(
                     "Rank 0 submitted a server request, but this rank is not following a "
                     "server (its program differs from rank 0's).",
                     fix="Run the same command on every rank (loom serve --parallel ...).",
                 )
-            handle = Handle(self, self._builder(spec), _discard)
+            handle = Handle(self.service, self.builder(spec), _discard)
         handle.seq = self._seq  # type: ignore[attr-defined]
         self._seq += 1
         return handle
@@ -428,18 +408,79 @@ class LockstepService(EngineService):
         0's decide.
         """
         while not self._local[kind]:
-            other, item = self._inbox.get()
+            other, item = self.service._inbox.get()
             if other in self._local:
                 self._local[other].append(item)
         return self._local[kind].popleft()
 
-    def _dispatch(self, events: list[Event], handles: dict[int, Handle]) -> None:
+    def _dispatch(self, events: Sequence[Event], handles: dict[int, Handle]) -> None:
         for event in events:
             if isinstance(event, Done):
                 seq = getattr(handles.get(event.uid), "seq", None)
                 if seq is not None:
                     self._uids.pop(seq, None)
-        super()._dispatch(events, handles)
+        self.service._dispatch(events, handles)
+
+
+class LockstepService(EngineService):
+    """The engine service of one rank of a split model: its turns are :class:`LockstepTurns`.
+
+    Adds what callers of a split model need — describing a server's
+    requests to the other ranks, sharing values, following rank 0 — to the
+    engine service's public methods; how the thread runs is all the policy's.
+    """
+
+    turns: LockstepTurns
+
+    def __init__(self, model: Model, settings: EngineSettings | None = None) -> None:
+        assert model.parallel is not None
+        super().__init__(model, settings, turns=LockstepTurns(model.parallel.lockstep()))
+
+    @property
+    def leader(self) -> bool:
+        return self.turns.leader
+
+    def submit(self, request: Request, *, sink: Sink | None = None, spec: Any = None) -> Handle:
+        """Queue ``request``; on rank 0, ``spec`` lets the other ranks build it themselves."""
+        if spec is not None:
+            self.turns.describe(request, spec)
+        try:
+            return super().submit(request, sink=sink)
+        except BaseException:
+            self.turns.forget(request)
+            raise
+
+    def share(self, value: Any = None) -> Any:
+        """Rank 0's JSON ``value`` on every rank, exchanged in turn by the engine thread."""
+        return self.turns.exchange(value)
+
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` (the same length everywhere), in rank order."""
+        result: list[list[float]] = self.turns.exchange({"gather": values})
+        return result
+
+    def follow(self, builder: Builder) -> None:
+        """Run rank 0's requests, built with ``builder``, until rank 0 stops (followers)."""
+        if self.leader:
+            raise RuntimeError("rank 0 leads; only the other ranks follow")
+        self.turns.builder = builder
+        with self._lock:
+            self._ensure_thread()
+            thread = self._thread
+        assert thread is not None
+        thread.join()
+        if self.turns.failure is not None:
+            raise self.turns.failure
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self.turns.builder is not None:
+            # A follower of a server stops when rank 0's server does (announced).
+            with self._lock:
+                self._closed = True
+            for thread in [t for t in self._threads if t is not threading.current_thread()]:
+                thread.join(timeout)
+            return
+        super().close(timeout)
 
 
 def _seed_for(request: Request) -> int | None:
@@ -447,3 +488,18 @@ def _seed_for(request: Request) -> int | None:
     if request.params.greedy or request.params.seed is not None:
         return None
     return secrets.randbits(63)
+
+
+def lockstep_of(model: Any) -> LockstepService:
+    """A split model's engine service: the one with the calls every rank makes together.
+
+    A model built across ranks is given a :class:`LockstepService`; asking for
+    one of a model in one process is a caller's mistake, refused by name.
+    """
+    service = model.engine
+    if not isinstance(service, LockstepService):
+        raise ParallelRefused(
+            "This model runs in one process; it has no ranks to exchange values with.",
+            fix="Call this only for a model loaded with parallel= (loom ... --parallel).",
+        )
+    return service

@@ -28,6 +28,23 @@ from mlx_loom.errors import RequestError
 #: OpenAI API's ``top_logprobs`` limit, so the server can pass it through.
 MAX_LOGPROBS = 20
 
+#: The largest integer option (``top_k``, ``min_tokens_to_keep``,
+#: ``penalty_context_size``): these size or index the engine's int32 arrays
+#: (the penalty window is a slice, top-k and min-p partitions), and MLX
+#: refuses larger indices with an untyped error in the middle of a step.
+MAX_INT_OPTION = 2**31 - 1
+
+#: The largest magnitude of a real-valued option (temperature, the penalties,
+#: a ``logit_bias`` value), and the smallest of a positive one (temperature,
+#: ``repetition_penalty``). The engine computes in float32, where a value
+#: finite in Python overflows (``1e39``) or vanishes (``1e-45``), and these
+#: values multiply or add to logits: within [2**-64, 2**64] every product with
+#: a logit, and with its reciprocal, stays finite and normal in float32, and
+#: no value past them has a different effect (a bias of 2**64 already
+#: outweighs any logit; a temperature of 2**-64 already samples greedily).
+MAX_REAL_OPTION = 2.0**64
+MIN_POSITIVE_OPTION = 2.0**-64
+
 
 @dataclass(frozen=True)
 class _Rule:
@@ -41,7 +58,7 @@ class _Rule:
 # message about a field is built from its entry, so they cannot drift apart.
 _RULES: dict[str, _Rule] = {
     "temperature": _Rule(
-        "a finite number >= 0 (0 means greedy argmax decoding)",
+        "0 (greedy argmax decoding) or a number in [2**-64, 2**64]",
         "pass temperature=0 for greedy decoding, or a positive value such as 0.7 to sample",
     ),
     "top_p": _Rule(
@@ -49,7 +66,7 @@ _RULES: dict[str, _Rule] = {
         "pass top_p=1.0 to disable nucleus sampling, or a value such as 0.9",
     ),
     "top_k": _Rule(
-        "an integer >= 0 (0 disables top-k filtering)",
+        f"an integer in [0, {MAX_INT_OPTION}] (0 disables top-k filtering)",
         "pass top_k=0 to disable top-k filtering, or a positive count such as 40",
     ),
     "min_p": _Rule(
@@ -57,27 +74,28 @@ _RULES: dict[str, _Rule] = {
         "pass min_p=0.0 to disable min-p filtering, or a value such as 0.05",
     ),
     "min_tokens_to_keep": _Rule(
-        "an integer >= 1",
+        f"an integer in [1, {MAX_INT_OPTION}]",
         "pass min_tokens_to_keep=1 (the default) or a larger count",
     ),
     "repetition_penalty": _Rule(
-        "a finite number > 0, or null (1.0 is neutral, > 1 discourages repeats)",
+        "a number in [2**-64, 2**64], or null (1.0 is neutral, > 1 discourages repeats)",
         "omit repetition_penalty (or pass 1.0) to disable it, or pass a value such as 1.1",
     ),
     "presence_penalty": _Rule(
-        "a finite number, or null (0 disables it; positive discourages repeats)",
+        "a number in [-2**64, 2**64], or null (0 disables it; positive discourages repeats)",
         "omit presence_penalty to disable it, or pass a finite value such as 0.5",
     ),
     "frequency_penalty": _Rule(
-        "a finite number, or null (0 disables it; positive discourages repeats)",
+        "a number in [-2**64, 2**64], or null (0 disables it; positive discourages repeats)",
         "omit frequency_penalty to disable it, or pass a finite value such as 0.5",
     ),
     "penalty_context_size": _Rule(
-        "an integer >= 1 (how many most recent tokens the penalties look at)",
+        f"an integer in [1, {MAX_INT_OPTION}] (how many most recent tokens the penalties look at)",
         "pass penalty_context_size=20 (the default) or another positive count",
     ),
     "logit_bias": _Rule(
-        "a mapping from token id (integer >= 0, below the vocabulary size) to a finite bias",
+        "a mapping from token id (integer >= 0, below the vocabulary size) to a bias in "
+        "[-2**64, 2**64]",
         "pass logit_bias as {token_id: bias}, e.g. {50256: -100.0} to suppress token 50256",
     ),
     "seed": _Rule(
@@ -105,8 +123,25 @@ _ALIASES: dict[str, str] = {
 
 
 def _finite(name: str, value: float) -> None:
+    """``value`` must be finite and, in the float32 the engine computes in, not overflow."""
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite")
+    if abs(value) > MAX_REAL_OPTION:
+        raise ValueError(f"{name} must be at most 2**64 in magnitude (the engine uses float32)")
+
+
+def _positive(name: str, value: float) -> None:
+    """A positive factor: finite, and not so small that float32 loses it or its reciprocal."""
+    _finite(name, value)
+    if value < MIN_POSITIVE_OPTION:
+        raise ValueError(
+            f"{name} must be at least 2**-64 (smaller values vanish in the engine's float32)"
+        )
+
+
+def _bounded_int(name: str, value: int, low: int) -> None:
+    if not low <= value <= MAX_INT_OPTION:
+        raise ValueError(f"{name} must be in [{low}, {MAX_INT_OPTION}]")
 
 
 class SamplingParams(BaseModel):
@@ -187,9 +222,12 @@ class SamplingParams(BaseModel):
     @field_validator("temperature")
     @classmethod
     def _check_temperature(cls, value: float) -> float:
-        _finite("temperature", value)
+        # 0 is greedy; a positive temperature is used as 1/temperature in float32,
+        # where 1e-45 became infinity and sampled at random instead of greedily.
         if value < 0:
             raise ValueError("temperature must be >= 0")
+        if value != 0:
+            _positive("temperature", value)
         return value
 
     @field_validator("top_p")
@@ -202,8 +240,7 @@ class SamplingParams(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _check_top_k(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError("top_k must be >= 0")
+        _bounded_int("top_k", value, 0)
         return value
 
     @field_validator("min_p")
@@ -216,8 +253,7 @@ class SamplingParams(BaseModel):
     @field_validator("min_tokens_to_keep")
     @classmethod
     def _check_min_tokens_to_keep(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError("min_tokens_to_keep must be >= 1")
+        _bounded_int("min_tokens_to_keep", value, 1)
         return value
 
     @field_validator("repetition_penalty")
@@ -231,6 +267,7 @@ class SamplingParams(BaseModel):
             _finite("repetition_penalty", value)
             if value <= 0:
                 raise ValueError("repetition_penalty must be > 0")
+            _positive("repetition_penalty", value)
         return value
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -247,8 +284,7 @@ class SamplingParams(BaseModel):
     def _check_penalty_context_size(cls, value: int) -> int:
         # mlx-lm slices ``tokens[-size:]``, so its size 0 silently means "the
         # whole history"; we refuse 0 rather than inherit that surprise.
-        if value < 1:
-            raise ValueError("penalty_context_size must be >= 1")
+        _bounded_int("penalty_context_size", value, 1)
         return value
 
     @field_validator("logit_bias")
@@ -261,6 +297,8 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"token id {token} is negative")
             if not math.isfinite(bias):
                 raise ValueError(f"bias {bias} for token {token} is not finite")
+            if abs(bias) > MAX_REAL_OPTION:
+                raise ValueError(f"bias {bias} for token {token} is past 2**64 in magnitude")
         return value
 
     @field_validator("seed")
@@ -304,6 +342,7 @@ class SamplingParams(BaseModel):
                 f"(vocab_size={vocab_size}).",
                 fix="remove those entries from logit_bias, or use token ids from this "
                 "model's tokenizer",
+                param="logit_bias",
             )
 
 
@@ -330,10 +369,14 @@ def _reject_unknown_options(data: dict[str, Any]) -> None:
                 f"unknown sampling option {name!r}; did you mean {suggestion!r}? "
                 f"Valid options: {valid}.",
                 fix=f"rename {name!r} to {suggestion!r}",
+                param=name,
+                code="unknown_parameter",
             )
         raise RequestError(
             f"unknown sampling option {name!r}. Valid options: {valid}.",
             fix=f"remove {name!r} or use one of the valid options",
+            param=name,
+            code="unknown_parameter",
         )
 
 
@@ -355,4 +398,5 @@ def _to_request_error(exc: ValidationError) -> RequestError:
     return RequestError(
         f"invalid sampling parameter: {found}: {reason}. Valid: {rule.valid}.",
         fix=rule.fix,
+        param=field,
     )

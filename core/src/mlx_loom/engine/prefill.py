@@ -42,9 +42,11 @@ MAX_PADDING_RATIO = 1.5
 def prefill_alone(model: Model, row: Row, step: int) -> None:
     """Feed ``row``'s next chunk through its own caches (then the KV-quantization check)."""
     chunk = row.next_chunk(step)
-    model(mx.array(chunk, mx.uint32)[None], row.caches, adapters=row_adapters([row]))
-    row.request.kv.apply(row.caches)
-    mx.eval([c.state for c in row.caches])
+    caches = row.caches
+    assert caches is not None  # given when the row was admitted
+    model.forward(mx.array(chunk, mx.uint32)[None], caches, adapters=row_adapters([row]))
+    row.request.kv.apply(caches)
+    mx.eval([c.state for c in caches])
 
 
 def can_share(row: Row) -> bool:
@@ -61,14 +63,14 @@ def can_share(row: Row) -> bool:
 
 def partition(rows: list[Row], steps: list[int]) -> list[list[int]]:
     """Indices of ``rows`` grouped into forwards whose padding stays bounded."""
-    order = sorted(range(len(rows)), key=lambda i: -min(steps[i], rows[i].prefill_left))
+    order = sorted(range(len(rows)), key=lambda i: -rows[i].chunk_len(steps[i]))
     groups: list[list[int]] = []
     for i in order:
-        n = min(steps[i], rows[i].prefill_left)
+        n = rows[i].chunk_len(steps[i])
         if groups:
             group = groups[-1]
-            width = min(steps[group[0]], rows[group[0]].prefill_left)
-            real = sum(min(steps[j], rows[j].prefill_left) for j in group) + n
+            width = rows[group[0]].chunk_len(steps[group[0]])
+            real = sum(rows[j].chunk_len(steps[j]) for j in group) + n
             if width * (len(group) + 1) <= MAX_PADDING_RATIO * real:
                 group.append(i)
                 continue
@@ -82,18 +84,18 @@ def prefill_together(model: Model, rows: list[Row], steps: list[int]) -> None:
     Raises :class:`~mlx_loom.errors.CapabilityRefused` (having changed
     nothing) when the model's caches have no padded batch kind.
     """
-    chunks = [
-        row.to_feed[: min(step, row.prefill_left)] for row, step in zip(rows, steps, strict=True)
-    ]
+    chunks = [row.to_feed[: row.chunk_len(step)] for row, step in zip(rows, steps, strict=True)]
     width = max(len(c) for c in chunks)
     pads = [width - len(c) for c in chunks]
-    batch = [c.empty_batch(pads) for c in rows[0].caches]  # may refuse: nothing changed yet
+    first = rows[0].caches
+    assert first is not None  # given when the row was admitted
+    batch = [c.empty_batch(pads) for c in first]  # may refuse: nothing changed yet
     inputs = mx.array([[0] * p + c for p, c in zip(pads, chunks, strict=True)], mx.uint32)
-    model(inputs, batch, adapters=row_adapters(rows))
+    model.forward(inputs, batch, adapters=row_adapters(rows))
     for i, (row, step) in enumerate(zip(rows, steps, strict=True)):
         row.next_chunk(step)
         row.caches = [c.extract(i) for c in batch]
-    mx.eval([c.state for row in rows for c in row.caches])
+    mx.eval([c.state for row in rows for c in row.caches or ()])
 
 
 def prefill_step(

@@ -10,21 +10,28 @@ request needs (sampler keys, penalty windows) itself.
 :func:`make_request` is the one place a request's options are checked. It
 runs on the caller's thread before anything is queued, so a bad request
 fails at once with a :class:`~mlx_loom.errors.RequestError` (or a refusal)
-and never costs a forward.
+and never costs a forward. Each error names the request field at fault
+(``param``) and a one-word ``code``, which is all a front end needs to
+answer in its own format: the server checks only what its wire format adds
+(JSON shape, its own limits, chat templates) and maps these errors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
 from mlx_loom.cache import maybe_quantize_kv_cache, resolve_kv_codec, validate_kv_quantization
+from mlx_loom.cache.convert import convertible
 from mlx_loom.capabilities import KV_QUANTIZATION, SPECULATIVE
 from mlx_loom.engine.caches import fresh_caches
-from mlx_loom.engine.params import SamplingParams
+from mlx_loom.engine.constraints import Constraint, check_constraint
+from mlx_loom.engine.kv_groups import kv_group_size_for
+from mlx_loom.engine.params import MAX_INT_OPTION, SamplingParams
 from mlx_loom.errors import AdapterError, ParallelRefused, RequestError
 from mlx_loom.text import StopStrings
 
@@ -34,6 +41,19 @@ if TYPE_CHECKING:
 
 #: The most draft tokens one verify window may hold.
 MAX_DRAFT = 32
+
+#: The bounds of a request's integer fields, ``name: (least, most)`` (``None``:
+#: unbounded), each checked by :func:`_int_field`. Every bound on such a field
+#: is declared here, and listed in ``docs/limits.md``.
+INT_BOUNDS: dict[str, tuple[int, int | None]] = {
+    # Counts the engine keeps in int32 arrays (as the sampling counts are).
+    "max_tokens": (1, MAX_INT_OPTION),
+    "prefill_step_size": (1, MAX_INT_OPTION),
+    "max_kv_size": (1, MAX_INT_OPTION),
+    "num_draft_tokens": (1, MAX_DRAFT),
+    "ngram_max": (1, MAX_INT_OPTION),
+    "ngram_min": (1, MAX_INT_OPTION),
+}
 
 #: ``sampler(logprobs [1, V]) -> token [1]`` (mlx-lm's sampler signature).
 SamplerFn = Callable[[mx.array], mx.array]
@@ -59,7 +79,7 @@ class KVQuantization:
     def apply(self, cache: list[Any]) -> None:
         if self.bits is None:  # runs after every forward: the common case costs nothing
             return
-        if not any(_convertible(c) for c in cache):  # every cache converted already
+        if not any(convertible(c) for c in cache):  # every cache converted already
             return
         maybe_quantize_kv_cache(
             cache,
@@ -69,11 +89,6 @@ class KVQuantization:
             kv_codec=self.codec,
             kinds=self.kinds,
         )
-
-
-def _convertible(cache: Any) -> bool:
-    """A plain KV cache a codec may still take (not recurrent state, not already coded)."""
-    return hasattr(cache, "to_quantized") and not isinstance(getattr(cache, "codec", None), str)
 
 
 #: The drafting modes a request may ask for by name.
@@ -113,6 +128,7 @@ def speculation(draft_model: Model | str | None, num_draft_tokens: int = 3) -> S
             raise RequestError(
                 f"draft={draft_model!r} is not a drafting mode (known: {', '.join(DRAFT_MODES)}).",
                 fix="Pass draft='ngram' for prompt-lookup drafting, or a loaded draft model.",
+                param="draft",
             )
         return Speculation(None, num_draft_tokens)
     return Speculation(draft_model, num_draft_tokens)
@@ -148,6 +164,13 @@ class Request:
     #: (:class:`~mlx_loom.adapters.AdapterSet`) this request runs with;
     #: ``None``: the base model.
     adapter: str | None = None
+    #: Structured output: the grammar every generated token must follow
+    #: (:mod:`mlx_loom.engine.constraints`); ``None``: unconstrained.
+    constraint: Constraint | None = None
+    #: Keep checkpoints of caches that cannot trim at the turn boundaries of
+    #: this prompt and hand them back in :class:`~mlx_loom.engine.Done`
+    #: (a :class:`~mlx_loom.generate.PromptCache` asks, to step back a turn).
+    checkpoints: bool = False
 
 
 def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:
@@ -155,11 +178,16 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> l
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError(
-                "The prompt is empty.", fix="Pass a non-empty prompt (text or token ids)."
+                "The prompt is empty.",
+                fix="Pass a non-empty prompt (text or token ids).",
+                param="prompt",
+                code="empty_prompt",
             )
         if tokenizer is None:
             raise RequestError(
-                "A text prompt needs a tokenizer.", fix="Pass token ids, or the model's tokenizer."
+                "A text prompt needs a tokenizer.",
+                fix="Pass token ids, or the model's tokenizer.",
+                param="prompt",
             )
         ids = tokenizer.encode_prompt(prompt)  # BOS unless the text starts with it
     else:
@@ -169,10 +197,14 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> l
             raise RequestError(
                 "The prompt must be text or a sequence of integer token ids.",
                 fix="Pass a string, or a list of ints from this model's tokenizer.",
+                param="prompt",
             ) from None
     if not ids:
         raise RequestError(
-            "The prompt encodes to no tokens.", fix="Pass a non-empty prompt (text or token ids)."
+            "The prompt encodes to no tokens.",
+            fix="Pass a non-empty prompt (text or token ids).",
+            param="prompt",
+            code="empty_prompt",
         )
     return ids
 
@@ -180,15 +212,89 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> l
 def _token_id(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, mx.array) and value.ndim == 0:
-            return int(value.item())
+            return int(cast(int, value.item()))
         raise TypeError(value)
     return int(value)
 
 
-def _positive_int(name: str, value: Any, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RequestError(f"{name}={value!r} is invalid; it must be an int >= 1.", fix=fix)
+def _int_field(name: str, value: Any, fix: str) -> int:
+    """``value`` if it is an int within the bounds :data:`INT_BOUNDS` declares for ``name``."""
+    least, most = INT_BOUNDS[name]
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < least
+        or (most is not None and value > most)
+    ):
+        valid = f">= {least}" if most is None else f"from {least} to {most}"
+        raise RequestError(
+            f"{name}={value!r} is invalid; it must be an int {valid}.", fix=fix, param=name
+        )
     return value
+
+
+@contextmanager
+def _about(param: str) -> Iterator[None]:
+    """Name ``param`` in a :class:`RequestError` raised inside that names no field yet."""
+    try:
+        yield
+    except RequestError as err:
+        if err.param is None:
+            err.param = param
+        raise
+
+
+def _check_vocabulary(ids: Sequence[int], vocab: int) -> None:
+    # min/max first: a Python scan of a huge prompt holds the GIL (~0.2 s for
+    # 700k ids), stalling every other thread; the builtins take ~10 ms.
+    if min(ids) >= 0 and max(ids) < vocab:
+        return
+    bad = [t for t in ids if not 0 <= t < vocab]
+    raise RequestError(
+        f"The prompt holds token id(s) {bad[:5]} outside the vocabulary (size {vocab}).",
+        fix="Encode the prompt with this model's tokenizer.",
+        param="prompt",
+        code="invalid_token",
+    )
+
+
+def kv_quantization(
+    model: Model,
+    *,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
+    quantized_kv_start: int = 0,
+    kv_codec: str | None = None,
+    max_kv_size: int | None = None,
+) -> KVQuantization:
+    """The checked :class:`KVQuantization` these options ask of ``model``.
+
+    Part of :func:`make_request`; a front end that fixes these options for
+    every request (``loom serve --kv-bits``) calls it once at start-up so a
+    bad value fails there, not on the first request.
+    """
+    kinds = model.binding.cache_kinds
+    kv_group_size = kv_group_size_for(model, kv_group_size, kv_bits=kv_bits, kv_codec=kv_codec)
+    validate_kv_quantization(
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
+        kv_codec=kv_codec,
+        kinds=kinds,
+    )
+    codec, bits = resolve_kv_codec(kv_codec, kv_bits, kinds=kinds)
+    if bits is not None:
+        asked = f"kv_bits={bits}" + (f", kv_codec={kv_codec!r}" if kv_codec else "")
+        model.require(KV_QUANTIZATION, asked=asked)
+    if codec is not None and codec.name != "affine":
+        codec.check_storable(fresh_caches(model, max_kv_size))
+    return KVQuantization(
+        bits,
+        kv_group_size,
+        quantized_kv_start,
+        codec=None if codec is None or codec.name == "affine" else codec.name,
+        kinds=kinds,
+    )
 
 
 def context_room(model: Model, prompt_len: int) -> int | None:
@@ -206,6 +312,8 @@ def context_room(model: Model, prompt_len: int) -> int | None:
             f"The prompt is {prompt_len} tokens long; the model's context "
             f"(max_position_embeddings) is {limit} tokens, which leaves no room for a new token.",
             fix=f"Shorten the prompt to fewer than {limit} tokens.",
+            param="prompt",
+            code="context_length_exceeded",
         )
     return limit - prompt_len
 
@@ -220,7 +328,7 @@ def make_request(
     stop: Sequence[str] = (),
     prefill_step_size: int | None = None,
     kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    kv_group_size: int | None = None,
     quantized_kv_start: int = 0,
     kv_codec: str | None = None,
     max_kv_size: int | None = None,
@@ -232,60 +340,55 @@ def make_request(
     speculation: Speculation | None = None,
     eos: frozenset[int] | None = None,
     adapter: str | None = None,
+    constraint: Constraint | None = None,
+    checkpoints: bool = False,
 ) -> Request:
     """Check every option of a request against ``model``; return the :class:`Request`.
 
     Raises :class:`~mlx_loom.errors.RequestError` for a bad value and a
     :class:`~mlx_loom.errors.Refusal` for what the model cannot do, before
-    any work is queued.
+    any work is queued. ``kv_group_size=None`` picks one that fits the
+    model's heads (:mod:`mlx_loom.engine.kv_groups`).
     """
     params = params if params is not None else SamplingParams()
     ids = encode_prompt(tokenizer, prompt)
-    _positive_int("max_tokens", max_tokens, "Pass a positive max_tokens.")
+    _int_field("max_tokens", max_tokens, "Pass a positive max_tokens.")
     if prefill_step_size is not None:
-        _positive_int(
+        _int_field(
             "prefill_step_size", prefill_step_size, "Pass a positive prefill_step_size (2048)."
         )
-    kinds = model.binding.cache_kinds
-    validate_kv_quantization(
+    if max_kv_size is not None:
+        _int_field(
+            "max_kv_size", max_kv_size, "Pass the most tokens each attention layer may keep."
+        )
+    kv = kv_quantization(
+        model,
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
         quantized_kv_start=quantized_kv_start,
         kv_codec=kv_codec,
-        kinds=kinds,
+        max_kv_size=max_kv_size,
     )
-    codec, kv_bits = resolve_kv_codec(kv_codec, kv_bits, kinds=kinds)
-    if kv_bits is not None:
-        asked = f"kv_bits={kv_bits}" + (f", kv_codec={kv_codec!r}" if kv_codec else "")
-        model.require(KV_QUANTIZATION, asked=asked)
-    if max_kv_size is not None:
-        _positive_int(
-            "max_kv_size", max_kv_size, "Pass the most tokens each attention layer may keep."
-        )
-    if codec is not None and codec.name != "affine":
-        codec.check_storable(fresh_caches(model, max_kv_size))
     vocab = model.vocab_size
     if vocab is not None:
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                f"The prompt holds token id(s) {bad[:5]} outside the vocabulary (size {vocab}).",
-                fix="Encode the prompt with this model's tokenizer.",
-            )
+        _check_vocabulary(ids, vocab)
         params.validate_logit_bias(vocab)
     room = context_room(model, len(ids) + len(history))
     limit = max_tokens if room is None else min(max_tokens, room)
-    StopStrings(stop)  # refuses empty stop strings, by name
+    with _about("stop"):
+        StopStrings(stop)  # refuses empty stop strings, by name
     if stop and tokenizer is None:
         raise RequestError(
             "Stop strings need the tokenizer, to see the text being generated.",
             fix="Pass the model's tokenizer, or stop on token ids (eos) instead.",
+            param="stop",
         )
     if sampler is not None:
         if not callable(sampler):
             raise RequestError(
                 f"sampler={sampler!r} is not callable.",
                 fix="Pass a function logprobs [1, vocab] -> token [1], as mlx-lm's samplers are.",
+                param="sampler",
             )
         moved = [
             name
@@ -297,6 +400,7 @@ def make_request(
                 f"Both sampler= and {', '.join(moved)} were given; a custom sampler decides "
                 "the token itself, so those settings would be ignored.",
                 fix=f"Drop {', '.join(moved)}, or drop sampler= and use the built-in sampler.",
+                param="sampler",
             )
     processors = tuple(logits_processors or ())
     for i, proc in enumerate(processors):
@@ -304,11 +408,14 @@ def make_request(
             raise RequestError(
                 f"logits_processors[{i}]={proc!r} is not callable.",
                 fix="Pass functions (tokens, logits) -> logits, as mlx-lm's processors are.",
+                param=f"logits_processors[{i}]",
             )
     if speculation is not None:
         _check_speculation(model, speculation, sampler=sampler)
     if adapter is not None:
         _check_adapter(model, adapter, speculation)
+    if constraint is not None:
+        check_constraint(model, constraint, tokenizer)
     return Request(
         prompt=tuple(ids),
         max_tokens=max_tokens,
@@ -318,13 +425,7 @@ def make_request(
         tokenizer=tokenizer,
         eos=eos if eos is not None else (tokenizer.eos_token_ids if tokenizer else frozenset()),
         prefill_step_size=prefill_step_size,
-        kv=KVQuantization(
-            kv_bits,
-            kv_group_size,
-            quantized_kv_start,
-            codec=None if codec is None or codec.name == "affine" else codec.name,
-            kinds=kinds,
-        ),
+        kv=kv,
         max_kv_size=max_kv_size,
         sampler=sampler,
         logits_processors=processors,
@@ -333,6 +434,8 @@ def make_request(
         logprobs_vector=logprobs_vector,
         speculation=speculation,
         adapter=adapter,
+        constraint=constraint,
+        checkpoints=bool(checkpoints),
     )
 
 
@@ -349,6 +452,7 @@ def _check_adapter(model: Model, adapter: Any, speculation: Speculation | None) 
         raise RequestError(
             f"adapter={adapter!r} is not an adapter name.",
             fix=f"Pass one of {list(adapters.names)}, or None for the base model.",
+            param="adapter",
         )
     adapters.slot(adapter)  # an unknown name is refused, naming the registered ones
     if speculation is not None:
@@ -356,6 +460,7 @@ def _check_adapter(model: Model, adapter: Any, speculation: Speculation | None) 
             "Speculative decoding does not combine with a per-request adapter yet: the "
             "speculative decode step runs the base model.",
             fix="Drop draft_model, or drop adapter=.",
+            param="adapter",
         )
 
 
@@ -366,12 +471,13 @@ def _check_speculation(
     sampler: SamplerFn | None,
 ) -> None:
     model.require(SPECULATIVE, asked="speculative decoding")
-    if getattr(model, "parallel", None) is not None:
+    parallel = getattr(model, "parallel", None)
+    if parallel is not None:
         # The other ranks rebuild each request from a plain description; a
         # drafter (and its own model) is not part of it, so they would diverge.
         raise ParallelRefused(
             "Speculative decoding is not supported for a model split across ranks "
-            f"(--parallel {model.parallel.mode}).",
+            f"(--parallel {parallel.mode}).",
             fix="Drop the draft (draft_model / --draft-model / --draft), or run the model in "
             "one process.",
         )
@@ -382,24 +488,20 @@ def _check_speculation(
                 f"The draft model's vocabulary ({spec.draft.vocab_size}) differs from the "
                 f"model's ({model.vocab_size}).",
                 fix="Use a draft model that shares the main model's tokenizer.",
+                param="draft",
             )
-    n = spec.num_draft
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT:
-        raise RequestError(
-            f"num_draft_tokens={n!r} is invalid; it must be an int from 1 to {MAX_DRAFT}.",
-            fix=f"Pass num_draft_tokens between 1 and {MAX_DRAFT} (3 is a good start).",
-        )
+    _int_field(
+        "num_draft_tokens",
+        spec.num_draft,
+        f"Pass num_draft_tokens between 1 and {MAX_DRAFT} (3 is a good start).",
+    )
     for name in ("ngram_max", "ngram_min"):
-        v = getattr(spec, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise RequestError(
-                f"{name}={v!r} is invalid; it must be an int >= 1.",
-                fix="Pass n-gram sizes such as ngram_max=3, ngram_min=1.",
-            )
+        _int_field(name, getattr(spec, name), "Pass n-gram sizes such as ngram_max=3, ngram_min=1.")
     if spec.ngram_min > spec.ngram_max:
         raise RequestError(
             f"ngram_min={spec.ngram_min} is larger than ngram_max={spec.ngram_max}.",
             fix="Pass ngram_min <= ngram_max.",
+            param="ngram_min",
         )
     if sampler is not None:
         raise RequestError(
@@ -408,4 +510,5 @@ def _check_speculation(
             "sampler does not expose.",
             fix="Use the built-in sampling settings (temperature, top_p, top_k, min_p), or "
             "drop the draft.",
+            param="sampler",
         )

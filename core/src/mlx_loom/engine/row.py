@@ -1,10 +1,10 @@
 """One request inside the engine: its own sampler, penalties, text and counters.
 
 A row carries everything that makes its tokens its own, so a row's output
-does not depend on its neighbours in a batch: its PRNG key (the
-:class:`~mlx_loom.engine.sampling.Sampler` owns it), its logits processors
-with their own token window, its detokenizer and stop-string matcher, its
-budget. The caches it is fed through belong to the decode group it is in.
+does not depend on its neighbours in a batch: its token picker
+(:class:`~mlx_loom.engine.next_token.TokenPicker`: its logits processors
+over its own token history, and its sampler, which owns its PRNG key), its
+detokenizer and stop-string matcher, its budget. The caches it is fed through belong to the decode group it is in.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlx_loom.engine.constraints import RowConstraint
 from mlx_loom.engine.events import TokenEvent
-from mlx_loom.engine.logits import make_logits_processors
+from mlx_loom.engine.next_token import TokenPicker
 from mlx_loom.engine.request import Request
-from mlx_loom.engine.sampling import make_sampler
+from mlx_loom.engine.splits import chunk_end
 from mlx_loom.text import StopStrings
 
 if TYPE_CHECKING:
@@ -40,20 +41,27 @@ class Row:
         #: Every token fed into this row's caches by this request, in order.
         self.fed: list[int] = []
         self.caches: list[Any] | None = None
+        #: End-of-turn ids whose positions end prefill chunks, with chunks on
+        #: the prompt's own grid (:mod:`mlx_loom.engine.splits`); ``None``:
+        #: chunks simply follow on from where the caches left off.
+        self.aligned: frozenset[int] | None = None
+        #: Whether the caches hold what a prefill from nothing would (a fresh
+        #: start, or a restored checkpoint), so checkpoints taken now are exact.
+        self.exact = True
+        #: Checkpoints taken while prefilling (:class:`~mlx_loom.engine.prefix.TakenCheckpoint`),
+        #: in position order.
+        self.checkpoints: list[Any] = []
         #: A speculative row's drafter and token sequence (set when it starts decoding).
         self.speculation: Any = None
         self.produced = 0
         self.finished = False
-        params = request.params
-        self.greedy = request.sampler is None and params.greedy
-        self.sampler = request.sampler if request.sampler is not None else make_sampler(params)
-        self.processors = [*make_logits_processors(params), *request.logits_processors]
-        # Penalties see every token so far: what the caches held, the prompt,
-        # then each generated token (mlx-lm's generate_step feeds them the same).
-        self.context: mx.array | None = None
-        if self.processors:
-            self.context = mx.array([*request.history, *request.prompt], mx.uint32)
+        #: How this row's logits become its tokens, whichever way it decodes.
+        self.picker = TokenPicker(request)
         tok = request.tokenizer
+        #: The row's parser state over its structured-output constraint.
+        self.constraint: RowConstraint | None = None
+        if request.constraint is not None and tok is not None:
+            self.constraint = RowConstraint(request.constraint, tok, request.eos)
         self.detok = tok.detokenizer() if tok is not None else None
         self.stops = StopStrings(request.stop)
         self.admitted = time.perf_counter()
@@ -67,8 +75,27 @@ class Row:
         """Prompt tokens prefill still has to feed (all but the last)."""
         return max(0, len(self.to_feed) - 1 - self.cursor)
 
+    def chunk_len(self, step: int) -> int:
+        """How many tokens the next prefill chunk feeds."""
+        if self.aligned is None:
+            return min(step, self.prefill_left)
+        start = self.prompt_position
+        prompt = self.request.prompt
+        return chunk_end(prompt, start, step, len(prompt) - 1, self.aligned) - start
+
+    @property
+    def prompt_position(self) -> int:
+        """Where in the request's prompt prefill has reached."""
+        origin = 0 if self.request.cache is not None else self.cached
+        return origin + self.cursor
+
+    @property
+    def position(self) -> int:
+        """Tokens the caches hold (what they held before, plus the prompt fed so far)."""
+        return self.cached + self.cursor
+
     def next_chunk(self, step: int) -> list[int]:
-        n = min(step, self.prefill_left)
+        n = self.chunk_len(step)
         chunk = self.to_feed[self.cursor : self.cursor + n]
         self.cursor += n
         self.fed.extend(chunk)

@@ -16,6 +16,12 @@ its streams when it stops, which it does when idle for
 What crosses threads is plain data: requests (validated on the caller's
 thread), events (ints, floats, strings; a log-probability vector only when
 asked, already evaluated) and outcomes.
+
+*How* the thread takes its turns is a policy object (:class:`Turns`): by
+default one process applies commands as they arrive; the ranks of a split
+model run :class:`~mlx_loom.engine.lockstep_service.LockstepTurns`, where rank 0
+decides every turn. The service owns the thread, the inbox and the
+bookkeeping either way.
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from mlx_loom.engine.core import Engine, EngineStats
+from mlx_loom.engine.disk import check_directory
 from mlx_loom.engine.events import Done, Event, TokenEvent
 from mlx_loom.engine.request import Request
 from mlx_loom.engine.settings import EngineSettings
@@ -135,16 +142,125 @@ class ServiceStats:
         return self.engine.waiting + self.submitted
 
 
+class Turns:
+    """How an engine thread takes its turns: the policy an :class:`EngineService` runs.
+
+    This default runs one process on its own timing: each turn takes the
+    commands that arrived (after idling, a burst's worth), applies them and
+    steps the engine. A policy is bound to one service (:meth:`bind`) and
+    works on its state; the service calls :meth:`new_engine` when it needs
+    an engine (at start, after an engine failure), :meth:`admit` for each
+    command posted to its thread, and :meth:`run` as the thread's body.
+    """
+
+    service: EngineService
+
+    def bind(self, service: EngineService) -> None:
+        self.service = service
+
+    def new_engine(self) -> Engine:
+        return Engine(self.service.model, self.service.settings)
+
+    def admit(self, command: tuple[str, Any]) -> bool:
+        """Whether a command posted to the thread is queued (every one, here)."""
+        return True
+
+    def run(self) -> None:
+        """The thread's body: turns until stopped or idle for ``idle_seconds``."""
+        service = self.service
+        handles: dict[int, Handle] = {}
+        try:
+            while self.serve(handles):
+                pass
+        finally:
+            stopped = EngineStopped(
+                "The generation engine stopped before this request finished.",
+                fix="Generate again (load the model again if it was closed).",
+            )
+            for uid, handle in list(handles.items()):
+                handle._deliver(Done(uid, "failed", error=stopped))
+            while True:
+                try:
+                    kind, item = service._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "submit":
+                    with service._lock:
+                        service._submitted -= 1
+                    item._deliver(Done(-1, "failed", error=stopped))
+            # Destroy this thread's MLX streams before it exits: see the module docstring.
+            mx.synchronize()
+            mx.clear_streams()
+
+    def serve(self, handles: dict[int, Handle]) -> bool:
+        """One turn of the thread: take commands, step the engine; False to exit."""
+        service = self.service
+        engine = service._engine
+        commands: list[tuple[str, Any]] = []
+        idle = not engine.has_work
+        if idle:
+            try:
+                commands.append(service._inbox.get(timeout=service.settings.idle_seconds))
+            except queue.Empty:
+                with service._lock:
+                    if service._inbox.empty():
+                        service._thread = None  # idle: exit; the next submit starts a thread
+                        return False
+                return True
+        service._drain(commands, gather=idle)
+        taken = 0
+        try:
+            for kind, item in commands:
+                if kind == "stop":
+                    engine.flush()  # the prefix store's disk tier takes what memory holds
+                    return False
+                if kind == "configure":
+                    engine.configure(item)
+                elif kind == "submit":
+                    taken += 1
+                    (uid,) = engine.insert([item.request])
+                    item.uid = uid
+                    handles[uid] = item
+                    if item.cancelled:
+                        service._dispatch(engine.remove([uid]), handles)
+                elif kind == "cancel" and item.uid is not None:
+                    service._dispatch(engine.remove([item.uid]), handles)
+        finally:
+            # One update, under the lock: a request moves from "submitted" to
+            # the engine's waiting count at once. Decremented before the stats
+            # were refreshed, it would count nowhere for a whole step, and
+            # the queue bound (and /health) would miss it.
+            with service._lock:
+                service._submitted -= taken
+                service._stats = engine.stats()
+        if engine.has_work:
+            try:
+                events = engine.step()
+            except BaseException as err:  # an engine bug: fail what runs, keep serving
+                log.exception("the engine failed; its requests are failed and it restarts")
+                events = [Done(uid, "failed", error=err) for uid in handles]
+                service._engine = self.new_engine()
+            service._dispatch(events, handles)
+        with service._lock:
+            service._stats = service._engine.stats()
+        return True
+
+
 class EngineService:
     """The thread that owns one model's :class:`~mlx_loom.engine.Engine`.
 
     Create it through ``model.engine`` (one per model); start is lazy.
+    ``turns`` is how its thread takes turns (:class:`Turns` by default).
     """
 
-    def __init__(self, model: Model, settings: EngineSettings | None = None) -> None:
+    def __init__(
+        self, model: Model, settings: EngineSettings | None = None, *, turns: Turns | None = None
+    ) -> None:
         self.model = model
         self._settings = settings or EngineSettings()
-        self._engine = Engine(model, self._settings)
+        self.turns = turns or Turns()
+        self.turns.bind(self)
+        self._engine = self.turns.new_engine()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -167,6 +283,8 @@ class EngineService:
         new = settings if settings is not None else self._settings.model_copy(update=changes)
         if changes and settings is None:
             new = EngineSettings(**new.model_dump())  # validate the changed values
+        if new.prompt_cache_dir is not None:
+            check_directory(new.prompt_cache_dir)  # refused here, not on the engine thread
         self._settings = new
         self._post(("configure", new))
         return new
@@ -217,14 +335,19 @@ class EngineService:
         """Cancel everything, stop the thread (destroying its streams) and wait for it."""
         with self._lock:
             self._closed = True
-            if self._thread is not None:
+            running = self._thread is not None
+            if running:
                 self._inbox.put(("stop", None))
             threads = [t for t in self._threads if t is not threading.current_thread()]
+        if not running:
+            self._engine.flush()  # no thread owns the engine: write its caches from here
         for thread in threads:
             thread.join(timeout)
         _services.discard(self)
 
     def _post(self, command: tuple[str, Any]) -> None:
+        if not self.turns.admit(command):
+            return
         with self._lock:
             self._inbox.put(command)
             if not self._closed:
@@ -233,88 +356,12 @@ class EngineService:
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(
-                target=self._run, name=f"loom-engine-{self.model.model_type}", daemon=True
+                target=self.turns.run, name=f"loom-engine-{self.model.model_type}", daemon=True
             )
             self._threads = [t for t in self._threads if t.is_alive()] + [self._thread]
             self._thread.start()
 
-    # --- the engine thread ------------------------------------------------------------
-
-    def _run(self) -> None:
-        handles: dict[int, Handle] = {}
-        try:
-            while self._serve(handles):
-                pass
-        finally:
-            stopped = EngineStopped(
-                "The generation engine stopped before this request finished.",
-                fix="Generate again (load the model again if it was closed).",
-            )
-            for uid, handle in list(handles.items()):
-                handle._deliver(Done(uid, "failed", error=stopped))
-            while True:
-                try:
-                    kind, item = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if kind == "submit":
-                    with self._lock:
-                        self._submitted -= 1
-                    item._deliver(Done(-1, "failed", error=stopped))
-            # Destroy this thread's MLX streams before it exits: see the module docstring.
-            mx.synchronize()
-            mx.clear_streams()
-
-    def _serve(self, handles: dict[int, Handle]) -> bool:
-        """One turn of the thread: take commands, step the engine; False to exit."""
-        engine = self._engine
-        commands: list[tuple[str, Any]] = []
-        idle = not engine.has_work
-        if idle:
-            try:
-                commands.append(self._inbox.get(timeout=self._settings.idle_seconds))
-            except queue.Empty:
-                with self._lock:
-                    if self._inbox.empty():
-                        self._thread = None  # idle: exit; the next submit starts a thread
-                        return False
-                return True
-        self._drain(commands, gather=idle)
-        taken = 0
-        try:
-            for kind, item in commands:
-                if kind == "stop":
-                    return False
-                if kind == "configure":
-                    engine.configure(item)
-                elif kind == "submit":
-                    taken += 1
-                    (uid,) = engine.insert([item.request])
-                    item.uid = uid
-                    handles[uid] = item
-                    if item.cancelled:
-                        self._dispatch(engine.remove([uid]), handles)
-                elif kind == "cancel" and item.uid is not None:
-                    self._dispatch(engine.remove([item.uid]), handles)
-        finally:
-            # One update, under the lock: a request moves from "submitted" to
-            # the engine's waiting count at once. Decremented before the stats
-            # were refreshed, it would count nowhere for a whole step, and
-            # the queue bound (and /health) would miss it.
-            with self._lock:
-                self._submitted -= taken
-                self._stats = engine.stats()
-        if engine.has_work:
-            try:
-                events = engine.step()
-            except BaseException as err:  # an engine bug: fail what runs, keep serving
-                log.exception("the engine failed; its requests are failed and it restarts")
-                events = [Done(uid, "failed", error=err) for uid in handles]
-                self._engine = Engine(self.model, self._settings)
-            self._dispatch(events, handles)
-        with self._lock:
-            self._stats = self._engine.stats()
-        return True
+    # --- the engine thread (what its turns use) ------------------------------------------
 
     def _drain(self, commands: list[tuple[str, Any]], *, gather: bool) -> None:
         """Take every queued command; after idling, also those of a burst still arriving.
@@ -347,7 +394,7 @@ class EngineService:
                 return
             pause = GATHER_SECONDS  # a burst: wait for it to pause
 
-    def _dispatch(self, events: list[Event], handles: dict[int, Handle]) -> None:
+    def _dispatch(self, events: Sequence[Event], handles: dict[int, Handle]) -> None:
         for event in events:
             handle = handles.get(event.uid)
             if handle is None:

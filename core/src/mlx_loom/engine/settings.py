@@ -9,6 +9,8 @@ the other. Validated at the boundary: a bad value is a
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
@@ -36,6 +38,15 @@ class EngineSettings(BaseModel):
       prefix store (``0`` entries disables it; ``None`` bytes means no byte
       bound). The Python API's default engine keeps no store, so a plain
       ``generate`` call keeps nothing alive after it returns.
+    * ``checkpoint_chunks``: for caches that cannot trim (recurrent state,
+      sliding windows), the prefix store keeps a checkpoint at every turn
+      boundary of a prompt and every this many prefill chunks (``0``: at turn
+      boundaries and the prompt's end only); see :mod:`mlx_loom.engine.splits`.
+    * ``prompt_cache_dir`` / ``prompt_cache_disk_bytes``: the prefix store's
+      disk tier (:mod:`mlx_loom.engine.disk`): entries evicted from memory,
+      and all of them when the engine stops, are written there as verified
+      prompt-cache files and serve later requests and restarted engines;
+      ``None`` bytes means no bound on disk. Needs ``prompt_cache_size > 0``.
     * ``max_queued``: requests that may wait for a free row; ``None`` is
       unbounded. Past it, :meth:`EngineService.submit` raises
       :class:`~mlx_loom.errors.EngineBusy` (the server answers 503).
@@ -52,6 +63,9 @@ class EngineSettings(BaseModel):
     prefill_step_size: int = DEFAULT_PREFILL_STEP
     prompt_cache_size: int = 0
     prompt_cache_bytes: int | None = None
+    checkpoint_chunks: int = 4
+    prompt_cache_dir: str | None = None
+    prompt_cache_disk_bytes: int | None = None
     max_queued: int | None = None
     idle_seconds: float | None = 5.0
 
@@ -81,7 +95,25 @@ class EngineSettings(BaseModel):
             raise ValueError("it must be an int >= 0 (0 disables the prefix store)")
         return value
 
-    @field_validator("prompt_cache_bytes", "max_queued", mode="before")
+    @field_validator("checkpoint_chunks", mode="before")
+    @classmethod
+    def _chunks(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError("it must be an int >= 0 (0 checkpoints at turn boundaries only)")
+        return value
+
+    @field_validator("prompt_cache_dir", mode="before")
+    @classmethod
+    def _directory(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str) or not value or "\x00" in value:
+            raise ValueError("it must be None or a directory path")
+        return value
+
+    @field_validator("prompt_cache_bytes", "prompt_cache_disk_bytes", "max_queued", mode="before")
     @classmethod
     def _optional_count(cls, value: Any) -> Any:
         if value is not None and (

@@ -7,11 +7,14 @@ A speculative row's decode step is the plain step grown to a window
    — a draft model (:class:`ModelDrafter`, its own caches, rolled back like
    the target's) or prompt lookup (:func:`ngram_draft`: the tokens that
    followed the latest earlier occurrence of the sequence's last n-gram);
+   a row with a grammar keeps only the drafts' legal prefix
+   (:mod:`mlx_loom.engine.constraints`);
 2. the target verifies ``[y, d1 .. dk]`` in one forward inside a speculative
    round of every cache (:func:`begin_rounds`);
 3. each position gets the row's logits processors over its own token
-   history, then the accept rule picks how many drafts to keep and the next
-   token: for greedy rows the longest prefix equal to the target's argmax;
+   history (the row's :class:`~mlx_loom.engine.next_token.TokenPicker`, as in
+   plain decoding) and its grammar mask at that position, then the accept rule picks how many drafts to keep and
+   the next token: for greedy rows the longest prefix equal to the target's argmax;
    for sampled rows the standard accept/reject rule (accept ``d`` with
    probability ``min(1, p(d)/q(d))``; on a rejection sample the residual
    ``max(0, p - q)``), so the output is distributed as the target's;
@@ -30,22 +33,19 @@ speculative output equals greedy output token for token.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
 from mlx_loom.cache.protocol import SpeculativeRounds
 from mlx_loom.engine.caches import layout, quantization_pending, stackable
+from mlx_loom.engine.constraints import mask_logits
 from mlx_loom.engine.group import DecodeGroup, Left, StepResult
+from mlx_loom.engine.next_token import host_float, host_floats, host_int, host_ints, log_probs
 from mlx_loom.engine.row import Row
-from mlx_loom.engine.sampling import (
-    Sampler,
-    logprobs_from_logits,
-    logprobs_top_k,
-    make_sampler,
-)
 from mlx_loom.errors import CacheNotTrimmable
+from mlx_loom.engine.sampling import Sampler, logprobs_top_k, make_sampler
 from mlx_loom.host import VERIFY_POLICIES
 
 if TYPE_CHECKING:
@@ -118,14 +118,16 @@ class ModelDrafter:
         self._k = 0
         self._proposed: list[int] = []
         self.sampler: Sampler | None = None
-        if not row.greedy:
-            seed = row.sampler.seed if isinstance(row.sampler, Sampler) else None
+        picker = row.picker
+        if not picker.greedy:
+            seed = picker.sampler.seed if isinstance(picker.sampler, Sampler) else None
             key = mx.random.key(((seed or 0) ^ 0x5DEECE66D) & (2**63 - 1))
             self.sampler = make_sampler(row.request.params, key=key)
 
     def prefill(self, tokens: Sequence[int], step: int) -> None:
         for start in range(0, len(tokens), step):
-            self.model(mx.array(tokens[start : start + step], mx.uint32)[None], self.caches)
+            chunk = mx.array(list(tokens[start : start + step]), mx.uint32)
+            self.model.forward(chunk[None], self.caches)
             mx.eval([c.state for c in self.caches])
 
     def propose(self, y: int, k: int) -> tuple[list[int], mx.array | None]:
@@ -136,14 +138,13 @@ class ModelDrafter:
         tokens: list[int] = []
         dists = []
         for _ in range(k):
-            logits = self.model(mx.array(feed, mx.uint32)[None], self.caches)[:, -1, :]
-            with self.model.native_kernels():
-                logprobs = logprobs_from_logits(logits)
+            logits = self.model.forward(mx.array(feed, mx.uint32)[None], self.caches)[:, -1, :]
+            logprobs = log_probs(self.model, logits)
             if self.sampler is None:
-                token = int(mx.argmax(logprobs, axis=-1).item())
+                token = host_int(mx.argmax(logprobs, axis=-1))
             else:
                 dists.append(mx.softmax(self.sampler.sampling_logits(logprobs), axis=-1)[0])
-                token = int(self.sampler(logprobs).item())
+                token = host_int(self.sampler(logprobs))
             tokens.append(token)
             feed = [token]
         self._k, self._proposed = k, tokens
@@ -237,14 +238,15 @@ class SpeculativeGroup(DecodeGroup):
             inputs.append(window + [window[-1]] * (N - len(window)))
         if N > 1:
             begin_rounds(self.caches)
-        logits = self.model(mx.array(inputs, mx.uint32), self.caches)
-        choices = []
+        logits = self.model.forward(mx.array(inputs, mx.uint32), self.caches)
+        choices: list[tuple[mx.array, list[int], int] | None] = []
         for j, (row, (drafts, q)) in enumerate(zip(rows, plans, strict=True)):
             width = 1 + len(drafts)
             try:
-                row_logits = self._process(row, logits[j, :width], drafts)
-                with self.model.native_kernels():
-                    logprobs = logprobs_from_logits(row_logits)
+                row_logits = row.picker.process(logits[j, :width], drafts)
+                if row.constraint is not None:  # then the grammar's mask at each position
+                    row_logits = mask_logits(row_logits, row.constraint.masks_along(drafts))
+                logprobs = log_probs(self.model, row_logits)
                 choices.append((logprobs, *_choose(row, logprobs, drafts, q)))
             except BaseException as err:  # a user's processor: this row fails alone
                 failed[j] = err
@@ -257,9 +259,15 @@ class SpeculativeGroup(DecodeGroup):
                 continue
             emitted = self._emit(row, *choice, out)
             keeps.append(emitted)
+            if row.constraint is not None:
+                try:
+                    row.constraint.advance(choice[1][:emitted])
+                except BaseException as err:  # this row's grammar failed: it alone leaves
+                    failed[j] = err
             drafts = plans[j][0]
             row.fed.extend(inputs[j][:emitted])
             row.speculation.sequence.extend(choice[1][:emitted])
+            row.picker.note(choice[1][:emitted])
             out.drafted += len(drafts)
             out.accepted += min(choice[2], emitted)
             drafter = row.speculation.drafter
@@ -287,10 +295,14 @@ class SpeculativeGroup(DecodeGroup):
         if k > 0:
             k = self.policy.window(len(st.sequence) - 1, k + 1) - 1
         try:
-            return st.propose(k)
+            drafts, q = st.propose(k)
         except BaseException as err:  # a draft model may raise anything: this row fails
             failed[j] = err
             return [], None
+        if row.constraint is not None:  # a draft the grammar rejects ends the run
+            n = row.constraint.legal_prefix(drafts)
+            drafts, q = drafts[:n], (q[:n] if q is not None and n else None)
+        return drafts, q
 
     def _commit(self, fed: int, keeps: list[int]) -> None:
         for c in self.caches:
@@ -299,7 +311,7 @@ class SpeculativeGroup(DecodeGroup):
             elif fed > keeps[0]:
                 c.trim(fed - keeps[0])  # a lone row's trimmable cache
 
-    def _drop(self, leaving: dict[int, BaseException | None], out: StepResult) -> None:
+    def _drop(self, leaving: Mapping[int, BaseException | None], out: StepResult) -> None:
         for j, err in leaving.items():
             row = self.rows[j]
             caches = None if err is not None else self._row_caches(j)
@@ -322,12 +334,12 @@ class SpeculativeGroup(DecodeGroup):
             else None
         )
         mx.eval(chosen, *(top or ()), *(vectors or ()))
-        values = chosen.tolist()
+        values = host_floats(chosen)
         emitted = 0
         for j, token in enumerate(tokens):
             alts: list[tuple[int, float]] = []
             if top is not None:
-                alts = list(zip(top[0][j].tolist(), top[1][j].tolist(), strict=True))
+                alts = list(zip(host_ints(top[0][j]), host_floats(top[1][j]), strict=True))
             vector = vectors[j] if vectors is not None else None
             out.events.append(row.accept(token, values[j], alts, vector, from_draft=j < accepted))
             emitted += 1
@@ -335,30 +347,16 @@ class SpeculativeGroup(DecodeGroup):
                 break
         return emitted
 
-    @staticmethod
-    def _process(row: Row, logits: mx.array, drafts: list[int]) -> mx.array:
-        """Each position's logits through the row's processors, over its own history."""
-        if not row.processors:
-            return logits
-        sequence = row.speculation.sequence
-        parts = []
-        for j in range(logits.shape[0]):
-            part = logits[j : j + 1]
-            context = mx.array([*sequence, *drafts[:j]], mx.uint32)
-            for processor in row.processors:
-                part = processor(context, part)
-            parts.append(part)
-        return mx.concatenate(parts)
-
 
 def _choose(
     row: Row, logprobs: mx.array, drafts: list[int], q: mx.array | None
 ) -> tuple[list[int], int]:
     """The tokens this step emits (accepted drafts, then one of the target's) and how
     many of them are drafts."""
-    if row.greedy:
+    picker = row.picker
+    if picker.greedy:
         return accept_greedy(logprobs, drafts)
-    sampler = row.sampler
+    sampler = picker.sampler
     assert isinstance(sampler, Sampler)
     return accept_sampled(sampler, logprobs, drafts, q)
 
@@ -366,7 +364,7 @@ def _choose(
 def accept_greedy(logprobs: mx.array, drafts: list[int]) -> tuple[list[int], int]:
     """Keep the drafts that equal the target's argmax; then the target's own token."""
     k = len(drafts)
-    target = mx.argmax(logprobs, axis=-1).tolist()
+    target = host_ints(mx.argmax(logprobs, axis=-1))
     a = 0
     while a < k and drafts[a] == target[a]:
         a += 1
@@ -388,24 +386,24 @@ def accept_sampled(
     """
     k = len(drafts)
     if k == 0:
-        return [int(sampler(logprobs[:1]).item())], 0
+        return [host_int(sampler(logprobs[:1]))], 0
     p = mx.softmax(sampler.sampling_logits(logprobs), axis=-1)
     ids = mx.array(drafts, mx.int32)[:, None]
     p_d = mx.take_along_axis(p[:k], ids, axis=-1)[:, 0]
     q_d = mx.take_along_axis(q, ids, axis=-1)[:, 0] if q is not None else mx.ones((k,))
     u = mx.random.uniform(shape=(k,), key=sampler.split_key())
-    accept = (u * q_d < p_d).tolist()
+    accept = cast("list[bool]", (u * q_d < p_d).tolist())
     a = 0
     while a < k and accept[a]:
         a += 1
     if a == k:
-        final = int(sampler(logprobs[k : k + 1]).item())
+        final = host_int(sampler(logprobs[k : k + 1]))
         return [*drafts, final], k
     if q is not None:
         residual = mx.maximum(p[a] - q[a], 0.0)
     else:
         residual = mx.where(mx.arange(p.shape[-1]) == drafts[a], 0.0, p[a])
-    if residual.sum().item() <= 0.0:  # p == q up to rounding: the target's own draw
+    if host_float(residual.sum()) <= 0.0:  # p == q up to rounding: the target's own draw
         residual = p[a]
-    final = int(mx.random.categorical(mx.log(residual), key=sampler.split_key()).item())
+    final = host_int(mx.random.categorical(mx.log(residual), key=sampler.split_key()))
     return [*drafts[:a], final], a

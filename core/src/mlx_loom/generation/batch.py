@@ -181,7 +181,7 @@ def batch_generate(
     stop: Sequence[str] = (),
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    kv_group_size: int | None = None,
     quantized_kv_start: int = 0,
     kv_codec: str | None = None,
     max_kv_size: int | None = None,

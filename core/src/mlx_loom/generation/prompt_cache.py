@@ -4,8 +4,11 @@ A chat turn re-sends the whole conversation; only the part after the longest
 prefix already in the cache needs a forward. When the cached tokens diverge
 from the new prompt, the cache must drop its tail — which only a trimmable
 cache can do exactly. A non-trimmable cache (recurrent state, a sliding
-window that has wrapped) is never trimmed: it is reused only when what it
-holds is an exact prefix of the new prompt, and otherwise started afresh.
+window that has wrapped) is never trimmed: it is reused when what it holds
+is an exact prefix of the new prompt, and otherwise steps back to the last
+checkpoint the new prompt shares — the engine keeps one at each turn
+boundary and at the end of each prompt it prefills into these caches (at
+most :data:`MAX_CHECKPOINTS`, the latest) — or, with none, starts afresh.
 
 One generation at a time: a :class:`PromptCache` is one conversation's
 state, so a second generation that asks for it while one runs (from another
@@ -29,12 +32,18 @@ from ..bounded_json import parse_json
 from ..cache import load_prompt_cache, save_prompt_cache
 from ..cache.geometry import check_caches_fit
 from ..engine.caches import fresh_caches
-from ..engine.prefix import common_prefix
+from ..engine.lockstep_service import lockstep_of
+from ..engine.prefix import common_prefix, trims_as
 from ..errors import CacheError, RequestError
 from ..model import Model
 
 if TYPE_CHECKING:
     from ..engine import Done
+
+
+#: Checkpoints a PromptCache keeps (the latest): a conversation steps back a
+#: turn or two (an edit, a retry), rarely further.
+MAX_CHECKPOINTS = 8
 
 
 class PromptCache:
@@ -50,11 +59,14 @@ class PromptCache:
         self.max_kv_size = max_kv_size
         self.cache: list[Any] = fresh_caches(model, max_kv_size)
         self.tokens: list[int] = []
+        #: Checkpoints of the caches at earlier positions (``TakenCheckpoint``s).
+        self.checkpoints: list[Any] = []
         self._busy = threading.Lock()
 
     def reset(self) -> None:
         self.cache = fresh_caches(self.model, self.max_kv_size)
         self.tokens = []
+        self.checkpoints = []
 
     @contextmanager
     def claim(self) -> Iterator[None]:
@@ -87,10 +99,12 @@ class PromptCache:
         """Take in how a generation left the caches (the engine continued them in place)."""
         if done.outcome == "failed":
             self.tokens = []  # the engine started the caches afresh
+            self.checkpoints = []
             return
         if done.caches is not None and done.caches is not self.cache:
             self.cache = done.caches
         self.tokens.extend(done.fed)
+        self.checkpoints = [*self.checkpoints, *done.checkpoints][-MAX_CHECKPOINTS:]
 
     def prepare(self, prompt: Sequence[int]) -> list[int]:
         """Make the caches hold a prefix of ``prompt``; return the tokens still to feed.
@@ -106,10 +120,34 @@ class PromptCache:
                 for c in self.cache:
                     c.trim(drop)
                 self.tokens = self.tokens[:keep]
+                # Checkpoints past ``keep`` hold the dropped tokens.
+                self.checkpoints = [c for c in self.checkpoints if c.position <= keep]
             else:
-                self.reset()
-                keep = 0
+                keep = self._step_back(keep)
         return prompt[keep:]
+
+    def _step_back(self, keep: int) -> int:
+        """Restore the last checkpoint at or before ``keep``; the tokens the caches then hold."""
+        for cp in reversed(self.checkpoints):
+            if not 0 < cp.position <= keep or self.model.parallel is not None:
+                continue
+            layers = list(zip(cp.layers, self.cache, cp.kinds, strict=True))
+            # A layer without a snapshot trims back, if it is still the kind it was then.
+            if not all(
+                snap is not None or trims_as(cache, kind)
+                for snap, cache, kind in layers
+            ):
+                continue
+            drop = len(self.tokens) - cp.position
+            for snap, cache, _ in layers:
+                if snap is None:
+                    cache.trim(drop)
+            self.cache = [cache if snap is None else snap.restore() for snap, cache, _ in layers]
+            self.tokens = self.tokens[: cp.position]
+            self.checkpoints = [c for c in self.checkpoints if c.position <= cp.position]
+            return cp.position
+        self.reset()
+        return 0
 
     def _can_trim(self) -> bool:
         """Whether every cache can trim; for a split model, on every rank.
@@ -120,7 +158,7 @@ class PromptCache:
         mine = all(c.is_trimmable() for c in self.cache)
         if self.model.parallel is None:
             return mine
-        return all(flag == 1.0 for (flag,) in self.model.engine.gather([float(mine)]))
+        return all(flag == 1.0 for (flag,) in lockstep_of(self.model).gather([float(mine)]))
 
     @property
     def reused(self) -> int:
@@ -135,11 +173,7 @@ class PromptCache:
         save_prompt_cache(
             path,
             self.cache,
-            {
-                "tokens": json.dumps(self.tokens),
-                "implementation": self.model.implementation.id,
-                "model": str(self.model.model_dir.resolve()),
-            },
+            {"tokens": json.dumps(self.tokens), **cache_binding(self.model)},
             kinds=self.model.binding.cache_kinds,
         )
 
@@ -155,15 +189,7 @@ class PromptCache:
         """
         caches, meta = load_prompt_cache(path, kinds=model.binding.cache_kinds)
         source = f"The prompt cache {str(path)!r}"
-        # A cache is only meaningful with the weights that produced it: the same
-        # implementation and the same model directory.
-        want = {"implementation": model.implementation.id, "model": str(model.model_dir.resolve())}
-        for key, value in want.items():
-            if meta.get(key) != value:
-                raise CacheError(
-                    f"{source} was saved for {key} {meta.get(key)!r}; this model's is {value!r}.",
-                    fix="Load it with the model it was saved for, or rebuild the cache.",
-                )
+        _check_binding(meta, model, source)
         tokens = _saved_tokens(meta.get("tokens"), source=source, vocab=model.vocab_size)
         check_caches_fit(caches, model, tokens=len(tokens), source=source)
         # Evaluate on this (the loading) thread: the arrays are lazy reads, and
@@ -172,6 +198,56 @@ class PromptCache:
         out = cls(model)
         out.cache, out.tokens = caches, tokens
         return out
+
+
+#: What each binding entry of a saved cache is called in an error.
+_BINDING_NAMES = {
+    "implementation": "implementation",
+    "model": "model directory",
+    "artifact_fingerprint": "artifact fingerprint (tensor names, dtypes and shapes)",
+    "weights": "weight files (their names, sizes and modification times)",
+}
+
+
+def cache_binding(model: Model) -> dict[str, str]:
+    """The metadata that binds a saved cache to the weights that produced it.
+
+    A cache is only meaningful with those weights: the same implementation,
+    the same model directory, the same tensor manifest and the same weight
+    files (replaced weights of the same shapes would continue the old
+    state). A model built outside :func:`mlx_loom.load` has no fingerprint or
+    weights identity, written as ``""``.
+    """
+    return {
+        "implementation": model.implementation.id,
+        "model": str(model.model_dir.resolve()),
+        "artifact_fingerprint": model.artifact_fingerprint or "",
+        "weights": model.weights_identity or "",
+    }
+
+
+def _check_binding(meta: dict[str, str], model: Model, source: str) -> None:
+    for key, value in cache_binding(model).items():
+        saved = meta.get(key)
+        if saved == value:
+            continue
+        what = _BINDING_NAMES[key]
+        if saved is None:
+            raise CacheError(
+                f"{source} does not name the {what} it was saved for (it was written by an "
+                "older version, or by hand).",
+                fix="Rebuild the cache with this model and save it again.",
+            )
+        if key == "weights":
+            raise CacheError(
+                f"{source} was saved with other weights: the {what} in "
+                f"{str(model.model_dir)!r} changed since it was saved.",
+                fix="Rebuild the cache: the weights it was computed with are gone.",
+            )
+        raise CacheError(
+            f"{source} was saved for {key.replace('_', ' ')} {saved!r}; this model's is {value!r}.",
+            fix="Load it with the model it was saved for, or rebuild the cache.",
+        )
 
 
 def _saved_tokens(raw: str | None, *, source: str, vocab: int | None) -> list[int]:

@@ -14,12 +14,13 @@ it is disambiguated). Generation stops at the model's context
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
+from ..engine.constraints import from_options
 from ..engine.params import SamplingParams
 from ..engine.request import encode_prompt, make_request, speculation
 from ..errors import RequestError
@@ -85,7 +86,7 @@ def stream_generate(
     prompt_cache: PromptCache | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    kv_group_size: int | None = None,
     quantized_kv_start: int = 0,
     kv_codec: str | None = None,
     max_kv_size: int | None = None,
@@ -95,8 +96,10 @@ def stream_generate(
     num_draft_tokens: int = 3,
     draft: str | None = None,
     adapter: str | None = None,
+    response_format: Any = None,
+    grammar: str | None = None,
     **sampling: Any,
-) -> Iterator[GenerationResponse]:
+) -> Generator[GenerationResponse, None, None]:
     """Generate from ``prompt``, yielding a :class:`GenerationResponse` per token.
 
     ``sampling`` takes the :class:`SamplingParams` fields (``temperature``
@@ -113,7 +116,10 @@ def stream_generate(
     every other option but ``adapter``, and greedy output is the same as
     without it. ``adapter`` names one of the adapters registered on the model
     (:class:`~mlx_loom.adapters.AdapterSet`) to run this request with, batched
-    with requests that use others. The last response carries
+    with requests that use others. ``response_format`` (OpenAI's shape:
+    ``{"type": "json_schema", "json_schema": {"schema": ...}}`` or
+    ``{"type": "json_object"}``) or ``grammar`` (Lark or GBNF text)
+    constrains the output during decoding. The last response carries
     ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"``
     (``max_tokens``, or the context).
     """
@@ -133,6 +139,7 @@ def stream_generate(
         logits_processors=logits_processors,
         logprobs_vector=True,
         adapter=adapter,
+        constraint=from_options(tokenizer, response_format=response_format, grammar=grammar),
     )
     options["speculation"] = speculation_for(draft_model, draft, num_draft_tokens)
     if prompt_cache is None:
@@ -158,6 +165,7 @@ def stream_generate(
             to_feed,
             cache=prompt_cache.cache,
             history=list(prompt_cache.tokens),
+            checkpoints=True,
             **options,
         )
         handle = model.engine.submit(request)

@@ -21,13 +21,17 @@ from __future__ import annotations
 
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 from ..bounded_json import parse_json
 from ..errors import LoomError
 from ._policy import POLICY_ENV, PluginPolicy
 
-__all__ = ["allow_plugin_fix", "install_command"]
+if TYPE_CHECKING:  # the plugin host imports this module
+    from ._discovery import PluginHost, PluginRecord
+
+__all__ = ["allow_plugin_fix", "install_command", "quarantine_fix"]
 
 CORE_DISTRIBUTION = "mlx-loom"
 
@@ -85,3 +89,31 @@ def allow_plugin_fix(name: str, policy: PluginPolicy) -> str:
         return f"Set {POLICY_ENV}={name} (it is empty, which allows no plugin), or unset it."
     allowed = ",".join(sorted(policy.names | {name}))
     return f"Add {name!r} to {POLICY_ENV} (e.g. {POLICY_ENV}={allowed}) or to the host's policy."
+
+
+def quarantine_fix(record: PluginRecord, host: PluginHost) -> str:
+    """How to get quarantined plugin ``record`` loaded again.
+
+    A plugin quarantined for colliding with others is not broken: one of the
+    colliding plugins has to go (uninstalled, or disallowed by the policy).
+    Any other quarantine is the plugin's own fault.
+    """
+    if not record.conflicts_with:
+        return (
+            f"Fix or reinstall {record.distribution} (`loom plugins --json` shows the traceback)."
+        )
+    others = [host.record(n) for n in record.conflicts_with]
+    dists = [o.distribution for o in others if o is not None] or list(record.conflicts_with)
+    policy = host.policy
+    partner = record.conflicts_with[0]
+    if policy.mode == "allow":
+        kept = ",".join(sorted(policy.names - {partner})) or '""'
+        disallow = f"{POLICY_ENV}={kept}"
+    else:
+        denied = sorted(policy.names | {partner}) if policy.mode == "deny" else [partner]
+        disallow = f"{POLICY_ENV}={','.join('-' + n for n in denied)}"
+    return (
+        f"Uninstall or disallow one of them: `pip uninstall {' '.join(dists)}` (or "
+        f"`pip uninstall {record.distribution}`), or set {disallow} to load "
+        f"{record.name!r} without {partner!r}."
+    )

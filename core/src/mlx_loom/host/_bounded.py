@@ -32,7 +32,10 @@ on a slow disk) needs a larger value.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import sys
 import threading
 import time
 import traceback
@@ -123,14 +126,54 @@ def call(fn: Callable[[], T], *, what: str, timeout: float, raised: str | None =
 
 
 def import_plugin(load: Callable[[], T], *, what: str, timeout: float) -> T:
-    """Import a plugin through ``load`` and evaluate arrays it left lazy at module level."""
+    """Import a plugin through ``load`` and evaluate arrays it left lazy at module level.
 
-    def load_and_settle() -> T:
-        obj = load()
-        if isinstance(obj, ModuleType):
+    What the import prints goes to standard error (standard output may be
+    the host's own machine-readable answer, ``loom plugins --json``). An
+    import that changes the recursion limit or MLX's own attributes is
+    undone and refused (:func:`._import_check.guard_globals`).
+    """
+    from ._import_check import guard_globals  # that module imports this one
+
+    def load_and_settle() -> tuple[T, list[str]]:
+        to_stderr = _ToStderr()
+        with (
+            contextlib.redirect_stdout(to_stderr),
+            contextlib.redirect_stderr(to_stderr),
+            guard_globals() as changed,
+        ):
+            obj = load()
+        if not changed and isinstance(obj, ModuleType):
             arrays = [v for v in vars(obj).values() if isinstance(v, mx.array)]
             if arrays:
                 mx.eval(arrays)
-        return obj
+        return obj, changed
 
-    return call(load_and_settle, what=what, timeout=timeout, raised="import failed:")
+    obj, changed = call(load_and_settle, what=what, timeout=timeout, raised="import failed:")
+    if changed:
+        raise PluginFault("; ".join(changed))
+    return obj
+
+
+class _ToStderr(io.TextIOBase):
+    """``sys.stdout``/``sys.stderr`` while a plugin imports: writes go to the
+    real standard error; ``close()`` (a plugin closing "stdout") does nothing."""
+
+    def __init__(self) -> None:
+        self._target = sys.stderr
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        try:
+            return self._target.write(text)
+        except (OSError, ValueError):  # the real stream is gone: the text with it
+            return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._target.flush()
+
+    def close(self) -> None:
+        pass

@@ -7,7 +7,9 @@ each plugin, in name order:
 1. the host policy decides whether it may load at all (``blocked``); an
    entry-point name claimed by two distributions loads neither (which one ran
    would depend on install order) and both are reported;
-2. it is imported (bounded in time, see :mod:`._bounded`) and registered
+2. it is imported — an installed plugin first in a child process, where a
+   hang, an exit or a change to MLX itself is caught (:mod:`._import_check`),
+   then here, bounded in time (:mod:`._bounded`) — and registered
    with pluggy; a hook implementation that matches no hookspec (a
    misspelling) is an error;
 3. its plugin-API version is checked against the core's;
@@ -31,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -50,6 +53,7 @@ from ..text.tool_calls import ToolParser, parser_table
 from . import _hookspecs as hookspecs
 from ._bounded import PluginFault, describe, import_plugin, timeout_from_env
 from ._bounded import call as bounded_call
+from ._import_check import check_imports, module_of
 from ._policy import PluginPolicy
 from ._profiles import Profile, validate_profile
 from ._registrations import Family, Implementation, ModelType, Registrations, check_cache_kind
@@ -74,6 +78,8 @@ class PluginRecord:
     traceback: str | None = None
     api_version: str | None = None
     registers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: The plugins whose registrations collide with this one's (both quarantined).
+    conflicts_with: tuple[str, ...] = ()
 
     @property
     def provider(self) -> Provider:
@@ -88,6 +94,7 @@ class PluginRecord:
             "reason": self.reason,
             "api_version": self.api_version,
             "registers": {k: list(v) for k, v in self.registers.items()},
+            "conflicts_with": list(self.conflicts_with),
             "traceback": self.traceback,
         }
 
@@ -112,6 +119,7 @@ class _Candidate:
     provider: Provider
     load: Callable[[], object]
     clash: str | None = None  # why it may not load: its name is claimed twice
+    entry: tuple[str, str, str] | None = None  # an installed plugin: (name, value, group)
 
 
 @dataclass
@@ -149,7 +157,10 @@ class PluginHost:
         candidates = _mark_name_clashes(candidates)
         self._check_policy_names([c.name for c in candidates])
 
-        outcomes: list[PluginRecord | _Loaded] = [self._load(c) for c in candidates]
+        refused = self._check_imports(candidates)
+        outcomes: list[PluginRecord | _Loaded] = [
+            self._load(c, refused.get(c.name)) for c in candidates
+        ]
         outcomes = self._quarantine_conflicts(outcomes)
         self.records: tuple[PluginRecord, ...] = tuple(
             o.record if isinstance(o, _Loaded) else o for o in outcomes
@@ -200,9 +211,24 @@ class PluginHost:
                 fix="Correct the names in the policy (MLX_LOOM_PLUGINS), or install the plugins.",
             )
 
-    def _load(self, candidate: _Candidate) -> PluginRecord | _Loaded:
+    def _check_imports(self, candidates: Sequence[_Candidate]) -> dict[str, str]:
+        """Installed plugins this process has not imported yet, imported first
+        in a child process (:mod:`._import_check`): ``{name: why refused}``."""
+        entries = [
+            c.entry
+            for c in candidates
+            if c.entry is not None
+            and c.clash is None
+            and self.policy.permits(c.name)
+            and module_of(c.entry[1]) not in sys.modules
+        ]
+        return check_imports(entries, timeout=self.timeout) if entries else {}
+
+    def _load(self, candidate: _Candidate, refused: str | None = None) -> PluginRecord | _Loaded:
         name, provider = candidate.name, candidate.provider
-        base = dict(name=name, distribution=provider.distribution, version=provider.version)
+        base: dict[str, Any] = dict(
+            name=name, distribution=provider.distribution, version=provider.version
+        )
         if not self.policy.permits(name):
             return PluginRecord(
                 **base,
@@ -213,6 +239,8 @@ class PluginHost:
         try:
             if candidate.clash is not None:
                 raise PluginFault(candidate.clash)
+            if refused is not None:
+                raise PluginFault(refused)
             obj = import_plugin(candidate.load, what="import", timeout=self.timeout)
             api_version = self._register(name, obj)
             found = self._collect(name, provider)
@@ -224,8 +252,17 @@ class PluginHost:
         return _Loaded(record, found)
 
     def _quarantined(
-        self, name: str, provider: Provider, fault: PluginFault, api_version: str | None
+        self,
+        name: str,
+        provider: Provider,
+        fault: PluginFault,
+        api_version: str | None,
+        *,
+        conflict: PluginRecord | None = None,
     ) -> PluginRecord:
+        """The quarantine record; ``conflict`` is the loaded record of a plugin
+        quarantined only for colliding with others, whose registrations (what it
+        would claim) and partners are kept."""
         if self.strict:
             raise PluginError(
                 f"Plugin {name!r} ({provider.distribution} {provider.version}) failed: "
@@ -242,6 +279,8 @@ class PluginHost:
             reason=fault.reason,
             traceback=fault.trace,
             api_version=api_version,
+            registers=conflict.registers if conflict is not None else {},
+            conflicts_with=conflict.conflicts_with if conflict is not None else (),
         )
 
     def _register(self, name: str, obj: object) -> str:
@@ -340,10 +379,12 @@ class PluginHost:
             for key in _ids(outcome.found):
                 owners.setdefault(key, []).append(name)
         reasons: dict[str, list[str]] = {}
+        partners: dict[str, set[str]] = {}
         for (kind, ident), names in owners.items():
             if len(names) < 2:
                 continue
             for name in names:
+                partners.setdefault(name, set()).update(n for n in names if n != name)
                 others = ", ".join(str(loaded[n].record.provider) for n in names if n != name)
                 reasons.setdefault(name, []).append(
                     f"{kind} {ident!r} is also registered by {others}"
@@ -361,8 +402,11 @@ class PluginHost:
                 + "; ".join(sorted(reasons[name]))
                 + " (neither is loaded; uninstall or disallow one of them)"
             )
-            record = outcome.record
-            result.append(self._quarantined(name, record.provider, fault, record.api_version))
+            partners_of = tuple(sorted(partners[name]))
+            record = dataclasses.replace(outcome.record, conflicts_with=partners_of)
+            result.append(
+                self._quarantined(name, record.provider, fault, record.api_version, conflict=record)
+            )
         return result
 
 
@@ -446,7 +490,10 @@ def _summary(found: Registrations) -> dict[str, tuple[str, ...]]:
 
 def _discover_entry_points() -> list[_Candidate]:
     return sorted(
-        (_Candidate(ep.name, _provider_of(ep), ep.load) for ep in _entry_points()),
+        (
+            _Candidate(ep.name, _provider_of(ep), ep.load, entry=(ep.name, ep.value, ep.group))
+            for ep in _entry_points()
+        ),
         key=lambda c: c.name,
     )
 

@@ -33,7 +33,15 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from ..backends import Backend, Kernel, KernelRegistry, Provider, active_backend, runnable_backends
+from ..backends import (
+    Backend,
+    Kernel,
+    KernelRegistry,
+    Provider,
+    active_backend,
+    registered_twice,
+    runnable_backends,
+)
 from ..cache import CACHE_KINDS
 from ..cpu.path import check_compute_dtype, check_kernel_set
 from ..errors import (
@@ -79,10 +87,13 @@ def _unique(kind: str, items: Iterable[Any], cls: type, key: Callable[[Any], str
                 fix=f"Give every {kind} a non-empty id.",
             )
         if ident in table:
+            who, fix = registered_twice(
+                getattr(table[ident], "provider", None),
+                getattr(item, "provider", None),
+                rename="one of the ids",
+            )
             raise RegistrationError(
-                f"{kind.capitalize()} id {ident!r} is registered twice: by "
-                f"{_describe(table[ident])} and by {_describe(item)}.",
-                fix="Uninstall or disallow one of the two plugins, or rename one of the ids.",
+                f"{kind.capitalize()} id {ident!r} is registered twice{who}.", fix=fix
             )
         table[ident] = item
     return table

@@ -42,7 +42,7 @@ from ..artifacts import (
 from ..backends import Backend
 from ..cpu.path import CpuPath, resolve_cpu_path
 from ..errors import PluginUnavailable, UnknownModelType
-from ._advice import allow_plugin_fix, install_command
+from ._advice import allow_plugin_fix, install_command, quarantine_fix
 from ._discovery import PluginHost, PluginRecord
 from ._policy import POLICY_ENV, PluginPolicy
 from ._profiles import resolve_profile
@@ -210,7 +210,7 @@ def _unclaimed(name: str, host: PluginHost, registry: Registry) -> Exception:
         plugin, dist = known
         record = host.record(plugin) or host.by_distribution(dist)
         if record is not None and record.status != "loaded":
-            return _unavailable(name, record, host.policy)
+            return _unavailable(name, record, host)
         if record is None:
             return UnknownModelType(
                 f"model_type {name!r} needs the {plugin!r} family plugin, which is not "
@@ -232,16 +232,16 @@ def _unclaimed(name: str, host: PluginHost, registry: Registry) -> Exception:
     )
 
 
-def _unavailable(name: str, record: PluginRecord, policy: PluginPolicy) -> PluginUnavailable:
+def _unavailable(name: str, record: PluginRecord, host: PluginHost) -> PluginUnavailable:
     who = f"plugin {record.name!r} ({record.distribution} {record.version})"
     if record.status == "blocked":
         return PluginUnavailable(
             f"model_type {name!r} is claimed by {who}, which is {record.reason}.",
-            fix=allow_plugin_fix(record.name, policy),
+            fix=allow_plugin_fix(record.name, host.policy),
         )
     return PluginUnavailable(
         f"model_type {name!r} is claimed by {who}, which is quarantined: {record.reason}.",
-        fix=f"Fix or reinstall {record.distribution} (`loom plugins --json` shows the traceback).",
+        fix=quarantine_fix(record, host),
     )
 
 

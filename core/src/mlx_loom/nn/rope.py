@@ -263,8 +263,8 @@ def _yarn(dims: int, base: float, s: YarnScaling) -> tuple[mx.array, float]:
             2 * math.log(base)
         )
 
-    low = max(math.floor(correction_dim(s.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(s.beta_slow)), dims - 1)
+    low: float = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high: float = min(math.ceil(correction_dim(s.beta_slow)), dims - 1)
     if low == high:
         high += 0.001  # the ramp below would divide by zero
     ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)

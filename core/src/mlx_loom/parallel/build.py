@@ -12,7 +12,7 @@ so no rank is left waiting in a collective for one that is gone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,7 +22,7 @@ from mlx_loom.errors import ParallelRefused
 
 from .lockstep import Lockstep
 from .pipeline import pipeline_check, shard_pipeline
-from .plan import ParallelPlan
+from .plan import GeometryCheck, ParallelPlan
 from .reading import SliceReader
 from .tensor import (
     Wrap,
@@ -143,14 +143,18 @@ def split_model(
     checks += tensor_checks(module, rules) if rules is not None else ()
     checks += (pipeline_check(module, pipeline),) if pipeline is not None else ()
     other = ""
-    alternative = plan.pipeline if mode == "tensor" else plan.tensor
-    if alternative is not None:
-        other_mode = "pipeline" if mode == "tensor" else "tensor"
-        other_checks = vocab_checks(module, plan.vocab) + (
-            (pipeline_check(module, plan.pipeline),)
-            if other_mode == "pipeline"
-            else tensor_checks(module, plan.tensor)  # type: ignore[arg-type]
+    other_mode = ""
+    other_checks: tuple[GeometryCheck, ...] = ()
+    if mode == "tensor" and plan.pipeline is not None:
+        other_mode = "pipeline"
+        other_checks = vocab_checks(module, plan.vocab) + (pipeline_check(module, plan.pipeline),)
+    elif mode == "pipeline" and plan.tensor is not None:
+        other_mode = "tensor"
+        other_checks = vocab_checks(module, plan.vocab) + tensor_checks(
+            module,
+            plan.tensor,  # type: ignore[arg-type]
         )
+    if other_mode:
         if all(c.check(size) is None for c in other_checks):
             other = f"use --parallel {other_mode} (parallel={other_mode!r}), which fits {size}"
     refuse_geometry(what, mode, size, checks, other=other)
@@ -168,7 +172,9 @@ def split_model(
         rank=group.rank(),
         size=size,
         group=group,
-        weight_bytes=sum(v.nbytes for _, v in tree_flatten(module.parameters())),
+        weight_bytes=sum(
+            v.nbytes for _, v in cast(list[tuple[str, mx.array]], tree_flatten(module.parameters()))
+        ),
         sliced_bytes_read=reader.bytes_read,
         sliced_whole=tuple(reader.sliced_whole),
         layers=layers,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -101,7 +101,8 @@ class Lockstep:
         mx.synchronize()
         with mx.stream(comm_stream()):
             mine = mx.array([values], dtype=mx.float32)
-            return mx.distributed.all_gather(mine, group=self.group).tolist()
+            rows = mx.distributed.all_gather(mine, group=self.group).tolist()
+            return cast(list[list[float]], rows)
 
     def share_int(self, value: int = 0) -> int:
         """Rank 0's integer (64-bit), on every rank (one collective)."""
@@ -111,14 +112,14 @@ class Lockstep:
         mx.synchronize()
         with mx.stream(comm_stream()):
             total = mx.distributed.all_sum(mx.array([value], dtype=mx.int64), group=self.group)
-            return int(total.item())
+            return int(cast(int, total.item()))
 
     def agree(self, ok: bool) -> list[bool]:
         """Every rank's ``ok``, in rank order (all ranks learn who failed)."""
         mx.synchronize()
         with mx.stream(comm_stream()):
             flags = mx.distributed.all_gather(mx.array([int(ok)], dtype=mx.int32), group=self.group)
-            return [bool(f) for f in flags.tolist()]
+            return [bool(f) for f in cast(list[int], flags.tolist())]
 
 
 def share_seed(lockstep: Lockstep) -> int:

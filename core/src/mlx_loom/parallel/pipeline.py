@@ -149,7 +149,7 @@ def _layer_list(model: nn.Module, path: str) -> tuple[nn.Module, str, list]:
     holder_path, _, attr = path.rpartition(".")
     holder = dict(model.named_modules()).get(holder_path) if holder_path else model
     layers = getattr(holder, attr, None) if holder is not None else None
-    if not isinstance(layers, list):
+    if holder is None or not isinstance(layers, list):
         raise PlanFault(
             f"the parallel plan's pipeline layers {path!r} is not a list of layers in the "
             "built model",

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
@@ -294,7 +295,7 @@ class GeometryCheck:
     """One divisibility requirement: ``check(size)`` is ``None`` when ``size`` works."""
 
     field: str
-    check: Callable[[int], str | None] = field(compare=False)
+    check: Callable[[int], str | None] = dataclasses.field(compare=False)
 
 
 def units_check(units: Units) -> GeometryCheck:

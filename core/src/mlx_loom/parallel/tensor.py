@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -105,7 +105,7 @@ def _linear_params(path: str, module: nn.Module, dim: str) -> tuple[tuple[_Param
 def _targets(model: nn.Module, rules: tuple[Rule, ...]) -> Iterator[tuple[Rule, str, Any]]:
     """Every ``(rule, path, module-or-parent)`` a rule matches (matching nothing is a fault)."""
     modules = [(p, m) for p, m in model.named_modules() if p]
-    parameters = tree_flatten(model.parameters())
+    parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     for rule in rules:
         found = False
         if isinstance(rule, Split) and rule.axis is not None:

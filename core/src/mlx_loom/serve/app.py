@@ -4,32 +4,40 @@
 handler's thread, before the job is queued, so a bad request is answered at
 once (never after waiting for another client's generation) and every
 failure carries the request field at fault in ``param``.
+
+What a request asks of the model — its prompt ids, sampling values, stop
+strings, speculation — is checked by the engine's one validator,
+:func:`~mlx_loom.engine.make_request`, whose errors name the field; this
+module checks only what the wire format adds (the JSON schema, the
+server's own limits, chat templates, which model or adapter is named) and
+maps the engine's errors to HTTP answers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from ..cache import validate_kv_quantization
 from ..engine import EngineSettings, Speculation
 from ..engine.params import SamplingParams
-from ..engine.request import MAX_DRAFT
-from ..errors import CapabilityRefused, LoomError, RequestError, TemplateBudgetExceeded
+from ..engine.request import encode_prompt, kv_quantization, make_request
+from ..errors import LoomError, RequestError, TemplateBudgetExceeded
 from ..generation.stream import DEFAULT_MAX_TOKENS
-from ..host import GENERATE, KV_QUANTIZATION, Registry
+from ..host import GENERATE, Registry
 from ..model import Model
-from ..text import StopStrings, TemplateBudget, Tokenizer
+from ..text import TemplateBudget, Tokenizer
 from ..text.output_parser import Content, OutputParser, Reasoning, ToolCallFound
 from ..text.tool_calls import ToolCall
-from . import schemas
+from . import schemas, wire
 from .adapters import ServedAdapters
 from .errors import NOT_FOUND, HttpError, from_loom_error
+from .structured import request_constraint
 from .tools import ChatFormat, ToolPlan, output_parser, plan_tools, prompt_suffix
 from .worker import GenerationWorker, Job, Piece
 
@@ -50,6 +58,16 @@ MAX_CHOICES = 16
 #: the vocabulary (4 byte-tokens per character: 4 M tokens), ~0.9 GB and ~7 s.
 #: Twice this was 1.7 GB and 14 s in that worst case.
 DEFAULT_MAX_PROMPT_CHARS = 1024 * 1024
+
+#: The most token entries one answer may ask for: ``max_tokens`` × ``n`` ×
+#: (1 + top log-probabilities per token). An answer is built in memory (a
+#: whole one before it is sent, a stream's pieces as they come), ~110 bytes of
+#: JSON an entry with log-probabilities: a 110-byte request (``n: 16``,
+#: ``logprobs: 20``, 1,000 tokens) answered 38 MB and grew the server by
+#: ~375 MB. 131,072 entries keep an answer near 15 MB, and still admit the
+#: largest ``max_tokens`` with ``n: 16`` and no log-probabilities, or with 20
+#: log-probabilities and ``n: 1``.
+DEFAULT_MAX_RESPONSE_ENTRIES = 131072
 
 #: The token bound for a model whose config states no context length.
 DEFAULT_MAX_PROMPT_TOKENS = 131072
@@ -91,7 +109,7 @@ class Choice:
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[schemas.ToolCallOut] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: schemas.FinishReason | None = None
 
     @property
     def done(self) -> bool:
@@ -140,7 +158,8 @@ class ServeApp:
     ``chat_template_args`` are template variables under each request's
     ``chat_template_kwargs``; ``kv_bits``/``kv_group_size``/
     ``quantized_kv_start``/``kv_codec`` store every request's KV cache in a
-    codec (affine unless ``kv_codec`` names another);
+    codec (affine unless ``kv_codec`` names another; ``kv_group_size=None``
+    picks one that fits the model's heads, checked here, at start);
     ``max_prompt_chars`` bounds the text that reaches the tokenizer and
     ``max_prompt_tokens`` (default: the model's context) the tokens that
     reach the engine.
@@ -159,14 +178,23 @@ class ServeApp:
         registry: Registry | None = None,
         chat_template_args: Mapping[str, Any] | None = None,
         kv_bits: int | None = None,
-        kv_group_size: int = 64,
+        kv_group_size: int | None = None,
         quantized_kv_start: int = 0,
         kv_codec: str | None = None,
         max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
         max_prompt_tokens: int | None = None,
         speculation: Speculation | None = None,
+        max_response_entries: int = DEFAULT_MAX_RESPONSE_ENTRIES,
     ) -> None:
         _check_count("max_tokens_limit", max_tokens_limit, "--max-tokens-limit", 4096)
+        _check_count(
+            "max_response_entries",
+            max_response_entries,
+            "--max-response-entries",
+            DEFAULT_MAX_RESPONSE_ENTRIES,
+        )
+        #: Token entries one answer may ask for (see DEFAULT_MAX_RESPONSE_ENTRIES).
+        self.max_response_entries = max_response_entries
         _check_count(
             "max_prompt_chars", max_prompt_chars, "--max-prompt-chars", DEFAULT_MAX_PROMPT_CHARS
         )
@@ -186,23 +214,17 @@ class ServeApp:
         self.default_max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
         self.created = int(time.time())
         self.chat_template_args = _template_args(chat_template_args)
-        validate_kv_quantization(
+        # Checked now, so a bad --kv-* flag fails start-up, not the first request.
+        checked = kv_quantization(
+            model,
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
             quantized_kv_start=quantized_kv_start,
             kv_codec=kv_codec,
-            kinds=model.binding.cache_kinds,
         )
-        if kv_bits is not None or kv_codec is not None:
-            asked = " ".join(
-                f"{flag} {value}"
-                for flag, value in (("--kv-bits", kv_bits), ("--kv-codec", kv_codec))
-                if value is not None
-            )
-            model.require(KV_QUANTIZATION, asked=asked)
-        self.kv = {
+        self.kv: dict[str, Any] = {
             "kv_bits": kv_bits,
-            "kv_group_size": kv_group_size,
+            "kv_group_size": checked.group_size,  # the one the default rule picked, if none
             "quantized_kv_start": quantized_kv_start,
             "kv_codec": kv_codec,
         }
@@ -265,7 +287,17 @@ class ServeApp:
             "decoding": engine.decoding,
             "decode_concurrency": settings.decode_concurrency,
             "max_queued": settings.max_queued,
-            "prompt_cache": {"entries": engine.prefix_entries, "bytes": engine.prefix_bytes},
+            "prompt_cache": {
+                "entries": engine.prefix_entries,
+                "bytes": engine.prefix_bytes,
+                "hits": engine.prefix_hits,
+                "misses": engine.prefix_misses,
+                "checkpoints": engine.prefix_checkpoints,
+                "checkpoint_bytes": engine.prefix_checkpoint_bytes,
+                "disk_bytes": engine.prefix_disk_bytes,
+                "disk_files": engine.prefix_disk_files,
+                "disk_hits": engine.prefix_disk_hits,
+            },
             "tool_call_parser": fmt.tool_parser.name if fmt.tool_parser else None,
             "reasoning": fmt.reasoning.name if fmt.reasoning else None,
         }
@@ -352,51 +384,14 @@ class ServeApp:
             out[int(key)] = bias
         return out
 
-    def _sampling(self, options: dict[str, Any], *, renamed: dict[str, str]) -> SamplingParams:
-        """Parse with :meth:`SamplingParams.parse`; a failure names the request field at fault.
+    def _check_prompt_tokens(self, ids: Sequence[int], param: str) -> None:
+        """The server's own bound on prompt tokens (``--max-prompt-tokens``).
 
-        ``renamed`` maps a SamplingParams field to the request field it came
-        from (chat's ``top_logprobs`` arrives as ``logprobs``).
+        The context's bound is the engine's (``make_request``); the tighter of
+        the two speaks.
         """
-        try:
-            params = SamplingParams.parse(**options)
-        except RequestError as err:
-            name = _failing_option(options)
-            raise from_loom_error(err, param=renamed.get(name, name)) from None
-        vocab = self.model.vocab_size
-        if vocab is not None:
-            try:
-                params.validate_logit_bias(vocab)
-            except RequestError as err:
-                raise from_loom_error(err, param="logit_bias") from None
-        return params
-
-    def _check_prompt(self, ids: Sequence[int], param: str) -> None:
-        if not ids:
-            raise HttpError(
-                400,
-                f"The {param} encodes to no tokens.",
-                fix="pass a non-empty prompt (text or token ids)",
-                param=param,
-                code="empty_prompt",
-            )
-        vocab = self.model.vocab_size
-        # min/max first: a Python scan of a huge prompt holds the GIL (~0.2 s
-        # for 700k ids), stalling every other thread; the builtins take ~10 ms.
-        if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise HttpError(
-                    400,
-                    f"The {param} holds token id(s) {bad[:5]} outside the vocabulary "
-                    f"(ids 0..{vocab - 1}).",
-                    fix="encode the prompt with this model's tokenizer",
-                    param=param,
-                    code="invalid_token",
-                )
         limit = self.model.context_length
         bound = self.max_prompt_tokens
-        # The tighter of the two bounds speaks: the server's, or the context.
         if len(ids) > bound and (limit is None or bound < limit):
             raise HttpError(
                 400,
@@ -405,17 +400,6 @@ class ServeApp:
                 fix="shorten the prompt, or start the server with a higher --max-prompt-tokens",
                 param=param,
                 code="prompt_too_long",
-            )
-        if limit is not None and len(ids) >= limit:
-            # Generation stops at the context (see _room); a prompt that fills
-            # it leaves no room for a single token.
-            raise HttpError(
-                400,
-                f"The {param} is {len(ids)} tokens long; this model's context "
-                f"(max_position_embeddings) is {limit} tokens, which leaves no room to generate.",
-                fix=f"shorten the prompt to fewer than {limit} tokens",
-                param=param,
-                code="context_length_exceeded",
             )
 
     def _check_prompt_chars(self, text: str, param: str) -> None:
@@ -431,36 +415,15 @@ class ServeApp:
                 code="prompt_too_long",
             )
 
-    def _room(self, prompt_tokens: int, max_tokens: int) -> int:
-        """``max_tokens``, cut to the room the context leaves after the prompt.
-
-        The context bounds prompt and completion together, as in the OpenAI
-        API; a generation that reaches it ends with ``finish_reason:
-        "length"``, as one that reaches ``max_tokens`` does. ``loom chat``
-        cuts its replies at the context the same way.
-        """
-        limit = self.model.context_length
-        return max_tokens if limit is None else min(max_tokens, limit - prompt_tokens)
-
     def _text_prompt(self, request: schemas.CompletionRequest) -> list[int]:
         prompt = request.prompt
         if isinstance(prompt, str):
-            if not prompt:
-                raise HttpError(
-                    400,
-                    "The prompt is empty.",
-                    fix="pass a non-empty prompt (text or token ids)",
-                    param="prompt",
-                    code="empty_prompt",
-                )
             self._check_prompt_chars(prompt, "prompt")
-            try:
-                ids = self.tokenizer.encode_prompt(prompt)
-            except LoomError as err:
-                raise from_loom_error(err, param="prompt") from None
-        else:
-            ids = list(prompt)
-        self._check_prompt(ids, "prompt")
+        try:
+            ids = encode_prompt(self.tokenizer, prompt)
+        except LoomError as err:
+            raise from_loom_error(err, param="prompt") from None
+        self._check_prompt_tokens(ids, "prompt")
         return ids
 
     def _chat_prompt(
@@ -507,7 +470,7 @@ class ServeApp:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         except LoomError as err:
             raise from_loom_error(err, param="messages") from None
-        self._check_prompt(ids, "messages")
+        self._check_prompt_tokens(ids, "messages")
         return ids, in_reasoning
 
     def prepare(self, body: Any, *, chat: bool) -> Prepared:
@@ -541,11 +504,6 @@ class ServeApp:
             )
         max_tokens = self._max_tokens(request)
         stop = request.stop_list()
-        try:
-            StopStrings(stop)
-        except RequestError as err:
-            raise from_loom_error(err, param="stop") from None
-
         options = {
             name: getattr(request, name)
             for name in schemas.SAMPLING_FIELDS
@@ -570,24 +528,53 @@ class ServeApp:
             count_field = "logprobs"
         if top is not None:
             options["logprobs"] = top
-        params = self._sampling(options, renamed={"logprobs": count_field})
+        # The request field each engine field came from, where their names differ.
+        renamed = {"logprobs": count_field, "prompt": "messages" if chat else "prompt"}
+        try:
+            params = SamplingParams.parse(**options)
+        except RequestError as err:
+            raise self._engine_error(err, renamed) from None
 
         plan = ToolPlan()
         if chat:
-            self._check_response_format(request.response_format)
             plan = plan_tools(request, self.chat_format)
             ids, in_reasoning = self._chat_prompt(request, plan)
         else:
             ids, in_reasoning = self._text_prompt(request), False
+        constraint = request_constraint(
+            request, self.tokenizer, plan=plan, chat_format=self.chat_format
+        )
         sampling = params.model_dump()
-        max_tokens = self._room(len(ids), max_tokens)
-        speculation = self._speculation(request.draft, request.num_draft_tokens)
+        speculation = self._speculation(request.draft, request.num_draft_tokens, adapter)
+        try:
+            engine_request = make_request(
+                self.model,
+                self.tokenizer,
+                ids,
+                max_tokens=max_tokens,
+                params=params,
+                stop=stop,
+                adapter=adapter,
+                speculation=speculation,
+                constraint=constraint,
+                **self.kv,
+            )
+        except LoomError as err:
+            raise self._engine_error(err, renamed) from None
+        # After make_request: its limit is max_tokens cut to the room the context leaves.
+        self._check_response_size(engine_request.limit, request.n, params.logprobs, count_field)
         choices = []
         for index in range(request.n):
             seeded = dict(sampling)
+            choice_request = engine_request
             if index and seeded.get("seed") is not None:
                 # Each choice is its own sample: the same seed would repeat choice 0.
                 seeded["seed"] += index
+                try:
+                    choice_params = SamplingParams(**seeded)
+                except RequestError as err:
+                    raise self._engine_error(err, renamed) from None
+                choice_request = dataclasses.replace(engine_request, params=choice_params)
             job = Job(
                 prompt=ids,
                 max_tokens=max_tokens,
@@ -595,6 +582,8 @@ class ServeApp:
                 sampling=seeded,
                 adapter=adapter,
                 speculation=speculation,
+                request=choice_request,
+                constraint=constraint,
                 **self.kv,
             )
             parser = (
@@ -614,31 +603,62 @@ class ServeApp:
             parallel_tool_calls=plan.parallel,
         )
 
-    def _check_response_format(self, fmt: schemas.ResponseFormat | None) -> None:
-        if fmt is None or fmt.type == "text":
+    def _check_response_size(self, max_tokens: int, n: int, top: int, top_field: str) -> None:
+        """Refuse a request whose answer could exceed ``max_response_entries`` token entries."""
+        entries = max_tokens * n * (1 + top)
+        if entries <= self.max_response_entries:
             return
-        raise from_loom_error(
-            CapabilityRefused(
-                f"response_format type {fmt.type!r} asks for output constrained to JSON; this "
-                "server does not constrain decoding, and would return unchecked text.",
-                fix='omit response_format (or send {"type": "text"}), and ask for JSON in the '
-                "messages or call a tool whose parameters carry the schema",
-            ),
-            param="response_format",
+        raise HttpError(
+            400,
+            f"The answer asked for could hold {entries} token entries (max_tokens {max_tokens} "
+            f"x n {n} x (1 + {top_field} {top})); this server answers at most "
+            f"{self.max_response_entries} (--max-response-entries).",
+            fix="ask for fewer tokens, choices or log-probabilities per token, or split the "
+            "request",
+            param="max_tokens",
+            code="response_too_large",
         )
 
-    def _speculation(self, draft: str | None, count: int | None) -> Speculation | None:
-        """A request's speculation: the server's default unless ``draft`` names another."""
+    def _engine_error(self, err: LoomError, renamed: Mapping[str, str]) -> HttpError:
+        """The answer to an error of the engine's validator, naming the field as sent."""
+        param = getattr(err, "param", None)
+        return from_loom_error(err, param=renamed.get(param, param) if param else None)
+
+    def _adapter_speculation(
+        self, draft: str | None, count: int | None, adapter: str
+    ) -> Speculation | None:
+        """An adapter request's speculation: always ``None``; one that asks to draft is refused."""
+        if draft in (None, "none") and count is None:
+            return None
+        served = self._served_id(adapter)
+        asked = "num_draft_tokens" if draft in (None, "none") else "draft"
+        raise HttpError(
+            400,
+            f"Model {served!r} runs an adapter, and speculative decoding does not combine with "
+            "an adapter yet (the speculative step runs the base model).",
+            fix=f'drop "{asked}" (adapter requests decode without drafting), or send '
+            f'"model": "{self.model_id}" to speculate on the base model',
+            param=asked,
+            code="invalid_parameter",
+        )
+
+    def _speculation(
+        self, draft: str | None, count: int | None, adapter: str | None = None
+    ) -> Speculation | None:
+        """A request's speculation: the server's default unless ``draft`` names another.
+
+        The draft count's bounds are the engine's (``make_request``). An adapter
+        request never speculates (the speculative step runs the base model): the
+        server's default draft is not applied to it, and a ``draft`` field asking
+        for drafting is refused naming the field.
+        """
         default = self.speculation
-        if count is not None and not 1 <= count <= MAX_DRAFT:
-            raise HttpError(
-                400,
-                f"Invalid parameter num_draft_tokens={count}: it must be from 1 to {MAX_DRAFT}.",
-                fix=f"send num_draft_tokens from 1 to {MAX_DRAFT} (3 is a good start), or omit it",
-                param="num_draft_tokens",
-                code="invalid_parameter",
-            )
-        n = count or (default.num_draft if default is not None else 3)
+        if adapter is not None and draft in (None, "none", "ngram", "model"):
+            return self._adapter_speculation(draft, count, adapter)
+        if count is not None:
+            n = count
+        else:
+            n = default.num_draft if default is not None else 3
         if draft is None:
             if default is None:
                 if count is not None:
@@ -694,7 +714,11 @@ class ServeApp:
     def _chat_logprobs(self, pieces: Iterable[Piece]) -> schemas.ChatLogprobs:
         def entry(token: int, logprob: float) -> dict[str, Any]:
             text = self._token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {
+                "token": text,
+                "logprob": wire.logprob(logprob),
+                "bytes": list(text.encode("utf-8")),
+            }
 
         return schemas.ChatLogprobs(
             content=[
@@ -716,10 +740,12 @@ class ServeApp:
             offset += len(text)
         top = None
         if prep.top_logprobs:
-            top = [{self._token_text(t): v for t, v in p.top_logprobs} for p in pieces]
+            top = [
+                {self._token_text(t): wire.logprob(v) for t, v in p.top_logprobs} for p in pieces
+            ]
         return schemas.CompletionLogprobs(
             tokens=tokens,
-            token_logprobs=[p.logprob for p in pieces],
+            token_logprobs=[wire.logprob(p.logprob) for p in pieces],
             top_logprobs=top,
             text_offset=offsets,
         )
@@ -739,7 +765,7 @@ class ServeApp:
         if choice.parser is None:
             choice.content.append(piece.text)
             if piece.finish_reason is not None:
-                choice.finish_reason = piece.finish_reason
+                choice.finish_reason = _finish_reason(piece.finish_reason)
             return []
         final = piece.finish_reason is not None
         events = choice.parser.feed(piece.text)
@@ -771,13 +797,13 @@ class ServeApp:
         if final:
             reason = piece.finish_reason
             choice.finish_reason = (
-                "tool_calls" if reason == "stop" and choice.tool_calls else reason
+                "tool_calls" if reason == "stop" and choice.tool_calls else _finish_reason(reason)
             )
         return deltas
 
     def response(self, prep: Prepared) -> dict[str, Any]:
         """The whole (non-streamed) answer, from what each choice's job produced."""
-        envelope = dict(id=prep.id, created=prep.created, model=prep.model, usage=self._usage(prep))
+        usage = self._usage(prep)
         if prep.chat:
             out = []
             for c in prep.choices:
@@ -795,7 +821,9 @@ class ServeApp:
                         finish_reason=c.finish_reason,
                     )
                 )
-            return schemas.ChatCompletionResponse(choices=out, **envelope).model_dump()
+            return schemas.ChatCompletionResponse(
+                id=prep.id, created=prep.created, model=prep.model, usage=usage, choices=out
+            ).model_dump()
         texts = [
             schemas.CompletionChoice(
                 index=c.index,
@@ -807,7 +835,9 @@ class ServeApp:
             )
             for c in prep.choices
         ]
-        return schemas.CompletionResponse(choices=texts, **envelope).model_dump()
+        return schemas.CompletionResponse(
+            id=prep.id, created=prep.created, model=prep.model, usage=usage, choices=texts
+        ).model_dump()
 
     def _chunk(self, prep: Prepared, choices: list[Any], usage: schemas.Usage | None = None):
         cls = schemas.ChatCompletionChunk if prep.chat else schemas.CompletionResponse
@@ -848,16 +878,16 @@ class ServeApp:
         offset = sum(len(self._token_text(p.token)) for p in choice.pieces)
         self.absorb(prep, choice, piece)
         if piece.text or choice.done or prep.report_logprobs:
-            logprobs = (
+            text_logprobs = (
                 self._completion_logprobs(prep, [piece], offset) if prep.report_logprobs else None
             )
-            item = schemas.CompletionChoice(
+            text_item = schemas.CompletionChoice(
                 index=choice.index,
                 text=piece.text,
-                logprobs=logprobs,
+                logprobs=text_logprobs,
                 finish_reason=choice.finish_reason,
             )
-            out.append(self._chunk(prep, [item]))
+            out.append(self._chunk(prep, [text_item]))
         return out
 
     def last_chunks(self, prep: Prepared) -> list[dict[str, Any]]:
@@ -874,6 +904,11 @@ def _check_count(name: str, value: Any, flag: str, example: int) -> None:
             f"{name}={value!r} is invalid; it must be an int >= 1.",
             fix=f"pass a positive {flag}, such as {example}",
         )
+
+
+def _finish_reason(reason: str | None) -> schemas.FinishReason | None:
+    """The engine's finish reason (``stop``, ``length``) as the wire's literal type."""
+    return cast("schemas.FinishReason | None", reason)
 
 
 def _tool_call_out(call: ToolCall) -> schemas.ToolCallOut:
@@ -912,16 +947,6 @@ def server_engine_settings(**changes: Any) -> EngineSettings:
     """
     defaults = {"prompt_cache_size": 10, "max_queued": DEFAULT_MAX_QUEUED, "idle_seconds": None}
     return EngineSettings(**{**defaults, **changes})
-
-
-def _failing_option(options: dict[str, Any]) -> str:
-    """The first option ``SamplingParams`` refuses on its own: the ``param`` to report."""
-    for name, value in options.items():
-        try:
-            SamplingParams.parse(**{name: value})
-        except RequestError:
-            return name
-    return next(iter(options), "")
 
 
 def _message_dict(index: int, message: schemas.ChatMessage) -> dict[str, Any]:

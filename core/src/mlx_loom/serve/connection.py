@@ -40,6 +40,14 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_WRITE_TIMEOUT = 30.0
 DEFAULT_MAX_CONNECTIONS = 128
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 64
+
+#: Connections accepted past ``max_connections`` for health checks only: each
+#: must ask for ``GET /health`` within :data:`RESERVED_SECONDS` of connecting;
+#: anything else is answered ``503`` at once. So a server whose connections are
+#: all held (idle clients, a flood) still tells its load balancer it is alive.
+RESERVED_CONNECTIONS = 8
+RESERVED_SECONDS = 1.0
 
 
 class ConnectionLimits(BaseModel):
@@ -53,7 +61,10 @@ class ConnectionLimits(BaseModel):
     arrive at under 300 KB/s. A streaming client that has not taken one
     event for 30 s is not reading. 128 connections cover the engine's rows
     and its queue with room for health checks; each may hold one request
-    body (at most 8 MiB) while it waits.
+    body (at most 8 MiB) while it waits. One client address may hold at most
+    ``max_connections_per_client`` of them (half, by default), so one client
+    cannot take them all; behind a reverse proxy, every client is the
+    proxy's address, and the bound should be raised to ``max_connections``.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -63,6 +74,9 @@ class ConnectionLimits(BaseModel):
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     write_timeout: float = DEFAULT_WRITE_TIMEOUT
     max_connections: int = Field(default=DEFAULT_MAX_CONNECTIONS, strict=True, ge=1)
+    max_connections_per_client: int = Field(
+        default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT, strict=True, ge=1
+    )
 
     @field_validator("idle_timeout", "header_timeout", "body_timeout", "write_timeout")
     @classmethod

@@ -5,7 +5,8 @@ Every failure a client can cause is answered with an OpenAI-style body,
 field, so existing OpenAI clients raise their usual exceptions and a person
 reading the body still learns what to change. The engine's typed errors keep
 their messages: a :class:`~mlx_loom.errors.RequestError` from
-``SamplingParams.parse`` reaches the client word for word.
+``SamplingParams.parse`` or ``make_request`` reaches the client word for word,
+with the field (``param``) and reason (``code``) it names.
 """
 
 from __future__ import annotations
@@ -127,7 +128,13 @@ def from_loom_error(err: LoomError, *, param: str | None = None) -> HttpError:
         return HttpError(
             422, err.message, fix=err.fix, type=REFUSAL, param=param, code=type(err).__name__
         )
-    if isinstance(err, (RequestError, TokenizerError)):
+    if isinstance(err, RequestError):
+        # The engine's validator names the field and the reason; ``param``
+        # (the field's name on the wire) wins where the two differ.
+        param = param if param is not None else err.param
+        code = err.code or ("invalid_parameter" if param is not None else "invalid_request")
+        return HttpError(400, err.message, fix=err.fix, param=param, code=code)
+    if isinstance(err, TokenizerError):
         code = "invalid_parameter" if param is not None else "invalid_request"
         return HttpError(400, err.message, fix=err.fix, param=param, code=code)
     return HttpError(

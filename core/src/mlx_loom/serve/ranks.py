@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from mlx_loom.engine.lockstep_service import lockstep_of
 from mlx_loom.engine.params import SamplingParams
 from mlx_loom.engine.request import make_request
 from mlx_loom.errors import ParallelRefused
@@ -67,7 +68,9 @@ def build(model: Model, tokenizer: Tokenizer, spec: dict[str, Any]) -> Request:
 
 def follow_jobs(model: Model, tokenizer: Tokenizer) -> int:
     """Run every request rank 0's server runs, in step with it, until it stops; the count."""
-    assert model.parallel is not None and not model.parallel.leader
+    info = model.parallel
+    assert info is not None and not info.leader
+    service = lockstep_of(model)
     built = 0
 
     def builder(spec: dict[str, Any]) -> Request:
@@ -76,7 +79,7 @@ def follow_jobs(model: Model, tokenizer: Tokenizer) -> int:
             request = build(model, tokenizer, spec)
         except Exception as err:
             raise ParallelRefused(
-                f"Rank {model.parallel.rank} could not build a request rank 0 runs "
+                f"Rank {info.rank} could not build a request rank 0 runs "
                 f"({type(err).__name__}: {err}); the ranks can no longer run in step.",
                 fix="Run the same mlx-loom version and model on every rank; if they are, "
                 "report it.",
@@ -84,5 +87,5 @@ def follow_jobs(model: Model, tokenizer: Tokenizer) -> int:
         built += 1
         return request
 
-    model.engine.follow(builder)
+    service.follow(builder)
     return built

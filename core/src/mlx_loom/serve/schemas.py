@@ -101,9 +101,17 @@ _EXPECTED: dict[str, tuple[str, str]] = {
     ),
     "parallel_tool_calls": ("true or false", "pass parallel_tool_calls as a JSON boolean"),
     "response_format": (
-        '{"type": "text"} (JSON-constrained output is not served)',
-        'omit response_format, or pass {"type": "text"}',
+        '{"type": "json_schema", "json_schema": {"name": str, "schema": {...}, "strict": bool}}, '
+        '{"type": "json_object"} or {"type": "text"}',
+        'pass response_format like {"type": "json_object"}',
     ),
+    "structured_outputs": (
+        'an object with exactly one of "json" (a JSON schema), "json_object": true, "regex", '
+        '"choice" (a list of strings) or "grammar" (Lark or GBNF text)',
+        'pass structured_outputs like {"choice": ["yes", "no"]}',
+    ),
+    "json_schema": ("a JSON schema (an object)", 'pass json_schema like {"type": "object"}'),
+    "grammar": ("a grammar as text (GBNF or Lark)", 'pass grammar like "root ::= \"yes\""'),
 }
 
 
@@ -113,6 +121,24 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``; its other keys (``json_schema``) are read by the app."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of these is set."""
+
+    json_: dict[str, Any] | StrictStr | StrictBool | None = Field(default=None, alias="json")
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
 
 
 class _GenerationRequest(_Strict):
@@ -146,6 +172,12 @@ class _GenerationRequest(_Strict):
     # --draft-model) or "none"; absent: the server's default.
     draft: StrictStr | None = None
     num_draft_tokens: StrictInt | None = None
+    # Structured output (mlx_loom.serve.structured reads them): OpenAI's,
+    # vLLM's and llama.cpp's fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    json_schema: dict[str, Any] | StrictBool | None = None
+    grammar: StrictStr | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -208,14 +240,6 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
-class ResponseFormat(BaseModel):
-    """``response_format``; its other keys (``json_schema``) are read by the app."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
 
@@ -226,7 +250,6 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
-    response_format: ResponseFormat | None = None
 
 
 def _all_fields(model: type[BaseModel]) -> list[str]:
@@ -316,7 +339,7 @@ def _to_http_error(exc: ValidationError, model: type[BaseModel]) -> HttpError:
     )
 
 
-def parse_request(model: type[_GenerationRequest], body: Any) -> Any:
+def parse_request(model: type[BaseModel], body: Any) -> Any:
     """Validate a decoded JSON body against ``model``; every failure is a 400 :class:`HttpError`."""
     if not isinstance(body, dict):
         raise HttpError(

@@ -26,6 +26,7 @@ import logging
 import queue
 import re
 import select
+import signal
 import socket
 import threading
 import time
@@ -40,14 +41,17 @@ from pydantic import ValidationError
 from ..bounded_json import REQUEST_JSON, parse_json
 from ..engine import EngineSettings
 from ..errors import EngineBusy, LoomError, RequestError
-from . import anthropic, page
+from . import anthropic, page, wire
 from .app import Prepared, ServeApp
 from .connection import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
     DEFAULT_WRITE_TIMEOUT,
+    RESERVED_CONNECTIONS,
+    RESERVED_SECONDS,
     ConnectionLimits,
     DeadlineReader,
     DeadlineWriter,
@@ -76,6 +80,14 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 
 #: How often a handler waiting for tokens checks that its client is still there.
 POLL_SECONDS = 0.05
+
+#: How long requests in flight may run on after SIGTERM before their answers
+#: are ended (``--shutdown-grace``). ``docker stop`` and systemd wait 10 s
+#: before they kill; this ends every stream cleanly inside that.
+DEFAULT_SHUTDOWN_GRACE = 5.0
+
+#: After the grace, how long handlers get to write the end of their answers.
+_END_SECONDS = 2.0
 
 ROUTES: dict[str, tuple[str, ...]] = {
     "/": ("GET",),
@@ -109,6 +121,12 @@ _DIGITS = re.compile(r"[0-9]+")
 
 #: The longest request line, as ``http.server`` bounds it.
 MAX_REQUEST_LINE = 65536
+
+#: An interim answer every HTTP/1.1 client skips (RFC 9110 15.2). Sent once, to a
+#: client that closed its sending side while it waits for a whole answer: a
+#: client that only half-closed ignores it, one that is gone answers it with a
+#: reset, which the next look at the socket sees.
+_PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 #: ``code`` for the errors ``http.server`` detects itself, by status.
 _PROTOCOL_CODES = {
@@ -144,9 +162,12 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
         self._reader = DeadlineReader(self.connection)
-        self.rfile = io.BufferedReader(self._reader)
+        self.rfile = self._buffered = io.BufferedReader(self._reader)
         self._writer = DeadlineWriter(self.connection, self.server.limits.write_timeout)
-        self.wfile = self._writer
+        self.wfile = self._writer  # type: ignore[assignment]  # http.server only writes, flushes
+        #: Accepted past the connection limit: it may only ask for ``GET /health``.
+        self._health_only = self.server.is_reserved(self.request)
+        self._probed = False
 
     def handle_one_request(self) -> None:
         """One request: wait (idle bound) for its first byte, read its headers (header bound),
@@ -155,22 +176,28 @@ class Handler(BaseHTTPRequestHandler):
         ``http.server``'s version waits on the socket with no deadline at all.
         """
         limits = self.server.limits
+        idle, header = limits.idle_timeout, limits.header_timeout
+        if self._health_only:
+            idle = header = min(header, RESERVED_SECONDS)
         self._started = False  # have the status line and headers been sent?
+        self._probed = False
         self._body_read = True
         self._anthropic = False  # answer errors in the Anthropic shape (/v1/messages)
         self._expects_continue = False
         self.command, self.path, self.requestline = "", "", ""
         self.request_version = self.default_request_version
         self.headers = self.MessageClass()
-        self._reader.expect("idle", limits.idle_timeout)
+        self._reader.expect("idle", idle)
         try:
-            if not self.rfile.peek(1):  # the client closed the connection
+            if not self._buffered.peek(1):  # the client closed the connection
                 self.close_connection = True
                 return
         except OSError:  # PhaseTimeout included: an idle connection just closes
             self.close_connection = True
+            if self._health_only:  # it was told nothing yet: say why it is closed
+                self._refuse_reserved()
             return
-        self._reader.expect("header", limits.header_timeout)
+        self._reader.expect("header", header)
         try:
             self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE + 1)
             if len(self.raw_requestline) > MAX_REQUEST_LINE:
@@ -282,11 +309,21 @@ class Handler(BaseHTTPRequestHandler):
         return self.server.app
 
     def _dispatch(self, method: str) -> None:
-        self._body_read = method != "POST"
+        # A body is read only by the endpoints that take one; any answer sent
+        # while it is unread closes the connection, so a body (on any method,
+        # GET and OPTIONS included) is never read as a pipelined next request.
+        self._body_read = not self._has_body()
+        self.server.request_started()
         try:
             path = _request_path(self.path)
             path = ALIASES.get(path, path)
             self._anthropic = path == "/v1/messages"
+            if self._health_only:
+                self._check_reserved(method, path)
+            if self.server.draining:
+                self.close_connection = True
+                if path != "/health":
+                    raise _stopping()
             if method == "OPTIONS":
                 self._preflight(path)
                 return
@@ -303,11 +340,7 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
             self.close_connection = True
         except PoolClosed:
-            self._send_error(
-                HttpError(
-                    503, "The server is stopping.", fix="retry once it is back", type=SERVER_ERROR
-                )
-            )
+            self._send_error(_stopping())
         except LoomError as err:
             self._send_error(from_loom_error(err))
         except Exception as err:  # the server must outlive any one request
@@ -315,6 +348,32 @@ class Handler(BaseHTTPRequestHandler):
             self._send_error(
                 HttpError(500, f"Internal error: {type(err).__name__}: {err}", type=SERVER_ERROR)
             )
+        finally:
+            self.server.request_ended()
+
+    def _has_body(self) -> bool:
+        """Whether the request announces a body (a length other than 0, or a transfer coding)."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            return True
+        return any(v.strip() != "0" for v in self.headers.get_all("Content-Length") or ())
+
+    def _check_reserved(self, method: str, path: str) -> None:
+        """A connection accepted past the limit answers ``GET /health`` once, and nothing else."""
+        self.close_connection = True
+        if method == "GET" and path == "/health":
+            return
+        raise overloaded(
+            f"The server is serving its limit of {self.server.limits.max_connections} "
+            "connections; past it, only GET /health is answered.",
+            fix="retry shortly; the operator can raise loom serve --max-connections",
+            code="too_many_connections",
+        )
+
+    def _refuse_reserved(self) -> None:
+        try:
+            self.wfile.write(self.server.turn_away)
+        except OSError:
+            pass
 
     def _methods_for(self, path: str) -> tuple[str, ...]:
         allowed = ROUTES.get(path)
@@ -423,7 +482,7 @@ class Handler(BaseHTTPRequestHandler):
     # --- responses ----------------------------------------------------------------
 
     def _send_json(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
-        self._send_bytes(status, json.dumps(body).encode("utf-8"), "application/json", headers)
+        self._send_bytes(status, wire.dumps(body).encode("utf-8"), "application/json", headers)
 
     def _send_bytes(
         self,
@@ -471,6 +530,8 @@ class Handler(BaseHTTPRequestHandler):
                     self._sse(body, event="error")
                 else:
                     self._sse(body)
+                    if err.code == "server_stopping":
+                        self._sse("[DONE]")  # a stream the server ends still ends properly
                 self.close_connection = True
             else:
                 self._send_json(err.status, body, err.headers)
@@ -480,6 +541,8 @@ class Handler(BaseHTTPRequestHandler):
     def _health(self) -> None:
         status, body = self.app.health()
         server = self.server
+        if server.draining:  # a load balancer stops sending requests here
+            status, body["status"] = 503, "stopping"
         body["connections"] = {
             "open": server.open_connections,
             "max": server.limits.max_connections,
@@ -567,19 +630,41 @@ class Handler(BaseHTTPRequestHandler):
     # --- completions ------------------------------------------------------------------
 
     def _client_gone(self) -> bool:
-        """True when the peer has closed its end (readable with nothing to read)."""
+        """True when the peer is gone: its connection reset, or closed with no way to ask.
+
+        A client that has closed its sending side (end of file) may still be
+        reading: ``shutdown(SHUT_WR)`` after a request is legal, and such a
+        client gets its answer. Only writing tells the two apart: a stream's
+        own events do; before any answer, one interim ``100 Continue`` (which
+        HTTP/1.1 clients skip) is sent, and a client that is gone answers it
+        with a reset, seen here at the next look.
+        """
         try:
             readable, _, _ = select.select([self.connection], [], [], 0)
             if not readable:
                 return False
-            return self.connection.recv(1, socket.MSG_PEEK) == b""
+            if self.connection.recv(1, socket.MSG_PEEK) != b"":
+                return False
+            if self._started or self._probed:
+                # After the end of file, a reset shows only as the socket's error.
+                return self.connection.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
         except (OSError, ValueError):
             return True
+        if self.request_version != "HTTP/1.1":
+            return True  # no interim answers before HTTP/1.1: take the end of file as gone
+        self._probed = True
+        try:
+            self.connection.send(_PROBE, socket.MSG_DONTWAIT)
+        except OSError:
+            return True
+        return False
 
     def _events(self, job: Job) -> Iterator[Piece]:
         """The job's pieces as the worker produces them; raises its error, if any."""
         waited = 0
         while True:
+            if self.server.stopping:
+                raise _stopping()
             try:
                 event = job.events.get(timeout=POLL_SECONDS)
             except queue.Empty:
@@ -604,7 +689,7 @@ class Handler(BaseHTTPRequestHandler):
             yield event
 
     def _sse(self, payload: Any, *, event: str | None = None) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload)
+        data = payload if isinstance(payload, str) else wire.dumps(payload)
         head = f"event: {event}\n" if event is not None else ""
         self.wfile.write(f"{head}data: {data}\n\n".encode())
         self.wfile.flush()
@@ -622,7 +707,7 @@ class Handler(BaseHTTPRequestHandler):
         except EngineBusy as err:
             for job in jobs:
                 job.cancel()
-            raise overloaded(err.message, fix=err.fix, code="queue_full") from None
+            raise overloaded(err.message, fix=err.fix or "", code="queue_full") from None
 
     def _complete(self, *, chat: bool) -> None:
         prep = self._prepare(lambda body: self.app.prepare(body, chat=chat))
@@ -760,13 +845,39 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _too_many_connections(limit: int) -> bytes:
-    """The whole answer (status line, headers, JSON body) for a connection over the limit."""
-    error = overloaded(
-        f"The server is serving its limit of {limit} connections.",
-        fix="retry shortly; the operator can raise loom serve --max-connections",
-        code="too_many_connections",
+def _stopping() -> HttpError:
+    return HttpError(
+        503,
+        "The server is stopping.",
+        fix="retry once it is back (or at another replica)",
+        type=SERVER_ERROR,
+        code="server_stopping",
+        headers={"Retry-After": "1"},
     )
+
+
+def _client_key(client_address: Any) -> str:
+    """The address a connection comes from (its host, without the port)."""
+    if isinstance(client_address, tuple) and client_address:
+        return str(client_address[0])
+    return str(client_address)
+
+
+def _too_many_connections(limit: int, *, per_client: bool = False) -> bytes:
+    """The whole answer (status line, headers, JSON body) for a connection over the limit."""
+    if per_client:
+        error = overloaded(
+            f"This client address holds its limit of {limit} connections to the server.",
+            fix="reuse or close connections; the operator can raise loom serve "
+            "--max-connections-per-client",
+            code="too_many_connections",
+        )
+    else:
+        error = overloaded(
+            f"The server is serving its limit of {limit} connections.",
+            fix="retry shortly; the operator can raise loom serve --max-connections",
+            code="too_many_connections",
+        )
     body = json.dumps(error.body()).encode()
     headers = {
         "Content-Type": "application/json",
@@ -826,8 +937,16 @@ class LoomServer(ThreadingHTTPServer):
         self.api_key = api_key
         self.limits = limits or ConnectionLimits()
         self._open = 0
+        self._reserved: set[int] = set()  # ids of the sockets accepted past the limit
+        self._per_client: dict[str, int] = {}
         self._open_lock = threading.Lock()
-        self._turn_away = _too_many_connections(self.limits.max_connections)
+        self._active = 0  # requests being handled
+        self._draining = threading.Event()  # no new requests: answered 503
+        self._stopping = threading.Event()  # the grace is over: answers in flight end now
+        self.turn_away = _too_many_connections(self.limits.max_connections)
+        self._turn_away_client = _too_many_connections(
+            self.limits.max_connections_per_client, per_client=True
+        )
         self._refused = 0
         self._refusals_logged_at = -REFUSAL_LOG_SECONDS
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -868,27 +987,42 @@ class LoomServer(ThreadingHTTPServer):
 
     @property
     def open_connections(self) -> int:
-        """Connections being served now (each has its handler thread)."""
-        return self._open
+        """Connections being served now (each has its handler thread), reserved ones included."""
+        return self._open + len(self._reserved)
+
+    def is_reserved(self, request: Any) -> bool:
+        """Whether ``request`` (a socket) was accepted past the limit, for health checks only."""
+        return id(request) in self._reserved
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        """Start a handler thread, or, at the connection limit, answer 503 and close.
+        """Start a handler thread, or, past the limits, answer 503 and close.
 
-        The refusal is written without blocking from the accepting thread,
-        so a flood of connections costs no threads at all.
+        A client address at ``max_connections_per_client`` is refused; past
+        ``max_connections``, :data:`RESERVED_CONNECTIONS` more are accepted
+        for health checks only. The refusal is written without blocking from
+        the accepting thread, so a flood of connections costs no threads.
         """
+        client = _client_key(client_address)
+        refusal = None
         with self._open_lock:
-            full = self._open >= self.limits.max_connections
-            if not full:
+            if self._per_client.get(client, 0) >= self.limits.max_connections_per_client:
+                refusal = self._turn_away_client
+            elif self._open < self.limits.max_connections:
                 self._open += 1
-        if full:
-            refuse_connection(request, self._turn_away)
+            elif len(self._reserved) < RESERVED_CONNECTIONS:
+                self._reserved.add(id(request))
+            else:
+                refusal = self.turn_away
+            if refusal is None:
+                self._per_client[client] = self._per_client.get(client, 0) + 1
+        if refusal is not None:
+            refuse_connection(request, refusal)
             self._log_refusal()
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._closed_one()  # its thread never started
+            self._closed_one(request, client_address)  # its thread never started
             raise
 
     def _log_refusal(self) -> None:
@@ -908,11 +1042,20 @@ class LoomServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._closed_one()
+            self._closed_one(request, client_address)
 
-    def _closed_one(self) -> None:
+    def _closed_one(self, request: Any, client_address: Any) -> None:
+        client = _client_key(client_address)
         with self._open_lock:
-            self._open -= 1
+            if id(request) in self._reserved:
+                self._reserved.discard(id(request))
+            else:
+                self._open -= 1
+            left = self._per_client.get(client, 1) - 1
+            if left > 0:
+                self._per_client[client] = left
+            else:
+                self._per_client.pop(client, None)
 
     @property
     def host(self) -> str:
@@ -930,6 +1073,100 @@ class LoomServer(ThreadingHTTPServer):
     @property
     def loopback_only(self) -> bool:
         return _is_loopback(self.host)
+
+    # --- requests in flight, and draining them -------------------------------------
+
+    def request_started(self) -> None:
+        with self._open_lock:
+            self._active += 1
+
+    def request_ended(self) -> None:
+        with self._open_lock:
+            self._active -= 1
+
+    @property
+    def active_requests(self) -> int:
+        return self._active
+
+    @property
+    def draining(self) -> bool:
+        """True once :meth:`drain` began: new requests are answered ``503 server_stopping``."""
+        return self._draining.is_set()
+
+    @property
+    def stopping(self) -> bool:
+        """True once the grace is over: answers in flight end with an error event."""
+        return self._stopping.is_set()
+
+    def drain(self, grace: float) -> bool:
+        """Stop accepting, let requests in flight finish for ``grace`` seconds, end the rest.
+
+        Call it once :meth:`serve_forever` has returned (or from another
+        thread). Streams still running at the end of the grace get an error
+        event (``server_stopping``) and, in the OpenAI shape, ``data: [DONE]``;
+        a whole answer not yet sent is a ``503``. Then the engine stops.
+        Returns whether every request finished within the grace.
+        """
+        self._draining.set()
+        if self._thread is not None:
+            self.shutdown()
+            self._thread.join(10)
+            self._thread = None
+        self.server_close()  # new connections are refused by the system from here
+        finished = self._wait_idle(grace)
+        if not finished:
+            self._stopping.set()
+            self._wait_idle(_END_SECONDS)
+        self.prepare_pool.close()
+        self.app.close()
+        return finished
+
+    def _wait_idle(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while self._active > 0:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_SECONDS)
+        return True
+
+    def serve_until_signalled(self, grace: float = DEFAULT_SHUTDOWN_GRACE) -> None:
+        """Serve on this (the main) thread until SIGTERM or SIGINT, then :meth:`drain`.
+
+        On another thread no handler can be installed: it serves until
+        :meth:`shutdown`, then drains with no grace.
+
+        SIGTERM (``docker stop``, systemd) drains with ``grace`` seconds for
+        requests in flight; SIGINT (Ctrl-C) ends them at once, cleanly. A
+        second signal while draining is not waited on: the process ends then.
+        """
+        chosen: list[float] = []
+
+        def on_signal(signum: int, frame: Any) -> None:
+            if chosen:  # a second signal: the operator does not want to wait
+                raise KeyboardInterrupt
+            chosen.append(grace if signum == signal.SIGTERM else 0.0)
+            log.warning(
+                "%s: stopping; requests in flight get %g s to finish",
+                signal.Signals(signum).name,
+                chosen[0],
+            )
+            # shutdown() waits for serve_forever, which runs on this very thread.
+            threading.Thread(target=self.shutdown, daemon=True).start()
+
+        previous: dict[signal.Signals, Any] = {}
+        if threading.current_thread() is threading.main_thread():  # only it may set handlers
+            previous = {
+                sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+            }
+        try:
+            try:
+                self.serve_forever()
+            except KeyboardInterrupt:  # raised by other means than the handler: as SIGINT
+                chosen.append(0.0)
+            self.drain(chosen[0] if chosen else 0.0)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def start_in_background(self) -> threading.Thread:
         """Serve on a daemon thread (for embedding and tests); stop with :meth:`stop`."""
@@ -964,6 +1201,7 @@ def make_server(
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     write_timeout: float = DEFAULT_WRITE_TIMEOUT,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
     **app_options: Any,
 ) -> LoomServer:
@@ -989,6 +1227,7 @@ def make_server(
             body_timeout=body_timeout,
             write_timeout=write_timeout,
             max_connections=max_connections,
+            max_connections_per_client=max_connections_per_client,
         )
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]

@@ -18,7 +18,8 @@ and ``parallel_tool_calls`` into a :class:`ToolPlan`:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,11 +149,14 @@ def plan_tools(request: schemas.ChatCompletionRequest, fmt: ChatFormat) -> ToolP
                 code="invalid_parameter",
             )
     names = [t["function"]["name"] for t in tools]
-    if len(set(names)) != len(names):
-        twice = sorted({n for n in names if names.count(n) > 1})
+    # One counting pass: every step of a request's preparation is linear in
+    # its body (a ``names.count`` per name took minutes for 150,000 tools).
+    twice = sorted(name for name, seen in Counter(names).items() if seen > 1)
+    if twice:
+        shown = twice[:5] + ([f"... {len(twice) - 5} more"] if len(twice) > 5 else [])
         raise HttpError(
             400,
-            f"tools declares the function(s) {twice} more than once.",
+            f"tools declares the function(s) {shown} more than once.",
             fix="give every tool a distinct function name",
             param="tools",
             code="invalid_parameter",
@@ -176,7 +180,7 @@ def plan_tools(request: schemas.ChatCompletionRequest, fmt: ChatFormat) -> ToolP
             raise HttpError(
                 400,
                 f"tool_choice names the function {name!r}, which is not in tools "
-                f"(tools: {', '.join(names)}).",
+                f"(tools: {', '.join(names[:20])}{', ...' if len(names) > 20 else ''}).",
                 fix="name one of the functions in tools",
                 param="tool_choice",
                 code="invalid_parameter",
@@ -192,6 +196,7 @@ def _nesting(value: Any) -> int:
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        children: Iterable[Any]
         if isinstance(item, dict):
             children = item.values()
         elif isinstance(item, list):

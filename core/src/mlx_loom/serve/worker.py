@@ -32,11 +32,14 @@ from ..engine import (
     Done,
     EngineSettings,
     Handle,
+    Request,
     ServiceStats,
     Speculation,
     TokenEvent,
     make_request,
 )
+from ..engine.constraints import Constraint
+from ..engine.lockstep_service import LockstepService
 from ..engine.params import SamplingParams
 from ..model import Model
 from ..text import Tokenizer
@@ -85,7 +88,9 @@ class Job:
     """One validated generation request and the channel its results come back on.
 
     ``sampling`` holds :class:`~mlx_loom.generate.SamplingParams` fields,
-    already validated by the HTTP thread.
+    already validated by the HTTP thread; ``request`` is the engine request
+    built from these fields there (``None``: built at submission). The plain
+    fields stay: the other ranks of a split model build the request from them.
     """
 
     prompt: list[int]
@@ -94,12 +99,15 @@ class Job:
     sampling: dict[str, Any] = field(default_factory=dict)
     #: KV-cache quantization (the server's ``--kv-bits`` ...), as ``make_request`` takes it.
     kv_bits: int | None = None
-    kv_group_size: int = 64
+    kv_group_size: int | None = None
     quantized_kv_start: int = 0
     kv_codec: str | None = None
     #: The registered adapter this job runs with (``None``: the base model).
     adapter: str | None = None
     speculation: Speculation | None = None
+    request: Request | None = None
+    #: Structured output: the grammar the reply follows (``None``: free text).
+    constraint: Constraint | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
     _handle: Handle | None = None
@@ -143,7 +151,7 @@ class GenerationWorker:
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; raises :class:`~mlx_loom.errors.EngineBusy` when the queue is full."""
-        request = make_request(
+        request = job.request or make_request(
             self.model,
             self.tokenizer,
             job.prompt,
@@ -156,11 +164,14 @@ class GenerationWorker:
             kv_codec=job.kv_codec,
             adapter=job.adapter,
             speculation=job.speculation,
+            constraint=job.constraint,
         )
-        if self.model.parallel is None:
-            job._handle = self.service.submit(request, sink=job._sink)
-        else:  # the other ranks build the same request from its description
-            job._handle = self.service.submit(request, sink=job._sink, spec=describe(job))
+        service = self.service
+        if isinstance(service, LockstepService):
+            # the other ranks build the same request from its description
+            job._handle = service.submit(request, sink=job._sink, spec=describe(job))
+        else:
+            job._handle = service.submit(request, sink=job._sink)
         if job.cancelled:
             job._handle.cancel()
 

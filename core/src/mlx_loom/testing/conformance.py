@@ -301,11 +301,15 @@ class _Subject:
 
 
 def _installed_alone(*, exclude: str) -> list[tuple[PluginRecord, Registry]]:
-    """Every other installed, loadable plugin with the registry it builds on its own."""
+    """Every other installed plugin that loads on its own, with the registry it builds.
+
+    A plugin quarantined only because it collides with another (perhaps the
+    subject) is included: that collision is what ``no-collisions`` must find.
+    """
     everyone = PluginHost(policy=PluginPolicy())
     out = []
-    for record in everyone.loaded:
-        if record.name == exclude:
+    for record in everyone.records:
+        if record.name == exclude or (record.status != "loaded" and not record.conflicts_with):
             continue
         alone = PluginHost(policy=PluginPolicy.allow(record.name))
         mine = alone.record(record.name)

@@ -10,11 +10,12 @@ needs:
   sent as content and then taken back;
 * a tool call is held until its end marker arrives (or the generation ends,
   for formats without one), parsed, its arguments coerced to the types the
-  tool's schema declares, and released as one event;
+  tool's schema declares and checked to encode as strict JSON, and released
+  as one event;
 * text a format cannot read — a broken call, or one cut off by
   ``max_tokens`` — is released as content, markers included, and the log
-  says why. A parser that raises anything is treated the same way, so no
-  model output can fail a request.
+  says why. A parser (or the coercion after it) that raises anything is
+  treated the same way, so no model output can fail a request.
 
 Whitespace that only separates a section from a marker (the newline after
 ``<think>``, the blank line between ``</think>`` and the answer, the newline
@@ -24,6 +25,7 @@ so a generation without markers comes out exactly as generated.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -197,6 +199,7 @@ class OutputParser:
             calls = tool.parse(text)
             if not isinstance(calls, list) or not calls:
                 raise TypeError(f"parse() returned {type(calls).__name__}, not a list of calls")
+            found = []
             for call in calls:
                 if not (
                     isinstance(call, ToolCall)
@@ -204,6 +207,11 @@ class OutputParser:
                     and isinstance(call.arguments, dict)
                 ):
                     raise TypeError(f"parse() returned {type(call).__name__}, not a ToolCall")
+                # Coercion and the encoding the answer will need run inside the
+                # guard too, so whatever the model wrote, it cannot fail the request.
+                arguments = coerce_arguments(call.arguments, self._schemas.get(call.name))
+                json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+                found.append(ToolCall(name=call.name, arguments=arguments, id=call.id))
         except Exception as exc:  # a broken call, or a plugin parser that raised anything
             if not terminated:
                 why = f"the generation ended inside the call ({exc})"
@@ -212,10 +220,8 @@ class OutputParser:
             log.warning("tool call in the %s format was not readable: %s", tool.name, why)
             events.append(Content(tool.start + text + (tool.end if terminated else "")))
             return False
-        self.calls += len(calls)
-        for call in calls:
-            arguments = coerce_arguments(call.arguments, self._schemas.get(call.name))
-            events.append(ToolCallFound(ToolCall(name=call.name, arguments=arguments, id=call.id)))
+        self.calls += len(found)
+        events.extend(ToolCallFound(call) for call in found)
         return True
 
 

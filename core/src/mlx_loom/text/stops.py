@@ -61,7 +61,7 @@ class _HoldBack(Generic[T]):
                 f"an empty {what} was given",
                 fix=f"remove the empty entry from the {what}s",
             )
-        self._empty = empty
+        self._empty: T = empty
         self._longest = max((len(s) for s in self._stops), default=0)
         self._held: T = empty
         self._stop: T | None = None

@@ -73,7 +73,7 @@ import string
 import time
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, MappingView
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 import jinja2.nodes as nodes
@@ -363,9 +363,8 @@ def _leaf_size(item: Any) -> int:
 
 
 def _kind(value: Any) -> str:
-    return {str: "string", bytes: "bytes", list: "list", tuple: "tuple"}.get(
-        type(value), type(value).__name__
-    )
+    names: dict[type, str] = {str: "string", bytes: "bytes", list: "list", tuple: "tuple"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _parts(item: Any, meter: _Meter, what: str) -> tuple[int, list[Any]]:
@@ -791,7 +790,9 @@ class _BudgetCodeGenerator(CodeGenerator):
     """
 
     def _call(self, name: str, args: list[nodes.Expr], lineno: int) -> nodes.Call:
-        return nodes.Call(nodes.EnvironmentAttribute(name), args, [], None, None).set_lineno(lineno)
+        call = nodes.Call(nodes.EnvironmentAttribute(name), args, [], None, None)
+        call.set_lineno(lineno)
+        return call
 
     def visit_Compare(self, node: nodes.Compare, frame: Frame) -> None:  # noqa: N802
         self.write("environment.budget_compare(")
@@ -813,12 +814,12 @@ class _BudgetCodeGenerator(CodeGenerator):
             super().visit_Dict(node, frame)
             return
         pairs: list[nodes.Expr] = [
-            nodes.Tuple([pair.key, pair.value], "load") for pair in node.items
+            cast(nodes.Expr, nodes.Tuple([pair.key, pair.value], "load")) for pair in node.items
         ]
         self.visit(self._call("budget_dict", pairs, node.lineno), frame)
 
     def visit_For(self, node: nodes.For, frame: Frame) -> None:  # noqa: N802
-        node.iter = self._call("budget_iterate", [node.iter], node.lineno)
+        node.iter = self._call("budget_iterate", [cast(nodes.Expr, node.iter)], node.lineno)
         super().visit_For(node, frame)
 
 
@@ -843,8 +844,8 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
         self.budget_dict = _dict
         self.budget_iterate = _iterate
         self.budget_concat = _concat
-        self.filters = _Wrapped(self.filters, kind="filter")
-        self.tests = _Wrapped(self.tests, kind="test")
+        self.filters = _Wrapped(cast(Mapping[str, Callable[..., Any]], self.filters), kind="filter")
+        self.tests = _Wrapped(cast(Mapping[str, Callable[..., Any]], self.tests), kind="test")
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         meter = _meter()
@@ -901,7 +902,8 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
             if is_map:
                 if kwargs or len(args) != 1:
                     raise TypeError("format_map() takes exactly one positional argument")
-                args, kwargs = (), args[0]
+                kwargs = args[0]
+                args = ()
             if isinstance(owner, Markup):
                 formatter: string.Formatter = _BoundedEscapeFormatter(env, escape=owner.escape)
             else:

@@ -39,7 +39,6 @@ from mlx_loom.nn import ProportionalScaling, RopeScaling
 from mlx_loom.plugin import (
     Count,
     FieldError,
-    FiniteFloat,
     Flag,
     LayerCount,
     PositiveFloat,
@@ -109,7 +108,9 @@ class Gemma4TextConfig(BaseModel):
     sliding_window_pattern: Size = 5
     max_position_embeddings: Size = 131072
     attention_k_eq_v: Flag = False
-    final_logit_softcapping: FiniteFloat | None = 30.0
+    #: ``cap * tanh(logits / cap)``: 0 zeroes every logit and a negative cap
+    #: flips them, so only a positive cap (or none) is accepted.
+    final_logit_softcapping: PositiveFloat | None = 30.0
     use_double_wide_mlp: Flag = True
     enable_moe_block: Flag = False
     num_experts: Size | None = None

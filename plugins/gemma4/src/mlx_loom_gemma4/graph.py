@@ -95,7 +95,8 @@ class Attention(nn.Module):
         if self.k_eq_v:
             queries, keys = project(x, self.q_proj, self.k_proj)
             return queries, keys, None
-        return project(x, self.q_proj, self.k_proj, self.v_proj)
+        queries, keys, values = project(x, self.q_proj, self.k_proj, self.v_proj)
+        return queries, keys, values
 
     def _own_kv(self, keys: mx.array, values: mx.array | None, cache: Any) -> DonorView:
         B, L, _ = keys.shape
@@ -134,6 +135,8 @@ class Router(nn.Module):
 
     def __init__(self, cfg: Gemma4TextConfig) -> None:
         super().__init__()
+        # Built only with enable_moe_block, whose config check sets both fields.
+        assert cfg.num_experts is not None and cfg.top_k_experts is not None
         self.eps = cfg.rms_norm_eps
         self.top_k = cfg.top_k_experts
         self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)

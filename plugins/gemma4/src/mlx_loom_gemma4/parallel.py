@@ -63,7 +63,7 @@ def plan(cfg: Gemma4TextConfig) -> ParallelPlan:
     if cfg.num_kv_shared_layers:
         first_donor = min(cfg.kv_donor(i) for i in range(cfg.first_shared_layer, n))
         keep = ((first_donor, n),)
-    tables = ("model.embed_tokens",)
+    tables: tuple[str, ...] = ("model.embed_tokens",)
     if cfg.per_layer_width:
         tables += ("model.embed_tokens_per_layer",)
     return ParallelPlan(

@@ -35,6 +35,7 @@ class Attention(nn.Module):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
+        assert hd is not None and KV is not None  # the config derives both when absent
         bias = cfg.attention_bias
         self.n_heads, self.n_kv_heads, self.scale = H, KV, hd**-0.5
         self.q_proj = nn.Linear(D, H * hd, bias=bias)
@@ -126,7 +127,8 @@ class Model(nn.Module):
 
     def make_cache(self) -> list[Any]:
         """One cache per layer: a rotating window for sliding layers, else a full cache."""
+        window = self.model.sliding_window  # set whenever a layer slides (config check)
         return [
-            RotatingKVCache(max_size=self.model.sliding_window) if layer.sliding else KVCache()
+            RotatingKVCache(max_size=window) if layer.sliding and window else KVCache()
             for layer in self.model.layers
         ]

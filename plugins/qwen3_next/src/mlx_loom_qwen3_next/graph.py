@@ -298,7 +298,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         if cfg.mlp_kind(i) == "moe":
-            self.mlp = SparseMoe(cfg, kernels)
+            self.mlp: SparseMoe | GatedMLP = SparseMoe(cfg, kernels)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 

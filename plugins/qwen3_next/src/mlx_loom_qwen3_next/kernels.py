@@ -151,7 +151,7 @@ def causal_conv_silu_emulated(x, tail, weight, ends=None):
 def ops_kernels() -> list[Kernel]:
     """The MLX-ops registrations: every one for ``cpu`` and for ``cuda``."""
     every = " (MLX ops: runs on every backend; registered for cpu and cuda)"
-    table = [
+    table: list[tuple[str, Callable[..., object], str]] = [
         (
             GATED_DELTA,
             gated_delta_ops,

@@ -118,7 +118,8 @@ class _Reader:
             self.pos = end + len(QUOTE)
             return value
         try:  # a JSON string, which some generations write instead
-            value, self.pos = json.decoder.scanstring(self.text, self.pos + 1)
+            scan = json.decoder.scanstring  # type: ignore[attr-defined]  # missing from typeshed
+            value, self.pos = scan(self.text, self.pos + 1)
         except json.JSONDecodeError:
             raise self.fail("unterminated string") from None
         return value

@@ -113,7 +113,10 @@ def _convert(value: Any, kind: str) -> Any:
     if kind == "integer" and isinstance(value, float) and value.is_integer():
         return int(value)
     if kind == "string" and (value is None or isinstance(value, (bool, int, float))):
-        return json.dumps(value)
+        try:
+            return json.dumps(value)
+        except ValueError:  # an int past the digit limit: leave it for the guard
+            return _MISSING
     return _MISSING
 
 
@@ -124,7 +127,10 @@ def _from_text(text: str, kind: str) -> Any:
         return {"true": True, "false": False}.get(text.lower(), _MISSING)
     if kind in ("integer", "number"):
         if _INT.fullmatch(text):
-            return int(text)
+            try:
+                return int(text)
+            except ValueError:  # past int()'s digit limit: the model's text stays a string
+                return _MISSING
         try:
             number = float(text)
         except ValueError:
