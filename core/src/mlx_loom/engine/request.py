@@ -1,7 +1,7 @@
 """A generation request as the engine receives it: validated, plain data.
 
 Everything a request carries is either plain Python (token ids, numbers,
-strings, a frozen :class:`~mlx_loom.generate.SamplingParams`) or an object
+strings, a frozen :class:`~mlx_loom.engine.params.SamplingParams`) or an object
 the engine only calls on its own thread (the tokenizer, user callables). No
 request holds an MLX graph built on another thread: MLX graphs are bound to
 the streams of the thread that built them, so the engine builds every array a
@@ -169,7 +169,7 @@ class Request:
     constraint: Constraint | None = None
     #: Keep checkpoints of caches that cannot trim at the turn boundaries of
     #: this prompt and hand them back in :class:`~mlx_loom.engine.Done`
-    #: (a :class:`~mlx_loom.generate.PromptCache` asks, to step back a turn).
+    #: (a :class:`~mlx_loom.generation.PromptCache` asks, to step back a turn).
     checkpoints: bool = False
 
 

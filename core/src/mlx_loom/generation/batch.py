@@ -196,7 +196,7 @@ def batch_generate(
 ) -> BatchResponse:
     """Generate for several prompts at once; a :class:`BatchResponse` (one result per prompt).
 
-    Takes what :func:`~mlx_loom.generate.stream_generate` takes, applied to
+    Takes what :func:`~mlx_loom.generation.stream_generate` takes, applied to
     every prompt (``max_tokens`` may also be one per prompt). ``adapters``
     names each prompt's registered adapter (``None``: the base model); rows
     with different adapters share the batch. A row's text

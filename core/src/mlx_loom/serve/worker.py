@@ -87,7 +87,7 @@ END = _End()
 class Job:
     """One validated generation request and the channel its results come back on.
 
-    ``sampling`` holds :class:`~mlx_loom.generate.SamplingParams` fields,
+    ``sampling`` holds :class:`~mlx_loom.engine.params.SamplingParams` fields,
     already validated by the HTTP thread; ``request`` is the engine request
     built from these fields there (``None``: built at submission). The plain
     fields stay: the other ranks of a split model build the request from them.
