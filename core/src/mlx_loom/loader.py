@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -149,10 +149,16 @@ def _build_split(resolved: Resolved, mode: str, group: Any) -> tuple[nn.Module, 
     split's class changes (so they wrap the CPU path's kernels).
     """
     impl = resolved.binding.implementation
+    plan_of = impl.parallel
+    if plan_of is None:  # prepare() refuses such an implementation before this is called
+        raise ParallelRefused(
+            f"Implementation {impl.id!r} declares no parallel plan.",
+            fix="Run it in one process, or ask its plugin's authors for a parallel plan.",
+        )
     with recording_sources() as sources:
         module = _run_factory(resolved)
     try:
-        plan = impl.parallel(resolved.family_config)
+        plan = plan_of(resolved.family_config)
     except LoomError:
         raise
     except Exception as err:  # noqa: BLE001 - plugin code
@@ -166,7 +172,7 @@ def _build_split(resolved: Resolved, mode: str, group: Any) -> tuple[nn.Module, 
     del sources
     apply_cpu_path(module, resolved.summary.cpu)
     wrap(module, wraps)
-    weights = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+    weights = sum(v.nbytes for _, v in _leaves(module.parameters()))
     return module, dataclasses.replace(info, weight_bytes=weights)
 
 
@@ -186,12 +192,17 @@ def _evaluate(module: nn.Module) -> None:
     The screen (:func:`mlx_loom.artifacts.finite.non_finite`) is one
     reduction per tensor, evaluated in the same pass as the weights.
     """
-    bad = non_finite(tree_flatten(module.parameters()))
+    bad = non_finite(_leaves(module.parameters()))
     if bad:
         raise WeightsError(
             f"The checkpoint's weights hold NaN or Inf values in {named_list(bad)}.",
             fix="The checkpoint is corrupt or was converted badly; re-download or re-convert it.",
         )
+
+
+def _leaves(tree: Any) -> list[tuple[str, Any]]:
+    """``tree``'s leaves with their dotted names (``tree_flatten``'s list form)."""
+    return cast(list[tuple[str, Any]], tree_flatten(tree))
 
 
 def _buffers(module: nn.Module) -> list[mx.array]:
@@ -201,7 +212,7 @@ def _buffers(module: nn.Module) -> list[mx.array]:
         for m in module.modules()
         for key, value in m.items()
         if key.startswith("_")
-        for _, leaf in tree_flatten(value)
+        for _, leaf in _leaves(value)
         if isinstance(leaf, mx.array)
     ]
 

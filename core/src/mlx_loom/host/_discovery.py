@@ -111,6 +111,11 @@ _EXPECTED: dict[str, type] = {
 }
 
 
+def _given(obj: object) -> Callable[[], object]:
+    """How to get a plugin object handed to the host directly: return it."""
+    return lambda: obj
+
+
 @dataclass(frozen=True)
 class _Candidate:
     """A plugin to load: its name, who provides it and how to get the object."""
@@ -153,7 +158,7 @@ class PluginHost:
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
         self._pm.add_hookspecs(hookspecs)
         candidates = _discover_entry_points() if entry_points else []
-        candidates += [_Candidate(name, Provider(name), lambda o=obj: o) for name, obj in plugins]
+        candidates += [_Candidate(name, Provider(name), _given(obj)) for name, obj in plugins]
         candidates = _mark_name_clashes(candidates)
         self._check_policy_names([c.name for c in candidates])
 
@@ -317,12 +322,12 @@ class PluginHost:
                 f"'MAJOR.MINOR' string such as {hookspecs.PLUGIN_API_VERSION!r}"
             )
         if version.split(".")[0] != hookspecs.PLUGIN_API_VERSION.split(".")[0]:
-            err = PluginApiMismatch(
+            mismatch = PluginApiMismatch(
                 f"Plugin {name!r} was written for plugin API {version}; this core speaks "
                 f"plugin API {hookspecs.PLUGIN_API_VERSION}.",
                 fix="Install a plugin release built for this core, or a core that matches it.",
             )
-            raise PluginFault(err.message + " " + f"Fix: {err.fix}")
+            raise PluginFault(mismatch.message + " " + f"Fix: {mismatch.fix}")
         if _minor(version) < _minor(hookspecs.OLDEST_PLUGIN_API_VERSION):
             too_old = PluginApiMismatch(
                 f"Plugin {name!r} was written for plugin API {version}; this core needs plugin "
@@ -375,8 +380,8 @@ class PluginHost:
         """Quarantine every plugin that registers an id another plugin also registers."""
         owners: dict[tuple[str, str], list[str]] = {}
         loaded = {o.record.name: o for o in outcomes if isinstance(o, _Loaded)}
-        for name, outcome in loaded.items():
-            for key in _ids(outcome.found):
+        for name, done in loaded.items():
+            for key in _ids(done.found):
                 owners.setdefault(key, []).append(name)
         reasons: dict[str, list[str]] = {}
         partners: dict[str, set[str]] = {}
@@ -393,10 +398,10 @@ class PluginHost:
             return outcomes
         result: list[PluginRecord | _Loaded] = []
         for outcome in outcomes:
-            name = outcome.record.name if isinstance(outcome, _Loaded) else None
-            if name not in reasons:
+            if not isinstance(outcome, _Loaded) or outcome.record.name not in reasons:
                 result.append(outcome)
                 continue
+            name = outcome.record.name
             fault = PluginFault(
                 "conflicts with another plugin: "
                 + "; ".join(sorted(reasons[name]))

@@ -210,7 +210,7 @@ class Registrations:
     kernels: tuple[Kernel, ...] = ()
     implementations: tuple[Implementation, ...] = ()
     profiles: tuple[Profile, ...] = ()
-    cache_kinds: tuple[type, ...] = ()
+    cache_kinds: tuple[type[Any], ...] = ()
     tool_parsers: tuple[ToolParser, ...] = ()
 
     def __add__(self, other: Registrations) -> Registrations:
@@ -241,7 +241,7 @@ class Family:
     checkpoint_tensors: CheckpointTensors | None = None
     profiles: tuple[Profile, ...] = ()
     implementations: tuple[Implementation, ...] = ()
-    cache_kinds: tuple[type, ...] = ()
+    cache_kinds: tuple[type[Any], ...] = ()
     description: str = ""
 
     def __post_init__(self) -> None:

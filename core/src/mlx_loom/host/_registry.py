@@ -104,7 +104,7 @@ def standard_cache_kinds() -> Mapping[str, type]:
     return CACHE_KINDS
 
 
-def _cache_table(extra: Iterable[type]) -> Mapping[str, type]:
+def _cache_table(extra: Iterable[type[Any]]) -> Mapping[str, type]:
     table = dict(standard_cache_kinds())
     for cls in extra:
         check_cache_kind(cls)
