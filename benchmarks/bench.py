@@ -37,7 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 
 import mlx_loom
-from mlx_loom.generate.loop import generate_tokens
+from mlx_loom.generation.loop import generate_tokens
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 CACHE_DIR = Path(__file__).resolve().parent / ".checkpoints"

@@ -63,7 +63,7 @@ from bench import CACHE_DIR, Row, _greedy, _loop_speed, build, llama
 
 import mlx_loom
 from mlx_loom.artifacts import read_manifest
-from mlx_loom.generate.loop import generate_tokens
+from mlx_loom.generation.loop import generate_tokens
 
 HERE = Path(__file__).resolve().parent
 LLAMA_VENV = HERE / ".llama-venv"

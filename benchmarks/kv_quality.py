@@ -44,7 +44,7 @@ import mlx.core as mx
 
 import mlx_loom
 from mlx_loom.cache import maybe_quantize_kv_cache
-from mlx_loom.generate.loop import generate_tokens
+from mlx_loom.generation.loop import generate_tokens
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -42,7 +42,7 @@ from mlx_loom.engine.constraints import (
     compile_constraint,
     constrain_rows,
 )
-from mlx_loom.generate import SamplingParams
+from mlx_loom.generation import SamplingParams
 from mlx_loom.text import Tokenizer
 
 SCHEMA = {

@@ -180,8 +180,8 @@ def test_a_second_adapter_on_the_same_model_is_refused(llama, adapter):
 
 
 def test_a_family_without_the_adapters_capability_refuses(tmp_path):
-    from mlx_loom.loading import build_model
-    from mlx_loom.plugins import PluginHost
+    from mlx_loom.host import PluginHost
+    from mlx_loom.loader import build_model
 
     from ..core.toyfamily import ToyPlugin, write_toy_checkpoint
 
@@ -193,8 +193,8 @@ def test_a_family_without_the_adapters_capability_refuses(tmp_path):
 
 
 def test_a_graph_without_decoder_layers_is_refused_even_with_the_capability(tmp_path, llama):
-    from mlx_loom.loading import build_model
-    from mlx_loom.plugins import PluginHost
+    from mlx_loom.host import PluginHost
+    from mlx_loom.loader import build_model
 
     from ..core.toyfamily import ToyPlugin, family_profile, write_toy_checkpoint
 

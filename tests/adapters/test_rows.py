@@ -194,7 +194,8 @@ def test_a_model_already_running_an_adapter_refuses_a_set(base, tmp_path):
 
 
 def test_a_family_without_the_capability_refuses_a_set(tmp_path):
-    from mlx_loom.host import PluginHost, build_model
+    from mlx_loom.host import PluginHost
+    from mlx_loom.loader import build_model
 
     from ..core.toyfamily import ToyPlugin, write_toy_checkpoint
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mlx_loom import advice
-from mlx_loom.advice import allow_plugin_fix, install_command
 from mlx_loom.host import PluginPolicy
+from mlx_loom.host import _advice as advice
+from mlx_loom.host._advice import allow_plugin_fix, install_command
 
 from .conftest import family_checkpoint
 

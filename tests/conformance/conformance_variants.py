@@ -40,7 +40,7 @@ class Variant:
     """The rendered plugin with one registration changed.
 
     It registers what the template's ``FAMILY`` derives, through the four
-    plugin-API 1.0 hooks, so each registration can be altered on its own.
+    record-by-record hooks, so each registration can be altered on its own.
     """
 
     def __init__(

@@ -266,7 +266,8 @@ def test_the_templates_head_dim_is_a_config_field_a_checkpoint_may_set(kitlm, tm
     # family ported from the template reads it as it reads any other field.
     import importlib
 
-    from mlx_loom.host import PluginHost, PluginPolicy, load
+    from mlx_loom.host import PluginHost, PluginPolicy
+    from mlx_loom.loader import load
 
     config = importlib.import_module(f"mlx_loom_{NAME}.config")
     manifest = importlib.import_module(f"mlx_loom_{NAME}.manifest")

@@ -6,7 +6,8 @@ import mlx.core as mx
 import pytest
 
 from mlx_loom.errors import ImplementationFailed, WeightsError
-from mlx_loom.host import PluginHost, build_model, resolve_model
+from mlx_loom.host import PluginHost, resolve_model
+from mlx_loom.loader import build_model
 
 from .toyfamily import ToyPlugin, build_toy, write_toy_checkpoint
 

@@ -7,7 +7,8 @@ import pytest
 
 from mlx_loom import PromptCache
 from mlx_loom.errors import CacheError
-from mlx_loom.host import PluginHost, build_model, resolve_model
+from mlx_loom.host import PluginHost, resolve_model
+from mlx_loom.loader import build_model
 from mlx_loom.plugin import (
     GENERATE,
     PLUGIN_API_VERSION,

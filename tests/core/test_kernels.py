@@ -3,14 +3,14 @@
 import mlx.core as mx
 import pytest
 
-from mlx_loom.errors import KernelUnavailable, RegistrationError
-from mlx_loom.host._kernels import (
+from mlx_loom.backends import (
     Kernel,
     KernelRegistry,
     Provider,
     active_backend,
     runnable_backends,
 )
+from mlx_loom.errors import KernelUnavailable, RegistrationError
 
 
 def k(name="step", backend="cpu", plugin="fam"):

@@ -14,38 +14,37 @@ import mlx_loom.plugin
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: Module paths a plugin written for plugin API 1.0 imports, and names it used from each.
-OLD_PATHS = {
-    "mlx_loom.hookspecs": ["hookimpl", "PLUGIN_API_VERSION"],
-    "mlx_loom.registry": ["Implementation", "ModelType", "BuildContext", "Registry"],
-    "mlx_loom.profiles": ["Execution", "Profile", "GENERATE", "BATCH", "PROMPT_CACHE"],
-    "mlx_loom.kernels": ["Kernel", "Backend", "KernelRegistry"],
-    "mlx_loom.plugins": ["PluginHost", "PluginPolicy"],
-    "mlx_loom.resolution": ["Resolution", "resolve"],
-    "mlx_loom.loading": ["load", "build_model", "resolve_model"],
-}
+#: The plugin-API 1.0 module paths, removed: nothing in the core or the families used them.
+REMOVED_PATHS = (
+    "mlx_loom.hookspecs",
+    "mlx_loom.registry",
+    "mlx_loom.profiles",
+    "mlx_loom.kernels",
+    "mlx_loom.plugins",
+    "mlx_loom.resolution",
+    "mlx_loom.loading",
+)
 
 
-@pytest.mark.parametrize("path", sorted(OLD_PATHS))
-def test_an_old_module_path_still_imports_and_names_its_new_home(path):
-    module = importlib.import_module(path)
-    assert "mlx_loom.host" in module.__doc__
-    for name in OLD_PATHS[path]:
-        assert hasattr(module, name), f"{path}.{name}"
+@pytest.mark.parametrize("path", REMOVED_PATHS)
+def test_the_plugin_api_1_0_module_paths_are_gone(path):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(path)
 
 
-def test_old_paths_re_export_the_very_same_objects():
-    from mlx_loom.hookspecs import hookimpl
-    from mlx_loom.kernels import Kernel
-    from mlx_loom.profiles import Profile
-    from mlx_loom.registry import Implementation
-
-    assert hookimpl is mlx_loom.plugin.hookimpl is mlx_loom.host.hookimpl
-    assert (Implementation, Profile, Kernel) == (
-        mlx_loom.plugin.Implementation,
-        mlx_loom.plugin.Profile,
-        mlx_loom.plugin.Kernel,
+def test_the_author_api_and_the_host_export_the_very_same_objects():
+    assert mlx_loom.plugin.hookimpl is mlx_loom.host.hookimpl
+    assert (mlx_loom.plugin.Implementation, mlx_loom.plugin.Profile, mlx_loom.plugin.Kernel) == (
+        mlx_loom.host.Implementation,
+        mlx_loom.host.Profile,
+        mlx_loom.host.Kernel,
     )
+
+
+def test_the_function_generate_is_never_shadowed_by_a_package():
+    import mlx_loom.generation  # noqa: F401  (loading the client package sets no 'generate')
+
+    assert callable(mlx_loom.generate) and not isinstance(mlx_loom.generate, type(mlx_loom))
 
 
 def test_the_user_api_exports_what_a_user_needs_and_the_composition_names():

@@ -14,7 +14,7 @@ from mlx_lm.models import switch_layers
 from mlx_lm.models.gemma4_text import GeGLU
 from mlx_lm.models.qwen3_next import Qwen3NextMLP
 
-from mlx_loom.host._kernels import KernelRegistry
+from mlx_loom.backends import KernelRegistry
 from mlx_loom.nn import (
     GatedMLP,
     QuantizedSwitchLinear,

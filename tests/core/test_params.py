@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from mlx_loom.engine.params import MAX_LOGPROBS, SamplingParams
 from mlx_loom.errors import RequestError
-from mlx_loom.generate.params import MAX_LOGPROBS, SamplingParams
 
 
 def _error(**options) -> RequestError:

@@ -19,7 +19,14 @@ SUPPORT = Path(__file__).with_name("toyfamily.py")
 
 
 def make_package(
-    root: Path, *, name: str, dist: str, version: str, extra: str = "", model_type: str = "toy_lm"
+    root: Path,
+    *,
+    name: str,
+    dist: str,
+    version: str,
+    extra: str = "",
+    model_type: str = "toy_lm",
+    api_version: str = "1.1",
 ) -> Path:
     pkg = root / dist
     pkg.mkdir(parents=True)
@@ -28,7 +35,7 @@ def make_package(
         PYPROJECT.format(dist=dist, version=version, name=name, module=module)
     )
     (pkg / f"{module}.py").write_text(
-        PLUGIN_SOURCE.format(extra=extra, model_type=model_type, name=name)
+        PLUGIN_SOURCE.format(extra=extra, model_type=model_type, name=name, api_version=api_version)
     )
     shutil.copy(SUPPORT, pkg / "toyfamily_support.py")
     return pkg
@@ -46,8 +53,16 @@ def sites(tmp_path_factory):
         extra="raise ImportError('needs libfoo, which is not installed')",
         model_type="toy_broken",
     )
+    old = make_package(
+        root,
+        name="toyold",
+        dist="loom-toy-old",
+        version="0.9.0",
+        model_type="toy_old",
+        api_version="1.0",
+    )
     target = root / "installed"
-    pip_install_target([good, broken], target)
+    pip_install_target([good, broken, old], target)
     return {"bare": isolated_site(root), "installed": target}
 
 
@@ -106,11 +121,21 @@ def test_quarantine_keeps_the_traceback_for_json_readers(sites):
     assert "Traceback" in records["toybroken"]["traceback"]
 
 
-def test_a_plugin_written_for_api_1_0_on_the_old_import_paths_loads(sites):
+def test_a_plugin_written_for_the_four_hooks_of_api_1_1_loads(sites):
     records = {
         p["name"]: p for p in json.loads(loom(["plugins", "--json"], sites).stdout)["plugins"]
     }
-    assert (records["toygood"]["status"], records["toygood"]["api_version"]) == ("loaded", "1.0")
+    assert (records["toygood"]["status"], records["toygood"]["api_version"]) == ("loaded", "1.1")
+
+
+def test_a_plugin_written_for_api_1_0_is_refused_naming_the_version_it_needs(sites):
+    records = {
+        p["name"]: p for p in json.loads(loom(["plugins", "--json"], sites).stdout)["plugins"]
+    }
+    old = records["toyold"]
+    assert old["status"] == "quarantined"
+    assert "written for plugin API 1.0" in old["reason"]
+    assert "needs plugin API 1.1 or later" in old["reason"]
 
 
 def test_explain_selects_the_installed_plugin(sites, toy_checkpoint):

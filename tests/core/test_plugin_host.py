@@ -34,7 +34,7 @@ def test_a_plugin_registers_and_is_recorded_with_its_provider():
 class Exploding:
     @hookimpl
     def loom_plugin_api_version(self):
-        return "1.0"
+        return "1.1"
 
     @hookimpl
     def loom_implementations(self):
@@ -54,7 +54,7 @@ def test_a_plugin_raising_during_registration_is_quarantined_and_others_keep_wor
 class Misspelt:
     @hookimpl
     def loom_plugin_api_version(self):
-        return "1.0"
+        return "1.1"
 
     @hookimpl
     def loom_implementaions(self):

@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from mlx_loom.errors import PolicyError
-from mlx_loom.host import PluginHost, PluginPolicy, build_model, hookimpl, resolve_model
+from mlx_loom.host import PluginHost, PluginPolicy, hookimpl, resolve_model
 from mlx_loom.host._bounded import DEFAULT_TIMEOUT, TIMEOUT_ENV, timeout_from_env
+from mlx_loom.loader import build_model
 from mlx_loom.plugin import Implementation, Kernel, ModelType
 
 from .toyfamily import ToyConfig, ToyPlugin, build_toy, write_toy_checkpoint

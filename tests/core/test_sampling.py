@@ -14,9 +14,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm import sample_utils as ref
 
+from mlx_loom.engine.params import SamplingParams
+from mlx_loom.engine.sampling import Sampler, logprobs_from_logits, logprobs_top_k, make_sampler
 from mlx_loom.errors import RequestError
-from mlx_loom.generate.params import SamplingParams
-from mlx_loom.generate.sampling import Sampler, logprobs_from_logits, logprobs_top_k, make_sampler
 
 VOCAB = 64
 BATCH = 4

@@ -12,14 +12,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm import sample_utils as ref
 
-from mlx_loom.generate.logits import (
+from mlx_loom.engine.logits import (
     FrequencyPenalty,
     LogitBias,
     PresencePenalty,
     RepetitionPenalty,
 )
-from mlx_loom.generate.params import SamplingParams
-from mlx_loom.generate.sampling import apply_logits_processors, make_logits_processors
+from mlx_loom.engine.params import SamplingParams
+from mlx_loom.engine.sampling import apply_logits_processors, make_logits_processors
 
 VOCAB = 48
 BATCH = 2

@@ -24,7 +24,7 @@ class ParserPlugin:
 
     @hookimpl
     def loom_plugin_api_version(self):
-        return "1.0"
+        return "1.1"
 
     @hookimpl
     def loom_tool_parsers(self):
@@ -59,7 +59,7 @@ class LateParser:
 
     @hookimpl
     def loom_plugin_api_version(self):
-        return "1.0"
+        return "1.1"
 
     @hookimpl
     def loom_tool_parsers(self):

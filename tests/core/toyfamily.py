@@ -30,7 +30,9 @@ from mlx_loom.plugin import (
     hookimpl,
 )
 
-GRAPH, LOADER = "toy-graph", "toy-loader"
+#: The toy graph's id is its default implementation's id (the selection rule: a
+#: family profile selects the implementation whose id is its graph).
+GRAPH, LOADER = "toy.lm.v1", "toy-loader"
 
 
 class ToyConfig(BaseModel):
@@ -108,7 +110,11 @@ class ToyPlugin:
         self.kernel_names = tuple(kernels)
         self.kernel_backends = tuple(kernel_backends)
         self.api_version = api_version
-        self.profile_list = list(profiles) if profiles is not None else [family_profile(model_type)]
+        self.profile_list = (
+            list(profiles)
+            if profiles is not None
+            else [family_profile(model_type, execution=Execution(graph=impl_id, loader=LOADER))]
+        )
         self.capabilities = frozenset(capabilities)
         self.factory = factory
 
@@ -133,7 +139,7 @@ class ToyPlugin:
         return [
             Implementation(
                 id=self.impl_id,
-                graph=GRAPH,
+                graph=self.impl_id,
                 loader=LOADER,
                 model_types=frozenset({self.model_type}),
                 factory=self.factory,
@@ -147,20 +153,17 @@ class ToyPlugin:
         return self.profile_list
 
 
-#: An installable toy family written exactly as a plugin-API 1.0 plugin was: the
-#: old import paths, four hooks, and an implementation id that is not its graph
-#: id (so it resolves by the 1.0 rule: its own plugin's one implementation).
+#: An installable toy family written with the four registration hooks of the
+#: author API (plugin API 1.1): its implementation's id is its graph's id.
 PLUGIN_SOURCE = '''
-"""An installable toy family plugin, written by the core's tests against plugin API 1.0."""
-from mlx_loom.hookspecs import hookimpl
-from mlx_loom.profiles import Execution, Profile
-from mlx_loom.registry import Implementation, ModelType
+"""An installable toy family plugin, written by the core's tests against plugin API 1.1."""
+from mlx_loom.plugin import Execution, Implementation, ModelType, Profile, hookimpl
 
 {extra}
 
 @hookimpl
 def loom_plugin_api_version():
-    return "1.0"
+    return "{api_version}"
 
 
 @hookimpl
@@ -172,7 +175,7 @@ def loom_model_types():
 @hookimpl
 def loom_implementations():
     from toyfamily_support import build_toy
-    return [Implementation(id="{name}.lm", graph="{name}-graph", loader="{name}-loader",
+    return [Implementation(id="{name}.lm", graph="{name}.lm", loader="{name}-loader",
                            model_types=frozenset({{"{model_type}"}}), factory=build_toy,
                            capabilities=frozenset({{"generate"}}))]
 
@@ -180,7 +183,7 @@ def loom_implementations():
 @hookimpl
 def loom_profiles():
     return [Profile(id="{name}/family", model_types=frozenset({{"{model_type}"}}),
-                    execution=Execution(graph="{name}-graph", loader="{name}-loader"),
+                    execution=Execution(graph="{name}.lm", loader="{name}-loader"),
                     capabilities=frozenset({{"generate"}}))]
 '''
 

@@ -7,8 +7,8 @@ import pytest
 
 import mlx_loom
 from mlx_loom.cache import KVCache, RotatingKVCache
-from mlx_loom.engine.compiled_step import CompiledStep
-from mlx_loom.generate.loop import generate_tokens
+from mlx_loom.cpu.compiled_step import CompiledStep
+from mlx_loom.generation.loop import generate_tokens
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 
@@ -128,7 +128,7 @@ def test_cpu_ops_and_families_without_the_capability_are_never_compiled(
 
 
 def test_a_batch_decodes_on_the_ordinary_forward_with_the_same_tokens(llama, counted, compiled_on):
-    from mlx_loom.generate.batch import batch_generate_tokens
+    from mlx_loom.generation.batch import batch_generate_tokens
 
     model, _ = mlx_loom.load(llama, compute_dtype="float32", cpu_kernels="cpu-native")
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
@@ -154,7 +154,7 @@ def test_loom_explain_says_whether_the_decode_step_is_compiled(
 
 
 def test_why_a_model_runs_eager_is_named(monkeypatch):
-    from mlx_loom.engine.compiled_step import not_compiled_because
+    from mlx_loom.cpu.compiled_step import not_compiled_because
 
     caps = frozenset({"generate", "compiled-step"})
     monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "0")

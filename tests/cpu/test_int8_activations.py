@@ -192,7 +192,7 @@ def _rounding_in_front_of_every_4bit_product(monkeypatch) -> None:
     # through the patched call (the fused nodes are bit-equal to them:
     # test_native_gates.py, test_native_kernels.py).
     monkeypatch.setattr(ops.NativeGatedMLP, "_gated", lambda self, x: None)
-    monkeypatch.setattr(projections, "project_together", lambda x, modules: None)
+    monkeypatch.setattr(projections, "_joint", None)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

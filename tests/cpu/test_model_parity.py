@@ -28,7 +28,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_loom.host import build_model, resolve_model
+from mlx_loom.host import resolve_model
+from mlx_loom.loader import build_model
 
 FAMILIES = ["llama", "qwen3_next", "gemma4_text"]
 PROMPT = [1, 5, 7, 42, 99, 3, 17, 200, 8, 64, 31, 2]

@@ -24,7 +24,8 @@ import pytest
 
 import mlx_loom.nn.activations as activations
 from mlx_loom.cpu import layers, native, ops
-from mlx_loom.cpu.forward import current_silu_mul, forward_kernels
+from mlx_loom.cpu.ops import forward_kernels
+from mlx_loom.forward_hooks import current_silu_mul
 from mlx_loom.nn import GatedMLP, geglu, swiglu
 
 nat = native.module()
@@ -325,7 +326,7 @@ def test_each_family_decodes_bit_equal_with_and_without_the_fused_nodes(
     mx.eval(fused)
     monkeypatch.setattr(activations, "current_silu_mul", lambda: None)
     monkeypatch.setattr(ops.NativeGatedMLP, "_gated", lambda self, x: None)
-    monkeypatch.setattr(projections, "project_together", lambda x, modules: None)
+    monkeypatch.setattr(projections, "_joint", None)
     plain = decode_logits(model)
     assert not any(n.startswith(FUSED) for n in labels(plain, tmp_path))
     assert_bit_equal(fused, plain)
@@ -485,7 +486,7 @@ def test_log_softmax_refuses_other_dtypes():
 
 
 def test_logprobs_take_the_native_kernel_only_inside_native_kernels(tmp_path):
-    from mlx_loom.generate.sampling import logprobs_from_logits
+    from mlx_loom.engine.sampling import logprobs_from_logits
 
     logits = rand((2, 500), seed=23, scale=3.0)
     assert "LoomLogSoftmax" not in labels(logprobs_from_logits(logits), tmp_path)
@@ -504,9 +505,9 @@ def test_the_engine_reports_mlx_log_probabilities_on_the_native_kernels(
     import importlib
 
     import mlx_loom
-    from mlx_loom.generate.loop import generate_tokens
+    from mlx_loom.generation.loop import generate_tokens
 
-    sampling = importlib.import_module("mlx_loom.generate.sampling")
+    sampling = importlib.import_module("mlx_loom.engine.sampling")
     model, _ = mlx_loom.load(
         checkpoints(family, "q4"), compute_dtype="float32", cpu_kernels="cpu-native"
     )

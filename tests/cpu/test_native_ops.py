@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from mlx_loom.cpu import native, ops
-from mlx_loom.cpu.forward import current_attention, forward_kernels
+from mlx_loom.cpu.ops import forward_kernels
+from mlx_loom.forward_hooks import current_attention
 
 nat = native.module()
 U = 2.0**-23

@@ -27,7 +27,7 @@ from mlx_loom.engine.constraints import (
 )
 from mlx_loom.engine.request import Speculation
 from mlx_loom.errors import RequestError
-from mlx_loom.generate import SamplingParams, stream_generate
+from mlx_loom.generation import SamplingParams, stream_generate
 
 from .conftest import alone, assert_same_run, drive, request
 

@@ -17,8 +17,8 @@ from mlx_loom.engine import EngineService, Speculation, make_request, request
 from mlx_loom.engine.next_token import TokenPicker
 from mlx_loom.engine.service import Turns
 from mlx_loom.errors import RequestError
-from mlx_loom.generate import SamplingParams
-from mlx_loom.parallel.service import LockstepService
+from mlx_loom.generation import SamplingParams
+from mlx_loom.engine.lockstep_service import LockstepService
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 from mlx_loom.engine import Engine, EngineSettings
 from mlx_loom.errors import RequestError
-from mlx_loom.generate import SamplingParams
+from mlx_loom.generation import SamplingParams
 
 from .conftest import alone, assert_same_run, drive, ids, request
 

@@ -18,7 +18,7 @@ import pytest
 
 import mlx_loom
 from mlx_loom.errors import RequestError
-from mlx_loom.generate import PromptCache
+from mlx_loom.generation import PromptCache
 
 PROMPTS = ["the model reads a token", "hello world", "a b c d", "once upon a time"]
 

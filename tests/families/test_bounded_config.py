@@ -147,7 +147,8 @@ _CHILD = textwrap.dedent(
     """
     import json, resource, sys, time
     resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
-    from mlx_loom.host import build_model, resolve_model
+    from mlx_loom.host import resolve_model
+    from mlx_loom.loader import build_model
 
     def peak_mb():
         for line in open("/proc/self/status"):

@@ -12,7 +12,8 @@ import json
 import mlx.core as mx
 import pytest
 
-from mlx_loom.host import PluginHost, build_model, resolve_model
+from mlx_loom.host import PluginHost, resolve_model
+from mlx_loom.loader import build_model
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 MODEL_TYPES = ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4")

@@ -8,9 +8,10 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.utils import load_model
 
 import mlx_loom
+import mlx_loom.loader
+from mlx_loom.engine.params import SamplingParams
 from mlx_loom.errors import CapabilityRefused
-from mlx_loom.generate import batch_generate, batch_generate_tokens, generate_tokens, make_sampler
-from mlx_loom.generate.params import SamplingParams
+from mlx_loom.generation import batch_generate, batch_generate_tokens, generate_tokens, make_sampler
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [8, 8, 1], [200, 13, 55, 66, 2]]
 
@@ -69,6 +70,6 @@ def test_batching_is_refused_without_the_capability(tmp_path):
 
     ckpt = write_toy_checkpoint(tmp_path / "toy")
     host = PluginHost(plugins=[("toy", ToyPlugin())], entry_points=False)
-    model, _ = mlx_loom.host.build_model(mlx_loom.resolve_model(ckpt, host=host)), None
+    model, _ = mlx_loom.loader.build_model(mlx_loom.resolve_model(ckpt, host=host)), None
     with pytest.raises(CapabilityRefused, match="batch"):
         batch_generate_tokens(model, [[1, 2], [3]], max_tokens=2)

@@ -14,7 +14,7 @@ from mlx_lm.utils import load_model
 import mlx_loom
 from mlx_loom.assets import BUNDLED_MODEL
 from mlx_loom.errors import CapabilityRefused, RequestError
-from mlx_loom.generate import BatchResponse, generate_tokens
+from mlx_loom.generation import BatchResponse, generate_tokens
 
 PROMPTS = ["the model reads a token", "hello world, this is", "a b c"]
 

@@ -8,7 +8,7 @@ import pytest
 
 import mlx_loom
 from mlx_loom.cli.main import main
-from mlx_loom.generate import PromptCache
+from mlx_loom.generation import PromptCache
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 FAMILIES = ["llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4"]

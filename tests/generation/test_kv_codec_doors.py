@@ -17,7 +17,7 @@ import pytest
 import mlx_loom
 from mlx_loom.cache import maybe_quantize_kv_cache
 from mlx_loom.cli.main import main
-from mlx_loom.generate import PromptCache
+from mlx_loom.generation import PromptCache
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 FAMILIES = ["llama", "qwen3_next", "gemma4_text", "gemma4"]

@@ -15,7 +15,7 @@ import pytest
 import mlx_loom
 from mlx_loom.engine import make_request
 from mlx_loom.errors import RequestError
-from mlx_loom.generate import batch_generate, stream_generate
+from mlx_loom.generation import batch_generate, stream_generate
 from mlx_loom.serve.app import ServeApp
 
 PROMPT = "Once upon a time"

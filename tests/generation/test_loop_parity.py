@@ -14,8 +14,13 @@ from mlx_lm.sample_utils import make_sampler as lm_sampler
 from mlx_lm.utils import load_model
 
 import mlx_loom
-from mlx_loom.generate import SamplingParams, generate_tokens, make_logits_processors, make_sampler
-from mlx_loom.generate.loop import KVQuantization
+from mlx_loom.generation import (
+    SamplingParams,
+    generate_tokens,
+    make_logits_processors,
+    make_sampler,
+)
+from mlx_loom.generation.loop import KVQuantization
 
 STEPS = 64
 

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_loom
-from mlx_loom.generate import PromptCache
+from mlx_loom.generation import PromptCache
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 

@@ -9,8 +9,8 @@ import pytest
 import mlx_loom
 from mlx_loom.cache import save_prompt_cache
 from mlx_loom.errors import CacheError
-from mlx_loom.generate import PromptCache
-from mlx_loom.generate.prompt_cache import cache_binding
+from mlx_loom.generation import PromptCache
+from mlx_loom.generation.prompt_cache import cache_binding
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 VARIANTS = ["llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4"]

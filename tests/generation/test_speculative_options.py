@@ -17,8 +17,9 @@ import pytest
 import mlx_loom
 from mlx_loom.engine import Speculation, make_request
 from mlx_loom.engine.speculative import accept_sampled
-from mlx_loom.generate import PromptCache, SamplingParams, make_sampler
-from mlx_loom.host import build_model, resolve_model
+from mlx_loom.generation import PromptCache, SamplingParams, make_sampler
+from mlx_loom.host import resolve_model
+from mlx_loom.loader import build_model
 from mlx_loom.testing.checkpoints import write_checkpoint
 from mlx_loom_minicpm5.plugin import TINY_CONFIG, checkpoint_tensors
 

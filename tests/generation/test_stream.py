@@ -7,7 +7,7 @@ import pytest
 
 import mlx_loom
 from mlx_loom.errors import CacheNotTrimmable, CapabilityRefused, RequestError
-from mlx_loom.generate import PromptCache, stream_generate
+from mlx_loom.generation import PromptCache, stream_generate
 
 PROMPT = "the model reads a token"
 

@@ -15,7 +15,7 @@ import os
 import threading
 
 import mlx_loom
-from mlx_loom.generate import PromptCache
+from mlx_loom.generation import PromptCache
 
 from .bounded import run_bounded
 
@@ -28,7 +28,7 @@ def full_disk(nbytes=4096):
 
 _FILLED_CACHE = """
 import mlx_loom
-from mlx_loom.generate import PromptCache
+from mlx_loom.generation import PromptCache
 model, tok = mlx_loom.load(ARGS["model"])
 cache = PromptCache(model)
 list(mlx_loom.stream_generate(model, tok, tok.encode("a few tokens to keep"),

@@ -24,7 +24,7 @@ from mlx_loom.errors import (
     TokenizerError,
     WeightsError,
 )
-from mlx_loom.generate import PromptCache
+from mlx_loom.generation import PromptCache
 
 from ..server.conftest import Client, serve
 from .conftest import FAMILIES, variant
@@ -209,7 +209,7 @@ def test_body_bombs_are_400_invalid_json_and_the_server_keeps_serving(
 
 @pytest.mark.parametrize("text", [DEEP, '{"url": ' + BIG_INT + "}", "[1, 2]", "not json"])
 def test_unreadable_install_metadata_falls_back_to_the_index_command(monkeypatch, text):
-    from mlx_loom import advice
+    from mlx_loom.host import _advice as advice
 
     class Distribution:
         def read_text(self, name: str) -> str:

@@ -19,8 +19,8 @@ import pytest
 import mlx_loom
 from mlx_loom.cache import save_prompt_cache
 from mlx_loom.errors import CacheError
-from mlx_loom.generate import PromptCache
-from mlx_loom.generate.prompt_cache import cache_binding
+from mlx_loom.generation import PromptCache
+from mlx_loom.generation.prompt_cache import cache_binding
 
 
 @pytest.fixture

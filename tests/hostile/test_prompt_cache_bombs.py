@@ -16,8 +16,8 @@ import mlx_loom
 from mlx_loom.cache import save_prompt_cache
 from mlx_loom.cache.persist import HEADER_KEY
 from mlx_loom.errors import CacheError
-from mlx_loom.generate import PromptCache
-from mlx_loom.generate.prompt_cache import cache_binding
+from mlx_loom.generation import PromptCache
+from mlx_loom.generation.prompt_cache import cache_binding
 
 from .bounded import run_bounded
 from .conftest import FAMILIES
@@ -100,7 +100,7 @@ def test_an_array_count_of_a_billion_is_refused_at_once(model_and_cache, tmp_pat
     mx.save_safetensors(str(target), {"0.0": mx.zeros((1,))}, {HEADER_KEY: json.dumps(header)})
     code = """
     import mlx_loom
-    from mlx_loom.generate import PromptCache
+    from mlx_loom.generation import PromptCache
     model, _ = mlx_loom.load(ARGS["model"])
     PromptCache.load(ARGS["path"], model)
     """

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import mlx_loom
-from mlx_loom.parallel.serving import build, describe
+from mlx_loom.serve.ranks import build, describe
 from mlx_loom.serve.worker import Job
 from mlx_loom.testing.checkpoints import write_checkpoint
 

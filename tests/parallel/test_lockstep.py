@@ -17,10 +17,12 @@ import mlx.core as mx
 import pytest
 
 import mlx_loom
+from mlx_loom.cli import doors
+from mlx_loom.engine.lockstep_service import AgreeingPrefixStore, LockstepService
 from mlx_loom.errors import ParallelRefused
-from mlx_loom.parallel import Lockstep, Parallel, doors, lockstep
-from mlx_loom.parallel.service import AgreeingPrefixStore, LockstepService
-from mlx_loom.parallel.serving import follow_jobs
+from mlx_loom.parallel import Lockstep, lockstep
+from mlx_loom.parallel.build import Parallel
+from mlx_loom.serve.ranks import follow_jobs
 
 PROMPT = [5, 6, 7, 8]
 

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 import mlx_loom
 from mlx_loom.errors import ImplementationFailed, ParallelRefused
 from mlx_loom.host import PluginHost
-from mlx_loom.host._loading import _build_split, _run_factory
+from mlx_loom.loader import _build_split, _run_factory
 from mlx_loom.parallel import ParallelPlan, Resize, Split, Units, Vocab
 from mlx_loom.parallel.build import RankView, prepare, split_model
 

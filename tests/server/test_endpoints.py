@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import mlx_loom
-from mlx_loom.generate import stream_generate
+from mlx_loom.generation import stream_generate
 
 from .conftest import MODEL_ID
 

@@ -10,7 +10,7 @@ import pytest
 
 import mlx_loom
 from mlx_loom.errors import CapabilityRefused, RequestError
-from mlx_loom.generate import SamplingParams
+from mlx_loom.generation import SamplingParams
 from mlx_loom.serve import MAX_BODY_BYTES
 
 from .conftest import CONTEXT, MODEL_ID, serve

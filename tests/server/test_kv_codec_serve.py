@@ -7,7 +7,7 @@ import pytest
 import mlx_loom
 from mlx_loom.cli.main import main
 from mlx_loom.errors import RequestError
-from mlx_loom.generate import stream_generate
+from mlx_loom.generation import stream_generate
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 from .conftest import serve

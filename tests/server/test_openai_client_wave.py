@@ -12,7 +12,7 @@ import pytest
 
 import mlx_loom
 from mlx_loom.engine import Speculation
-from mlx_loom.generate import stream_generate
+from mlx_loom.generation import stream_generate
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 from .conftest import serve

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 import mlx_loom
-from mlx_loom.generate import stream_generate
+from mlx_loom.generation import stream_generate
 from mlx_loom.serve import make_server
 from mlx_loom.text.output_parser import Content, Reasoning, ToolCallFound
 

@@ -26,8 +26,6 @@ them, so ``loom --help`` stays a fraction of a second.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from . import errors
@@ -36,19 +34,19 @@ from .errors import LoomError, Refusal
 
 #: public name -> the submodule that defines it
 _LAZY = {
-    "BatchResponse": "generate",
-    "BatchResult": "generate",
-    "GenerationResponse": "generate",
-    "PromptCache": "generate",
-    "SamplingParams": "generate",
-    "batch_generate": "generate",
-    "generate": "generate",
-    "stream_generate": "generate",
+    "BatchResponse": "generation",
+    "BatchResult": "generation",
+    "GenerationResponse": "generation",
+    "PromptCache": "generation",
+    "SamplingParams": "generation",
+    "batch_generate": "generation",
+    "generate": "generation",
+    "stream_generate": "generation",
     "PluginHost": "host",
     "PluginPolicy": "host",
     "Registry": "host",
     "default_host": "host",
-    "load": "host",
+    "load": "loader",
     "resolve_model": "host",
     "Model": "model",
     "Tokenizer": "text",
@@ -62,6 +60,7 @@ __all__ = ["BUNDLED_MODEL", "LoomError", "Refusal", "__version__", "errors", *so
 
 def __getattr__(name: str) -> Any:
     if name == "__version__":
+        # only for __version__: keeps `import mlx_loom` light
         from importlib.metadata import PackageNotFoundError, version
 
         try:
@@ -80,26 +79,9 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-class _Package(types.ModuleType):
-    """Keeps ``mlx_loom.generate`` the function when the submodule of that name loads.
-
-    Loading a submodule sets it as an attribute of its package; with eager
-    imports the function then overwrote it again. Lazily, the submodule may
-    load at any time, so the package declines to let it shadow the function
-    (the submodule stays importable: ``from mlx_loom.generate import ...``).
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "generate" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from .engine import Engine, EngineSettings, make_request  # noqa: F401
-    from .generate import (  # noqa: F401
+    from .generation import (  # noqa: F401
         BatchResponse,
         BatchResult,
         GenerationResponse,
@@ -109,13 +91,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         generate,
         stream_generate,
     )
-    from .host import (  # noqa: F401
-        PluginHost,
-        PluginPolicy,
-        Registry,
-        default_host,
-        load,
-        resolve_model,
-    )
+    from .host import PluginHost, PluginPolicy, Registry, default_host, resolve_model  # noqa: F401
+    from .loader import load  # noqa: F401
     from .model import Model  # noqa: F401
     from .text import Tokenizer  # noqa: F401

@@ -1,6 +1,7 @@
-"""The model object users hold, and the protocol a plugin's graph satisfies.
+"""The model object users hold.
 
-A plugin's factory returns an ``mlx.nn.Module`` satisfying :class:`CausalLM`.
+A plugin's factory returns an ``mlx.nn.Module`` satisfying
+:class:`~mlx_loom.causal_lm.CausalLM`.
 The core wraps it in :class:`Model`, which remembers how it was resolved
 (profile, implementation, kernel backend) so a user — or ``loom explain`` —
 can always tell what is running.
@@ -12,12 +13,14 @@ import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 
-from .cpu.forward import forward_kernels
+from .causal_lm import CausalLM
+from .cpu.compiled_step import CompiledStep, not_compiled_because
+from .cpu.ops import forward_kernels
 from .errors import AdapterError, CapabilityRefused, RequestError
 
 if TYPE_CHECKING:
@@ -26,24 +29,8 @@ if TYPE_CHECKING:
     from .artifacts import ArtifactConfig
     from .cpu.path import CpuPath
     from .engine import EngineService
-    from .engine.compiled_step import CompiledStep
     from .host import Binding, Implementation, Profile
-    from .parallel import Parallel
-
-
-@runtime_checkable
-class CausalLM(Protocol):
-    """What a family graph provides.
-
-    ``__call__`` takes int32 token ids ``[B, L]`` and a list of per-layer
-    caches (or ``None`` for a cache-less forward) and returns logits
-    ``[B, L, vocab]``. ``make_cache`` returns fresh single-row caches, one per
-    layer that needs one, in the order ``__call__`` consumes them.
-    """
-
-    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array: ...
-
-    def make_cache(self) -> list[Any]: ...
+    from .parallel.build import Parallel
 
 
 def _arrays(module: nn.Module, *, constants_only: bool) -> list[mx.array]:
@@ -79,9 +66,7 @@ def _compiled_step(
     module: nn.Module, cpu_path: CpuPath | None, capabilities: frozenset[str], *, split: bool
 ) -> CompiledStep | None:
     """The compiled one-token forward for this model, or ``None``
-    (:func:`mlx_loom.engine.compiled_step.not_compiled_because` says why)."""
-    from .engine.compiled_step import CompiledStep, not_compiled_because
-
+    (:func:`mlx_loom.cpu.compiled_step.not_compiled_because` says why)."""
     kernel_set = cpu_path.kernel_set if cpu_path is not None else None
     if not_compiled_because(kernel_set, capabilities, split=split) is not None:
         return None
@@ -187,14 +172,14 @@ class Model:
         """
         with self._engine_lock:
             if self._engine is None or not self._engine.alive:
+                # The engine sits above the model in the layers (it drives a model);
+                # a model starts its own on first use, so it is imported here.
+                from .engine import EngineService, lockstep_service
+
                 if self.parallel is not None:
-                    # Split across ranks: rank 0 decides each turn (mlx_loom.parallel.service).
-                    from .parallel.service import LockstepService
-
-                    self._engine = LockstepService(self)
+                    # Split across ranks: rank 0 decides each turn.
+                    self._engine = lockstep_service.LockstepService(self)
                 else:
-                    from .engine import EngineService
-
                     self._engine = EngineService(self)
             return self._engine
 
@@ -209,7 +194,7 @@ class Model:
 
     def native_kernels(self) -> AbstractContextManager[None]:
         """The context in which graph code for this model picks up its native CPU
-        kernels (:mod:`mlx_loom.cpu.forward`): every forward runs in it, and the
+        kernels (:mod:`mlx_loom.forward_hooks`): every forward runs in it, and the
         engine builds its log-probabilities from the logits in it."""
         return forward_kernels(self.cpu_path.kernel_set if self.cpu_path is not None else None)
 

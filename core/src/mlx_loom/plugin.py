@@ -46,6 +46,7 @@ from .artifacts.fields import (
     Size,
     UnitFloat,
 )
+from .causal_lm import CausalLM
 from .errors import (
     CacheError,
     CapabilityRefused,
@@ -73,7 +74,6 @@ from .host import (
     Profile,
     hookimpl,
 )
-from .model import CausalLM
 from .text.tool_calls import MalformedToolCall, ToolCall, ToolParser
 
 __all__ = [

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_loom.host import build_model, resolve_model
+from mlx_loom.host import resolve_model
+from mlx_loom.loader import build_model
 from mlx_loom_gemma4.manifest import TINY_TEXT_CONFIG
 
 S, F = "sliding_attention", "full_attention"

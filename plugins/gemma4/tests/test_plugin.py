@@ -5,9 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlx_loom.host import Registry, build_model, resolve_model
-from mlx_loom.host._kernels import KernelRegistry
+from mlx_loom.backends import KernelRegistry
+from mlx_loom.host import Registry, resolve_model
 from mlx_loom.host._profiles import validate_profile
+from mlx_loom.loader import build_model
 from mlx_loom.nn import switch_glu
 from mlx_loom_gemma4 import plugin
 
@@ -40,7 +41,8 @@ def test_the_cuda_registration_is_the_ops_kernel_that_runs_here():
 
 
 def _core_forward(path, prompt):
-    from mlx_loom.host import build_model, resolve_model
+    from mlx_loom.host import resolve_model
+    from mlx_loom.loader import build_model
 
     # MLX operations in the checkpoint's dtype: the plugin's own arithmetic, bit for bit.
     resolved = resolve_model(path, compute_dtype="checkpoint", cpu_kernels="cpu-ops")

@@ -19,7 +19,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_loom.host import build_model, resolve_model
+from mlx_loom.host import resolve_model
+from mlx_loom.loader import build_model
 
 STEPS = 64
 PROMPT = [3, 17, 42, 99, 7, 250, 128, 64, 5, 11, 200, 31]

@@ -18,7 +18,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_loom.host import build_model, resolve_model
+from mlx_loom.host import resolve_model
+from mlx_loom.loader import build_model
 from mlx_loom_qwen3_next.graph import Model
 from mlx_loom_qwen3_next.manifest import TINY_QWEN3_NEXT
 

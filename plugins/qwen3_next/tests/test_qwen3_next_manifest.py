@@ -50,7 +50,7 @@ def test_the_graph_holds_exactly_the_manifests_tensors(name):
     """One rule: what the loader expects (and the kit writes) is what the graph loads."""
     from mlx.utils import tree_flatten
 
-    from mlx_loom.host._kernels import KernelRegistry
+    from mlx_loom.backends import KernelRegistry
     from mlx_loom.nn import dense_tensors
     from mlx_loom_qwen3_next import kernels as qk
     from mlx_loom_qwen3_next.config import Qwen3_5Config, Qwen3NextConfig

@@ -7,6 +7,7 @@ import pytest
 from mlx_lm.generate import maybe_quantize_kv_cache as lm_maybe_quantize
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_loom.backends import KernelRegistry
 from mlx_loom.cache import maybe_quantize_kv_cache
 from mlx_loom.errors import KernelUnavailable
 from mlx_loom.host import (
@@ -18,11 +19,10 @@ from mlx_loom.host import (
     SPECULATIVE,
     PluginHost,
     Registry,
-    build_model,
     resolve_model,
 )
-from mlx_loom.host._kernels import KernelRegistry
 from mlx_loom.host._profiles import validate_profile
+from mlx_loom.loader import build_model
 from mlx_loom_qwen3_next import kernels as qk
 from mlx_loom_qwen3_next import plugin
 
@@ -110,7 +110,7 @@ def test_kv_quantized_attention_layers_match_mlx_lm(loaders):
 
 
 def test_the_cores_batch_loop_gives_each_row_its_own_greedy_tokens(ckpt_dir):
-    from mlx_loom.generate.batch import batch_generate_tokens
+    from mlx_loom.generation.batch import batch_generate_tokens
 
     model = build_model(resolve_model(ckpt_dir("qwen3_next-fp32")))
     prompts = [PROMPT, PROMPT[4:9], PROMPT[:7]]

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mlx_loom.capabilities import ADAPTERS
 from mlx_loom.errors import AdapterError
-from mlx_loom.host import ADAPTERS
 
 from .apply import Adapter, apply_adapter, read_adapter
 from .config import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, AdapterConfig

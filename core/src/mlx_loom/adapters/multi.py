@@ -37,8 +37,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from mlx_loom.capabilities import ADAPTERS
 from mlx_loom.errors import AdapterError
-from mlx_loom.host import ADAPTERS
 from mlx_loom.nn import SwitchGLU
 
 from .apply import Adapter, install, plan_adapter, read_adapter

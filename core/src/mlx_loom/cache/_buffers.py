@@ -17,6 +17,7 @@ from typing import Any, ClassVar, NoReturn, cast
 
 import mlx.core as mx
 
+from mlx_loom.cache.views import AffineView, PlainView
 from mlx_loom.errors import CacheError, CapabilityRefused
 
 Stored = mx.array | tuple[mx.array, ...]
@@ -129,8 +130,6 @@ class PlainCodec:
         return self.encode_values(plain_array(x, self.describe()))
 
     def view(self, keys: Any, values: Any) -> Any:
-        from mlx_loom.cache.views import PlainView
-
         return PlainView(keys, values)
 
 
@@ -196,8 +195,6 @@ class AffineCodec(PlainCodec):
         )
 
     def view(self, keys: Any, values: Any) -> Any:
-        from mlx_loom.cache.views import AffineView
-
         return AffineView(keys, values, self.group_size, self.bits)
 
 

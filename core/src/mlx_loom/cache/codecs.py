@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_loom.cache.storage import CODECS
-from mlx_loom.errors import RequestError
+from mlx_loom.errors import CapabilityRefused, RequestError
 
 __all__ = ["KVCodec", "codec_table", "resolve_kv_codec"]
 
@@ -99,8 +99,6 @@ class KVCodec:
         ``caches`` are a model's fresh caches; state with nothing to compress
         (recurrent caches, which have no ``to_quantized``) is left alone.
         """
-        from mlx_loom.errors import CapabilityRefused
-
         for cache in caches:
             if getattr(cache, "to_quantized", None) is None:
                 continue
@@ -121,7 +119,7 @@ def codec_table(kinds: Mapping[str, type] | None = None) -> dict[str, KVCodec]:
     ``kinds`` defaults to the core's kinds (which add none).
     """
     if kinds is None:
-        from mlx_loom.cache import CACHE_KINDS
+        from mlx_loom.cache import CACHE_KINDS  # the package imports this module
 
         kinds = CACHE_KINDS
     found: dict[str, list[type]] = {}

@@ -18,13 +18,13 @@ import mlx.core as mx
 from mlx_loom.cache import _buffers as buf
 from mlx_loom.cache.masks import mask_for_offset
 from mlx_loom.cache.protocol import Mask
+from mlx_loom.cache.rotating import RotatingKVCache
 from mlx_loom.cache.storage import CodecLayout, split_meta
 from mlx_loom.cache.turboquant import TurboQuantCodec
 from mlx_loom.errors import CacheError
 
 if TYPE_CHECKING:
     from mlx_loom.cache.batch import BatchKVCache
-    from mlx_loom.cache.rotating import RotatingKVCache
 
 __all__ = ["KVCache"]
 
@@ -158,13 +158,11 @@ class KVCache(CodecLayout):
 
         ``keep=0``: no leading tokens are pinned, so rows stay batchable.
         """
-        from mlx_loom.cache.rotating import RotatingKVCache
-
         return RotatingKVCache(max_tokens, 0, codec=self._codec)
 
     def empty_batch(self, left_padding: Sequence[int]) -> BatchKVCache:
         """An empty batch cache of this kind, one row per entry of ``left_padding``."""
-        from mlx_loom.cache.batch import BatchKVCache
+        from mlx_loom.cache.batch import BatchKVCache  # subclasses this module's kinds
 
         if self.codec is not None:
             buf.refuse_padded_batch(self.kind, codec=self.codec, option="kv_bits / kv_codec")
@@ -173,7 +171,7 @@ class KVCache(CodecLayout):
     @classmethod
     def merge(cls, caches: Sequence[KVCache]) -> BatchKVCache:
         """A left-padded batch cache holding each single-row cache as one row (plain only)."""
-        from mlx_loom.cache.batch import BatchKVCache
+        from mlx_loom.cache.batch import BatchKVCache  # subclasses this module's kinds
 
         for c in caches:
             if isinstance(c, KVCache) and c.codec is not None:
@@ -183,7 +181,7 @@ class KVCache(CodecLayout):
     @classmethod
     def stack(cls, caches: Sequence[KVCache]) -> BatchKVCache:
         """A batch whose row ``i`` decodes bit for bit as ``caches[i]`` alone."""
-        from mlx_loom.cache.batch import BatchKVCache
+        from mlx_loom.cache.batch import BatchKVCache  # subclasses this module's kinds
 
         return BatchKVCache.stack(caches)
 

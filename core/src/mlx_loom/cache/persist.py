@@ -41,7 +41,7 @@ half-written cache.
 
 Whether the caches fit a particular model (layers, kinds, heads, head_dim,
 dtype, window) is checked by :mod:`mlx_loom.cache.geometry` when a
-:class:`~mlx_loom.generate.PromptCache` is loaded for that model.
+:class:`~mlx_loom.generation.PromptCache` is loaded for that model.
 """
 
 from __future__ import annotations

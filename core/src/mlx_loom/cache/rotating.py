@@ -443,7 +443,7 @@ class RotatingKVCache(CodecLayout):
 
     def empty_batch(self, left_padding: Sequence[int]) -> BatchRotatingKVCache:
         """An empty batch window cache with this ``max_size`` (plain storage only)."""
-        from mlx_loom.cache.batch import BatchRotatingKVCache
+        from mlx_loom.cache.batch import BatchRotatingKVCache  # subclasses this module's kinds
 
         if self.codec is not None:
             buf.refuse_padded_batch(self.kind, codec=self.codec, option="kv_bits / kv_codec")
@@ -453,7 +453,7 @@ class RotatingKVCache(CodecLayout):
     @classmethod
     def merge(cls, caches: Sequence[RotatingKVCache]) -> BatchRotatingKVCache:
         """mlx-lm's batch layout: rows re-aligned on one shared write index (plain only)."""
-        from mlx_loom.cache.batch import BatchRotatingKVCache
+        from mlx_loom.cache.batch import BatchRotatingKVCache  # subclasses this module's kinds
 
         for c in caches:
             if isinstance(c, RotatingKVCache) and c.codec is not None:
@@ -467,6 +467,6 @@ class RotatingKVCache(CodecLayout):
         Unlike :meth:`merge`, each row keeps its own slot order (see
         :mod:`mlx_loom.cache.stacked` for why that matters).
         """
-        from mlx_loom.cache.stacked import StackedRotatingKVCache
+        from mlx_loom.cache.stacked import StackedRotatingKVCache  # subclasses this module's kinds
 
         return StackedRotatingKVCache.stack(caches)

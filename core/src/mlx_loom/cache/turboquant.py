@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import mlx.core as mx
 
 from mlx_loom.cache import _buffers as buf
+from mlx_loom.cache.views import single_mask
 from mlx_loom.errors import CacheError, CapabilityRefused
 
 if TYPE_CHECKING:
@@ -334,8 +335,6 @@ class TurboQuantView:
     def attend(
         self, queries: mx.array, *, scale: float, mask: Any, sinks: mx.array | None = None
     ) -> mx.array:
-        from mlx_loom.cache.views import single_mask
-
         dtype = queries.dtype
         k = self.codec.decode_keys(self.keys).astype(dtype)
         v = self.codec.decode_values_rotated(self.values, self.head_dim).astype(dtype)

@@ -34,8 +34,8 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 
 from mlx_loom.cache.attention import quantized_scaled_dot_product_attention
-from mlx_loom.cpu.forward import current_attention
 from mlx_loom.errors import CacheError, CapabilityRefused
+from mlx_loom.forward_hooks import current_attention
 
 __all__ = [
     "AffineView",

@@ -14,8 +14,7 @@ from pathlib import Path
 from ..assets import BUNDLED_MODEL_ALIAS
 from ..errors import TokenizerError
 from ..model import Model
-from ..parallel import doors
-from . import flags
+from . import doors, flags
 from .chat_session import COMMANDS, ChatSession
 from .flags import usage_error
 from .generate_cmd import (

@@ -24,10 +24,10 @@ from types import FrameType
 from typing import Any, TextIO
 
 from ..errors import LoomError
-from ..generate import PromptCache, stream_generate
+from ..generation import PromptCache, stream_generate
 from ..model import Model
-from ..parallel import doors
 from ..text import TemplateBudget, Tokenizer
+from . import doors
 from .conversation import Conversation
 from .flags import speak_flags
 from .generate_cmd import print_stats

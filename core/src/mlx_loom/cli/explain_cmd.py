@@ -6,6 +6,7 @@ import argparse
 import json
 
 from ..artifacts.summary import summarize_artifact
+from ..cpu.compiled_step import describe as describe_step
 from ..host import PluginHost, resolve_model
 from .generate_cmd import add_cpu_path_options
 from .models_cmd import human_bytes, human_count
@@ -39,8 +40,6 @@ def run(args: argparse.Namespace) -> int:
         compute_dtype=args.compute_dtype,
         cpu_kernels=args.cpu_kernels,
     )
-    from ..engine.compiled_step import describe as describe_step
-
     summary = resolved.summary
     weights = summarize_artifact(resolved.model_dir, resolved.config)
     if args.json:

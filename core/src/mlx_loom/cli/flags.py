@@ -5,7 +5,7 @@ Two rules shape this module:
 * A bad flag value is a usage error (exit 2) found before any model loads,
   printed as one line naming the flag and, on its own line, a fix that names
   the flag again — never a traceback, never a screenful of usage text. The
-  ranges mirror what :class:`~mlx_loom.generate.SamplingParams` and the cache
+  ranges mirror what :class:`~mlx_loom.engine.params.SamplingParams` and the cache
   accept, so the engine's own checks stay the backstop, not the first line.
 * Errors raised below the CLI speak the Python API (``temperature=0``,
   ``kernel_backend='cpu'``). :func:`speak_flags` rewrites those spellings into

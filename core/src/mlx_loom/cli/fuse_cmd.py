@@ -60,7 +60,7 @@ def describe_output(path: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .convert_cmd import refuse_remote_code
+    from .convert_cmd import refuse_remote_code  # convert_cmd imports this module
 
     refuse_remote_code(args)
     if args.export_gguf or args.gguf_path:

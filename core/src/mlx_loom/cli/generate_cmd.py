@@ -12,14 +12,14 @@ from typing import Any
 
 from ..assets import BUNDLED_MODEL_ALIAS
 from ..cache import resolve_kv_codec
+from ..engine.constraints import MAX_SOURCE_BYTES
 from ..engine.kv_groups import kv_group_size_for
 from ..errors import RequestError, UsageError
-from ..generate import stream_generate
-from ..host import load
+from ..generation import stream_generate
+from ..loader import load
 from ..model import Model
-from ..parallel import doors
 from ..text.template_budget import ENV_MAX_OUTPUT, ENV_TIMEOUT, TemplateBudget
-from . import flags
+from . import doors, flags
 from .flags import usage_error
 from .speculation import add_speculation_options, speculation_kwargs
 
@@ -80,6 +80,40 @@ def template_budget_from_args(args: argparse.Namespace) -> TemplateBudget:
     )
 
 
+def add_kv_cache_options(group: Any, *, whose: str) -> None:
+    """The KV cache flags ``loom generate``, ``chat`` and ``serve`` share; ``whose``
+    names the cache they store (``"the KV cache"``, ``"every request's KV cache"``)."""
+    group.add_argument(
+        "--kv-bits",
+        type=flags.KV_BITS_FLAG,
+        metavar="{2,3,4,5,6,8}",
+        help=f"quantize {whose} to this many bits (4 and 8 are the usual choices; "
+        "default: not quantized)",
+    )
+    group.add_argument(
+        "--kv-codec",
+        type=flags.KV_CODEC,
+        metavar="NAME",
+        help=f"how {whose} is stored: 'affine' (the default with --kv-bits) or "
+        "'turboquant' (int8 keys, 3- or 4-bit rotated values; --kv-bits 3|4, default 4), "
+        "or a codec a plugin registers",
+    )
+    group.add_argument(
+        "--kv-group-size",
+        type=flags.KV_GROUP_SIZE,
+        metavar="{32,64,128}",
+        help="elements per quantization group; must divide the head dimension "
+        "(default: 64, or 32 when 64 does not divide it)",
+    )
+    group.add_argument(
+        "--quantized-kv-start",
+        type=flags.QUANTIZED_KV_START,
+        default=0,
+        metavar="N",
+        help="quantize once the cache holds this many tokens (default: 0)",
+    )
+
+
 def add_cpu_path_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compute-dtype",
@@ -126,35 +160,7 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
         "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
     )
     cache = parser.add_argument_group("KV cache")
-    cache.add_argument(
-        "--kv-bits",
-        type=flags.KV_BITS_FLAG,
-        metavar="{2,3,4,5,6,8}",
-        help="quantize the KV cache to this many bits (4 and 8 are the usual choices; "
-        "default: not quantized)",
-    )
-    cache.add_argument(
-        "--kv-codec",
-        type=flags.KV_CODEC,
-        metavar="NAME",
-        help="how the KV cache is stored: 'affine' (the default with --kv-bits) or "
-        "'turboquant' (int8 keys, 3- or 4-bit rotated values; --kv-bits 3|4, default 4), "
-        "or a codec a plugin registers",
-    )
-    cache.add_argument(
-        "--kv-group-size",
-        type=flags.KV_GROUP_SIZE,
-        metavar="{32,64,128}",
-        help="elements per quantization group; must divide the head dimension "
-        "(default: 64, or 32 when 64 does not divide it)",
-    )
-    cache.add_argument(
-        "--quantized-kv-start",
-        type=flags.QUANTIZED_KV_START,
-        default=0,
-        metavar="N",
-        help="quantize once the cache holds this many tokens (default: 0)",
-    )
+    add_kv_cache_options(cache, whose="the KV cache")
     cache.add_argument(
         "--prefill-step-size",
         type=flags.PREFILL_STEP_SIZE,
@@ -286,8 +292,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def constraint_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``response_format=`` / ``grammar=`` from --json-schema / --grammar (one of them)."""
-    from ..engine.constraints import MAX_SOURCE_BYTES
-
     if args.json_schema is not None and args.grammar is not None:
         raise usage_error(
             "--grammar",

@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from ..advice import allow_plugin_fix, quarantine_fix
 from ..host import PluginHost
+from ..host._advice import allow_plugin_fix, quarantine_fix
 
 EXIT_OK, EXIT_FAILED, EXIT_UNAVAILABLE = 0, 1, 3
 
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..testing.conformance import run_conformance
+    from ..testing.conformance import run_conformance  # start-up: the kit imports pytest
 
     # Respect the host as this environment builds it: a plugin it blocks or
     # quarantines (a collision with another installed plugin among the causes)

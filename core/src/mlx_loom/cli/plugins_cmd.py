@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..advice import install_command
 from ..host import PluginHost, PluginRecord
+from ..host._advice import install_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--traceback", action="store_true", help="show quarantined plugins' tracebacks"
     )
     parser.set_defaults(handler=run, _parser=parser)
-    from . import plugins_check, plugins_new
+    from . import plugins_check, plugins_new  # start-up: only the subcommand run
 
     actions = parser.add_subparsers(dest="plugins_command", metavar="ACTION", required=False)
     plugins_check.register(actions)

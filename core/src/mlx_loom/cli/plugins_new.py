@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import RequestError
+from ..host import PluginHost
 
 TEMPLATE_PACKAGE = "mlx_loom.testing"
 TEMPLATE_DIR = "template"
@@ -109,8 +110,6 @@ def refuse_claimed_model_type(name: str) -> None:
     that claims it too, the host quarantines both (and the other family's
     checkpoints stop loading).
     """
-    from ..host import PluginHost
-
     for record in PluginHost().records:
         if name in record.registers.get("model_types", ()):
             raise RequestError(

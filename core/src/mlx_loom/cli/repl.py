@@ -88,7 +88,7 @@ class LineReader:
         if not self.interactive:
             return self
         try:
-            import readline
+            import readline  # optional: absent on some platforms
         except ImportError:  # a Python built without readline: plain input() still works
             return self
         self._readline = readline

@@ -20,8 +20,6 @@ from ..engine.settings import (
     DEFAULT_PROMPT_CONCURRENCY,
 )
 from ..errors import RequestError
-from ..parallel import doors
-from ..parallel.serving import follow_jobs
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from ..serve.server import DEFAULT_SHUTDOWN_GRACE
 from ..serve.adapters import parse_adapter_specs
@@ -41,8 +39,10 @@ from ..serve.connection import (
     DEFAULT_WRITE_TIMEOUT,
 )
 from ..serve.prepare import DEFAULT_THREADS
-from . import flags
+from ..serve.ranks import follow_jobs
+from . import doors, flags
 from .generate_cmd import (
+    add_kv_cache_options,
     add_model_options,
     kv_group_size,
     load_from_args,
@@ -131,35 +131,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="template variables for every request, under each request's "
         """chat_template_kwargs, e.g. '{"enable_thinking": false}'""",
     )
-    cache = parser.add_argument_group("KV cache")
-    cache.add_argument(
-        "--kv-bits",
-        type=flags.KV_BITS_FLAG,
-        metavar="{2,3,4,5,6,8}",
-        help="quantize every request's KV cache to this many bits (4 and 8 are the usual "
-        "choices; default: not quantized)",
-    )
-    cache.add_argument(
-        "--kv-codec",
-        type=flags.KV_CODEC,
-        metavar="NAME",
-        help="how every request's KV cache is stored: 'affine' (the default with --kv-bits) "
-        "or 'turboquant' (int8 keys, 3- or 4-bit rotated values; --kv-bits 3|4, default 4)",
-    )
-    cache.add_argument(
-        "--kv-group-size",
-        type=flags.KV_GROUP_SIZE,
-        metavar="{32,64,128}",
-        help="elements per quantization group; must divide the head dimension "
-        "(default: 64, or 32 when 64 does not divide it)",
-    )
-    cache.add_argument(
-        "--quantized-kv-start",
-        type=flags.QUANTIZED_KV_START,
-        default=0,
-        metavar="N",
-        help="quantize once the cache holds this many tokens (default: 0)",
-    )
+    add_kv_cache_options(parser.add_argument_group("KV cache"), whose="every request's KV cache")
     access = parser.add_argument_group("access")
     access.add_argument(
         "--allowed-origins",

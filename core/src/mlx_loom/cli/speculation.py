@@ -13,7 +13,7 @@ import argparse
 from typing import Any
 
 from ..engine.request import DRAFT_MODES, Speculation
-from ..host import load
+from ..loader import load
 from . import flags
 
 

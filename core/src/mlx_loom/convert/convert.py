@@ -22,6 +22,8 @@ from typing import Any
 from mlx.utils import tree_flatten
 
 from mlx_loom.errors import ConvertError, Refusal
+from mlx_loom.host import resolve_model
+from mlx_loom.loader import build_model
 
 from .output import (
     check_destination,
@@ -48,8 +50,6 @@ def load_lazily(source: str | os.PathLike[str], **host_options: Any):
     whatever the CPU path would choose for running it: a conversion writes
     what the checkpoint holds, transformed only as asked.
     """
-    from mlx_loom.host import build_model, resolve_model
-
     options = {"compute_dtype": "checkpoint", "cpu_kernels": "cpu-ops", **host_options}
     resolved = resolve_model(os.fspath(source), **options)
     return build_model(resolved, lazy=True), resolved

@@ -157,7 +157,7 @@ class _Progress:
     def __init__(self, total: int, desc: str, enabled: bool) -> None:
         self._bar = None
         if enabled:
-            from tqdm import tqdm
+            from tqdm import tqdm  # only when a bar is shown
 
             self._bar = tqdm(
                 total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=True
@@ -238,7 +238,7 @@ def upload(path: Path, repo: str) -> None:
     """Upload ``path`` to the Hub repo ``repo`` (created if needed); the local copy stays."""
     check_upload(repo)
     try:
-        import huggingface_hub
+        import huggingface_hub  # start-up: only to upload
 
         api = huggingface_hub.HfApi()
         api.create_repo(repo_id=repo, exist_ok=True)

@@ -26,6 +26,9 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..nn import projections
+from ..nn.mlp import GatedMLP
+from ..nn.rope import FreqsRoPE
 from . import native
 
 
@@ -144,6 +147,11 @@ def project_together(x: mx.array, modules: Sequence[nn.Module]) -> list[mx.array
     return None
 
 
+# A native linear exists only once this module is loaded, so setting the hook
+# here is early enough: until then there is nothing to run together.
+projections.set_joint_projection(project_together)
+
+
 #: What each swapped class becomes.
 SWAPS: dict[type[nn.Module], type[nn.Module]] = {
     nn.Linear: NativeLinear,
@@ -155,11 +163,8 @@ SWAPS: dict[type[nn.Module], type[nn.Module]] = {
 
 @functools.cache
 def op_swaps() -> dict[type[nn.Module], type[nn.Module]]:
-    """The norm, RoPE and gated MLP classes and their one-node versions (imported on
-    first use: :mod:`mlx_loom.nn` imports the host, which imports this module)."""
-    from ..nn.mlp import GatedMLP
-    from ..nn.rope import FreqsRoPE
-    from . import ops
+    """The norm, RoPE and gated MLP classes and their one-node versions."""
+    from . import ops  # ops subclasses the linears defined here, so it imports this module
 
     return {
         nn.RMSNorm: ops.NativeRMSNorm,
@@ -191,7 +196,7 @@ def kept_as_stored(module: nn.Module) -> frozenset[str]:
 
 def swappable(module: nn.Module) -> bool:
     if type(module) in op_swaps():
-        from . import ops
+        from . import ops  # loaded by op_swaps() already; see there
 
         return ops.fits(module)
     return type(module) in SWAPS and getattr(module, "mode", "affine") == "affine"

@@ -14,6 +14,8 @@ import platform
 import sys
 from types import ModuleType
 
+import mlx.core  # noqa: F401  (registers mx.array for the extension's signatures)
+
 #: Instruction sets the native kernels need.
 REQUIRED_INSTRUCTIONS = ("avx2", "fma", "f16c")
 
@@ -26,8 +28,7 @@ NATIVE_KERNEL_SETS = frozenset({"cpu-native", "cpu-native-int8-act"})
 @functools.cache
 def _load() -> tuple[ModuleType | None, str]:
     try:
-        import mlx.core  # noqa: F401  (registers mx.array for the extension's signatures)
-
+        # optional: built only on x86-64 Linux; its absence is reported
         from . import _native  # type: ignore[attr-defined]  # compiled; no stub
     except ImportError as err:
         if sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64"):

@@ -18,7 +18,7 @@ They reach the model the way the matrix kernels do, without family code:
   :class:`~mlx_loom.cache.views.PlainView` — runs on the native kernel for
   every forward built through :meth:`mlx_loom.Model.__call__` of a model
   whose kernel set is ``cpu-native``: the model sets the kernel for the
-  duration of the call (:mod:`mlx_loom.cpu.forward`);
+  duration of the call (:mod:`mlx_loom.forward_hooks`);
 * the core's :func:`~mlx_loom.nn.swiglu` on float32 operands, in the same
   forwards, runs :func:`silu_mul` — MLX's own element-wise arithmetic (its
   exp polynomial, the same fused multiply-adds) eight lanes at a time, so it
@@ -40,16 +40,19 @@ reproducible lane for lane), and graphs called around the model
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..forward_hooks import NativeForward, using
 from ..nn.activations import swiglu
 from ..nn.mlp import GatedMLP
 from ..nn.rope import FreqsRoPE
 from . import native
 from .layers import NativeLinear, NativeQuantizedLinear
+from .native import NATIVE_KERNEL_SETS
 
 #: Widest norm rows / RoPE heads the kernels take (their row buffers are fixed).
 MAX_NORM_WIDTH = 16384
@@ -225,3 +228,11 @@ def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
 def log_softmax(x: mx.array) -> mx.array:
     """``x - logsumexp(x, axis=-1, keepdims=True)`` for float32 x, as one native node."""
     return native.module().log_softmax(x)
+
+
+def forward_kernels(kernel_set: str | None) -> AbstractContextManager[None]:
+    """Build the enclosed forward with the native kernels if ``kernel_set`` runs natively
+    (the hook of :mod:`mlx_loom.forward_hooks`, set for the duration)."""
+    if kernel_set not in NATIVE_KERNEL_SETS:
+        return using(None)
+    return using(NativeForward(attention=attention, silu_mul=silu_mul, log_softmax=log_softmax))

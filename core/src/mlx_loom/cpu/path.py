@@ -46,9 +46,9 @@ then only ask for the pinned value.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, get_args
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,9 +57,6 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import KernelUnavailable, RequestError
 from . import layers, native
 from .native import NATIVE_KERNEL_SETS
-
-if TYPE_CHECKING:
-    from ..host import Kernel, Provider
 
 ComputeDtype = Literal["checkpoint", "float32", "bfloat16", "float16"]
 KernelSetName = Literal["cpu-ops", "cpu-native", "cpu-native-int8-act"]
@@ -70,129 +67,46 @@ DEFAULT_CPU_COMPUTE_DTYPE: ComputeDtype = "float32"
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
-def _ops_dense(x: mx.array, w: mx.array, bias: mx.array | None = None) -> mx.array:
-    return x @ w.T if bias is None else mx.addmm(bias, x, w.T)
-
-
-def _native_dense(x: mx.array, w: mx.array, bias: mx.array | None = None) -> mx.array:
-    return native.module().dense_matmul(x, w, bias)
-
-
-def _native_rms_norm(x: mx.array, w: mx.array | None, eps: float) -> mx.array:
-    return native.module().rms_norm(x, w, eps)
-
-
-def _native_rope(
-    x: mx.array, dims: int, traditional: bool, inv_freq: mx.array, scale: float, offsets: mx.array
-) -> mx.array:
-    return native.module().rope(x, dims, traditional, inv_freq, scale, offsets)
-
-
-def _native_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask) -> mx.array:
-    from .ops import attention
-
-    return attention(q, k, v, scale=scale, mask=mask)
-
-
-def _native_swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    from .ops import silu_mul
-
-    return silu_mul(gate, up)
-
-
-def _native_log_softmax(x: mx.array) -> mx.array:
-    from .ops import log_softmax
-
-    return log_softmax(x)
-
-
-def _native_kernels(matmul: str, provider: Provider) -> tuple[Kernel, ...]:
-    """The registrations of a kernel set on the native extension; ``matmul``
-    describes its products (the one thing the native sets differ in)."""
-    from ..host import Kernel
-
-    return (
-        Kernel("matmul", "cpu", _native_dense, description=matmul, provider=provider),
-        Kernel(
-            "rms_norm",
-            "cpu",
-            _native_rms_norm,
-            description="mlx_loom.cpu._native rms_norm: nn.RMSNorm as one node",
-            provider=provider,
-        ),
-        Kernel(
-            "rope",
-            "cpu",
-            _native_rope,
-            description="mlx_loom.cpu._native rope: nn.RoPE and the core's RoPE kinds",
-            provider=provider,
-        ),
-        Kernel(
-            "attention",
-            "cpu",
-            _native_attention,
-            description="mlx_loom.cpu._native attention over plain KV views "
-            "(no sinks; quantized views keep their own products)",
-            provider=provider,
-        ),
-        Kernel(
-            "swiglu",
-            "cpu",
-            _native_swiglu,
-            description="mlx_loom.cpu._native silu_mul: mlx_loom.nn.swiglu in float32, "
-            "bit-equal to MLX's; with GatedMLP's gate and up projections, one product node",
-            provider=provider,
-        ),
-        Kernel(
-            "log_softmax",
-            "cpu",
-            _native_log_softmax,
-            description="mlx_loom.cpu._native log_softmax: the engine's float32 "
-            "log-probabilities, bit-equal to MLX's logsumexp",
-            provider=provider,
-        ),
-    )
+def _native_kernels(matmul: str) -> dict[str, str]:
+    """The kernels of a kernel set on the native extension, by name, with what each
+    runs; ``matmul`` describes its products (the one thing the native sets differ in)."""
+    return {
+        "matmul": matmul,
+        "rms_norm": "mlx_loom.cpu._native rms_norm: nn.RMSNorm as one node",
+        "rope": "mlx_loom.cpu._native rope: nn.RoPE and the core's RoPE kinds",
+        "attention": "mlx_loom.cpu._native attention over plain KV views "
+        "(no sinks; quantized views keep their own products)",
+        "swiglu": "mlx_loom.cpu._native silu_mul: mlx_loom.nn.swiglu in float32, "
+        "bit-equal to MLX's; with GatedMLP's gate and up projections, one product node",
+        "log_softmax": "mlx_loom.cpu._native log_softmax: the engine's float32 "
+        "log-probabilities, bit-equal to MLX's logsumexp",
+    }
 
 
 @dataclass(frozen=True)
 class KernelSet:
     """A named set of CPU kernels for the model's matrix products.
 
-    ``kernels`` are the registrations the set consists of (the same
-    :class:`~mlx_loom.kernels.Kernel` records families register);
-    ``unavailable`` says why the set cannot run here, or ``None``.
+    ``kernels`` names the kernels the set consists of, each with what it runs
+    (``loom explain`` lists them; the layers of :mod:`mlx_loom.cpu.layers` and
+    :mod:`mlx_loom.cpu.ops` are what calls them); ``unavailable`` says why the
+    set cannot run here, or ``None``.
     """
 
     name: KernelSetName
     description: str
-    kernels: tuple[Kernel, ...]
+    kernels: Mapping[str, str]
     unavailable: Callable[[], str | None]
 
 
 @functools.cache
 def cpu_kernel_sets() -> dict[str, KernelSet]:
-    """The kernel sets the core registers for the CPU backend, by name.
-
-    Built on first use: the host imports this module, so the host's
-    ``Kernel`` record is imported here only when the table is needed.
-    """
-    from ..host import Kernel, Provider
-
-    core = Provider("mlx-loom (core)")
+    """The kernel sets the core registers for the CPU backend, by name."""
     return {
         "cpu-ops": KernelSet(
             "cpu-ops",
             "MLX operations (matmul, quantized_matmul): the reference arithmetic",
-            (
-                Kernel(
-                    "matmul",
-                    "cpu",
-                    _ops_dense,
-                    description="x @ W.T and mx.quantized_matmul as the family's MLX layers "
-                    "run them",
-                    provider=core,
-                ),
-            ),
+            {"matmul": "x @ W.T and mx.quantized_matmul as the family's MLX layers run them"},
             lambda: None,
         ),
         "cpu-native": KernelSet(
@@ -202,8 +116,7 @@ def cpu_kernel_sets() -> dict[str, KernelSet]:
             "one node each; fp32 accumulation",
             _native_kernels(
                 "mlx_loom.cpu._native dense_matmul / affine_matmul (projections of one "
-                "activation through mlx_loom.nn.project: one multi-output node)",
-                core,
+                "activation through mlx_loom.nn.project: one multi-output node)"
             ),
             lambda: native.unavailable_reason(),
         ),
@@ -214,8 +127,7 @@ def cpu_kernel_sets() -> dict[str, KernelSet]:
             _native_kernels(
                 "mlx_loom.cpu._native affine_matmul(int8_activations=True) for 4-bit weights, "
                 "dense_matmul / affine_matmul otherwise (projections of one activation through "
-                "mlx_loom.nn.project: one multi-output node)",
-                core,
+                "mlx_loom.nn.project: one multi-output node)"
             ),
             lambda: native.unavailable_reason(),
         ),
@@ -244,7 +156,7 @@ class CpuPath(BaseModel):
         if self.kernel_set is None:
             return f"n/a ({self.kernel_set_reason})"
         extra = f", {self.threads} threads" if self.kernel_set in NATIVE_KERNEL_SETS else ""
-        kernels = ", ".join(k.name for k in cpu_kernel_sets()[self.kernel_set].kernels)
+        kernels = ", ".join(cpu_kernel_sets()[self.kernel_set].kernels)
         return f"{self.kernel_set}{extra}: {kernels}  ({self.kernel_set_reason})"
 
 

@@ -16,14 +16,6 @@ Typical direct use::
             ...
 """
 
-# isort: off
-# The generation package first: the engine's modules use its sampling modules,
-# and its clients use the engine's; entering the cycle from this side would
-# find ``mlx_loom.engine.request`` half-built. Imported first, it resolves
-# whichever module a program imports first.
-import mlx_loom.generate  # noqa: F401
-
-# isort: on
 from mlx_loom.engine.core import Engine, EngineStats, generation_stream
 from mlx_loom.engine.events import Done, Event, TokenEvent
 from mlx_loom.engine.prefix import PrefixStore

@@ -38,7 +38,7 @@ import llguidance as llg
 import mlx.core as mx
 import numpy as np
 
-from mlx_loom.errors import RequestError
+from mlx_loom.errors import ParallelRefused, RequestError
 
 if TYPE_CHECKING:
     from mlx_loom.text import Tokenizer
@@ -444,8 +444,6 @@ def check_constraint(model: Any, constraint: Any, tokenizer: Tokenizer | None) -
             fix="Pass the tokenizer with the request.",
         )
     if getattr(model, "parallel", None) is not None:
-        from mlx_loom.errors import ParallelRefused
-
         raise ParallelRefused(
             "Structured output is not supported for a model split across ranks yet: the "
             "other ranks rebuild each request from a plain description without its grammar.",

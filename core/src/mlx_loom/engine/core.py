@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from mlx_loom.capabilities import BATCH
 from mlx_loom.engine.caches import fresh_caches
 from mlx_loom.engine.disk import DiskTier
 from mlx_loom.engine.events import Done, Event
@@ -52,27 +52,13 @@ from mlx_loom.engine.settings import EngineSettings
 from mlx_loom.engine.splits import ends_chunk, takes_checkpoint
 from mlx_loom.engine.speculative import SpeculativeGroup
 from mlx_loom.errors import CapabilityRefused, LoomError, RequestError
-from mlx_loom.host import BATCH
 from mlx_loom.model import check_token_ids
+from mlx_loom.streams import generation_stream
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
 
 log = logging.getLogger("mlx_loom.engine")
-
-# Generation runs on a stream of its own so that queuing the next step
-# (``mx.async_eval``) overlaps with the host work of handing out the current
-# token; on the default stream the two serialise (measured on a 2-core CPU
-# with a 7M-parameter Llama: ~10% faster decode). MLX streams belong to the
-# thread that made them, so each thread that drives an engine gets its own.
-_streams = threading.local()
-
-
-def generation_stream() -> mx.Stream:
-    stream = getattr(_streams, "stream", None)
-    if stream is None:
-        stream = _streams.stream = mx.new_stream(mx.default_device())
-    return stream
 
 
 @dataclass(frozen=True)

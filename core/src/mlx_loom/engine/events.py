@@ -45,7 +45,7 @@ class Done:
     """How request ``uid`` ended; always the last thing delivered for it.
 
     ``caches`` and ``fed`` are set for a request that brought its own caches
-    (a :class:`~mlx_loom.generate.PromptCache`): the single-row caches as the
+    (a :class:`~mlx_loom.generation.PromptCache`): the single-row caches as the
     request left them, and every token fed into them beyond what they held.
     """
 

@@ -51,7 +51,7 @@ from mlx_loom.engine.next_token import (
     sample_batch,
 )
 from mlx_loom.engine.row import Row, adapter_batch_key, row_adapters
-from mlx_loom.generate.sampling import logprobs_top_k
+from mlx_loom.engine.sampling import logprobs_top_k
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model

@@ -3,7 +3,7 @@
 Per row, in mlx-lm's ``generate_step`` order:
 
 1. the row's logits processors — the penalties and logit bias its
-   :class:`~mlx_loom.generate.SamplingParams` ask for, then the caller's
+   :class:`~mlx_loom.engine.params.SamplingParams` ask for, then the caller's
    ``logits_processors``, then any a front end adds for this row alone —
    each called as ``processor(history [T], logits [1, V]) -> logits [1, V]``
    over the row's own token history (prompt and generated tokens);
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 
-from mlx_loom.generate.logits import make_logits_processors
-from mlx_loom.generate.sampling import logprobs_from_logits, make_sampler
+from mlx_loom.engine.logits import make_logits_processors
+from mlx_loom.engine.sampling import logprobs_from_logits, make_sampler
 
 if TYPE_CHECKING:
     from mlx_loom.engine.request import ProcessorFn, Request, SamplerFn

@@ -60,6 +60,8 @@ MAX_CHECKPOINTS_PER_ENTRY = 16
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from the start (the prefix store's match,
+    and a prompt cache's)."""
     n = 0
     for x, y in zip(a, b, strict=False):  # stops at the shorter
         if x != y:

@@ -1,7 +1,7 @@
 """A generation request as the engine receives it: validated, plain data.
 
 Everything a request carries is either plain Python (token ids, numbers,
-strings, a frozen :class:`~mlx_loom.generate.SamplingParams`) or an object
+strings, a frozen :class:`~mlx_loom.engine.params.SamplingParams`) or an object
 the engine only calls on its own thread (the tokenizer, user callables). No
 request holds an MLX graph built on another thread: MLX graphs are bound to
 the streams of the thread that built them, so the engine builds every array a
@@ -27,13 +27,15 @@ import mlx.core as mx
 
 from mlx_loom.cache import maybe_quantize_kv_cache, resolve_kv_codec, validate_kv_quantization
 from mlx_loom.cache.convert import convertible
+from mlx_loom.capabilities import KV_QUANTIZATION, SPECULATIVE
+from mlx_loom.engine.caches import fresh_caches
+from mlx_loom.engine.constraints import Constraint, check_constraint
 from mlx_loom.engine.kv_groups import kv_group_size_for
+from mlx_loom.engine.params import MAX_INT_OPTION, SamplingParams
 from mlx_loom.errors import AdapterError, ParallelRefused, RequestError
-from mlx_loom.generate.params import MAX_INT_OPTION, SamplingParams
-from mlx_loom.host import KV_QUANTIZATION, SPECULATIVE
+from mlx_loom.text import StopStrings
 
 if TYPE_CHECKING:
-    from mlx_loom.engine.constraints import Constraint
     from mlx_loom.model import Model
     from mlx_loom.text import Tokenizer
 
@@ -167,7 +169,7 @@ class Request:
     constraint: Constraint | None = None
     #: Keep checkpoints of caches that cannot trim at the turn boundaries of
     #: this prompt and hand them back in :class:`~mlx_loom.engine.Done`
-    #: (a :class:`~mlx_loom.generate.PromptCache` asks, to step back a turn).
+    #: (a :class:`~mlx_loom.generation.PromptCache` asks, to step back a turn).
     checkpoints: bool = False
 
 
@@ -285,8 +287,6 @@ def kv_quantization(
         asked = f"kv_bits={bits}" + (f", kv_codec={kv_codec!r}" if kv_codec else "")
         model.require(KV_QUANTIZATION, asked=asked)
     if codec is not None and codec.name != "affine":
-        from mlx_loom.engine.caches import fresh_caches
-
         codec.check_storable(fresh_caches(model, max_kv_size))
     return KVQuantization(
         bits,
@@ -350,8 +350,6 @@ def make_request(
     any work is queued. ``kv_group_size=None`` picks one that fits the
     model's heads (:mod:`mlx_loom.engine.kv_groups`).
     """
-    from mlx_loom.text import StopStrings
-
     params = params if params is not None else SamplingParams()
     ids = encode_prompt(tokenizer, prompt)
     _int_field("max_tokens", max_tokens, "Pass a positive max_tokens.")
@@ -417,8 +415,6 @@ def make_request(
     if adapter is not None:
         _check_adapter(model, adapter, speculation)
     if constraint is not None:
-        from mlx_loom.engine.constraints import check_constraint
-
         check_constraint(model, constraint, tokenizer)
     return Request(
         prompt=tuple(ids),

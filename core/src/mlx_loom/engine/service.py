@@ -19,7 +19,7 @@ asked, already evaluated) and outcomes.
 
 *How* the thread takes its turns is a policy object (:class:`Turns`): by
 default one process applies commands as they arrive; the ranks of a split
-model run :class:`~mlx_loom.parallel.service.LockstepTurns`, where rank 0
+model run :class:`~mlx_loom.engine.lockstep_service.LockstepTurns`, where rank 0
 decides every turn. The service owns the thread, the inbox and the
 bookkeeping either way.
 """

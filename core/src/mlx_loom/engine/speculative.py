@@ -45,7 +45,7 @@ from mlx_loom.engine.group import DecodeGroup, Left, StepResult
 from mlx_loom.engine.next_token import host_float, host_floats, host_int, host_ints, log_probs
 from mlx_loom.engine.row import Row
 from mlx_loom.errors import CacheNotTrimmable
-from mlx_loom.generate.sampling import Sampler, logprobs_top_k, make_sampler
+from mlx_loom.engine.sampling import Sampler, logprobs_top_k, make_sampler
 from mlx_loom.host import VERIFY_POLICIES
 
 if TYPE_CHECKING:

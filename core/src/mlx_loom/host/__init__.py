@@ -1,4 +1,4 @@
-"""The plugin host: one subsystem from installed plugins to a built model.
+"""The plugin host: one subsystem from installed plugins to a resolved model.
 
 Everything that turns installed family plugins into a selection lives here,
 behind this small public face; the modules inside are private, each about
@@ -9,38 +9,39 @@ one idea:
 * ``_discovery`` — entry points, import, hook calls, quarantine;
 * ``_registrations`` — model types, implementations, the declarative family;
 * ``_registry`` — the immutable snapshot of registrations and ``select()``;
-* ``_checks`` — field checks every registration passes;
 * ``_bounded`` — plugin code under a time limit, every exception caught;
 * ``_profiles`` — profiles, their rules, and profile resolution;
-* ``_kernels`` — kernels per (name, backend) and which backend runs here;
 * ``_verify`` — per backend, where attention arithmetic changes (verify windows);
 * ``_resolution`` — a model reference to a binding, without loading weights;
-* ``_loading`` — ``load()``: binding to built model.
+* ``_advice`` — fixes that depend on how this installation was made.
+
+Building a model from a binding is the layer above (:mod:`mlx_loom.loader`):
+the host decides, it does not build.
+
+The kernel record and the field checks registrations pass are leaves below
+the host (:mod:`mlx_loom.backends`, :mod:`mlx_loom.field_checks`), re-exported here.
 
 Users import :mod:`mlx_loom`; family authors import :mod:`mlx_loom.plugin`;
 an embedding host composes with the names below.
 """
 
-from ._discovery import STRICT_ENV, PluginHost, PluginRecord
-from ._hookspecs import PLUGIN_API_VERSION, hookimpl
-from ._kernels import BACKENDS, Backend, Kernel, Provider, active_backend, runnable_backends
-from ._loading import build_model, default_host, load, resolve_model
-from ._policy import POLICY_ENV, PluginPolicy
-from ._profiles import (
+from ..backends import BACKENDS, Backend, Kernel, Provider, active_backend, runnable_backends
+from ..capabilities import (
     ADAPTERS,
     BATCH,
     COMPILED_STEP,
     GENERATE,
     KV_QUANTIZATION,
-    LOOP_CAPABILITIES,
     PROMPT_CACHE,
     SPECULATIVE,
-    Execution,
-    Profile,
 )
+from ._discovery import STRICT_ENV, PluginHost, PluginRecord
+from ._hookspecs import PLUGIN_API_VERSION, hookimpl
+from ._policy import POLICY_ENV, PluginPolicy
+from ._profiles import LOOP_CAPABILITIES, Execution, Profile
 from ._registrations import Family, Graph
 from ._registry import Binding, BuildContext, Implementation, ModelType, Registry
-from ._resolution import Resolution, Resolved
+from ._resolution import Resolution, Resolved, default_host, resolve_model
 from ._verify import VERIFY_POLICIES, VerifyPolicies, VerifyPolicy
 
 __all__ = [
@@ -77,10 +78,8 @@ __all__ = [
     "VerifyPolicies",
     "VerifyPolicy",
     "active_backend",
-    "build_model",
     "default_host",
     "hookimpl",
-    "load",
     "resolve_model",
     "runnable_backends",
 ]

@@ -43,6 +43,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar
 
+import mlx.core as mx
+
 from ..errors import LoomError, PolicyError
 
 T = TypeVar("T")
@@ -131,7 +133,7 @@ def import_plugin(load: Callable[[], T], *, what: str, timeout: float) -> T:
     import that changes the recursion limit or MLX's own attributes is
     undone and refused (:func:`._import_check.guard_globals`).
     """
-    from ._import_check import guard_globals
+    from ._import_check import guard_globals  # that module imports this one
 
     def load_and_settle() -> tuple[T, list[str]]:
         to_stderr = _ToStderr()
@@ -142,8 +144,6 @@ def import_plugin(load: Callable[[], T], *, what: str, timeout: float) -> T:
         ):
             obj = load()
         if not changed and isinstance(obj, ModuleType):
-            import mlx.core as mx
-
             arrays = [v for v in vars(obj).values() if isinstance(v, mx.array)]
             if arrays:
                 mx.eval(arrays)

@@ -41,8 +41,8 @@ from typing import Any, Literal
 import pluggy
 from importlib_metadata import EntryPoint, entry_points
 
+from ..backends import Kernel, Provider
 from ..errors import (
-    ImplementationUnavailable,
     LoomError,
     PluginApiMismatch,
     PluginError,
@@ -54,7 +54,6 @@ from . import _hookspecs as hookspecs
 from ._bounded import PluginFault, describe, import_plugin, timeout_from_env
 from ._bounded import call as bounded_call
 from ._import_check import check_imports, module_of
-from ._kernels import Kernel, Provider
 from ._policy import PluginPolicy
 from ._profiles import Profile, validate_profile
 from ._registrations import Family, Implementation, ModelType, Registrations, check_cache_kind
@@ -112,6 +111,11 @@ _EXPECTED: dict[str, type] = {
 }
 
 
+def _given(obj: object) -> Callable[[], object]:
+    """How to get a plugin object handed to the host directly: return it."""
+    return lambda: obj
+
+
 @dataclass(frozen=True)
 class _Candidate:
     """A plugin to load: its name, who provides it and how to get the object."""
@@ -154,7 +158,7 @@ class PluginHost:
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
         self._pm.add_hookspecs(hookspecs)
         candidates = _discover_entry_points() if entry_points else []
-        candidates += [_Candidate(name, Provider(name), lambda o=obj: o) for name, obj in plugins]
+        candidates += [_Candidate(name, Provider(name), _given(obj)) for name, obj in plugins]
         candidates = _mark_name_clashes(candidates)
         self._check_policy_names([c.name for c in candidates])
 
@@ -318,12 +322,22 @@ class PluginHost:
                 f"'MAJOR.MINOR' string such as {hookspecs.PLUGIN_API_VERSION!r}"
             )
         if version.split(".")[0] != hookspecs.PLUGIN_API_VERSION.split(".")[0]:
-            err = PluginApiMismatch(
+            mismatch = PluginApiMismatch(
                 f"Plugin {name!r} was written for plugin API {version}; this core speaks "
                 f"plugin API {hookspecs.PLUGIN_API_VERSION}.",
                 fix="Install a plugin release built for this core, or a core that matches it.",
             )
-            raise PluginFault(err.message + " " + f"Fix: {err.fix}")
+            raise PluginFault(mismatch.message + " " + f"Fix: {mismatch.fix}")
+        if _minor(version) < _minor(hookspecs.OLDEST_PLUGIN_API_VERSION):
+            too_old = PluginApiMismatch(
+                f"Plugin {name!r} was written for plugin API {version}; this core needs plugin "
+                f"API {hookspecs.OLDEST_PLUGIN_API_VERSION} or later (it speaks "
+                f"{hookspecs.PLUGIN_API_VERSION}).",
+                fix=f"Install a release of the plugin written for plugin API "
+                f"{hookspecs.OLDEST_PLUGIN_API_VERSION} or later (its loom_plugin_api_version "
+                "says which).",
+            )
+            raise PluginFault(f"{too_old.message} Fix: {too_old.fix}")
         return version
 
     def _call(self, name: str, hook: str) -> list[Any]:
@@ -366,8 +380,8 @@ class PluginHost:
         """Quarantine every plugin that registers an id another plugin also registers."""
         owners: dict[tuple[str, str], list[str]] = {}
         loaded = {o.record.name: o for o in outcomes if isinstance(o, _Loaded)}
-        for name, outcome in loaded.items():
-            for key in _ids(outcome.found):
+        for name, done in loaded.items():
+            for key in _ids(done.found):
                 owners.setdefault(key, []).append(name)
         reasons: dict[str, list[str]] = {}
         partners: dict[str, set[str]] = {}
@@ -384,10 +398,10 @@ class PluginHost:
             return outcomes
         result: list[PluginRecord | _Loaded] = []
         for outcome in outcomes:
-            name = outcome.record.name if isinstance(outcome, _Loaded) else None
-            if name not in reasons:
+            if not isinstance(outcome, _Loaded) or outcome.record.name not in reasons:
                 result.append(outcome)
                 continue
+            name = outcome.record.name
             fault = PluginFault(
                 "conflicts with another plugin: "
                 + "; ".join(sorted(reasons[name]))
@@ -433,16 +447,15 @@ def _tag(item: Any, provider: Provider) -> Any:
     return dataclasses.replace(item, provider=provider)
 
 
+def _minor(version: str) -> int:
+    """The minor part of a ``MAJOR.MINOR`` version already matched by ``_API_VERSION``."""
+    return int(version.split(".")[1])
+
+
 def _check_alone(found: Registrations) -> None:
     """A plugin's registrations must be unambiguous on their own."""
     try:
-        registry = _registry_of(found)
-        for profile in registry.profiles:
-            if profile.execution.implementation is None:
-                try:
-                    registry.default_implementation(profile)
-                except ImplementationUnavailable:
-                    pass  # refused at selection, with the install hint; not ambiguous
+        _registry_of(found)
     except RegistrationError as err:
         raise PluginFault(f"invalid registrations: {err.message}") from None
 

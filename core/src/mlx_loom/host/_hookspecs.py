@@ -1,3 +1,5 @@
+# Hook specifications are signatures: pluggy never runs their bodies.
+# mypy: disable-error-code="empty-body"
 """The hooks a family plugin implements.
 
 A plugin is a module (or object) exposed through the entry-point group
@@ -21,8 +23,9 @@ factories, not in hooks.
 
 Versions: 1.0 had the four registration hooks; 1.1 added
 :func:`loom_families` (the declarative family), :func:`loom_cache_kinds`
-and :func:`loom_tool_parsers`.
-A 1.0 plugin runs unchanged on a 1.1 core.
+and :func:`loom_tool_parsers`; 1.2 added KV codecs. This core loads plugins
+written for 1.1 or later (:data:`OLDEST_PLUGIN_API_VERSION`); a 1.0 plugin is
+refused with the version it needs.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from ..backends import Kernel
     from ..text.tool_calls import ToolParser
-    from ._kernels import Kernel
     from ._profiles import Profile
     from ._registrations import Family, Implementation, ModelType
 
@@ -47,6 +50,10 @@ ENTRY_POINT_GROUP = "mlx_loom"
 #: that declare ``codec``/``from_plain`` and return attention views from
 #: ``append`` (see ``mlx_loom.cache.codecs``).
 PLUGIN_API_VERSION = "1.2"
+
+#: The oldest plugin-API version this core loads: 1.1, the first with the
+#: declarative family. A plugin declaring an older one is refused, naming it.
+OLDEST_PLUGIN_API_VERSION = "1.1"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -77,7 +84,7 @@ def loom_model_types() -> Sequence[ModelType]:
 
 @hookspec
 def loom_kernels() -> Sequence[Kernel]:
-    """Kernels this plugin provides, one :class:`~mlx_loom.kernels.Kernel` per backend."""
+    """Kernels this plugin provides, one :class:`~mlx_loom.backends.Kernel` per backend."""
 
 
 @hookspec

@@ -31,6 +31,7 @@ plugins handed in as objects and in case an import differs from the child's.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import select
@@ -252,8 +253,6 @@ def _reap(proc: subprocess.Popen[bytes]) -> int:
 
 
 def _watched_snapshot() -> dict[str, int]:
-    import importlib
-
     out: dict[str, int] = {}
     for name in WATCHED_MODULES:
         module = importlib.import_module(name)
@@ -266,8 +265,6 @@ def guard_globals() -> Iterator[list[str]]:
     """Around an in-process import: yields a list that, after the block, holds
     what the import changed of the interpreter's recursion limit and the
     watched MLX attributes — each restored to what it was."""
-    import importlib
-
     limit = sys.getrecursionlimit()
     modules = [importlib.import_module(name) for name in WATCHED_MODULES]
     saved = [dict(vars(m)) for m in modules]

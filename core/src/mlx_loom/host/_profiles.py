@@ -28,25 +28,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 
+from ..backends import Provider
+from ..capabilities import BATCH, GENERATE, SPECULATIVE
 from ..errors import ProfileError, RegistrationError, UnknownModelType
-from ._checks import check_id, check_ids
-from ._kernels import Provider
-
-# Capabilities the core understands. Plugins may declare others; the core
-# checks these at request time.
-GENERATE = "generate"
-BATCH = "batch"
-PROMPT_CACHE = "prompt-cache"
-KV_QUANTIZATION = "kv-quantization"
-SPECULATIVE = "speculative"
-#: The graph may be wrapped by the core's adapter transform (LoRA/DoRA, see
-#: :mod:`mlx_loom.adapters`). A family that omits it refuses ``adapter_path``.
-ADAPTERS = "adapters"
-#: The graph reads a layer's cache only through ``offset``, ``make_mask(...)``
-#: and ``append(keys, values)`` (the attention-cache protocol), so the core may
-#: trace its one-token forward against caches whose offset is an array and
-#: replay it compiled (:mod:`mlx_loom.engine.compiled_step`).
-COMPILED_STEP = "compiled-step"
+from ..field_checks import check_id, check_ids
 
 # Each loop the core ships, and the capabilities a profile using it must
 # declare (the loop cannot run without them).

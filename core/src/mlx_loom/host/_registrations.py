@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from ..backends import Backend, Kernel, Provider
 from ..errors import RegistrationError
-from ._checks import (
+from ..field_checks import (
     check_callable,
     check_id,
     check_ids,
@@ -31,7 +32,6 @@ from ._checks import (
     check_optional_id,
     check_text,
 )
-from ._kernels import Backend, Kernel, Provider
 from ._profiles import LOOP_CAPABILITIES, Execution, Profile, validate_profile
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class Implementation:
 
     ``factory`` builds the model (graph with its weights loaded by the loader)
     from a :class:`BuildContext`; the returned module must satisfy
-    :class:`mlx_loom.model.CausalLM`. A family's default implementation has
+    :class:`mlx_loom.plugin.CausalLM`. A family's default implementation has
     the graph's id; a tuned one has its own and is named by an exact-artifact
     profile.
     """
@@ -210,7 +210,7 @@ class Registrations:
     kernels: tuple[Kernel, ...] = ()
     implementations: tuple[Implementation, ...] = ()
     profiles: tuple[Profile, ...] = ()
-    cache_kinds: tuple[type, ...] = ()
+    cache_kinds: tuple[type[Any], ...] = ()
     tool_parsers: tuple[ToolParser, ...] = ()
 
     def __add__(self, other: Registrations) -> Registrations:
@@ -241,7 +241,7 @@ class Family:
     checkpoint_tensors: CheckpointTensors | None = None
     profiles: tuple[Profile, ...] = ()
     implementations: tuple[Implementation, ...] = ()
-    cache_kinds: tuple[type, ...] = ()
+    cache_kinds: tuple[type[Any], ...] = ()
     description: str = ""
 
     def __post_init__(self) -> None:

@@ -19,13 +19,9 @@ The selection rule — by id, never by "whatever fits":
    family profile, ``"<graph>-generated"`` for a generated one — provided it
    is registered by the profile's own plugin (a profile the embedding host
    composed itself, with no plugin, may take it from any plugin).
-3. A plugin-API 1.0 family profile whose plugin registers no implementation
-   with the graph id gets the one implementation *of the same plugin* whose
-   graph, loader and loop equal the profile's; two such are a registration
-   error of that plugin (the host quarantines it).
-4. Implementations of other plugins are never defaults, so installing any
+3. Implementations of other plugins are never defaults, so installing any
    number of extra implementations changes no other checkpoint's resolution.
-5. The chosen implementation must then fit — same graph, loader and loop,
+4. The chosen implementation must then fit — same graph, loader and loop,
    the model type, the capabilities, every kernel runnable here — or the
    profile is refused as incompatible. Nothing is ever substituted.
 """
@@ -37,17 +33,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from ..errors import (
-    ImplementationUnavailable,
-    IncompatibleImplementation,
-    KernelUnavailable,
-    ProfileError,
-    RegistrationError,
-    UnknownModelType,
-)
-from ..text.tool_calls import ToolParser, parser_table
-from ._checks import check_instance
-from ._kernels import (
+from ..backends import (
     Backend,
     Kernel,
     KernelRegistry,
@@ -56,6 +42,18 @@ from ._kernels import (
     registered_twice,
     runnable_backends,
 )
+from ..cache import CACHE_KINDS
+from ..cpu.path import check_compute_dtype, check_kernel_set
+from ..errors import (
+    ImplementationUnavailable,
+    IncompatibleImplementation,
+    KernelUnavailable,
+    ProfileError,
+    RegistrationError,
+    UnknownModelType,
+)
+from ..field_checks import check_instance
+from ..text.tool_calls import ToolParser, parser_table
 from ._profiles import Profile, validate_profile
 from ._registrations import BuildContext, Implementation, ModelType, check_cache_kind
 
@@ -103,12 +101,10 @@ def _unique(kind: str, items: Iterable[Any], cls: type, key: Callable[[Any], str
 
 def standard_cache_kinds() -> Mapping[str, type]:
     """The cache kinds the core ships (every registry includes them)."""
-    from ..cache import CACHE_KINDS
-
     return CACHE_KINDS
 
 
-def _cache_table(extra: Iterable[type]) -> Mapping[str, type]:
+def _cache_table(extra: Iterable[type[Any]]) -> Mapping[str, type]:
     table = dict(standard_cache_kinds())
     for cls in extra:
         check_cache_kind(cls)
@@ -284,8 +280,6 @@ class Registry:
         if kernel_backend is not None:
             composition = replace(composition, kernel_backend=kernel_backend)
         if compute_dtype is not None or cpu_kernels is not None:
-            from ..cpu.path import check_compute_dtype, check_kernel_set
-
             check_compute_dtype(compute_dtype)
             check_kernel_set(cpu_kernels)
             composition = replace(
@@ -377,18 +371,6 @@ class Registry:
         impl = self._implementations.get(wanted)
         if impl is not None and (owner is None or _plugin(impl) == owner):
             return impl
-        if owner is not None and ex.specialization == "family":
-            legacy = self._legacy_defaults(profile)
-            if len(legacy) == 1:
-                return legacy[0]
-            if legacy:
-                raise RegistrationError(
-                    f"Plugin {profile.provider} registers {len(legacy)} implementations of graph "
-                    f"{ex.graph!r} ({', '.join(repr(i.id) for i in legacy)}) and none with the "
-                    f"graph's id, so its family profile {profile.id!r} has no default.",
-                    fix=f"Give the default implementation the id {wanted!r}; name the others "
-                    "from exact-artifact profiles.",
-                )
         foreign = (
             f"; {wanted!r} is registered by {_describe(impl)}, and another plugin's "
             "implementation is never a default"
@@ -401,14 +383,6 @@ class Registry:
             f"{foreign} (installed: {self._describe_impls()}).",
             fix=self._install_hint(profile),
         )
-
-    def _legacy_defaults(self, profile: Profile) -> list[Implementation]:
-        ex, owner = profile.execution, _plugin(profile)
-        return [
-            i
-            for i in self._implementations.values()
-            if _plugin(i) == owner and (i.graph, i.loader, i.loop) == (ex.graph, ex.loader, ex.loop)
-        ]
 
     def _checked(
         self,

@@ -22,12 +22,14 @@ its cause:
 
 from __future__ import annotations
 
+import functools
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from ..advice import allow_plugin_fix, install_command, quarantine_fix
 from ..artifacts import (
     ArtifactConfig,
     artifact_fingerprint,
@@ -37,9 +39,12 @@ from ..artifacts import (
     resolve_model_ref,
     validate_family_config,
 )
+from ..backends import Backend
 from ..cpu.path import CpuPath, resolve_cpu_path
 from ..errors import PluginUnavailable, UnknownModelType
+from ._advice import allow_plugin_fix, install_command, quarantine_fix
 from ._discovery import PluginHost, PluginRecord
+from ._policy import POLICY_ENV, PluginPolicy
 from ._profiles import resolve_profile
 from ._registry import Binding, ModelType, Registry
 
@@ -237,4 +242,55 @@ def _unavailable(name: str, record: PluginRecord, host: PluginHost) -> PluginUna
     return PluginUnavailable(
         f"model_type {name!r} is claimed by {who}, which is quarantined: {record.reason}.",
         fix=quarantine_fix(record, host),
+    )
+
+
+#: The default plugin host is the one documented piece of process-wide state: a
+#: snapshot of the installed plugins under the policy in ``MLX_LOOM_PLUGINS``,
+#: built on first use. Hosts that need another composition pass their own
+#: ``host`` (or a ``registry`` composed with :meth:`Registry.with_`) and never
+#: touch the default.
+_DEFAULT_HOST_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=4)
+def _default_host(policy_env: str | None) -> PluginHost:
+    del policy_env  # part of the cache key: a changed policy gets a fresh snapshot
+    return PluginHost()
+
+
+def default_host() -> PluginHost:
+    """The process-wide plugin snapshot for the current ``MLX_LOOM_PLUGINS``.
+
+    Built once per policy value; threads that ask at the same time share one.
+    """
+    with _DEFAULT_HOST_LOCK:
+        return _default_host(os.environ.get(POLICY_ENV))
+
+
+def make_host(policy: PluginPolicy | None) -> PluginHost:
+    return default_host() if policy is None else PluginHost(policy=policy)
+
+
+def resolve_model(
+    model_ref: str | Path,
+    *,
+    policy: PluginPolicy | None = None,
+    host: PluginHost | None = None,
+    registry: Registry | None = None,
+    kernel_backend: Backend | None = None,
+    compute_dtype: str | None = None,
+    cpu_kernels: str | None = None,
+) -> Resolved:
+    """Resolve without loading weights (what ``loom explain`` shows)."""
+    host = host if host is not None else make_host(policy)
+    registry = registry if registry is not None else host.registry
+    if kernel_backend is not None:
+        registry = registry.with_(kernel_backend=kernel_backend)
+    return resolve(
+        model_ref,
+        host=host,
+        registry=registry,
+        compute_dtype=compute_dtype,
+        cpu_kernels=cpu_kernels,
     )

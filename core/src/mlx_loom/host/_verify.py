@@ -34,8 +34,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from ..backends import Backend, active_backend
 from ..errors import CapabilityRefused
-from ._kernels import Backend, active_backend
 
 
 @dataclass(frozen=True)

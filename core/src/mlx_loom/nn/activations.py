@@ -17,7 +17,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cpu.forward import current_silu_mul
+from ..forward_hooks import current_silu_mul
 
 __all__ = ["Activation", "geglu", "swiglu"]
 
@@ -33,7 +33,7 @@ def _swiglu_ops(gate: mx.array, up: mx.array) -> mx.array:
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """SwiGLU (Llama, Qwen): ``silu(gate) * up``.
 
-    In a forward built on a native CPU kernel set (:mod:`mlx_loom.cpu.forward`)
+    In a forward built on a native CPU kernel set (:mod:`mlx_loom.forward_hooks`)
     float32 operands of one shape go to the native gate, which computes the
     compiled function's exact arithmetic eight lanes at a time (bit-equal,
     tested); everything else runs the compiled MLX function.

@@ -57,7 +57,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_loom.plugin import Kernel
+from mlx_loom.backends import Kernel
 
 from .activations import Activation, swiglu
 

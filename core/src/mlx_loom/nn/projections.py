@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cpu.layers import project_together
+__all__ = ["JointProjection", "project", "set_joint_projection"]
 
-__all__ = ["project"]
+#: ``[m(x) for m in modules]`` as one node, or ``None`` where that does not apply.
+JointProjection = Callable[[mx.array, Sequence[nn.Module]], "list[mx.array] | None"]
+
+#: The hook the native CPU kernel sets fill when they load
+#: (:func:`mlx_loom.cpu.layers.project_together`). A hook, not an import: the
+#: kernel sets sit above this shared layer and build on it.
+_joint: JointProjection | None = None
+
+
+def set_joint_projection(joint: JointProjection | None) -> None:
+    """Install (or with ``None`` remove) the one-node form of :func:`project`."""
+    global _joint
+    _joint = joint
 
 
 def project(x: mx.array, *layers: nn.Module) -> tuple[mx.array, ...]:
@@ -20,7 +34,7 @@ def project(x: mx.array, *layers: nn.Module) -> tuple[mx.array, ...]:
     knowing which kernel set runs. Elsewhere it is exactly the separate
     calls, so a family's op graph (and its parity with mlx-lm) is unchanged.
     """
-    together = project_together(x, layers)
+    together = _joint(x, layers) if _joint is not None else None
     if together is not None:
         return tuple(together)
     return tuple(layer(x) for layer in layers)

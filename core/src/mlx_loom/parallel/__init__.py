@@ -11,16 +11,18 @@ the same program; rank 0 (``model.parallel.leader``) writes the output.
 Family authors declare a :class:`ParallelPlan` (``Graph(parallel=plan)``):
 what splits how (:mod:`.plan`), with helpers for the shared layers. Graphs
 bracket their layer loop with ``self.stage.enter``/``leave``
-(:class:`Stage`) for pipeline parallel. The core does the rest: it checks the
+(:class:`Stage`) for pipeline parallel. This package's face is that plan and
+the stage (a shared layer, below the host); the core's application of it
+(:mod:`.build`, :mod:`.tensor`, :mod:`.layers`, :mod:`.reading`) sits with
+model building and is imported from its modules. The core does the rest: it checks the
 checkpoint's geometry against the group size (a refusal names the field and
 the sizes that would work), reads only this rank's slices
 (:mod:`.reading`), puts ``all_sum`` where partial products meet
 (:mod:`.layers`), and keeps the ranks in lock-step: rank 0's engine decides
-each step for every rank (:mod:`.service`, over the messages of
+each step for every rank (:mod:`mlx_loom.engine.lockstep_service`, over the messages of
 :mod:`.lockstep`).
 """
 
-from .build import MODES, Mode, Parallel
 from .lockstep import Lockstep
 from .pipeline import SINGLE_STAGE, Stage, stage_ranges
 from .plan import (
@@ -41,11 +43,8 @@ from .plan import (
 )
 
 __all__ = [
-    "MODES",
     "SINGLE_STAGE",
     "Lockstep",
-    "Mode",
-    "Parallel",
     "ParallelPlan",
     "Pipeline",
     "PlanFault",

@@ -3,7 +3,7 @@
 :func:`prepare` refuses what cannot work before any weight is touched (no
 group, a group of one, a mode the implementation declares no plan for);
 :func:`split_model` checks the geometry for the whole model and then splits
-it. :mod:`mlx_loom.host._loading` runs the factory, this, and the core's
+it. :mod:`mlx_loom.loader` runs the factory, this, and the core's
 evaluation, then makes every rank agree that every rank loaded — a rank that
 failed raises its own error, the others a :class:`ParallelRefused` naming it,
 so no rank is left waiting in a collective for one that is gone.

@@ -11,7 +11,7 @@ carries those as JSON (never pickle: a message is data, not code) through
 No transport of our own.
 
 Ordering: every distributed operation of a split model runs on one thread,
-its engine's (:mod:`mlx_loom.parallel.service`), on that thread's
+its engine's (:mod:`mlx_loom.engine.lockstep_service`), on that thread's
 generation stream (:func:`comm_stream`). A stream runs what it is given in
 order, and the ring backend pairs a send with the next recv from that peer,
 so operations spread over two streams or two threads could pair wrongly
@@ -32,6 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_loom.errors import ParallelRefused
+from mlx_loom.streams import generation_stream
 
 __all__ = ["MAX_MESSAGE_BYTES", "Lockstep", "comm_stream", "share_seed"]
 
@@ -41,8 +42,6 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 def comm_stream() -> mx.Stream:
     """The stream this thread's distributed operations run on (see the module docstring)."""
-    from mlx_loom.engine.core import generation_stream
-
     return generation_stream()
 
 

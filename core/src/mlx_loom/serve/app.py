@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ..engine import EngineSettings, Speculation
+from ..engine.params import SamplingParams
 from ..engine.request import encode_prompt, kv_quantization, make_request
 from ..errors import LoomError, RequestError, TemplateBudgetExceeded
-from ..generate import SamplingParams
-from ..generate.stream import DEFAULT_MAX_TOKENS
+from ..generation.stream import DEFAULT_MAX_TOKENS
 from ..host import GENERATE, Registry
 from ..model import Model
 from ..text import TemplateBudget, Tokenizer

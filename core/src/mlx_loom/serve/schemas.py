@@ -4,7 +4,7 @@ Requests are parsed strictly: an unknown field, a string where a number
 belongs, or a boolean where a count belongs is a 400 naming the field (and,
 for a misspelt name, the field we think was meant), never silently ignored.
 The sampling fields (``temperature``, ``top_p`` ...) are accepted here as
-raw JSON values on purpose: :class:`~mlx_loom.generate.SamplingParams` is the
+raw JSON values on purpose: :class:`~mlx_loom.engine.params.SamplingParams` is the
 one place they are checked, so the server answers with exactly the messages
 the Python API raises.
 """

@@ -16,7 +16,7 @@ next step boundary.
 
 A model split across ranks (``loom serve --parallel``) submits each job with
 a plain description of it, which its engine announces to the other ranks;
-they run :func:`~mlx_loom.parallel.serving.follow_jobs` instead of a server
+they run :func:`~mlx_loom.serve.ranks.follow_jobs` instead of a server
 and run every job in the same engine steps.
 """
 
@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..capabilities import PROMPT_CACHE
 from ..engine import (
     Done,
     EngineSettings,
@@ -38,12 +39,11 @@ from ..engine import (
     make_request,
 )
 from ..engine.constraints import Constraint
-from ..generate import SamplingParams
-from ..host import PROMPT_CACHE
+from ..engine.lockstep_service import LockstepService
+from ..engine.params import SamplingParams
 from ..model import Model
-from ..parallel.service import LockstepService
-from ..parallel.serving import describe
 from ..text import Tokenizer
+from .ranks import describe
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ END = _End()
 class Job:
     """One validated generation request and the channel its results come back on.
 
-    ``sampling`` holds :class:`~mlx_loom.generate.SamplingParams` fields,
+    ``sampling`` holds :class:`~mlx_loom.engine.params.SamplingParams` fields,
     already validated by the HTTP thread; ``request`` is the engine request
     built from these fields there (``None``: built at submission). The plain
     fields stay: the other ranks of a split model build the request from them.

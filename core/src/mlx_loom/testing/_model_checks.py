@@ -27,17 +27,20 @@ from ..cache import (
     CACHE_KINDS,
     Cache,
     SpeculativeRounds,
+    codec_table,
 )
+from ..cpu.compiled_step import CompiledStep
 from ..errors import (
     CacheError,
     CacheNotTrimmable,
+    CapabilityRefused,
     KernelUnavailable,
     LoomError,
     ParallelRefused,
     RequestError,
     WeightsError,
 )
-from ..generate import (
+from ..generation import (
     PromptCache,
     batch_generate_tokens,
     generate,
@@ -53,10 +56,11 @@ from ..host import (
     SPECULATIVE,
     Registry,
     active_backend,
-    build_model,
     runnable_backends,
 )
+from ..loader import _build_split, build_model
 from ..model import Model
+from ..parallel.build import RankView
 from .checkpoints import write_checkpoint
 from .conformance import (
     CheckResult,
@@ -776,9 +780,6 @@ def check_kv_codecs_on_model(target: Target) -> CheckResult:
     this check generates with each one (TurboQuant, and any a plugin
     registered) and confirms the caches were converted.
     """
-    from ..cache import codec_table
-    from ..errors import CapabilityRefused
-
     name = "kv-codecs"
     if (s := _requires(target, KV_QUANTIZATION, name)) is not None:
         return s
@@ -818,7 +819,6 @@ def check_compiled_step(target: Target) -> CheckResult:
     name = "compiled-step"
     if (s := _requires(target, COMPILED_STEP, name)) is not None:
         return s
-    from ..engine.compiled_step import CompiledStep
 
     class Counted(CompiledStep):
         calls = 0
@@ -865,9 +865,6 @@ def check_parallel_plan(target: Target) -> CheckResult:
     the whole and together they hold all of it — not the ranks' arithmetic
     (``tests/parallel`` runs two real ranks for the core's families).
     """
-    from ..host._loading import _build_split
-    from ..parallel.build import RankView
-
     name = "parallel-plan"
     impl = target.implementation
     if impl.parallel is None:

@@ -56,6 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from importlib_metadata import entry_points
+
+from ..cache import CACHE_KINDS
 from ..errors import LoomError
 from ..host import (
     LOOP_CAPABILITIES,
@@ -70,10 +73,10 @@ from ..host import (
     Profile,
     Registry,
     Resolved,
-    build_model,
 )
 from ..host._hookspecs import PROJECT, REGISTRATION_HOOKS
 from ..host._resolution import identify, resolve
+from ..loader import build_model
 from ..model import Model
 from ..text import Tokenizer
 from .checkpoints import write_checkpoint
@@ -344,8 +347,6 @@ def check_hooks(subject: _Subject) -> CheckResult:
 def _hookimpl_names(subject: _Subject) -> list[str]:
     obj = subject.obj
     if obj is None:
-        from importlib_metadata import entry_points
-
         found = [ep for ep in entry_points(group=PROJECT) if ep.name == subject.name]
         obj = found[0].load() if found else None
     if obj is None:
@@ -360,8 +361,6 @@ def _hookimpl_names(subject: _Subject) -> list[str]:
 
 def _codec_kinds(subject: _Subject) -> list[type]:
     """The KV codec cache kinds this plugin registers (see :mod:`mlx_loom.cache.codecs`)."""
-    from ..cache import CACHE_KINDS
-
     return [
         cls
         for kind, cls in subject.own.cache_kinds.items()
@@ -671,8 +670,8 @@ def run_conformance(
     ``collisions=False`` leaves out the comparison with other installed
     plugins (for a plugin checked before it is installed anywhere).
     """
-    from . import _model_checks
-    from ._codec_checks import check_kv_codecs
+    # Both check modules build on this one's results and helpers, so they import it.
+    from . import _codec_checks, _model_checks
 
     start = time.perf_counter()
     host = host if host is not None else plugin_host(name, plugin)
@@ -706,7 +705,9 @@ def run_conformance(
         )
         results += _guard("hooks", lambda: check_hooks(subject))
         results += _guard("registrations", lambda: check_registrations(subject))
-        results += _guard("kv-codec-kinds", lambda: check_kv_codecs(dict(subject.own.cache_kinds)))
+        results += _guard(
+            "kv-codec-kinds", lambda: _codec_checks.check_kv_codecs(dict(subject.own.cache_kinds))
+        )
         if collisions:
             results += _guard("no-collisions", lambda: check_collisions(subject, root))
         targets: list[Target] = []

@@ -31,19 +31,25 @@ from typing import Any
 import pytest
 
 
+def _core() -> Any:
+    """The core's host and testing packages, imported when a fixture first runs: pytest
+    loads this plugin in every session of a project that installs mlx-loom, and
+    importing MLX and the host then would slow every one of them."""
+    from mlx_loom import host, testing  # start-up time; see above
+
+    return host, testing
+
+
 @pytest.fixture
 def loom_host(monkeypatch):
     """Factory for an isolated plugin host; the env's plugin policy is cleared for the test."""
-    from mlx_loom.host import POLICY_ENV, STRICT_ENV, PluginHost, PluginPolicy
+    host, _ = _core()
+    monkeypatch.delenv(host.POLICY_ENV, raising=False)
+    monkeypatch.delenv(host.STRICT_ENV, raising=False)
 
-    monkeypatch.delenv(POLICY_ENV, raising=False)
-    monkeypatch.delenv(STRICT_ENV, raising=False)
-
-    def make(
-        *plugins: tuple[str, object], entry_points: bool = False, policy: PluginPolicy | None = None
-    ) -> PluginHost:
-        return PluginHost(
-            policy=policy or PluginPolicy(), plugins=plugins, entry_points=entry_points
+    def make(*plugins: tuple[str, object], entry_points: bool = False, policy: Any = None) -> Any:
+        return host.PluginHost(
+            policy=policy or host.PluginPolicy(), plugins=plugins, entry_points=entry_points
         )
 
     return make
@@ -52,7 +58,7 @@ def loom_host(monkeypatch):
 @pytest.fixture
 def loom_checkpoint(tmp_path):
     """Factory writing a tiny checkpoint (config, random weights, tokenizer) under tmp_path."""
-    from mlx_loom.testing.checkpoints import write_checkpoint
+    write_checkpoint = _core()[1].write_checkpoint
 
     def make(
         config: Mapping[str, Any],
@@ -70,7 +76,7 @@ def loom_checkpoint(tmp_path):
 @pytest.fixture
 def loom_tiny_checkpoint(tmp_path):
     """Factory writing the tiny checkpoint a registered model type declares."""
-    from mlx_loom.testing.checkpoints import write_checkpoint
+    write_checkpoint = _core()[1].write_checkpoint
 
     def make(model_type: str, *, host: Any, seed: int = 0, name: str | None = None) -> Path:
         mt = host.registry.model_type(model_type)
@@ -90,11 +96,10 @@ def loom_tiny_checkpoint(tmp_path):
 @pytest.fixture
 def loom_conformance(tmp_path, monkeypatch):
     """Factory running the conformance suite against one plugin."""
-    from mlx_loom.host import POLICY_ENV, STRICT_ENV
-    from mlx_loom.testing.conformance import run_conformance
-
-    monkeypatch.delenv(POLICY_ENV, raising=False)
-    monkeypatch.delenv(STRICT_ENV, raising=False)
+    host, testing = _core()
+    run_conformance = testing.run_conformance
+    monkeypatch.delenv(host.POLICY_ENV, raising=False)
+    monkeypatch.delenv(host.STRICT_ENV, raising=False)
 
     def run(
         name: str, *, plugin: object | None = None, host: Any = None, collisions: bool | None = None

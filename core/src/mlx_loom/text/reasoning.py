@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..host import Provider
+    from ..backends import Provider
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ class LlamaModel(nn.Module):
 
 
 class Model(nn.Module):
-    """The :class:`mlx_loom.model.CausalLM` this plugin builds."""
+    """The :class:`mlx_loom.plugin.CausalLM` this plugin builds."""
 
     def __init__(self, cfg: MiniCPM5Config) -> None:
         super().__init__()

@@ -340,7 +340,7 @@ class HybridModel(nn.Module):
 
 
 class Model(nn.Module):
-    """The whole causal LM; satisfies :class:`mlx_loom.model.CausalLM`."""
+    """The whole causal LM; satisfies :class:`mlx_loom.plugin.CausalLM`."""
 
     def __init__(self, cfg: HybridConfig, kernels: Kernels, *, fused: bool) -> None:
         super().__init__()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import RegistrationError
 
 if TYPE_CHECKING:
-    from ...host import Provider
+    from ...backends import Provider
 
 
 class MalformedToolCall(ValueError):

@@ -21,11 +21,11 @@ from typing import Any
 import mlx.core as mx
 
 from ..engine.constraints import from_options
+from ..engine.params import SamplingParams
 from ..engine.request import encode_prompt, make_request, speculation
 from ..errors import RequestError
 from ..model import Model
 from ..text import Tokenizer
-from .params import SamplingParams
 from .prompt_cache import PromptCache
 
 DEFAULT_MAX_TOKENS = 256

@@ -2,7 +2,7 @@
 
 Rank 0's server submits each request to its engine with :func:`describe`'s
 plain description of it; its engine announces the submission with that
-description (:mod:`mlx_loom.parallel.service`), and the other ranks, which
+description (:mod:`mlx_loom.engine.lockstep_service`), and the other ranks, which
 run :func:`follow_jobs` instead of a server, build the same request from it
 (:func:`build`) and run it in the same engine step. Cancellations (a client
 going away) are rank 0's engine's, announced the same way, so the other
@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from mlx_loom.engine.lockstep_service import lockstep_of
+from mlx_loom.engine.params import SamplingParams
+from mlx_loom.engine.request import make_request
 from mlx_loom.errors import ParallelRefused
 
-from .service import lockstep_of
-
 if TYPE_CHECKING:
-    from mlx_loom.engine import Request
+    from mlx_loom.engine.request import Request
     from mlx_loom.model import Model
     from mlx_loom.serve.worker import Job
     from mlx_loom.text import Tokenizer
@@ -47,9 +48,6 @@ def describe(job: Job) -> dict[str, Any]:
 
 def build(model: Model, tokenizer: Tokenizer, spec: dict[str, Any]) -> Request:
     """The request :func:`describe` described, as rank 0's server built it."""
-    from mlx_loom.engine import make_request
-    from mlx_loom.generate import SamplingParams
-
     sampling = dict(spec["sampling"])
     bias = sampling.get("logit_bias")
     if bias is not None:  # JSON object keys are strings; logit_bias maps token ids

@@ -40,8 +40,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache.kv import KVCache
-from ..cpu.forward import current_attention
 from ..cpu.native import NATIVE_KERNEL_SETS
+from ..forward_hooks import current_attention
 
 __all__ = ["CompiledStep", "describe", "not_compiled_because"]
 

@@ -20,8 +20,8 @@ from typing import Literal
 
 import mlx.core as mx
 
-from ..errors import KernelUnavailable, RegistrationError
-from ._checks import check_callable, check_id, check_instance, check_text
+from .errors import KernelUnavailable, RegistrationError
+from .field_checks import check_callable, check_id, check_instance, check_text
 
 Backend = Literal["metal", "cuda", "cpu"]
 BACKENDS: tuple[Backend, ...] = ("metal", "cuda", "cpu")

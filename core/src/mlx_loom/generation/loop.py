@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from ..engine.params import SamplingParams
 from ..engine.request import KVQuantization, make_request
-from .params import SamplingParams
 
 if TYPE_CHECKING:
     from ..model import Model

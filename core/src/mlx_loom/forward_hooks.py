@@ -1,4 +1,9 @@
-"""Which native kernels the forward being built uses: a context variable, set per model call.
+"""The hook through which a forward picks up native kernels: a context variable, set per call.
+
+The cache's plain KV view, :func:`mlx_loom.nn.swiglu` and the engine's
+log-probabilities sit below the CPU kernel sets (:mod:`mlx_loom.cpu`) in the
+layers, so they never import them: they read this hook, and the layer above
+fills it (:func:`mlx_loom.cpu.ops.forward_kernels`).
 
 :meth:`mlx_loom.Model.__call__` sets it for the duration of the call when the
 model's CPU kernel set runs on the native extension (``cpu-native``,
@@ -8,9 +13,9 @@ computes from a model's logits. Graph code that is a function rather than a
 module reads it instead of being swapped: the core's plain KV view (its
 attention), the core's :func:`~mlx_loom.nn.swiglu` (used by every family's
 gated MLP and expert layers) and
-:func:`~mlx_loom.generate.sampling.logprobs_from_logits`. A context variable, not a
+:func:`~mlx_loom.engine.sampling.logprobs_from_logits`. A context variable, not a
 global: two models in one process, or two threads building graphs, never see
-each other's choice. Imports nothing heavy, so that the cache, the model and
+each other's choice. Imports nothing, so that the cache, the model and
 ``mlx_loom.nn`` can read it without pulling in the kernel sets.
 """
 
@@ -21,8 +26,6 @@ import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-from .native import NATIVE_KERNEL_SETS
 
 AttentionKernel = Callable[..., Any]
 SiluMulKernel = Callable[[Any, Any], Any]
@@ -64,15 +67,8 @@ def current_log_softmax() -> LogSoftmaxKernel | None:
 
 
 @contextlib.contextmanager
-def forward_kernels(kernel_set: str | None) -> Iterator[None]:
-    """Build the enclosed forward with the native kernels if ``kernel_set`` runs natively."""
-    native = None
-    if kernel_set in NATIVE_KERNEL_SETS:
-        from . import ops
-
-        native = NativeForward(
-            attention=ops.attention, silu_mul=ops.silu_mul, log_softmax=ops.log_softmax
-        )
+def using(native: NativeForward | None) -> Iterator[None]:
+    """Build the enclosed forward with ``native``'s kernels (``None``: MLX's own)."""
     token = _NATIVE.set(native)
     try:
         yield

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlx_loom.generate.params import SamplingParams
+from mlx_loom.engine.params import SamplingParams
 
 #: ``processor(tokens_so_far [T], logits [B, V]) -> logits [B, V]``
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]

@@ -32,7 +32,8 @@ from ..bounded_json import parse_json
 from ..cache import load_prompt_cache, save_prompt_cache
 from ..cache.geometry import check_caches_fit
 from ..engine.caches import fresh_caches
-from ..engine.prefix import trims_as
+from ..engine.lockstep_service import lockstep_of
+from ..engine.prefix import common_prefix, trims_as
 from ..errors import CacheError, RequestError
 from ..model import Model
 
@@ -43,15 +44,6 @@ if TYPE_CHECKING:
 #: Checkpoints a PromptCache keeps (the latest): a conversation steps back a
 #: turn or two (an edit, a retry), rarely further.
 MAX_CHECKPOINTS = 8
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):  # stops at the shorter
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class PromptCache:
@@ -121,7 +113,7 @@ class PromptCache:
         token's logits choose the first new token.
         """
         prompt = list(prompt)
-        keep = min(_common_prefix(self.tokens, prompt), len(prompt) - 1)
+        keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
         drop = len(self.tokens) - keep
         if drop > 0:
             if keep > 0 and self._can_trim():
@@ -166,8 +158,6 @@ class PromptCache:
         mine = all(c.is_trimmable() for c in self.cache)
         if self.model.parallel is None:
             return mine
-        from ..parallel.service import lockstep_of  # only a split model gets here
-
         return all(flag == 1.0 for (flag,) in lockstep_of(self.model).gather([float(mine)]))
 
     @property

@@ -18,12 +18,12 @@ from typing import Any, overload
 
 import mlx.core as mx
 
+from ..capabilities import BATCH
+from ..engine.params import SamplingParams
 from ..engine.request import make_request
 from ..errors import RequestError
-from ..host import BATCH
 from ..model import Model
 from ..text import Tokenizer
-from .params import SamplingParams
 from .stream import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, sampling_params, speculation_for
 
 __all__ = ["BatchResponse", "BatchResult", "BatchStats", "batch_generate", "batch_generate_tokens"]
@@ -196,7 +196,7 @@ def batch_generate(
 ) -> BatchResponse:
     """Generate for several prompts at once; a :class:`BatchResponse` (one result per prompt).
 
-    Takes what :func:`~mlx_loom.generate.stream_generate` takes, applied to
+    Takes what :func:`~mlx_loom.generation.stream_generate` takes, applied to
     every prompt (``max_tokens`` may also be one per prompt). ``adapters``
     names each prompt's registered adapter (``None``: the base model); rows
     with different adapters share the batch. A row's text

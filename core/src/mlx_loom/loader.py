@@ -1,10 +1,10 @@
 """``mlx_loom.load``: a model reference in, a built model and its tokenizer out.
 
-The default plugin host is the one documented piece of process-wide state: a
-snapshot of the installed plugins under the policy in ``MLX_LOOM_PLUGINS``,
-built on first use. Hosts that need another composition pass their own
-``host`` (or a ``registry`` composed with :meth:`Registry.with_`) and never
-touch the default.
+Model building, the layer above the host: the host resolves a reference to
+a binding (:func:`mlx_loom.host.resolve_model`, with the default plugin
+snapshot, :func:`mlx_loom.host.default_host`, unless a ``host`` or
+``registry`` is passed); this module runs the factory, splits the model
+across ranks, applies the CPU path and the adapter, and wraps the result.
 
 The core owns evaluation: a factory returns its graph with the checkpoint's
 arrays loaded but *lazy*; :func:`build_model` evaluates every parameter once
@@ -17,73 +17,34 @@ token.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..artifacts.weights import recording_sources
-from ..cpu.path import apply_cpu_path
-from ..errors import ImplementationFailed, LoomError, ParallelRefused, WeightsError
-from ..model import CausalLM, Model
-from ..parallel.build import Parallel, prepare, split_model, wrap
-from ..parallel.lockstep import Lockstep, share_seed
-from ..text import Tokenizer
-from ._discovery import PluginHost
-from ._kernels import Backend
-from ._policy import POLICY_ENV, PluginPolicy
-from ._registry import BuildContext, Registry
-from ._resolution import Resolved, resolve
-
-_DEFAULT_HOST_LOCK = threading.Lock()
-
-
-@functools.lru_cache(maxsize=4)
-def _default_host(policy_env: str | None) -> PluginHost:
-    del policy_env  # part of the cache key: a changed policy gets a fresh snapshot
-    return PluginHost()
-
-
-def default_host() -> PluginHost:
-    """The process-wide plugin snapshot for the current ``MLX_LOOM_PLUGINS``.
-
-    Built once per policy value; threads that ask at the same time share one.
-    """
-    with _DEFAULT_HOST_LOCK:
-        return _default_host(os.environ.get(POLICY_ENV))
-
-
-def make_host(policy: PluginPolicy | None) -> PluginHost:
-    return default_host() if policy is None else PluginHost(policy=policy)
-
-
-def resolve_model(
-    model_ref: str | Path,
-    *,
-    policy: PluginPolicy | None = None,
-    host: PluginHost | None = None,
-    registry: Registry | None = None,
-    kernel_backend: Backend | None = None,
-    compute_dtype: str | None = None,
-    cpu_kernels: str | None = None,
-) -> Resolved:
-    """Resolve without loading weights (what ``loom explain`` shows)."""
-    host = host if host is not None else make_host(policy)
-    registry = registry if registry is not None else host.registry
-    if kernel_backend is not None:
-        registry = registry.with_(kernel_backend=kernel_backend)
-    return resolve(
-        model_ref,
-        host=host,
-        registry=registry,
-        compute_dtype=compute_dtype,
-        cpu_kernels=cpu_kernels,
-    )
+from .adapters import load_adapter
+from .artifacts.fingerprint import weights_identity
+from .artifacts.finite import named_list, non_finite
+from .artifacts.weights import recording_sources
+from .backends import Backend
+from .causal_lm import CausalLM
+from .cpu.path import apply_cpu_path
+from .errors import ImplementationFailed, LoomError, ParallelRefused, WeightsError
+from .host import (
+    BuildContext,
+    PluginHost,
+    PluginPolicy,
+    Registry,
+    Resolved,
+    resolve_model,
+)
+from .model import Model
+from .parallel.build import Parallel, prepare, split_model, wrap
+from .parallel.lockstep import Lockstep, share_seed
+from .text import Tokenizer
 
 
 def build_model(
@@ -106,8 +67,6 @@ def build_model(
     binding = resolved.binding
     info: Parallel | None = None
     # Which weights, taken before they are read: a prompt cache names them.
-    from ..artifacts.fingerprint import weights_identity
-
     weights = weights_identity(resolved.model_dir)
     if parallel is None:
         module = _run_factory(resolved)
@@ -190,10 +149,16 @@ def _build_split(resolved: Resolved, mode: str, group: Any) -> tuple[nn.Module, 
     split's class changes (so they wrap the CPU path's kernels).
     """
     impl = resolved.binding.implementation
+    plan_of = impl.parallel
+    if plan_of is None:  # prepare() refuses such an implementation before this is called
+        raise ParallelRefused(
+            f"Implementation {impl.id!r} declares no parallel plan.",
+            fix="Run it in one process, or ask its plugin's authors for a parallel plan.",
+        )
     with recording_sources() as sources:
         module = _run_factory(resolved)
     try:
-        plan = impl.parallel(resolved.family_config)
+        plan = plan_of(resolved.family_config)
     except LoomError:
         raise
     except Exception as err:  # noqa: BLE001 - plugin code
@@ -207,7 +172,7 @@ def _build_split(resolved: Resolved, mode: str, group: Any) -> tuple[nn.Module, 
     del sources
     apply_cpu_path(module, resolved.summary.cpu)
     wrap(module, wraps)
-    weights = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+    weights = sum(v.nbytes for _, v in _leaves(module.parameters()))
     return module, dataclasses.replace(info, weight_bytes=weights)
 
 
@@ -227,14 +192,17 @@ def _evaluate(module: nn.Module) -> None:
     The screen (:func:`mlx_loom.artifacts.finite.non_finite`) is one
     reduction per tensor, evaluated in the same pass as the weights.
     """
-    from ..artifacts.finite import named_list, non_finite
-
-    bad = non_finite(tree_flatten(module.parameters()))
+    bad = non_finite(_leaves(module.parameters()))
     if bad:
         raise WeightsError(
             f"The checkpoint's weights hold NaN or Inf values in {named_list(bad)}.",
             fix="The checkpoint is corrupt or was converted badly; re-download or re-convert it.",
         )
+
+
+def _leaves(tree: Any) -> list[tuple[str, Any]]:
+    """``tree``'s leaves with their dotted names (``tree_flatten``'s list form)."""
+    return cast(list[tuple[str, Any]], tree_flatten(tree))
 
 
 def _buffers(module: nn.Module) -> list[mx.array]:
@@ -244,7 +212,7 @@ def _buffers(module: nn.Module) -> list[mx.array]:
         for m in module.modules()
         for key, value in m.items()
         if key.startswith("_")
-        for _, leaf in tree_flatten(value)
+        for _, leaf in _leaves(value)
         if isinstance(leaf, mx.array)
     ]
 
@@ -289,8 +257,6 @@ def load(
     )
     model = build_model(resolved, lazy=lazy, parallel=parallel, group=group)
     if adapter_path is not None:
-        from ..adapters import load_adapter
-
         load_adapter(model, adapter_path)
     tokenizer = Tokenizer.from_dir(resolved.model_dir, config_eos=resolved.config.eos_token_id)
     return model, tokenizer

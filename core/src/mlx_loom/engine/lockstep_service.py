@@ -53,8 +53,7 @@ from mlx_loom.engine.request import Request
 from mlx_loom.engine.service import EngineService, Handle, Sink, Turns
 from mlx_loom.engine.settings import EngineSettings
 from mlx_loom.errors import EngineStopped, LoomError, ParallelRefused, RequestError
-
-from .lockstep import Lockstep
+from mlx_loom.parallel.lockstep import Lockstep
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model

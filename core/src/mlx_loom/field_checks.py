@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import RegistrationError
+from .errors import RegistrationError
 
 #: Longest id accepted; ids are names, not payloads.
 MAX_ID_LENGTH = 200

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-from .bounded_json import parse_json
-from .errors import LoomError
+from ..bounded_json import parse_json
+from ..errors import LoomError
+from ._policy import POLICY_ENV, PluginPolicy
 
-if TYPE_CHECKING:  # the host imports this module; importing the host here is a cycle
-    from .host._discovery import PluginHost, PluginRecord
-    from .host._policy import PluginPolicy
+if TYPE_CHECKING:  # the plugin host imports this module
+    from ._discovery import PluginHost, PluginRecord
 
 __all__ = ["allow_plugin_fix", "install_command", "quarantine_fix"]
 
@@ -80,8 +80,6 @@ def install_command(plugin: str, distribution: str) -> str:
 
 
 def allow_plugin_fix(name: str, policy: PluginPolicy) -> str:
-    from .host._policy import POLICY_ENV
-
     """How to let ``policy`` load plugin ``name`` (which it currently blocks)."""
     if policy.mode == "deny":
         rest = ",".join(f"-{n}" for n in sorted(policy.names - {name}))
@@ -100,8 +98,6 @@ def quarantine_fix(record: PluginRecord, host: PluginHost) -> str:
     colliding plugins has to go (uninstalled, or disallowed by the policy).
     Any other quarantine is the plugin's own fault.
     """
-    from .host._policy import POLICY_ENV
-
     if not record.conflicts_with:
         return (
             f"Fix or reinstall {record.distribution} (`loom plugins --json` shows the traceback)."

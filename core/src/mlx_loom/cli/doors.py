@@ -5,7 +5,7 @@ one a person talks to: it reads stdin and its output is what they see. The
 other ranks print nothing (``mlx.launch`` merges every rank's output) and
 read nothing: whatever rank 0 reads — a prompt, each chat line, how much of
 an answer Ctrl-C kept — reaches them through the model's engine
-(:mod:`mlx_loom.parallel.service`), so they run each turn with it. An error
+(:mod:`mlx_loom.engine.lockstep_service`), so they run each turn with it. An error
 every rank meets alike is printed by rank 0 (the others' copies go with
 their silenced output); a rank that fails alone exits with an error, and
 ``mlx.launch`` stops the group and says which rank it was.
@@ -23,10 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlx_loom.engine.lockstep_service import lockstep_of
 from mlx_loom.errors import ParallelRefused
-
-from .build import MODES
-from .service import lockstep_of
+from mlx_loom.parallel.build import MODES
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model

@@ -40,14 +40,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlx_loom.cpu.forward import current_log_softmax
-from mlx_loom.errors import RequestError
-from mlx_loom.generate.logits import (
+from mlx_loom.engine.logits import (
     LogitsProcessor,
     apply_logits_processors,
     make_logits_processors,
 )
-from mlx_loom.generate.params import SamplingParams
+from mlx_loom.engine.params import SamplingParams
+from mlx_loom.errors import RequestError
+from mlx_loom.forward_hooks import current_log_softmax
 
 __all__ = [
     "LogitsProcessor",
