@@ -14,6 +14,8 @@ runs the session twice on the engine: with no prompt cache, and with the
 prefix store's checkpoints and its disk tier. Printed per turn: prompt
 tokens, tokens prefilled, time to first token; and whether every turn's
 tokens equal the no-cache run's, and the checkpoints' bytes.
+``prefix_vs_mlx_lm.py`` runs the same session through ``loom serve`` beside
+``mlx_lm.server``.
 """
 
 from __future__ import annotations
