@@ -33,9 +33,16 @@ from mlx_loom.testing.checkpoints import write_checkpoint
 FAMILIES = {"llama": "llama", "qwen3_next": "qwen3_next", "gemma4": "gemma4_text"}
 
 
-def build(root: Path, model_type: str, hidden: int | None, layers: int | None) -> Path:
+def build(
+    root: Path,
+    model_type: str,
+    hidden: int | None,
+    layers: int | None,
+    shape: dict[str, Any] | None = None,
+) -> Path:
+    """The family's tiny config, with ``shape``'s keys replaced, then ``hidden`` and ``layers``."""
     claim = mlx_loom.default_host().registry.model_types[model_type]
-    cfg = {**claim.tiny_config, "max_position_embeddings": 32768}
+    cfg = {**claim.tiny_config, "max_position_embeddings": 32768, **(shape or {})}
     if hidden is not None:
         cfg["hidden_size"] = hidden
     if layers is not None:

@@ -4,13 +4,15 @@ Run by hand (not a test)::
 
     .venv/bin/python benchmarks/prefix_vs_mlx_lm.py                     # tiny, 3 repeats
     .venv/bin/python benchmarks/prefix_vs_mlx_lm.py --repeats 5 --system 2000
-    .venv/bin/python benchmarks/prefix_vs_mlx_lm.py --hidden 1024 --layers 16   # bigger models
+    .venv/bin/python benchmarks/prefix_vs_mlx_lm.py --size medium        # 270-370M parameters
 
 The session of ``prefix_checkpoints.py`` (a long system prompt, 8 turns,
 turn 4 regenerates turn 3, turn 6 edits its user message, a restart before
 turn 5), sent over HTTP to both servers, on the same random-weight
 checkpoints (Llama-, Qwen3-Next- and Gemma-4-shaped, float32, Hugging Face
-layout, which both load). Both servers run as subprocesses on localhost at
+layout, which both load): each family's tiny test config by default, or with
+``--size medium`` a shape of a few hundred million parameters (``MEDIUM``;
+the vocabulary stays the test tokenizer's). Both servers run as subprocesses on localhost at
 once, each with its default prompt cache; ``loom serve`` also gets
 ``--prompt-cache-dir`` (mlx-lm's server has no disk tier, so after the
 restart it starts empty). Requests are interleaved: every turn goes to both
@@ -22,11 +24,11 @@ both servers see byte-identical prompts. Each request asks for one token,
 greedy, non-streaming, so its wall time is the time to first token
 (tokenising, template, prefill, one sample, HTTP). Each repeat starts both
 servers afresh, and after every (re)start each server answers a short
-warm-up request that shares no prefix with the session. Printed per turn: prompt tokens, the tokens each server
-says it reused (``usage.prompt_tokens_details.cached_tokens``, which both
-report), each server's median time to first token, and the ratio mlx-lm /
-mlx-loom as a median with its range over repeats (above 1: mlx-loom is
-faster). Wall-clock figures on a busy machine vary; the reused tokens do not.
+warm-up request that shares no prefix with the session. Printed per turn:
+prompt tokens, the tokens each server says it reused
+(``usage.prompt_tokens_details.cached_tokens``, which both report), each
+server's median time to first token, and the ratio mlx-lm / mlx-loom as a
+median with its range over repeats (above 1: mlx-loom is faster). Wall-clock figures on a busy machine vary; the reused tokens do not.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -42,10 +45,60 @@ import time
 from pathlib import Path
 from typing import Any
 
+import mlx_loom
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prefix_checkpoints import FAMILIES, build, session  # noqa: E402
 from serve_bench import Server, free_port  # noqa: E402
+
+_S, _F = "sliding_attention", "full_attention"
+#: ``--size medium``: per model type, the keys replaced in its tiny config
+#: (Llama 271M, Qwen3-Next 368M with 8 experts, 2 active, Gemma 4 342M with a
+#: 512-token window; parameter counts as both engines build them).
+MEDIUM: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        intermediate_size=2816,
+    ),
+    "qwen3_next": dict(
+        hidden_size=1024,
+        num_hidden_layers=16,
+        full_attention_interval=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_value_heads=16,
+        linear_num_key_heads=8,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=1024,
+        intermediate_size=2816,
+        mlp_only_layers=[],
+    ),
+    "gemma4_text": dict(
+        hidden_size=1024,
+        num_hidden_layers=20,
+        layer_types=([_S] * 4 + [_F]) * 4,
+        num_kv_shared_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        global_head_dim=256,
+        intermediate_size=2048,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=512,
+        sliding_window=512,
+        hidden_size_per_layer_input=64,
+    ),
+}
 
 #: Labels of turns 1..8 (the session's script, as in ``prefix_checkpoints.py``).
 LABELS = [
@@ -165,8 +218,17 @@ def run_repeat(path: Path, turns: list[list[dict[str, str]]], repeat: int, tmp: 
     return out
 
 
-def report(name: str, runs: list[dict]) -> None:
-    print(f"\n{name}: {len(runs)} repeats; TTFT medians, ratio = mlx-lm / mlx-loom (range)")
+def parameters(path: Path) -> int:
+    config = json.loads((path / "config.json").read_text())
+    claim = mlx_loom.default_host().registry.model_types[config["model_type"]]
+    return sum(math.prod(shape) for shape, _ in claim.checkpoint_tensors(config).values())
+
+
+def report(name: str, params: int, runs: list[dict]) -> None:
+    print(
+        f"\n{name} ({params / 1e6:.1f}M parameters): {len(runs)} repeats; "
+        "TTFT medians, ratio = mlx-lm / mlx-loom (range)"
+    )
     print(
         f"{'turn':>4} {'':13} {'prompt':>6} {'reused loom':>11} {'reused mlx-lm':>13} "
         f"{'TTFT loom':>10} {'TTFT mlx-lm':>11} {'ratio':>17}"
@@ -198,17 +260,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system", type=int, default=500, help="system prompt words")
     parser.add_argument("--repeats", type=int, default=3, help="sessions per family")
-    parser.add_argument("--hidden", type=int, default=None, help="hidden size (tiny by default)")
-    parser.add_argument("--layers", type=int, default=None, help="layers (tiny by default)")
+    parser.add_argument("--size", choices=["tiny", "medium"], default="tiny")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size, over --size's")
+    parser.add_argument("--layers", type=int, default=None, help="layers, over --size's")
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
     args = parser.parse_args()
     turns = conversation(args.system)
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         for family in args.families:
-            path = build(tmp, FAMILIES[family], args.hidden, args.layers)
+            model_type = FAMILIES[family]
+            shape = MEDIUM[model_type] if args.size == "medium" else None
+            path = build(tmp, model_type, args.hidden, args.layers, shape)
             runs = [run_repeat(path, turns, r, tmp / family) for r in range(args.repeats)]
-            report(family, runs)
+            report(family, parameters(path), runs)
 
 
 if __name__ == "__main__":
