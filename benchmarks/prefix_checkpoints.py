@@ -14,6 +14,8 @@ runs the session twice on the engine: with no prompt cache, and with the
 prefix store's checkpoints and its disk tier. Printed per turn: prompt
 tokens, tokens prefilled, time to first token; and whether every turn's
 tokens equal the no-cache run's, and the checkpoints' bytes.
+``prefix_vs_mlx_lm.py`` runs the same session through ``loom serve`` beside
+``mlx_lm.server``.
 """
 
 from __future__ import annotations
@@ -31,9 +33,16 @@ from mlx_loom.testing.checkpoints import write_checkpoint
 FAMILIES = {"llama": "llama", "qwen3_next": "qwen3_next", "gemma4": "gemma4_text"}
 
 
-def build(root: Path, model_type: str, hidden: int | None, layers: int | None) -> Path:
+def build(
+    root: Path,
+    model_type: str,
+    hidden: int | None,
+    layers: int | None,
+    shape: dict[str, Any] | None = None,
+) -> Path:
+    """The family's tiny config, with ``shape``'s keys replaced, then ``hidden`` and ``layers``."""
     claim = mlx_loom.default_host().registry.model_types[model_type]
-    cfg = {**claim.tiny_config, "max_position_embeddings": 32768}
+    cfg = {**claim.tiny_config, "max_position_embeddings": 32768, **(shape or {})}
     if hidden is not None:
         cfg["hidden_size"] = hidden
     if layers is not None:
