@@ -548,14 +548,19 @@ _LITERALS: dict[str, tuple[str, ...]] = {
                     "</function>\n</tool_call>"),
     "gemma4": ("call:", '{a:<|"|>', '<|"|>,', "}<tool_call|>"),
     "pythonic": ("[", '(a="', '", ', ")]<|tool_call_end|>"),
-    "mistral": ("[ARGS]", '[{"name":', '"arguments":', "}]"),
+    "mistral": ('[{"name":', '"arguments":', "}]"),  # ("[ARGS]" in the newer spelling)
 }
 
 
-def _check_writable(tokenizer: Tokenizer, fmt: str, tools: dict[str, dict[str, Any]]) -> None:
+def _check_writable(
+    tokenizer: Tokenizer, fmt: str, tools: dict[str, dict[str, Any]], template: str
+) -> None:
     """Refuse a format whose text this tokenizer cannot write (it drops characters it
     has no token for): no sampled call could ever follow the grammar."""
-    texts = [*_LITERALS[fmt], *tools]
+    literals = _LITERALS[fmt]
+    if fmt == "mistral" and "[ARGS]" in template:
+        literals = ("[ARGS]",)
+    texts = [*literals, *tools]
     for schema in tools.values():
         props = schema.get("properties")
         texts += list(props) if isinstance(props, Mapping) else []
@@ -588,7 +593,7 @@ def tool_call_grammar(
         )
     tools = {t["function"]["name"]: _parameters(t) for t in plan.tools}
     if tokenizer is not None:
-        _check_writable(tokenizer, parser.name, tools)
+        _check_writable(tokenizer, parser.name, tools, fmt.tools_template)
     named = None
     if plan.forced:
         named = next(
