@@ -214,3 +214,30 @@ def test_a_marker_token_that_is_not_special_can_be_written(tmp_path):
             "a<tool_call>",
             "a</tool_call>",
         )
+
+
+def test_a_forced_call_over_the_grammar_bound_is_a_400_naming_it(tmp_path):
+    """The grammar grows with the tools; past the compile bound, a 400 that says what to do."""
+    from types import SimpleNamespace
+
+    from mlx_loom.serve.errors import HttpError
+    from mlx_loom.serve.structured import request_constraint
+
+    fmt = FORMATS["qwen3_coder"]
+    tokenizer = tokenizer_for(tmp_path, fmt)
+    chat = ChatFormat(parser_table()["qwen3_coder"], "test", None, fmt.template)
+    params = RICH["function"]["parameters"]
+    tools = [
+        {"type": "function", "function": {"name": f"tool{i}", "parameters": params}}
+        for i in range(100)
+    ]
+    request = SimpleNamespace(
+        response_format=None, structured_outputs=None, json_schema=None, grammar=None
+    )
+    with pytest.raises(HttpError, match="name one function") as info:
+        request_constraint(
+            request, tokenizer, plan=ToolPlan(tools, True, "", True), chat_format=chat
+        )
+    assert info.value.status == 400 and info.value.param == "tool_choice"
+    named = ToolPlan(tools, True, chat.tool_parser.opening("tool7", fmt.template), True)
+    assert request_constraint(request, tokenizer, plan=named, chat_format=chat) is not None
