@@ -93,6 +93,8 @@ _OBJECT_KEYS = _DESCRIPTIVE | {"properties", "required", "additionalProperties",
 _SCALARS = ("string", "integer", "number", "boolean", "null")
 #: The longest string bound a text value takes (the regex grows with it).
 MAX_STRING_BOUND = 10_000
+#: How deeply typed objects and arrays may nest in one parameter.
+MAX_NESTING = 16
 
 
 @dataclass(frozen=True)
@@ -118,10 +120,9 @@ class _Style:
 
     def constant(self, value: Any, where: str) -> str:
         """The text of one ``enum``/``const`` member, or a refusal."""
-        if not isinstance(value, str):
+        if not isinstance(value, str):  # JSON text: read as JSON, Gemma or Python data
             text = json.dumps(value, ensure_ascii=False)
-            if self.literal_nesting and isinstance(value, (dict, list)):
-                self._check_text(text, where)  # JSON data written as a Python literal
+            self._check_text(text, where)
             return text
         if self.json or self.name == "pythonic":  # (JSON escapes read the same in Python)
             text = json.dumps(value, ensure_ascii=False)
@@ -245,8 +246,10 @@ def _where(tool: str, path: str) -> str:
 def _value(g: _Grammar, style: _Style, schema: Any, tool: str, path: str, depth: int) -> str:
     """A Lark expression for one value, with the style's layout around it; or a refusal."""
     where = _where(tool, path)
-    if depth > 16:
-        raise RequestError(f"{where}: nested deeper than 16 levels.", fix="Flatten the schema.")
+    if depth > MAX_NESTING:
+        raise RequestError(
+            f"{where}: nested deeper than {MAX_NESTING} levels.", fix="Flatten the schema."
+        )
     if not isinstance(schema, Mapping):
         schema = {}
     before = _lit(style.before) if style.before else ""
@@ -309,10 +312,11 @@ def _string(g: _Grammar, style: _Style, schema: Mapping[str, Any], where: str) -
     low, high = schema.get("minLength", 0), schema.get("maxLength")
     if not all(
         isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_STRING_BOUND
-        for n in (low, 0 if high is None else high)
-    ):
+        for n in (low, low if high is None else high)
+    ) or (high is not None and high < low):
         raise RequestError(
-            f"{where}: minLength/maxLength must be integers from 0 to {MAX_STRING_BOUND}.",
+            f"{where}: minLength/maxLength must be integers from 0 to {MAX_STRING_BOUND}, "
+            "minLength the smaller.",
             fix="Fix the schema.",
         )
     bound = f"{{{low},{'' if high is None else high}}}"
@@ -387,11 +391,11 @@ def _any(g: _Grammar, style: _Style, *, objects_only: bool = False) -> str:
     text = _string(g, style, {}, "")
     scalar = g.rule(f'{text} | {_rx(_NUMBER)} | "true" | "false" | "null"')
     value = scalar
-    for _ in range(ANY_DEPTH):
+    for level in range(ANY_DEPTH):
         member = f"{text} {_lit(colon)} {value}"
         obj = f'"{{" ({member} ({_lit(comma)} {member})*)? "}}"'
         arr = f'"[" ({value} ({_lit(comma)} {value})*)? "]"'
-        if objects_only and _ == ANY_DEPTH - 1:
+        if objects_only and level == ANY_DEPTH - 1:
             return g.rule(obj)
         value = g.rule(f"{scalar} | {obj} | {arr}")
     return value
@@ -412,6 +416,8 @@ def _properties(schema: Mapping[str, Any], tool: str, path: str = "") -> tuple[
     if not isinstance(props, Mapping):
         raise RequestError(f"{who}: properties must be an object.", fix="Fix the schema.")
     required = schema.get("required") or []
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise RequestError(f"{who}: required must be a list of names.", fix="Fix the schema.")
     unknown = [r for r in required if r not in props]
     if unknown:
         raise RequestError(
