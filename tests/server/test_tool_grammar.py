@@ -141,11 +141,14 @@ def test_every_drawn_call_reads_back_and_validates(case, tmp_path):
     assert finished >= 6
 
 
-def grammar_for(case: str, parameters: dict, tmp_path: Path, name: str = "f") -> str | None:
+def grammar_for(
+    case: str, parameters: dict, tmp_path: Path, name: str = "f", *, named: bool = False
+) -> str | None:
     fmt = CASES[case]
     chat = ChatFormat(parser_table()[fmt.parser], "test", None, fmt.template)
     tool = {"type": "function", "function": {"name": name, "parameters": parameters}}
-    return tool_call_grammar(ToolPlan([tool], True, "", True), chat)
+    forced = chat.tool_parser.opening(name, chat.tools_template) if named else ""
+    return tool_call_grammar(ToolPlan([tool], True, forced, True), chat)
 
 
 def one(schema: dict) -> dict:
@@ -181,13 +184,15 @@ def test_json_formats_leave_such_keywords_to_the_schema_compiler(case, tmp_path)
         ("qwen3_coder", one({"enum": ["a</parameter>"]}), "f", "</parameter>"),
         ("minicpm5", one({"enum": ["a<b"]}), "f", "verbatim"),
         ("json_tools", one({"const": "x</tool_call>"}), "f", "</tool_call>"),
+        ("mistral", one({"type": "string"}), "f g", "'f g'"),
     ],
 )
+@pytest.mark.parametrize("named", [False, True], ids=["required", "named"])
 def test_values_and_names_a_format_cannot_write_are_refused(
-    case, parameters, name, words, tmp_path
+    case, parameters, name, words, named, tmp_path
 ):
     with pytest.raises(RequestError, match=words):
-        grammar_for(case, parameters, tmp_path, name)
+        grammar_for(case, parameters, tmp_path, name, named=named)
 
 
 def test_a_format_without_a_grammar_is_refused(tmp_path):

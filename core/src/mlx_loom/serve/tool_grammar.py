@@ -478,6 +478,7 @@ def _text_format(fmt: str) -> Callable[[dict[str, dict[str, Any]], str | None, s
     def build(tools: dict[str, dict[str, Any]], named: str | None, template: str) -> str:
         g = _Grammar()
         if named is not None:  # the prompt ends with the call's opening
+            _function_head(fmt, named)  # (a name the format cannot write is refused)
             body = _parameters_of(g, fmt, named, tools[named])
             return g.text(f"{body} {_lit(_CLOSE[fmt])}")
         alts = []
@@ -521,12 +522,13 @@ def _function_head(fmt: str, name: str) -> str:
 def _mistral(tools: dict[str, dict[str, Any]], named: str | None, template: str) -> str:
     g = _Grammar()
     if "[ARGS]" in template:  # the newer spelling; the call runs to the end of the reply
+        for name in tools if named is None else [named]:
+            ok = bool(re.fullmatch(r"[\w.\-]+", name))
+            _writable_name(name, name, "mistral", ok, "function")
         if named is not None:  # the prompt ends with 'f[ARGS]'
             return g.text(_json_arguments(g, "mistral", named, tools[named]))
         alts = []
         for name, params in tools.items():
-            ok = bool(re.fullmatch(r"[\w.\-]+", name))
-            _writable_name(name, name, "mistral", ok, "function")
             args = _json_arguments(g, "mistral", name, params)
             alts.append(f"({_lit(name + '[ARGS]')} {args})")
         return g.text(" | ".join(alts))
