@@ -181,11 +181,33 @@ class _TokenizerTable:
             per = self._tables.setdefault(tokenizer, {})
             found = per.get(eos)
             if found is None:
+                # llguidance's reading of tokenizer.json takes every added token
+                # spelled like ``<...>`` for a special token, which no literal can
+                # then produce (and its mask and parser disagree about it). Tool-call
+                # markers (``</tool_call>``) are such tokens but not special: the
+                # byte table is rebuilt with the tokenizer's own special flags.
+                read = llg.LLTokenizer(tokenizer.backend.to_str(), eos_token=sorted(eos))
+                table = _ByteTable(tokenizer, read, min(eos))
                 found = llg.LLTokenizer(
-                    tokenizer.backend.to_str(), eos_token=sorted(eos), slices=None
+                    llg.TokenizerWrapper(table), eos_token=sorted(eos), slices=None
                 )
                 per[eos] = found
             return found
+
+
+class _ByteTable:
+    """The token table llguidance builds from: each token's bytes, the ids that are
+    special (the tokenizer's own flag), and the tokenizer's encoder."""
+
+    def __init__(self, tokenizer: Tokenizer, read: llg.LLTokenizer, eos: int) -> None:
+        self.eos_token_id = eos
+        self.bos_token_id = None
+        self.tokens = [read.decode_bytes([i]) for i in range(read.vocab_size)]
+        self.special_token_ids = sorted(tokenizer.special_token_ids)
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
 
 _TOKENIZERS = _TokenizerTable()

@@ -22,7 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.constraints import Constraint, compile_constraint, from_response_format
+from ..engine.constraints import (
+    MAX_SOURCE_BYTES,
+    Constraint,
+    compile_constraint,
+    from_response_format,
+)
 from ..errors import CapabilityRefused, RequestError
 from ..text import Tokenizer
 from .errors import HttpError, from_loom_error
@@ -99,7 +104,14 @@ def request_constraint(
             assert plan is not None and chat_format is not None
             grammar = tool_call_grammar(plan, chat_format, tokenizer)
             if grammar is None:
-                return None  # a format without a grammar: the opening alone (documented)
+                return None
+            size = len(grammar.encode("utf-8"))
+            if size > MAX_SOURCE_BYTES:
+                raise RequestError(
+                    f"The forced tool call's grammar (the format's syntax for every tool's "
+                    f"parameters) is {size} bytes; at most {MAX_SOURCE_BYTES} are compiled.",
+                    fix="name one function in tool_choice, or send fewer or smaller tools",
+                )
             return compile_constraint("grammar", grammar, tokenizer)
         return compile_constraint(kind, spec, tokenizer)
     except (RequestError, CapabilityRefused) as err:

@@ -12,8 +12,8 @@ and ``parallel_tool_calls`` into a :class:`ToolPlan`:
   rather than hoped for;
 * ``required`` / a named function: the prompt ends with the format's start
   marker (and, for a name, the opening of a call to it), so the reply *is* a
-  call. This is a prefill, not constrained decoding: the model still writes
-  the arguments, and a call it botches comes back as content like any other.
+  call; the rest of it is held to the format's grammar, arguments valid by
+  the tool's schema (:mod:`mlx_loom.serve.tool_grammar`).
 """
 
 from __future__ import annotations
