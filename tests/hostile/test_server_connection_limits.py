@@ -95,6 +95,12 @@ def test_health_is_answered_when_every_connection_is_held(server):
         status, body = json_answer(read_to_close(sock))
         assert status == 200 and body["status"] == "ok", body
         assert time.monotonic() - started < DEADLINE
+        # So is the monitoring scrape.
+        sock = connect(server)
+        sock.sendall(request("GET", "/metrics"))
+        raw = read_to_close(sock)
+        assert answers(raw) == [b"HTTP/1.1 200 OK"], raw[:200]
+        assert b"loom_open_connections" in raw
         # Any other request on a reserved connection is answered 503 at once.
         sock = connect(server)
         started = time.monotonic()

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import ValidationError
@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from ..bounded_json import REQUEST_JSON, parse_json
 from ..engine import EngineSettings
 from ..errors import EngineBusy, LoomError, RequestError
-from . import anthropic, page, wire
+from . import anthropic, page, utility, wire
 from .app import Prepared, ServeApp
 from .connection import (
     DEFAULT_BODY_TIMEOUT,
@@ -68,11 +68,15 @@ from .errors import (
     from_loom_error,
     overloaded,
 )
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import UNMATCHED, ServerMetrics, Timing
 from .prepare import DEFAULT_THREADS as DEFAULT_TOKENIZER_THREADS
 from .prepare import LARGE_BODY_BYTES, ClientGone, PoolClosed, PreparePool
 from .worker import END, Job, Piece
 
 log = logging.getLogger("mlx_loom.serve")
+
+_T = TypeVar("_T")
 
 #: Largest request body accepted; a chat history this big is far beyond any
 #: context window, and reading unbounded bodies would let one client exhaust memory.
@@ -96,7 +100,18 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/completions": ("POST",),
     "/v1/chat/completions": ("POST",),
     "/v1/messages": ("POST",),
+    "/v1/messages/count_tokens": ("POST",),
+    "/tokenize": ("POST",),
+    "/detokenize": ("POST",),
+    "/metrics": ("GET",),
 }
+
+#: Paths in the Anthropic error shape.
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+
+#: What a connection accepted past the limit may ask for: the load balancer's
+#: health check and the monitoring scrape, which must answer under full load.
+RESERVED_PATHS = frozenset({"/health", "/metrics"})
 
 #: mlx_lm.server also answers these paths without the ``/v1`` prefix.
 ALIASES = {"/chat/completions": "/v1/chat/completions", "/completions": "/v1/completions"}
@@ -165,7 +180,7 @@ class Handler(BaseHTTPRequestHandler):
         self.rfile = self._buffered = io.BufferedReader(self._reader)
         self._writer = DeadlineWriter(self.connection, self.server.limits.write_timeout)
         self.wfile = self._writer  # type: ignore[assignment]  # http.server only writes, flushes
-        #: Accepted past the connection limit: it may only ask for ``GET /health``.
+        #: Accepted past the connection limit: it may only ask for ``GET /health`` or ``/metrics``.
         self._health_only = self.server.is_reserved(self.request)
         self._probed = False
 
@@ -314,10 +329,13 @@ class Handler(BaseHTTPRequestHandler):
         # GET and OPTIONS included) is never read as a pipelined next request.
         self._body_read = not self._has_body()
         self.server.request_started()
+        self._arrived = time.monotonic()
+        self._status: int | None = None
+        path = ""
         try:
             path = _request_path(self.path)
             path = ALIASES.get(path, path)
-            self._anthropic = path == "/v1/messages"
+            self._anthropic = path in ANTHROPIC_PATHS
             if self._health_only:
                 self._check_reserved(method, path)
             if self.server.draining:
@@ -350,6 +368,14 @@ class Handler(BaseHTTPRequestHandler):
             )
         finally:
             self.server.request_ended()
+            if self._status is not None:
+                self.server.metrics.request(_endpoint_label(path), self._status)
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        """``http.server``'s status line, with the status kept for the request counter."""
+        if code >= 200:  # not the interim 100 Continue
+            self._status = int(code)
+        super().send_response(code, message)
 
     def _has_body(self) -> bool:
         """Whether the request announces a body (a length other than 0, or a transfer coding)."""
@@ -358,13 +384,13 @@ class Handler(BaseHTTPRequestHandler):
         return any(v.strip() != "0" for v in self.headers.get_all("Content-Length") or ())
 
     def _check_reserved(self, method: str, path: str) -> None:
-        """A connection accepted past the limit answers ``GET /health`` once, and nothing else."""
+        """A connection accepted past the limit answers one ``GET /health`` or ``/metrics``."""
         self.close_connection = True
-        if method == "GET" and path == "/health":
+        if method == "GET" and path in RESERVED_PATHS:
             return
         raise overloaded(
             f"The server is serving its limit of {self.server.limits.max_connections} "
-            "connections; past it, only GET /health is answered.",
+            "connections; past it, only GET /health and GET /metrics are answered.",
             fix="retry shortly; the operator can raise loom serve --max-connections",
             code="too_many_connections",
         )
@@ -410,6 +436,14 @@ class Handler(BaseHTTPRequestHandler):
             return lambda: self._send_json(200, self.app.model_card(model_id))
         if path == "/v1/messages":
             return self._messages
+        if path == "/metrics":
+            return lambda: self._send_bytes(200, self.server.metrics.render(), METRICS_CONTENT_TYPE)
+        if path == "/tokenize":
+            return lambda: self._utility(utility.tokenize)
+        if path == "/detokenize":
+            return lambda: self._utility(utility.detokenize)
+        if path == "/v1/messages/count_tokens":
+            return lambda: self._utility(utility.count_tokens)
         return lambda: self._complete(chat=path == "/v1/chat/completions")
 
     # --- CORS and authentication ----------------------------------------------------
@@ -614,7 +648,7 @@ class Handler(BaseHTTPRequestHandler):
         self._body_read = True
         return data
 
-    def _prepare(self, make: Callable[[Any], Prepared]) -> Prepared:
+    def _prepare(self, make: Callable[[Any], _T]) -> _T:
         """Read the body on this thread; parse and prepare it (``make``) on the preparation pool.
 
         Everything whose cost grows with the body — JSON, validation, the
@@ -626,6 +660,10 @@ class Handler(BaseHTTPRequestHandler):
             large=len(raw) >= LARGE_BODY_BYTES,
             gone=self._client_gone,
         )
+
+    def _utility(self, answer: Callable[[ServeApp, Any], dict[str, Any]]) -> None:
+        """A utility endpoint (see ``utility.py``): its answer prepared off this thread."""
+        self._send_json(200, self._prepare(lambda body: answer(self.app, body)))
 
     # --- completions ------------------------------------------------------------------
 
@@ -662,6 +700,7 @@ class Handler(BaseHTTPRequestHandler):
     def _events(self, job: Job) -> Iterator[Piece]:
         """The job's pieces as the worker produces them; raises its error, if any."""
         waited = 0
+        timing = Timing(self._arrived)
         while True:
             if self.server.stopping:
                 raise _stopping()
@@ -683,6 +722,7 @@ class Handler(BaseHTTPRequestHandler):
             if isinstance(event, BaseException):
                 raise event
             waited += 1
+            self.server.metrics.piece(timing, event)
             # Between back-to-back tokens the queue is never empty: look anyway.
             if waited % 16 == 0 and self._client_gone():
                 raise ClientGone
@@ -831,6 +871,15 @@ def _request_path(target: str) -> str:
     return path.rstrip("/") or "/"
 
 
+def _endpoint_label(path: str) -> str:
+    """The ``endpoint`` label of a request: a served path, or one word for every other."""
+    if path in ROUTES:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return UNMATCHED
+
+
 def _chain(first: Piece, rest: Iterator[Piece]) -> Iterator[Piece]:
     yield first
     yield from rest
@@ -960,6 +1009,8 @@ class LoomServer(ThreadingHTTPServer):
                 "process using this one",
             ) from exc
         self.prepare_pool = PreparePool(tokenizer_threads)
+        #: What ``GET /metrics`` reports (a registry of this server's own).
+        self.metrics = ServerMetrics(lambda: self.app.worker.stats(), lambda: self.open_connections)
         self._check_bounds_compose()
 
     def _check_bounds_compose(self) -> None:
