@@ -185,3 +185,31 @@ def test_two_servers_in_one_process_keep_their_own_metrics(client):
     ]
     assert parsed[0]["loom_requests_total"] == 1
     assert "loom_requests_total" not in parsed[1]
+
+
+def test_metrics_count_speculative_drafts_and_streamed_generations(client):
+    before = metrics(client)
+    # A repetitive prompt gives the n-gram drafter something to propose.
+    body = {
+        "prompt": "a b c a b c a b c a b c a b c",
+        "max_tokens": 12,
+        "draft": "ngram",
+        "stream": True,
+    }
+    reply = client.post("/v1/completions", body)
+    assert reply.status == 200 and reply.events()[-1] == "[DONE]"
+    after = metrics(client)
+    drafted = value(after, "loom_spec_draft_tokens_total")
+    accepted = value(after, "loom_spec_accepted_tokens_total")
+    assert drafted > value(before, "loom_spec_draft_tokens_total")
+    assert 0 <= accepted - value(before, "loom_spec_accepted_tokens_total") <= drafted
+    assert value(after, "loom_spec_accepted_tokens_total") == (
+        client.server.app.worker.stats().engine.accepted_drafts
+    )
+    generated = value(after, "loom_generation_tokens_total") - value(
+        before, "loom_generation_tokens_total"
+    )
+    ttft = value(after, "loom_time_to_first_token_seconds_count") - value(
+        before, "loom_time_to_first_token_seconds_count"
+    )
+    assert generated > 0 and ttft == 1
