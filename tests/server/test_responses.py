@@ -73,6 +73,24 @@ def test_a_plain_response_has_reasoning_and_message_items(served):
     assert prompt == chat_prompt(server, worker, [system, {"role": "user", "content": "hi"}])
 
 
+def test_instructions_and_developer_messages_are_one_system_turn(served):
+    server, worker = served
+    worker.script("ok")
+    items = [
+        {"role": "developer", "content": "Use tools."},
+        {
+            "type": "message",
+            "role": "developer",
+            "content": [{"type": "input_text", "text": "Be kind."}],
+        },
+        {"role": "user", "content": "hi"},
+    ]
+    client_for(server).responses.create(model="tools", input=items, instructions="Be brief.")
+    prompt = list(worker.jobs[-1].prompt)
+    system = {"role": "system", "content": "Be brief.\n\nUse tools.\n\nBe kind."}
+    assert prompt == chat_prompt(server, worker, [system, {"role": "user", "content": "hi"}])
+
+
 def test_a_streamed_response_sends_the_event_sequence(served):
     server, worker = served
     worker.script("<think>hmm</think>Hello there!")
@@ -252,6 +270,7 @@ def test_routine_fields_are_accepted(served):
         user="u",
         include=["reasoning.encrypted_content"],
         prompt_cache_key="p",
+        extra_body={"client_metadata": {"session_id": "s"}},
         parallel_tool_calls=False,
         text={"verbosity": "low"},
     )

@@ -7,10 +7,12 @@ for the same conversation:
 
 - ``instructions`` becomes the leading system message; ``input`` (a string,
   or a list of items) becomes the turns: ``message`` items (roles ``user``,
-  ``assistant``, ``system``, ``developer`` — the last read as ``system``) with
-  text parts, ``function_call`` items as the assistant's ``tool_calls`` (calls
-  next to each other, and the assistant text just before them, form one
-  turn), ``function_call_output`` items as ``tool`` messages, and
+  ``assistant``, ``system``, ``developer`` — the last read as ``system``;
+  system messages next to each other, ``instructions`` included, are joined
+  into one turn, the one templates accept) with text parts;
+  ``function_call`` items as the assistant's ``tool_calls`` (calls next to
+  each other, and the assistant text just before them, form one turn);
+  ``function_call_output`` items as ``tool`` messages, and
   ``reasoning`` items as the next assistant turn's ``reasoning_content``;
 - ``tools`` (function tools only), ``tool_choice``, ``max_output_tokens``,
   ``temperature``, ``top_p``, ``parallel_tool_calls`` map one to one;
@@ -35,6 +37,7 @@ the previous turn already computed.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any, Literal
@@ -43,6 +46,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from . import schemas
 from .errors import HttpError
+
+log = logging.getLogger(__name__)
 
 #: Fields a client library or agent sends routinely that carry no meaning for
 #: this server; they are accepted and have no effect.
@@ -60,6 +65,7 @@ IGNORED_FIELDS = (
     "prompt_cache_retention",
     "stream_options",
     "top_logprobs",
+    "client_metadata",
 )
 
 # Request fields named differently in the chat-completions request we build,
@@ -130,6 +136,7 @@ class ResponsesRequest(_Model):
     prompt_cache_retention: StrictStr | None = None
     stream_options: dict[str, Any] | None = None
     top_logprobs: StrictInt | None = None
+    client_metadata: dict[str, Any] | None = None
 
 
 def _invalid(message: str, *, param: str, fix: str, code: str = "invalid_parameter") -> HttpError:
@@ -203,6 +210,7 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
             reasoning.clear()
 
     thoughts: dict[int, tuple[dict[str, Any], list[str]]] = {}
+    system_texts: dict[int, list[str]] = {}  # system turns that several items make
     for i, item in enumerate(request.input):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -226,8 +234,14 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
                 turn: dict[str, Any] = {"role": "assistant", "content": text}
                 take_reasoning(turn)
                 out.append(turn)
+            elif role == "user":
+                out.append({"role": "user", "content": text})
+            elif out and out[-1]["role"] == "system":
+                # Templates take one system turn, first: instructions and the
+                # developer messages that follow them are that turn.
+                system_texts.setdefault(len(out) - 1, [out[-1]["content"]]).append(text)
             else:
-                out.append({"role": "system" if role == "developer" else role, "content": text})
+                out.append({"role": "system", "content": text})
         elif kind == "function_call":
             example = '{"type": "function_call", "call_id": ..., "name": ..., "arguments": "{}"}'
             call = {
@@ -261,6 +275,8 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
             )
     for owner, texts in thoughts.values():
         owner["reasoning_content"] = "".join(texts)
+    for index, texts in system_texts.items():
+        out[index]["content"] = "\n\n".join(texts)
     return out
 
 
@@ -328,6 +344,9 @@ def _response_format(fmt: TextFormat) -> dict[str, Any] | None:
 def parse(body: Any) -> ResponsesRequest:
     """Check a Responses request's shape; what it cannot serve is a 400 naming the field."""
     request: ResponsesRequest = schemas.parse_request(ResponsesRequest, body)
+    ignored = [name for name in IGNORED_FIELDS if getattr(request, name) is not None]
+    if ignored:
+        log.debug("/v1/responses: ignoring %s", ", ".join(ignored))
     if request.previous_response_id is not None or request.conversation is not None:
         field = "previous_response_id" if request.previous_response_id else "conversation"
         raise _invalid(
