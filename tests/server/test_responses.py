@@ -364,3 +364,21 @@ def test_every_family_answers_a_response_as_chat_completions_does(family):
     assert _responses_answer(family, items, stream=False) == want
     assert _responses_answer(family, items, stream=True) == want
     assert _responses_answer(family, [ASK], stream=True) == _chat_answer(family, [ASK])
+
+
+def test_a_resent_conversation_reports_its_cached_prompt_tokens(tiny):
+    items = [{"role": "user", "content": "Describe a pet in a few words, please."}]
+    first = tiny.responses.create(model="m", input=items, max_output_tokens=4, temperature=0)
+    items += [
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And another?"},
+    ]
+    events = list(
+        tiny.responses.create(
+            model="m", input=items, max_output_tokens=4, temperature=0, stream=True
+        )
+    )
+    usage = events[-1].response.usage
+    # The second turn reuses more than the template's opening the first could.
+    cached = usage.input_tokens_details.cached_tokens
+    assert first.usage.input_tokens_details.cached_tokens < cached < usage.input_tokens
