@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlx_loom
-from mlx_loom.serve import anthropic, schemas
+from mlx_loom.serve import anthropic, responses, schemas
 
 from ..server.conftest import Client, serve
 from .conftest import FAMILIES
@@ -77,11 +77,15 @@ REQUEST_FIELDS = {
     "/v1/completions": _fields(schemas.CompletionRequest),
     "/v1/chat/completions": _fields(schemas.ChatCompletionRequest),
     "/v1/messages": _fields(anthropic.MessagesRequest),
+    "/v1/responses": _fields(responses.ResponsesRequest),
 }
 MESSAGE_FIELDS = {
     "/v1/chat/completions": _fields(schemas.ChatMessage) + ["tool_calls", "tool_call_id", "name"],
     "/v1/messages": _fields(anthropic.AnthropicMessage),
+    "/v1/responses": ["type", "role", "content", "call_id", "name", "arguments", "output"],
 }
+#: Where each endpoint's conversation is.
+TURNS = {"/v1/chat/completions": "messages", "/v1/messages": "messages", "/v1/responses": "input"}
 TOOL = {
     "type": "function",
     "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
@@ -100,6 +104,11 @@ BASE = {
         "max_tokens": 2,
         "tools": [ANTHROPIC_TOOL],
     },
+    "/v1/responses": {
+        "input": [{"role": "user", "content": "hello"}],
+        "max_output_tokens": 2,
+        "tools": [{"type": "function", **TOOL["function"]}],
+    },
 }
 
 
@@ -111,8 +120,9 @@ def bodies(draw, endpoint: str) -> Any:
     body = json.loads(json.dumps(BASE[endpoint]))
     for name in draw(st.lists(st.sampled_from(REQUEST_FIELDS[endpoint]), max_size=3)):
         body[name] = draw(_HOSTILE)
-    if endpoint in MESSAGE_FIELDS and isinstance(body.get("messages"), list) and body["messages"]:
-        message = body["messages"][0]
+    turns = body.get(TURNS.get(endpoint, ""))
+    if endpoint in MESSAGE_FIELDS and isinstance(turns, list) and turns:
+        message = turns[0]
         if isinstance(message, dict):
             for name in draw(st.lists(st.sampled_from(MESSAGE_FIELDS[endpoint]), max_size=2)):
                 message[name] = draw(_HOSTILE)
@@ -142,7 +152,8 @@ def check_answer(client: Client, endpoint: str, body: Any) -> None:
         assert "data: " in reply.text  # a stream that had started may end in an error event
     else:
         answer = reply.json
-        assert answer.get("choices") or answer.get("content") is not None, answer
+        shaped = answer.get("choices") or answer.get("content") is not None
+        assert shaped or answer.get("output") is not None, answer
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -185,6 +196,8 @@ def _raw_body(endpoint: str, where: str, raw_value: str) -> bytes:
     extra = f', "temperature": {raw_value}' if where == "temperature" else ""
     if endpoint == "/v1/completions":
         return ('{"max_tokens": 2, "prompt": ' + prompt + extra + "}").encode()
+    if endpoint == "/v1/responses":
+        return ('{"max_output_tokens": 2, "input": ' + prompt + extra + "}").encode()
     return (
         '{"max_tokens": 2, "messages": [{"role": "user", "content": ' + prompt + "}]" + extra + "}"
     ).encode()

@@ -83,9 +83,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs",
         description="Load a model once and serve /v1/chat/completions, /v1/completions, "
-        "/v1/messages, /v1/models, /health and a chat page at /. Concurrent requests are "
-        "batched together (continuous batching); prompt caches are kept across requests in "
-        "a shared prefix store.",
+        "/v1/responses, /v1/messages, /v1/models, /health and a chat page at /. Concurrent "
+        "requests are batched together (continuous batching); prompt caches are kept across "
+        "requests in a shared prefix store.",
     )
     add_model_options(parser)
     parser.add_argument(

@@ -3,9 +3,10 @@
 ``make_server(model, tokenizer, host=..., port=...)`` binds a
 :class:`LoomServer`; ``serve_forever()`` (or ``start_in_background()``)
 serves the chat page (``GET /``), ``GET /v1/models``, ``GET /health``,
-``POST /v1/completions``, ``POST /v1/chat/completions``, the Anthropic
-``POST /v1/messages`` (and its ``/count_tokens``), ``POST /tokenize``,
-``POST /detokenize`` and the Prometheus ``GET /metrics``. See ``docs/serve.md``.
+``POST /v1/completions``, ``POST /v1/chat/completions``, the Responses API's
+``POST /v1/responses``, the Anthropic ``POST /v1/messages`` (and its
+``/count_tokens``), ``POST /tokenize``, ``POST /detokenize`` and the
+Prometheus ``GET /metrics``. See ``docs/serve.md``.
 """
 
 from .app import DEFAULT_MAX_TOKENS_LIMIT, ServeApp

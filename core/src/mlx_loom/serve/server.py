@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from ..bounded_json import REQUEST_JSON, parse_json
 from ..engine import EngineSettings
 from ..errors import EngineBusy, LoomError, RequestError
-from . import anthropic, page, utility, wire
+from . import anthropic, page, responses, utility, wire
 from .app import Prepared, ServeApp
 from .connection import (
     DEFAULT_BODY_TIMEOUT,
@@ -104,6 +104,7 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/tokenize": ("POST",),
     "/detokenize": ("POST",),
     "/metrics": ("GET",),
+    "/v1/responses": ("POST",),
 }
 
 #: Paths in the Anthropic error shape.
@@ -114,7 +115,11 @@ ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 RESERVED_PATHS = frozenset({"/health", "/metrics"})
 
 #: mlx_lm.server also answers these paths without the ``/v1`` prefix.
-ALIASES = {"/chat/completions": "/v1/chat/completions", "/completions": "/v1/completions"}
+ALIASES = {
+    "/chat/completions": "/v1/chat/completions",
+    "/completions": "/v1/completions",
+    "/responses": "/v1/responses",
+}
 
 #: Paths anyone may read even when the server has an API key: the chat page
 #: (it asks for the key itself) and the health check (load balancers).
@@ -444,6 +449,8 @@ class Handler(BaseHTTPRequestHandler):
             return lambda: self._utility(utility.detokenize)
         if path == "/v1/messages/count_tokens":
             return lambda: self._utility(utility.count_tokens)
+        if path == "/v1/responses":
+            return self._responses
         return lambda: self._complete(chat=path == "/v1/chat/completions")
 
     # --- CORS and authentication ----------------------------------------------------
@@ -840,6 +847,67 @@ class Handler(BaseHTTPRequestHandler):
             return self.app.prepare(chat_body, chat=True)
         except HttpError as err:
             raise anthropic.renamed(err) from None
+
+    def _responses(self) -> None:
+        """``POST /v1/responses``: one Response, whole or as the Responses event stream."""
+        asked: list[responses.ResponsesRequest] = []
+
+        def make(body: Any) -> Prepared:
+            request = responses.parse(body)
+            asked.append(request)
+            try:
+                return self.app.prepare(responses.to_chat_body(request), chat=True)
+            except HttpError as err:
+                raise responses.renamed(err) from None
+
+        prep = self._prepare(make)
+        shaper = responses.ResponseShaper(asked[0], prep.model)
+        choice = prep.choices[0]
+        self._submit([choice.job])
+        try:
+            events = self._events(choice.job)
+            if not prep.stream:
+                for piece in events:
+                    shaper.deltas(self.app.absorb(prep, choice, piece))
+                    if choice.done:
+                        break
+                if not choice.pieces:
+                    raise ClientGone
+                last = choice.pieces[-1]
+                self._send_json(
+                    200,
+                    shaper.response(
+                        choice.finish_reason,
+                        last.prompt_tokens,
+                        last.cached_tokens,
+                        last.generation_tokens,
+                    ),
+                )
+                return
+            first = next(events, None)
+            if first is None:
+                raise ClientGone
+            self._start_stream()
+            for name, data in shaper.start():
+                self._sse(data, event=name)
+            try:
+                for piece in _chain(first, events):
+                    for name, data in shaper.deltas(self.app.absorb(prep, choice, piece)):
+                        self._sse(data, event=name)
+                    if choice.done:
+                        break
+            except (HttpError, LoomError) as err:
+                failure = err if isinstance(err, HttpError) else from_loom_error(err)
+                for name, data in shaper.error(failure):
+                    self._sse(data, event=name)
+                return
+            last = choice.pieces[-1]
+            for name, data in shaper.finish(
+                choice.finish_reason, last.prompt_tokens, last.cached_tokens, last.generation_tokens
+            ):
+                self._sse(data, event=name)
+        finally:
+            choice.job.cancel()
 
 
 def parse_body(raw: bytes) -> Any:
