@@ -37,6 +37,8 @@ from ..text.tool_calls import ToolCall
 from . import schemas, wire
 from .adapters import ServedAdapters
 from .errors import NOT_FOUND, HttpError, from_loom_error
+from .prefill import continues_final_message
+from .routine import OPENAI_IGNORED, log_ignored, thinking_kwargs
 from .structured import request_constraint
 from .tools import ChatFormat, ToolPlan, output_parser, plan_tools, prompt_suffix
 from .worker import GenerationWorker, Job, Piece
@@ -451,10 +453,27 @@ class ServeApp:
                 param="chat_template_kwargs",
                 code="invalid_parameter",
             )
-        kwargs = {**self.chat_template_args, **asked}
+        # The server's template variables, then reasoning_effort's switch, then
+        # the request's own chat_template_kwargs, each overriding the one before.
+        kwargs = {**self.chat_template_args, **thinking_kwargs(request.reasoning_effort), **asked}
+        prefill = continues_final_message(messages)
+        if prefill and plan.forced is not None:
+            raise HttpError(
+                400,
+                "The conversation ends with an assistant message to continue (prefill), and "
+                "tool_choice forces a tool call: the reply cannot be both.",
+                fix="drop the final assistant message, or let tool_choice be auto",
+                param="tool_choice",
+                code="invalid_parameter",
+            )
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=plan.tools, template_budget=self.template_budget, **kwargs
+                messages,
+                tools=plan.tools,
+                template_budget=self.template_budget,
+                add_generation_prompt=not prefill,
+                continue_final_message=prefill,
+                **kwargs,
             )
         except TemplateBudgetExceeded as err:
             raise HttpError(
@@ -481,6 +500,7 @@ class ServeApp:
         """
         model = schemas.ChatCompletionRequest if chat else schemas.CompletionRequest
         request = schemas.parse_request(model, body)
+        log_ignored(request, OPENAI_IGNORED, "/v1/chat/completions" if chat else "/v1/completions")
         adapter = self._pick_adapter(request, self._check_model(request.model))
         try:
             self.model.require(GENERATE, asked="text generation")
