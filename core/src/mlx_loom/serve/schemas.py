@@ -532,6 +532,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mlx-loom"
+    #: The sampling values (and ``max_tokens``) a request that omits them gets:
+    #: the checkpoint's ``generation_config.json`` under the server's flags.
+    defaults: dict[str, Any] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):
