@@ -176,3 +176,10 @@ def test_explain_shows_the_checkpoints_defaults(ckpt, capsys):
     assert payload["sampling_defaults"] == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert main(["explain", str(ckpt)]) == 0
     assert "temperature=0.6, top_p=0.95, top_k=20" in capsys.readouterr().out
+
+
+def test_serve_refuses_a_bad_default_flag_before_loading(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--top-p", "3", "--port", "0"])
+    assert info.value.code == 2
+    assert "--top-p" in capsys.readouterr().err

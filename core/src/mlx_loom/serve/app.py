@@ -230,8 +230,8 @@ class ServeApp:
             _check_count("default_max_tokens", default_max_tokens, "--max-tokens", 256)
             if default_max_tokens > max_tokens_limit:
                 raise RequestError(
-                    f"The default max_tokens ({default_max_tokens}, --max-tokens) is past "
-                    f"the largest a request may ask for ({max_tokens_limit}, --max-tokens-limit).",
+                    f"A default max_tokens of {default_max_tokens} is past the largest a "
+                    f"request may ask for, {max_tokens_limit}.",
                     fix="lower --max-tokens, or raise --max-tokens-limit",
                     param="max_tokens",
                 )
