@@ -183,3 +183,30 @@ def test_serve_refuses_a_bad_default_flag_before_loading(capsys):
         main(["serve", "--top-p", "3", "--port", "0"])
     assert info.value.code == 2
     assert "--top-p" in capsys.readouterr().err
+
+
+def test_xtc_fields_reach_the_engine_and_are_checked_there(served):
+    server, worker = served
+    worker.script("a")
+    client = oai(server)
+    client.chat.completions.create(
+        model="m", messages=[USER], extra_body={"xtc_probability": 0.5, "xtc_threshold": 0.2}
+    )
+    sampling = worker.jobs[-1].sampling
+    assert (sampling["xtc_probability"], sampling["xtc_threshold"]) == (0.5, 0.2)
+    # The request was built by make_request: EOS is protected from the cut.
+    assert set(server.app.tokenizer.eos_token_ids) <= set(
+        worker.jobs[-1].request.params.xtc_special_tokens
+    )
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m", prompt="hi", extra_body={"xtc_threshold": 0.9})
+    assert info.value.body["param"] == "xtc_threshold"
+
+
+def test_generate_takes_the_xtc_flags(capsys):
+    assert main(["generate", "hi", "-m", "4", "--temp", "1", "--seed", "0", "--xtc-probability", "1"]) == 0
+    assert "Generation: 4 tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "hi", "--xtc-threshold", "0.7"])
+    assert info.value.code == 2
+    assert "--xtc-threshold" in capsys.readouterr().err

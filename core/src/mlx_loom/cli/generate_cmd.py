@@ -155,6 +155,18 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--frequency-penalty", type=flags.FREQUENCY_PENALTY, metavar="X", help="0 = off"
     )
+    group.add_argument(
+        "--xtc-probability",
+        type=flags.XTC_PROBABILITY,
+        metavar="P",
+        help="in [0, 1]: the chance per token that XTC cuts the top choices; default: 0 (off)",
+    )
+    group.add_argument(
+        "--xtc-threshold",
+        type=flags.XTC_THRESHOLD,
+        metavar="T",
+        help="in [0, 0.5]: XTC cuts tokens at least this likely (default: 0.1)",
+    )
     group.add_argument("--seed", type=flags.SEED, metavar="S", help="default: a fresh random seed")
     group.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
@@ -198,7 +210,13 @@ def sampling_kwargs(args: argparse.Namespace, model: Model) -> dict[str, Any]:
         kv_codec=args.kv_codec,
         prefill_step_size=args.prefill_step_size,
     )
-    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+    for name in (
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "xtc_probability",
+        "xtc_threshold",
+    ):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     return options

@@ -38,6 +38,8 @@ SAMPLING_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "penalty_context_size",
+    "xtc_probability",
+    "xtc_threshold",
 )
 
 # Names other servers use for our fields: an unknown field that is one of
@@ -190,6 +192,8 @@ class _GenerationRequest(_Strict):
     frequency_penalty: Any = None
     repetition_penalty: Any = None
     penalty_context_size: Any = None
+    xtc_probability: Any = None
+    xtc_threshold: Any = None
     # Speculative decoding (an extension): "ngram", "model" (the server's
     # --draft-model) or "none"; absent: the server's default.
     draft: StrictStr | None = None
