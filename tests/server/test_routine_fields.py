@@ -254,3 +254,13 @@ def test_which_conversations_are_continued():
         [USER, {"role": "assistant", "content": "x", "tool_calls": [call]}]
     )
     assert not continues_final_message([])
+
+
+def test_a_prefill_inside_a_thinking_section_is_continued_as_reasoning(served):
+    server, worker = served
+    worker.script(" about it</think>\n\nYes.")
+    messages = [USER, {"role": "assistant", "content": "<think>\nI think"}]
+    reply = openai_client(server).chat.completions.create(model="tools", messages=messages)
+    message = reply.choices[0].message
+    assert message.content == "Yes."
+    assert (message.model_extra or {}).get("reasoning_content") == "about it"
