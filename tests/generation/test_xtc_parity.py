@@ -7,8 +7,9 @@ import pytest
 from mlx_lm.sample_utils import make_sampler as lm_sampler
 
 import mlx_loom
-from mlx_loom.generation import SamplingParams
+from mlx_loom.engine.request import make_request
 from mlx_loom.errors import RequestError
+from mlx_loom.generation import SamplingParams
 
 from .test_loop_parity import assert_identical, prompt_ids, run_oracle, run_ours
 
@@ -36,8 +37,6 @@ def test_seeded_xtc_sampling_matches_mlx_lm(llama_f32):
 
 
 def test_the_api_protects_eos_and_newline_and_refuses_speculation(llama_f32):
-    from mlx_loom.engine.request import make_request
-
     model, tokenizer = mlx_loom.load(llama_f32)
     params = SamplingParams(temperature=1.0, xtc_probability=0.5)
     request = make_request(model, tokenizer, "hello", max_tokens=4, params=params)
@@ -51,7 +50,9 @@ def test_the_api_protects_eos_and_newline_and_refuses_speculation(llama_f32):
             model,
             tokenizer,
             "hi",
-            params=SamplingParams(temperature=1.0, xtc_probability=0.5, xtc_special_tokens=(10**6,)),
+            params=SamplingParams(
+                temperature=1.0, xtc_probability=0.5, xtc_special_tokens=(10**6,)
+            ),
         )
     assert info.value.param == "xtc_special_tokens"
     text = mlx_loom.generate(
@@ -60,7 +61,12 @@ def test_the_api_protects_eos_and_newline_and_refuses_speculation(llama_f32):
     assert isinstance(text, str)
     with pytest.raises(RequestError) as info:
         mlx_loom.generate(
-            model, tokenizer, "hello", max_tokens=4, temperature=1.0, xtc_probability=0.5,
+            model,
+            tokenizer,
+            "hello",
+            max_tokens=4,
+            temperature=1.0,
+            xtc_probability=0.5,
             draft="ngram",
         )
     assert info.value.param == "xtc_probability"

@@ -31,7 +31,8 @@ ROUTINE = {
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[tuple[object, object]]:
     """A ``<think>`` model whose template reads ``enable_thinking``, with a scripted worker."""
-    path = write_format_checkpoint(tmp_path_factory.mktemp("fields") / "ckpt", FORMATS["json_tools"])
+    path = tmp_path_factory.mktemp("fields") / "ckpt"
+    path = write_format_checkpoint(path, FORMATS["json_tools"])
     model, tokenizer = mlx_loom.load(path)
     server = make_server(model, tokenizer, port=0, model_id="tools")
     worker = scripted(server)
@@ -129,7 +130,8 @@ def test_reasoning_effort_sets_the_templates_thinking_switch(served, effort, thi
     assert worker.jobs[-1].prompt == tokenizer.encode_chat([USER], enable_thinking=thinking)
     message = reply.choices[0].message
     assert message.content == "Yes."
-    assert (message.model_extra or {}).get("reasoning_content") == ("weighing" if thinking else None)
+    reasoning = (message.model_extra or {}).get("reasoning_content")
+    assert reasoning == ("weighing" if thinking else None)
 
 
 def test_chat_template_kwargs_override_reasoning_effort(served):
@@ -167,7 +169,9 @@ def test_an_unknown_field_suggests_only_a_near_real_field(served):
         )
     assert "did you mean 'reasoning_effort'" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tools", messages=[USER], extra_body={"verbosity": "low"})
+        client.chat.completions.create(
+            model="tools", messages=[USER], extra_body={"verbosity": "low"}
+        )
     body = info.value.body
     assert "did you mean" not in body["message"] and body["param"] == "verbosity"
     # On /v1/completions reasoning_effort is not a field (there is no template),
@@ -228,7 +232,9 @@ def test_a_final_assistant_message_is_continued_on_chat_completions(served, stre
 def test_a_final_assistant_message_is_continued_on_messages(served):
     server, worker = served
     worker.script(' "yes"}')
-    message = anthropic_client(server).messages.create(model="tools", max_tokens=8, messages=PREFILL)
+    message = anthropic_client(server).messages.create(
+        model="tools", max_tokens=8, messages=PREFILL
+    )
     assert [b.text for b in message.content] == [' "yes"}']
     tokenizer = server.app.tokenizer
     assert worker.jobs[-1].prompt == tokenizer.encode_chat(
@@ -264,3 +270,17 @@ def test_a_prefill_inside_a_thinking_section_is_continued_as_reasoning(served):
     message = reply.choices[0].message
     assert message.content == "Yes."
     assert (message.model_extra or {}).get("reasoning_content") == "about it"
+
+
+def test_a_prefill_inside_a_thinking_section_is_a_thinking_block_on_messages(served):
+    server, worker = served
+    worker.script(" about it</think>\n\nYes.")
+    messages = [USER, {"role": "assistant", "content": "<think>\nI think"}]
+    message = anthropic_client(server).messages.create(
+        model="tools", max_tokens=16, messages=messages
+    )
+    blocks = [
+        (b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+        for b in message.content
+    ]
+    assert blocks == [("thinking", "about it"), ("text", "Yes.")]

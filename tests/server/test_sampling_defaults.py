@@ -164,7 +164,9 @@ def test_hostile_checkpoint_values_are_ignored_with_a_warning(ckpt, tmp_path, ca
 
 def test_do_sample_false_keeps_only_the_repetition_penalty(tmp_path):
     (tmp_path / "generation_config.json").write_text(
-        json.dumps({"do_sample": False, "temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.2})
+        json.dumps(
+            {"do_sample": False, "temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.2}
+        )
     )
     assert read_sampling_defaults(tmp_path) == {"repetition_penalty": 1.2}
     assert read_sampling_defaults(tmp_path / "missing") == {}
@@ -204,7 +206,8 @@ def test_xtc_fields_reach_the_engine_and_are_checked_there(served):
 
 
 def test_generate_takes_the_xtc_flags(capsys):
-    assert main(["generate", "hi", "-m", "4", "--temp", "1", "--seed", "0", "--xtc-probability", "1"]) == 0
+    argv = ["generate", "hi", "-m", "4", "--temp", "1", "--seed", "0", "--xtc-probability", "1"]
+    assert main(argv) == 0
     assert "Generation: 4 tokens" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         main(["generate", "hi", "--xtc-threshold", "0.7"])
