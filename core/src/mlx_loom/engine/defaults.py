@@ -15,8 +15,9 @@ default can never be something a request could not ask for:
 
 Which doors apply the checkpoint's values is decided by each door and
 documented there: ``loom serve`` does (as vLLM does); ``generate()`` and
-``loom generate`` do not (as mlx-lm does), so they stay token-for-token
-comparable with mlx-lm, and take :func:`generation_defaults` explicitly.
+``loom generate`` do not unless asked (as mlx-lm does not), so they stay
+token-for-token comparable with mlx-lm: ``loom generate --generation-config``,
+or :func:`generation_defaults` passed on in Python.
 """
 
 from __future__ import annotations
