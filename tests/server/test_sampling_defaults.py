@@ -159,7 +159,7 @@ def test_hostile_checkpoint_values_are_ignored_with_a_warning(ckpt, tmp_path, ca
     model, tokenizer = mlx_loom.load(path)
     server = make_server(model, tokenizer, port=0)
     assert server.app.sampling_defaults == {"repetition_penalty": 1.1}
-    server.app.worker.close()
+    server.stop()
 
 
 def test_do_sample_false_keeps_only_the_repetition_penalty(tmp_path):
