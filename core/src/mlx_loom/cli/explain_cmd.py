@@ -7,6 +7,7 @@ import json
 
 from ..artifacts.summary import summarize_artifact
 from ..cpu.compiled_step import describe as describe_step
+from ..engine.defaults import generation_defaults
 from ..host import PluginHost, resolve_model
 from .generate_cmd import add_cpu_path_options
 from .models_cmd import human_bytes, human_count
@@ -17,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "explain",
         help="show how a model would be resolved, without loading weights",
         description="Print the model type, parameter count, dtype, quantization and context "
-        "length, the chosen profile and why, the implementation, and the kernel backend of each "
+        "length, the sampling defaults from generation_config.json, the chosen profile and why, the implementation, and the kernel backend of each "
         "needed kernel on this device — or the refusal and its fix. Only config.json and the "
         "safetensors headers are read.",
     )
@@ -42,8 +43,14 @@ def run(args: argparse.Namespace) -> int:
     )
     summary = resolved.summary
     weights = summarize_artifact(resolved.model_dir, resolved.config)
+    # What `loom serve` applies to a request that omits them (without its flags).
+    sampling = generation_defaults(resolved.model_dir)
     if args.json:
-        payload = {**summary.model_dump(mode="json"), "weights": weights.model_dump(mode="json")}
+        payload = {
+            **summary.model_dump(mode="json"),
+            "weights": weights.model_dump(mode="json"),
+            "sampling_defaults": sampling,
+        }
         print(json.dumps(payload, indent=2))
         return 0
     rows = [
@@ -63,6 +70,11 @@ def run(args: argparse.Namespace) -> int:
         ("cpu kernels", summary.cpu.describe_kernels()),
         ("decode step", describe_step(summary.cpu.kernel_set, frozenset(summary.capabilities))),
         ("capabilities", ", ".join(summary.capabilities) or "-"),
+        (
+            "sampling defaults",
+            (", ".join(f"{k}={v}" for k, v in sampling.items()) or "none (greedy)")
+            + "  (generation_config.json; loom serve applies them)",
+        ),
         ("config fingerprint", summary.config_fingerprint),
         ("artifact fingerprint", summary.artifact_fingerprint),
     ]

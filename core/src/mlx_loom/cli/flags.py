@@ -153,6 +153,18 @@ FREQUENCY_PENALTY = finite(
     valid="a finite number (0 turns it off; positive discourages repeats)",
     fix="omit {flag} to turn it off, or pass a value such as {flag} 0.5",
 )
+XTC_PROBABILITY = finite(
+    "--xtc-probability",
+    check=lambda v: 0 <= v <= 1,
+    valid="a number in [0, 1] (0 turns XTC off)",
+    fix="pass {flag} 0 to turn XTC off, or a value such as {flag} 0.5",
+)
+XTC_THRESHOLD = finite(
+    "--xtc-threshold",
+    check=lambda v: 0 <= v <= 0.5,
+    valid="a number in [0, 0.5]",
+    fix="pass {flag} 0.1 (the default) or another value in [0, 0.5]",
+)
 SEED = integer(
     "--seed",
     low=0,
@@ -234,6 +246,8 @@ API_FLAGS: dict[str, str] = {
     "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty",
     "seed": "--seed",
+    "xtc_probability": "--xtc-probability",
+    "xtc_threshold": "--xtc-threshold",
     "stop": "--stop",
     "kv_bits": "--kv-bits",
     "kv_group_size": "--kv-group-size",

@@ -13,6 +13,7 @@ from typing import Any
 from ..assets import BUNDLED_MODEL_ALIAS
 from ..cache import resolve_kv_codec
 from ..engine.constraints import MAX_SOURCE_BYTES
+from ..engine.defaults import generation_defaults
 from ..engine.kv_groups import kv_group_size_for
 from ..errors import RequestError, UsageError
 from ..generation import stream_generate
@@ -133,15 +134,21 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-tokens", "-m", type=flags.MAX_TOKENS, default=256, metavar="N", help="default: 256"
     )
+    # Left out (None): the built-in default, or the checkpoint's with --generation-config.
+    group.add_argument("--temp", type=flags.TEMP, metavar="T", help="0 = greedy (default)")
     group.add_argument(
-        "--temp", type=flags.TEMP, default=0.0, metavar="T", help="0 = greedy (default)"
+        "--top-p", type=flags.TOP_P, metavar="P", help="in (0, 1]; default: 1 (off)"
+    )
+    group.add_argument("--top-k", type=flags.TOP_K, metavar="K", help="default: 0 (off)")
+    group.add_argument(
+        "--min-p", type=flags.MIN_P, metavar="P", help="in [0, 1]; default: 0 (off)"
     )
     group.add_argument(
-        "--top-p", type=flags.TOP_P, default=1.0, metavar="P", help="in (0, 1]; default: 1 (off)"
-    )
-    group.add_argument("--top-k", type=flags.TOP_K, default=0, metavar="K", help="default: 0 (off)")
-    group.add_argument(
-        "--min-p", type=flags.MIN_P, default=0.0, metavar="P", help="in [0, 1]; default: 0 (off)"
+        "--generation-config",
+        action="store_true",
+        help="apply the checkpoint's generation_config.json sampling values (temperature, "
+        "top_p, top_k, min_p, repetition_penalty) where no flag sets them, as loom serve does "
+        "(default: off, as in mlx-lm)",
     )
     group.add_argument(
         "--repetition-penalty",
@@ -154,6 +161,18 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--frequency-penalty", type=flags.FREQUENCY_PENALTY, metavar="X", help="0 = off"
+    )
+    group.add_argument(
+        "--xtc-probability",
+        type=flags.XTC_PROBABILITY,
+        metavar="P",
+        help="in [0, 1]: the chance per token that XTC cuts the top choices; default: 0 (off)",
+    )
+    group.add_argument(
+        "--xtc-threshold",
+        type=flags.XTC_THRESHOLD,
+        metavar="T",
+        help="in [0, 0.5]: XTC cuts tokens at least this likely (default: 0.1)",
     )
     group.add_argument("--seed", type=flags.SEED, metavar="S", help="default: a fresh random seed")
     group.add_argument(
@@ -186,10 +205,6 @@ def sampling_kwargs(args: argparse.Namespace, model: Model) -> dict[str, Any]:
     """The ``stream_generate`` options the shared flags ask for."""
     options: dict[str, Any] = dict(
         max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
         seed=args.seed,
         stop=args.stop,
         kv_bits=args.kv_bits,
@@ -198,9 +213,20 @@ def sampling_kwargs(args: argparse.Namespace, model: Model) -> dict[str, Any]:
         kv_codec=args.kv_codec,
         prefill_step_size=args.prefill_step_size,
     )
-    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
+    if args.generation_config:
+        options.update(generation_defaults(model.model_dir))
+    given = {
+        "temperature": args.temp,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "xtc_probability": args.xtc_probability,
+        "xtc_threshold": args.xtc_threshold,
+    }
+    options.update((name, value) for name, value in given.items() if value is not None)
     return options
 
 

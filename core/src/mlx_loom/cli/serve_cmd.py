@@ -131,6 +131,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="template variables for every request, under each request's "
         """chat_template_kwargs, e.g. '{"enable_thinking": false}'""",
     )
+    defaults = parser.add_argument_group(
+        "sampling defaults (a request's own value wins; unset: the checkpoint's "
+        "generation_config.json, else greedy)"
+    )
+    defaults.add_argument("--temp", type=flags.TEMP, metavar="T", help="default temperature")
+    defaults.add_argument("--top-p", type=flags.TOP_P, metavar="P", help="default top_p")
+    defaults.add_argument("--top-k", type=flags.TOP_K, metavar="K", help="default top_k")
+    defaults.add_argument("--min-p", type=flags.MIN_P, metavar="P", help="default min_p")
+    defaults.add_argument(
+        "--max-tokens",
+        type=flags.MAX_TOKENS,
+        metavar="N",
+        help="max_tokens of a request that gives none (default: 256, at most --max-tokens-limit)",
+    )
+    defaults.add_argument(
+        "--no-generation-config",
+        action="store_true",
+        help="do not apply the checkpoint's generation_config.json sampling values",
+    )
     add_kv_cache_options(parser.add_argument_group("KV cache"), whose="every request's KV cache")
     access = parser.add_argument_group("access")
     access.add_argument(
@@ -397,6 +416,14 @@ def run(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         write_timeout=args.write_timeout,
         speculation=speculation_from_args(args),
+        sampling_defaults={
+            "temperature": args.temp,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "min_p": args.min_p,
+        },
+        default_max_tokens=args.max_tokens,
+        generation_config=not args.no_generation_config,
     )
     if not server.loopback_only and server.api_key is None:
         print(
@@ -417,6 +444,11 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     print(decoding_line(server.app, args.draft_model), file=sys.stderr)
+    shown = ", ".join(f"{k}={v}" for k, v in server.app.sampling_defaults.items()) or "greedy"
+    print(
+        f"loom: sampling defaults: {shown}; max_tokens={server.app.default_max_tokens}",
+        file=sys.stderr,
+    )
     try:
         server.serve_until_signalled(args.shutdown_grace)
     except KeyboardInterrupt:  # a second signal while draining: do not wait

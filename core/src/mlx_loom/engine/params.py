@@ -102,6 +102,19 @@ _RULES: dict[str, _Rule] = {
         f"an integer in [0, {2**64 - 1}], or null for a fresh random seed",
         "pass a non-negative integer seed such as 42, or omit it",
     ),
+    "xtc_probability": _Rule(
+        "a number in [0, 1] (the chance, per token, that XTC cuts; 0 turns XTC off)",
+        "pass xtc_probability=0 to turn XTC off, or a value such as 0.5",
+    ),
+    "xtc_threshold": _Rule(
+        "a number in [0, 0.5] (tokens at least this likely are cut, but for the least likely "
+        "of them)",
+        "pass xtc_threshold=0.1 (the default) or another value in [0, 0.5]",
+    ),
+    "xtc_special_tokens": _Rule(
+        "a list of token ids (integers >= 0) XTC never cuts",
+        "pass token ids such as the tokenizer's EOS ids, or omit it (the doors fill it in)",
+    ),
     "logprobs": _Rule(
         f"an integer in [0, {MAX_LOGPROBS}] (how many top alternatives to report per token)",
         f"pass logprobs=0 to report none, or a count up to {MAX_LOGPROBS}",
@@ -153,9 +166,14 @@ class SamplingParams(BaseModel):
     it). The model is frozen: a request's parameters do not change while it
     runs.
 
-    Filters apply in mlx-lm's order — top-p, then min-p, then top-k — to the
-    log-probabilities, and sampling draws from the survivors at
-    ``temperature``. Penalties and ``logit_bias`` act on the logits before
+    Filters apply in mlx-lm's order — top-p, then min-p, then XTC, then
+    top-k — to the log-probabilities, and sampling draws from the survivors at
+    ``temperature``. XTC ("exclude top choices", mlx-lm's names and rule):
+    with probability ``xtc_probability`` per token, every token at least
+    ``xtc_threshold`` likely is removed except the least likely of them, so
+    the reply leaves its most predictable path; ``xtc_special_tokens`` (EOS,
+    newline: ``make_request`` fills them from the tokenizer when left out)
+    are never removed. Penalties and ``logit_bias`` act on the logits before
     that, in mlx-lm's order: bias, repetition, presence, frequency.
     """
 
@@ -173,6 +191,9 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
     logprobs: int = 0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special_tokens: tuple[int, ...] | None = None
 
     def __init__(self, **data: Any) -> None:
         _reject_unknown_options(data)
@@ -210,6 +231,8 @@ class SamplingParams(BaseModel):
         "penalty_context_size",
         "seed",
         "logprobs",
+        "xtc_probability",
+        "xtc_threshold",
         mode="before",
     )
     @classmethod
@@ -314,6 +337,33 @@ class SamplingParams(BaseModel):
     def _check_logprobs(cls, value: int) -> int:
         if not 0 <= value <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        return value
+
+    @field_validator("xtc_probability")
+    @classmethod
+    def _check_xtc_probability(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:  # also false for NaN
+            raise ValueError("xtc_probability must be in [0, 1]")
+        return value
+
+    @field_validator("xtc_threshold")
+    @classmethod
+    def _check_xtc_threshold(cls, value: float) -> float:
+        # Above 0.5 at most one token can reach the threshold, and XTC always
+        # keeps the least likely of those that do: it would never cut.
+        if not 0.0 <= value <= 0.5:
+            raise ValueError("xtc_threshold must be in [0, 0.5]")
+        return value
+
+    @field_validator("xtc_special_tokens")
+    @classmethod
+    def _check_xtc_special_tokens(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is not None:
+            for token in value:
+                if token < 0:
+                    raise ValueError(f"token id {token} is negative")
+                _bounded_int("an xtc_special_tokens id", token, 0)
+            value = tuple(sorted(set(value)))
         return value
 
     # --- derived facts the sampler reads

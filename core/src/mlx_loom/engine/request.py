@@ -318,6 +318,34 @@ def context_room(model: Model, prompt_len: int) -> int | None:
     return limit - prompt_len
 
 
+def _with_xtc_special_tokens(
+    params: SamplingParams, tokenizer: Any, eos: frozenset[int], vocab: int | None
+) -> SamplingParams:
+    """``params`` with the tokens XTC never cuts: the caller's, else EOS and newline.
+
+    mlx-lm's doors protect the same tokens: cutting EOS when it is the likely
+    choice would make a reply run on, and cutting the newline would glue lines.
+    Ids outside the vocabulary are refused here, where the vocabulary is known.
+    """
+    if params.xtc_probability == 0 or params.greedy:
+        return params
+    special = params.xtc_special_tokens
+    if special is None:
+        newline = tokenizer.encode("\n", add_special_tokens=False) if tokenizer else []
+        special = tuple(sorted({*eos, *newline}))
+        params = params.model_copy(update={"xtc_special_tokens": special})
+    if vocab is not None:
+        bad = [t for t in special if t >= vocab]
+        if bad:
+            raise RequestError(
+                f"xtc_special_tokens names token id(s) {bad[:5]} outside this model's "
+                f"vocabulary (0..{vocab - 1}).",
+                fix="Pass token ids from this model's tokenizer.",
+                param="xtc_special_tokens",
+            )
+    return params
+
+
 def make_request(
     model: Model,
     tokenizer: Tokenizer | None,
@@ -392,7 +420,14 @@ def make_request(
             )
         moved = [
             name
-            for name in ("temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep")
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "min_tokens_to_keep",
+                "xtc_probability",
+            )
             if getattr(params, name) != SamplingParams.model_fields[name].default
         ]
         if moved:
@@ -412,6 +447,15 @@ def make_request(
             )
     if speculation is not None:
         _check_speculation(model, speculation, sampler=sampler)
+        if params.xtc_probability > 0 and not params.greedy:
+            raise RequestError(
+                "Speculative decoding does not combine with XTC: its accept/reject rule "
+                "needs the distribution each token is drawn from, and XTC cuts it at random.",
+                fix="Drop xtc_probability, or turn speculation off for this request.",
+                param="xtc_probability",
+            )
+    eos = eos if eos is not None else (tokenizer.eos_token_ids if tokenizer else frozenset())
+    params = _with_xtc_special_tokens(params, tokenizer, eos, vocab)
     if adapter is not None:
         _check_adapter(model, adapter, speculation)
     if constraint is not None:
@@ -423,7 +467,7 @@ def make_request(
         params=params,
         stop=tuple(stop),
         tokenizer=tokenizer,
-        eos=eos if eos is not None else (tokenizer.eos_token_ids if tokenizer else frozenset()),
+        eos=eos,
         prefill_step_size=prefill_step_size,
         kv=kv,
         max_kv_size=max_kv_size,

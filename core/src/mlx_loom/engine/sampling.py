@@ -2,7 +2,7 @@
 
 The contract is mlx-lm's ``make_sampler``: for the same parameters and the
 same PRNG key, :class:`Sampler` picks the identical token. The filters run in
-mlx-lm's order on the log-probabilities — top-p, then min-p, then top-k — and
+mlx-lm's order on the log-probabilities — top-p, then min-p, then XTC, then top-k — and
 the survivors are sampled with ``categorical(logprobs * (1 / temperature))``.
 Multiplying by the reciprocal (not dividing by ``temperature``) is mlx-lm's
 arithmetic; the two round differently, so we keep it.
@@ -111,6 +111,30 @@ def _min_p(logprobs: mx.array, log_min_p: mx.array, min_tokens_to_keep: int) -> 
     return mx.where(remove, _NEG_INF, logprobs)
 
 
+def _xtc(
+    logprobs: mx.array,
+    probability: mx.array,
+    threshold: mx.array,
+    draw: mx.array,
+    special: tuple[int, ...],
+) -> mx.array:
+    """XTC, "exclude top choices": when ``draw`` falls at or under ``probability``,
+    remove every token at least ``threshold`` likely except the least likely of them.
+
+    mlx-lm's rule: a token is cut when its probability is above the smallest
+    probability that is above the threshold; the ``special`` tokens (EOS,
+    newline) are never cut. ``draw`` is one uniform in [0, 1) per call (per
+    step, for the whole batch, as mlx-lm draws it).
+    """
+    probs = mx.softmax(logprobs, axis=-1)
+    cut = threshold.astype(probs.dtype)
+    smallest_above = mx.where(probs > cut, probs, mx.inf).min(axis=-1, keepdims=True)
+    mask = probs > smallest_above
+    if special:
+        mask[..., list(special)] = False
+    return mx.where(draw > probability, logprobs, mx.where(mask, _NEG_INF, logprobs))
+
+
 def _top_k(logprobs: mx.array, top_k: int) -> mx.array:
     """Keep the ``top_k`` most likely tokens (``argpartition`` decides ties)."""
     beyond = mx.argpartition(-logprobs, kth=top_k - 1, axis=-1)[..., top_k:]
@@ -130,6 +154,9 @@ class _Chain:
     min_p: bool
     min_tokens_to_keep: int
     top_k: int
+    #: XTC runs (``xtc_probability > 0``), sparing these token ids.
+    xtc: bool = False
+    xtc_special: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, params: SamplingParams) -> _Chain:
@@ -138,10 +165,19 @@ class _Chain:
             min_p=params.min_p != 0.0,
             min_tokens_to_keep=params.min_tokens_to_keep,
             top_k=params.top_k,
+            xtc=params.xtc_probability > 0.0,
+            xtc_special=params.xtc_special_tokens or (),
         )
 
     def prepare(
-        self, logprobs: mx.array, scale: mx.array, top_p: mx.array, log_min_p: mx.array
+        self,
+        logprobs: mx.array,
+        scale: mx.array,
+        top_p: mx.array,
+        log_min_p: mx.array,
+        xtc_probability: mx.array,
+        xtc_threshold: mx.array,
+        xtc_draw: mx.array,
     ) -> mx.array:
         """``logprobs [B, V] -> logits`` the draw samples from: filtered, then scaled."""
         vocab = logprobs.shape[-1]
@@ -151,6 +187,8 @@ class _Chain:
         # identity, and argpartition could not be asked for it.
         if self.min_p and self.min_tokens_to_keep < vocab:
             logprobs = _min_p(logprobs, log_min_p, self.min_tokens_to_keep)
+        if self.xtc:
+            logprobs = _xtc(logprobs, xtc_probability, xtc_threshold, xtc_draw, self.xtc_special)
         # top_k >= vocab keeps every token, so the filter is the identity
         # (mlx-lm raises instead; the distribution is the same either way).
         if 0 < self.top_k < vocab:
@@ -164,11 +202,28 @@ class _Chain:
         scale: mx.array,
         top_p: mx.array,
         log_min_p: mx.array,
+        xtc_probability: mx.array,
+        xtc_threshold: mx.array,
     ) -> tuple[mx.array, mx.array]:
-        """One token per row, and the key the next draw will split."""
+        """One token per row, and the key the next draw will split.
+
+        With XTC, its uniform is drawn first, from its own split of the key:
+        mlx-lm's XTC draws from the global generator before the categorical
+        draw does, so the same seed gives the same two draws in order.
+        """
+        xtc_draw = _NO_XTC_DRAW
+        if self.xtc:
+            key, xtc_key = mx.random.split(key)
+            xtc_draw = mx.random.uniform(key=xtc_key)
         next_key, draw_key = mx.random.split(key)
-        logits = self.prepare(logprobs, scale, top_p, log_min_p)
+        logits = self.prepare(
+            logprobs, scale, top_p, log_min_p, xtc_probability, xtc_threshold, xtc_draw
+        )
         return mx.random.categorical(logits, key=draw_key), next_key
+
+
+#: The XTC uniform where none is drawn: above every probability, so XTC never cuts.
+_NO_XTC_DRAW = mx.array(2.0, mx.float32)
 
 
 @functools.lru_cache(maxsize=64)
@@ -214,6 +269,8 @@ class Sampler:
                 mx.array(1.0 / params.temperature, mx.float32),
                 mx.array(params.top_p, mx.float32),
                 mx.array(log_min_p, mx.float32),
+                mx.array(params.xtc_probability, mx.float32),
+                mx.array(params.xtc_threshold, mx.float32),
             )
 
     @property
@@ -241,11 +298,13 @@ class Sampler:
 
         Filtered tokens are ``-inf``; the rest are scaled by ``1 / temperature``.
         For greedy decoding, ``logprobs`` itself (the argmax is taken of it).
-        Does not advance the key.
+        Does not advance the key, so XTC's random cut is left out (it needs a
+        draw; speculative decoding, the caller that needs these logits, is
+        refused with XTC).
         """
         if self._prepare is None:
             return logprobs
-        return self._prepare(logprobs, *self._knobs)
+        return self._prepare(logprobs, *self._knobs, _NO_XTC_DRAW)
 
     def __repr__(self) -> str:
         return f"Sampler(seed={self.seed}, params={self.params!r})"

@@ -6,7 +6,8 @@ equivalent chat-completions request (``system`` becomes a system message,
 become ``tool`` messages, ``stop_sequences`` become ``stop``, ``tool_choice``
 ``any`` becomes ``required``, ``thinking`` becomes the template's
 ``enable_thinking``) and validated by the same code, so both APIs generate
-the same tokens for the same conversation. The answer is then shaped as
+the same tokens for the same conversation; a final assistant message is
+continued (prefill, :mod:`mlx_loom.serve.prefill`), as Anthropic does. The answer is then shaped as
 Anthropic's content blocks — ``thinking``, ``text``, ``tool_use`` — and, when
 streamed, as its event sequence: ``message_start``, ``ping``, per block
 ``content_block_start`` / ``content_block_delta`` / ``content_block_stop``,
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from . import schemas
 from .errors import HttpError
+from .routine import ANTHROPIC_IGNORED, log_ignored
 
 #: finish_reason -> Anthropic's stop_reason (a stop string is "stop_sequence").
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -83,7 +85,9 @@ class MessagesRequest(_Model):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: Thinking | None = None
+    # Accepted and ignored (mlx_loom.serve.routine.ANTHROPIC_IGNORED).
     metadata: dict[str, Any] | None = None
+    service_tier: StrictStr | None = None
 
 
 def _stop_reason(reason: str | None, stop: str | None) -> tuple[str, str | None]:
@@ -192,6 +196,7 @@ def _messages(request: MessagesRequest) -> list[dict[str, Any]]:
 def to_chat_body(body: Any) -> dict[str, Any]:
     """Check an Anthropic request and translate it into a chat-completions body."""
     request = schemas.parse_request(MessagesRequest, body)
+    log_ignored(request, ANTHROPIC_IGNORED, "/v1/messages")
     chat: dict[str, Any] = {
         "messages": _messages(request),
         "max_tokens": request.max_tokens,

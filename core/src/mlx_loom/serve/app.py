@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ..engine import EngineSettings, Speculation
+from ..engine.defaults import check_defaults, generation_defaults
 from ..engine.params import SamplingParams
 from ..engine.request import encode_prompt, kv_quantization, make_request
 from ..errors import LoomError, RequestError, TemplateBudgetExceeded
@@ -37,6 +38,8 @@ from ..text.tool_calls import ToolCall
 from . import schemas, wire
 from .adapters import ServedAdapters
 from .errors import NOT_FOUND, HttpError, from_loom_error
+from .prefill import continues_final_message
+from .routine import OPENAI_IGNORED, log_ignored, thinking_kwargs
 from .structured import request_constraint
 from .tools import ChatFormat, ToolPlan, output_parser, plan_tools, prompt_suffix
 from .worker import GenerationWorker, Job, Piece
@@ -163,6 +166,14 @@ class ServeApp:
     ``max_prompt_chars`` bounds the text that reaches the tokenizer and
     ``max_prompt_tokens`` (default: the model's context) the tokens that
     reach the engine.
+
+    Sampling defaults: a request that leaves out ``temperature``, ``top_p``,
+    ``top_k``, ``min_p`` or ``repetition_penalty`` gets the model's
+    ``generation_config.json`` value (as vLLM applies it), overridden by
+    ``sampling_defaults`` (``loom serve --temp --top-p --top-k --min-p``;
+    checked here, a bad one fails start-up); ``default_max_tokens``
+    (``--max-tokens``) is the ``max_tokens`` of a request that gives none.
+    ``generation_config=False`` leaves the checkpoint's values out.
     """
 
     def __init__(
@@ -185,6 +196,9 @@ class ServeApp:
         max_prompt_tokens: int | None = None,
         speculation: Speculation | None = None,
         max_response_entries: int = DEFAULT_MAX_RESPONSE_ENTRIES,
+        sampling_defaults: Mapping[str, Any] | None = None,
+        default_max_tokens: int | None = None,
+        generation_config: bool = True,
     ) -> None:
         _check_count("max_tokens_limit", max_tokens_limit, "--max-tokens-limit", 4096)
         _check_count(
@@ -212,6 +226,21 @@ class ServeApp:
         )
         self.template_budget = template_budget or TemplateBudget.from_env()
         self.default_max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
+        if default_max_tokens is not None:
+            _check_count("default_max_tokens", default_max_tokens, "--max-tokens", 256)
+            if default_max_tokens > max_tokens_limit:
+                raise RequestError(
+                    f"A default max_tokens of {default_max_tokens} is past the largest a "
+                    f"request may ask for, {max_tokens_limit}.",
+                    fix="lower --max-tokens, or raise --max-tokens-limit",
+                    param="max_tokens",
+                )
+            self.default_max_tokens = default_max_tokens
+        #: Sampling values a request that omits the field gets (engine/defaults.py).
+        self.sampling_defaults: dict[str, Any] = {
+            **(generation_defaults(model.model_dir) if generation_config else {}),
+            **check_defaults(sampling_defaults or {}, source="server sampling defaults"),
+        }
         self.created = int(time.time())
         self.chat_template_args = _template_args(chat_template_args)
         # Checked now, so a bad --kv-* flag fails start-up, not the first request.
@@ -255,12 +284,16 @@ class ServeApp:
         return self.adapters.ids if self.adapters is not None else [self.model_id]
 
     def models(self) -> dict[str, Any]:
-        cards = [schemas.ModelCard(id=i, created=self.created) for i in self.model_ids]
+        cards = [self._card(i) for i in self.model_ids]
         return schemas.ModelList(data=cards).model_dump()
 
     def model_card(self, model_id: str) -> dict[str, Any]:
         adapter = self._check_model(model_id, param=None)
-        return schemas.ModelCard(id=self._served_id(adapter), created=self.created).model_dump()
+        return self._card(self._served_id(adapter)).model_dump()
+
+    def _card(self, served_id: str) -> schemas.ModelCard:
+        defaults = {**self.sampling_defaults, "max_tokens": self.default_max_tokens}
+        return schemas.ModelCard(id=served_id, created=self.created, defaults=defaults)
 
     def _served_id(self, adapter: str | None) -> str:
         return self.model_id if adapter is None else f"{self.model_id}:{adapter}"
@@ -451,10 +484,27 @@ class ServeApp:
                 param="chat_template_kwargs",
                 code="invalid_parameter",
             )
-        kwargs = {**self.chat_template_args, **asked}
+        # The server's template variables, then reasoning_effort's switch, then
+        # the request's own chat_template_kwargs, each overriding the one before.
+        kwargs = {**self.chat_template_args, **thinking_kwargs(request.reasoning_effort), **asked}
+        prefill = continues_final_message(messages)
+        if prefill and plan.forced is not None:
+            raise HttpError(
+                400,
+                "The conversation ends with an assistant message to continue (prefill), and "
+                "tool_choice forces a tool call: the reply cannot be both.",
+                fix="drop the final assistant message, or let tool_choice be auto",
+                param="tool_choice",
+                code="invalid_parameter",
+            )
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=plan.tools, template_budget=self.template_budget, **kwargs
+                messages,
+                tools=plan.tools,
+                template_budget=self.template_budget,
+                add_generation_prompt=not prefill,
+                continue_final_message=prefill,
+                **kwargs,
             )
         except TemplateBudgetExceeded as err:
             raise HttpError(
@@ -481,6 +531,7 @@ class ServeApp:
         """
         model = schemas.ChatCompletionRequest if chat else schemas.CompletionRequest
         request = schemas.parse_request(model, body)
+        log_ignored(request, OPENAI_IGNORED, "/v1/chat/completions" if chat else "/v1/completions")
         adapter = self._pick_adapter(request, self._check_model(request.model))
         try:
             self.model.require(GENERATE, asked="text generation")
@@ -504,11 +555,13 @@ class ServeApp:
             )
         max_tokens = self._max_tokens(request)
         stop = request.stop_list()
-        options = {
-            name: getattr(request, name)
+        # The server's defaults, under what the request gives.
+        options = dict(self.sampling_defaults)
+        options.update(
+            (name, getattr(request, name))
             for name in schemas.SAMPLING_FIELDS
             if getattr(request, name) is not None
-        }
+        )
         bias = self._logit_bias(request.logit_bias)
         if bias is not None:
             options["logit_bias"] = bias

@@ -11,7 +11,6 @@ the Python API raises.
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, Literal
 
 from pydantic import (
@@ -39,6 +38,8 @@ SAMPLING_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "penalty_context_size",
+    "xtc_probability",
+    "xtc_threshold",
 )
 
 # Names other servers use for our fields: an unknown field that is one of
@@ -85,6 +86,22 @@ _EXPECTED: dict[str, tuple[str, str]] = {
     "top_logprobs": ("an integer in [0, 20]", "pass top_logprobs as an integer such as 5"),
     "n": ("an integer >= 1 (the number of choices)", "omit n, or pass a small count such as 2"),
     "user": ("a string", "omit user, or pass a string"),
+    "store": ("true or false (accepted and ignored)", "omit store, or pass a JSON boolean"),
+    "metadata": (
+        "an object (accepted and ignored)",
+        'omit metadata, or pass an object like {"run": "7"}',
+    ),
+    "service_tier": ("a string (accepted and ignored)", "omit service_tier"),
+    "prompt_cache_key": ("a string (accepted and ignored)", "omit prompt_cache_key"),
+    "safety_identifier": ("a string (accepted and ignored)", "omit safety_identifier"),
+    "modalities": (
+        '["text"]: this server writes text only',
+        'omit modalities, or pass ["text"]',
+    ),
+    "reasoning_effort": (
+        '"none", "minimal", "low", "medium", "high" or "xhigh"',
+        'pass reasoning_effort as "none" (thinking off) or "medium" (thinking on)',
+    ),
     "chat_template_kwargs": (
         "an object of chat-template variables",
         'pass chat_template_kwargs like {"enable_thinking": false}',
@@ -151,7 +168,14 @@ class _GenerationRequest(_Strict):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
+    # Accepted and ignored (mlx_loom.serve.routine.OPENAI_IGNORED).
     user: StrictStr | None = None
+    store: StrictBool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    modalities: list[Literal["text"]] | None = None
     #: A registered adapter's name (``loom serve --adapter NAME=PATH``); mlx-lm's
     #: ``adapters`` may also name one, by name or by the path it was registered from.
     adapter: StrictStr | None = None
@@ -168,6 +192,8 @@ class _GenerationRequest(_Strict):
     frequency_penalty: Any = None
     repetition_penalty: Any = None
     penalty_context_size: Any = None
+    xtc_probability: Any = None
+    xtc_threshold: Any = None
     # Speculative decoding (an extension): "ngram", "model" (the server's
     # --draft-model) or "none"; absent: the server's default.
     draft: StrictStr | None = None
@@ -250,17 +276,56 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    #: Mapped onto the template's thinking switch (mlx_loom.serve.routine).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
 
 def _all_fields(model: type[BaseModel]) -> list[str]:
     return list(model.model_fields)
 
 
+#: Unknown names longer than this get no suggestion: a field name is short,
+#: and the edit distance below costs the product of the two lengths.
+_MAX_SUGGESTED_NAME = 64
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions), row by row."""
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+def nearest_field(name: str, known: list[str]) -> str | None:
+    """The field an unknown ``name`` was probably meant to be, or ``None``.
+
+    A known alias (another server's name for one of ours) first; else the
+    field within a typo's reach: at most one edit per four characters of
+    the field (``temprature``, ``max-tokens``, ``response_fromat``), none for
+    names under three characters. A name that merely shares letters with a
+    field (``reasoning_effort`` and ``response_format``) is no typo of it.
+    """
+    alias = _ALIASES.get(name) or _ALIASES.get(name.lower())
+    if alias is not None and alias in known:
+        return alias
+    if len(name) > _MAX_SUGGESTED_NAME:
+        return None
+    plain = name.lower().replace("-", "_")
+    best: tuple[int, str] | None = None
+    for field in known:
+        limit = len(field) // 4 if len(field) >= 3 else 0
+        distance = _edit_distance(plain, field)
+        if distance <= limit and (best is None or distance < best[0]):
+            best = (distance, field)
+    return best[1] if best is not None else None
+
+
 def _unknown_field(name: str, known: list[str]) -> HttpError:
-    suggestion = _ALIASES.get(name) or _ALIASES.get(name.lower())
-    if suggestion is None or suggestion not in known:
-        close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.6)
-        suggestion = close[0] if close else None
+    suggestion = nearest_field(name, known)
     if suggestion is not None:
         return HttpError(
             400,
@@ -471,6 +536,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mlx-loom"
+    #: The sampling values (and ``max_tokens``) a request that omits them gets:
+    #: the checkpoint's ``generation_config.json`` under the server's flags.
+    defaults: dict[str, Any] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):
