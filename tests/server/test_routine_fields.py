@@ -242,6 +242,18 @@ def test_a_final_assistant_message_is_continued_on_messages(served):
     )
 
 
+def test_a_final_assistant_message_is_continued_on_responses(served):
+    server, worker = served
+    worker.script(' "yes"}')
+    items = [{"role": m["role"], "content": m["content"]} for m in PREFILL]
+    response = openai_client(server).responses.create(model="tools", input=items)
+    assert response.output_text == ' "yes"}'  # the continuation only
+    tokenizer = server.app.tokenizer
+    assert worker.jobs[-1].prompt == tokenizer.encode_chat(
+        PREFILL, add_generation_prompt=False, continue_final_message=True
+    )
+
+
 def test_prefill_with_a_forced_tool_call_is_refused(served):
     server, _ = served
     with pytest.raises(openai.BadRequestError) as info:
