@@ -460,9 +460,17 @@ class ServeApp:
         return ids
 
     def _chat_prompt(
-        self, request: schemas.ChatCompletionRequest, plan: ToolPlan
+        self,
+        request: schemas.ChatCompletionRequest,
+        plan: ToolPlan,
+        *,
+        generation_prompt: bool = True,
     ) -> tuple[list[int], bool]:
-        """The prompt ids, and whether the reply starts inside a thinking section."""
+        """The prompt ids, and whether the reply starts inside a thinking section.
+
+        ``generation_prompt=False`` renders the conversation closed, as
+        ``/tokenize`` may ask: no assistant turn opened, none continued.
+        """
         if not self.tokenizer.has_chat_template:
             raise HttpError(
                 400,
@@ -487,7 +495,7 @@ class ServeApp:
         # The server's template variables, then reasoning_effort's switch, then
         # the request's own chat_template_kwargs, each overriding the one before.
         kwargs = {**self.chat_template_args, **thinking_kwargs(request.reasoning_effort), **asked}
-        prefill = continues_final_message(messages)
+        prefill = generation_prompt and continues_final_message(messages)
         if prefill and plan.forced is not None:
             raise HttpError(
                 400,
@@ -502,7 +510,7 @@ class ServeApp:
                 messages,
                 tools=plan.tools,
                 template_budget=self.template_budget,
-                add_generation_prompt=not prefill,
+                add_generation_prompt=generation_prompt and not prefill,
                 continue_final_message=prefill,
                 **kwargs,
             )
@@ -512,9 +520,11 @@ class ServeApp:
             ) from None
         except LoomError as err:
             raise from_loom_error(err, param="messages") from None
-        reasoning = self.chat_format.reasoning
-        in_reasoning = reasoning is not None and reasoning.opens_inside(text)
-        text += prompt_suffix(plan, self.chat_format, in_reasoning=in_reasoning)
+        in_reasoning = False
+        if generation_prompt:
+            reasoning = self.chat_format.reasoning
+            in_reasoning = reasoning is not None and reasoning.opens_inside(text)
+            text += prompt_suffix(plan, self.chat_format, in_reasoning=in_reasoning)
         self._check_prompt_chars(text, "messages")
         try:
             ids = self.tokenizer.encode(text, add_special_tokens=False)

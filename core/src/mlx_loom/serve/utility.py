@@ -23,9 +23,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from ..engine.request import encode_prompt
-from ..errors import LoomError, TemplateBudgetExceeded
+from ..errors import LoomError
 from . import anthropic, schemas
-from .app import _RESERVED_TEMPLATE_KEYS, DEFAULT_MAX_PROMPT_TOKENS, ServeApp, _message_dict
+from .app import DEFAULT_MAX_PROMPT_TOKENS, ServeApp
 from .errors import HttpError, from_loom_error
 from .tools import plan_tools
 
@@ -179,51 +179,10 @@ def _chat_ids(app: ServeApp, body: dict[str, Any], request: TokenizeRequest) -> 
 
 
 def _closed_chat_ids(app: ServeApp, chat: dict[str, Any]) -> list[int]:
-    """A conversation rendered without the generation prompt (``add_generation_prompt: false``).
-
-    The chat endpoints always open the assistant's turn, so this render is
-    the one place that does not: the same messages, tools and template
-    variables, under the same bounds.
-    """
+    """A conversation rendered without the generation prompt (``add_generation_prompt: false``):
+    the chat endpoints' own rendering, under the same bounds, with the turn left closed."""
     request = schemas.parse_request(schemas.ChatCompletionRequest, chat)
-    if not app.tokenizer.has_chat_template:
-        raise HttpError(
-            400,
-            f"The model {app.model_id!r} has no chat template, so messages cannot be rendered.",
-            fix="tokenize a text prompt instead",
-            param="messages",
-            code="no_chat_template",
-        )
-    asked = dict(request.chat_template_kwargs or {})
-    reserved = _RESERVED_TEMPLATE_KEYS & asked.keys()
-    if reserved:
-        raise HttpError(
-            400,
-            f"chat_template_kwargs may not set {sorted(reserved)}.",
-            fix="remove those keys from chat_template_kwargs",
-            param="chat_template_kwargs",
-            code="invalid_parameter",
-        )
-    plan = plan_tools(request, app.chat_format)
-    messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
-    try:
-        text = app.tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=False,
-            tools=plan.tools,
-            template_budget=app.template_budget,
-            **{**app.chat_template_args, **asked},
-        )
-    except TemplateBudgetExceeded as err:
-        raise HttpError(
-            400, err.message, fix=err.fix, param="messages", code="template_budget_exceeded"
-        ) from None
-    except LoomError as err:
-        raise from_loom_error(err, param="messages") from None
-    app._check_prompt_chars(text, "messages")
-    try:
-        ids = app.tokenizer.encode(text, add_special_tokens=False)
-    except LoomError as err:
-        raise from_loom_error(err, param="messages") from None
-    app._check_prompt_tokens(ids, "messages")
+    ids, _ = app._chat_prompt(
+        request, plan_tools(request, app.chat_format), generation_prompt=False
+    )
     return ids
