@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from . import schemas
-from .errors import HttpError
+from .errors import HttpError, rename_param
 from .routine import ANTHROPIC_IGNORED, log_ignored
 
 #: finish_reason -> Anthropic's stop_reason (a stop string is "stop_sequence").
@@ -242,11 +242,7 @@ def to_chat_body(body: Any) -> dict[str, Any]:
 
 def renamed(err: HttpError) -> HttpError:
     """An error found in the translated request, naming the field the client sent."""
-    if err.param is not None:
-        head = err.param.split("[")[0].split(".")[0]
-        if head in _RENAMED:
-            err.param = _RENAMED[head] + err.param[len(head) :]
-    return err
+    return rename_param(err, _RENAMED)
 
 
 class MessageShaper:

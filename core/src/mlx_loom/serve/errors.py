@@ -11,6 +11,7 @@ with the field (``param``) and reason (``code``) it names.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import LoomError, Refusal, RequestError, TokenizerError
@@ -140,3 +141,17 @@ def from_loom_error(err: LoomError, *, param: str | None = None) -> HttpError:
     return HttpError(
         500, err.message, fix=err.fix, type=SERVER_ERROR, param=param, code=type(err).__name__
     )
+
+
+def rename_param(err: HttpError, names: Mapping[str, str]) -> HttpError:
+    """``err`` naming its field as a translating endpoint's client sent it.
+
+    ``/v1/messages`` and ``/v1/responses`` are checked as chat requests; a
+    field the translation renamed (``stop`` for ``stop_sequences``) is named
+    back, keeping any index or sub-field after it (``input[2].content``).
+    """
+    if err.param is not None:
+        head = err.param.split("[")[0].split(".")[0]
+        if head in names:
+            err.param = names[head] + err.param[len(head) :]
+    return err

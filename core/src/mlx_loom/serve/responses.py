@@ -45,7 +45,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from . import schemas
-from .errors import HttpError
+from .errors import HttpError, rename_param
 
 log = logging.getLogger(__name__)
 
@@ -392,11 +392,7 @@ def to_chat_body(request: ResponsesRequest) -> dict[str, Any]:
 
 def renamed(err: HttpError) -> HttpError:
     """An error found in the translated request, naming the field the client sent."""
-    if err.param is not None:
-        head = err.param.split("[")[0].split(".")[0]
-        if head in _RENAMED:
-            err.param = _RENAMED[head] + err.param[len(head) :]
-    return err
+    return rename_param(err, _RENAMED)
 
 
 def _id(prefix: str) -> str:
