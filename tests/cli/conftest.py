@@ -7,6 +7,7 @@ empty inputrc, and no plugin policy.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import mlx_loom
+from mlx_loom.cli.main import main
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 from .terminal import Terminal
@@ -113,3 +115,16 @@ def long_talker(tmp_path_factory) -> Path:
     """
     root = tmp_path_factory.mktemp("long-talker")
     return family_checkpoint(root, "llama", max_position_embeddings=1 << 20)
+
+
+@pytest.fixture
+def chat(monkeypatch, capsys):
+    """``chat(*args, input=...)`` -> (exit code, stdout, stderr) of ``loom chat ARGS``."""
+
+    def run(*args: str, input: str) -> tuple[int, str, str]:
+        monkeypatch.setattr("sys.stdin", io.StringIO(input))
+        code = main(["chat", *map(str, args)])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

@@ -16,7 +16,6 @@ import signal
 import pytest
 
 import mlx_loom
-from mlx_loom.cli.main import main
 
 from .conftest import FAMILIES, family_checkpoint
 
@@ -26,19 +25,6 @@ STATS = re.compile(r"Prompt: (\d+) tokens.*?\nGeneration: (\d+) tokens", re.S)
 
 def turn_sizes(stderr: str) -> list[tuple[int, int]]:
     return [(int(p), int(g)) for p, g in STATS.findall(stderr)]
-
-
-@pytest.fixture
-def chat(monkeypatch, capsys):
-    """``chat(*args, input=...)`` -> (exit code, stdout, stderr) of ``loom chat ARGS``."""
-
-    def run(*args: str, input: str) -> tuple[int, str, str]:
-        monkeypatch.setattr("sys.stdin", io.StringIO(input))
-        code = main(["chat", *map(str, args)])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def test_the_bundled_model_answers_every_turn_of_a_long_chat(loom):
