@@ -47,3 +47,25 @@ def test_every_turn_after_the_first_reuses_the_conversation_so_far(
         # prefilled again on caches that cannot trim, to stay exact).
         assert reused >= 0.8 * before, (model_type, turns)
         assert reused < prompt
+
+
+def test_every_chat_reply_follows_the_json_schema_file(chat, tmp_path):
+    import json
+
+    schema = tmp_path / "s.json"
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["n"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    args = ("--model", "tiny", "-m", "40", "--temp", "1.0", "--seed", "3")
+    code, out, err = chat(*args, "--json-schema", str(schema), input="hi\nand again\n")
+    assert code == 0, err
+    replies = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert len(replies) == 2, out
+    assert all(set(r) == {"n"} and 0 <= r["n"] <= 9 for r in replies)

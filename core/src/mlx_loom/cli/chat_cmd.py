@@ -20,6 +20,8 @@ from .flags import usage_error
 from .generate_cmd import (
     add_model_options,
     add_sampling_options,
+    add_structured_options,
+    constraint_kwargs,
     load_from_args,
     sampling_kwargs,
     template_budget_from_args,
@@ -64,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     history.add_argument(
         "--no-history", action="store_true", help="do not read or write a history file"
     )
+    add_structured_options(parser)
     add_speculation_options(parser)
     add_sampling_options(parser)
     parser.set_defaults(handler=run, _parser=parser)
@@ -135,7 +138,11 @@ def run(args: argparse.Namespace) -> int:
     session = ChatSession(
         model,
         tokenizer,
-        options={**sampling_kwargs(args, model), **speculation_kwargs(args)},
+        options={
+            **sampling_kwargs(args, model),
+            **speculation_kwargs(args),
+            **constraint_kwargs(args),
+        },
         budget=budget,
         name=name,
         system=args.system,

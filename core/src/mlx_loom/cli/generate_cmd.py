@@ -300,20 +300,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         "default: the whole context)",
     )
     parser.add_argument("--verbose", action="store_true", help="also show what was resolved")
+    add_structured_options(parser)
+    add_speculation_options(parser)
+    add_sampling_options(parser)
+    parser.set_defaults(handler=run, _parser=parser)
+
+
+def add_structured_options(parser: argparse.ArgumentParser) -> None:
+    """--json-schema / --grammar, shared by ``loom generate`` and ``loom chat``."""
     structured = parser.add_argument_group("structured output")
     structured.add_argument(
         "--json-schema",
         metavar="FILE",
-        help="hold the output to the JSON schema in FILE (enforced while decoding)",
+        help="hold the output (in chat: every reply) to the JSON schema in FILE, enforced "
+        "while decoding",
     )
     structured.add_argument(
         "--grammar",
         metavar="FILE",
-        help="hold the output to the grammar in FILE: Lark, or llama.cpp's GBNF",
+        help="hold the output (in chat: every reply) to the grammar in FILE: Lark, or "
+        "llama.cpp's GBNF",
     )
-    add_speculation_options(parser)
-    add_sampling_options(parser)
-    parser.set_defaults(handler=run, _parser=parser)
 
 
 def constraint_kwargs(args: argparse.Namespace) -> dict[str, Any]:
