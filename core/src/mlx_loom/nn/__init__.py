@@ -34,6 +34,8 @@ from .loading import (
     Tensor,
     dense_tensors,
     expected_tensors,
+    graph_checkpoint_tensors,
+    graph_manifest,
     load_checkpoint,
 )
 from .mlp import GatedMLP
@@ -74,6 +76,8 @@ __all__ = [
     "expert_kernels",
     "gather_switch_glu",
     "geglu",
+    "graph_checkpoint_tensors",
+    "graph_manifest",
     "grouped_switch_glu",
     "load_checkpoint",
     "make_rope",

@@ -6,8 +6,7 @@ needs importing by hand. The names below are for tests and tooling.
 
 from .config import FINGERPRINT_FIELDS, MiniCPM5Config
 from .graph import Model
-from .loader import build
-from .manifest import checkpoint_tensors, tensors
+from .loader import build, checkpoint_tensors
 
 __all__ = [
     "FINGERPRINT_FIELDS",
@@ -15,5 +14,4 @@ __all__ = [
     "Model",
     "build",
     "checkpoint_tensors",
-    "tensors",
 ]

@@ -1,11 +1,13 @@
 """A Hugging Face Llama checkpoint in, the graph with its (lazy) weights out — strictly.
 
 The graph uses Hugging Face's tensor names, so :func:`sanitize` only drops
-what the checkpoint stores but the graph does not read. The core's strict
-loader compares the result with :func:`~.manifest.tensors` before the graph
-exists: any difference (a missing layer, a stray tensor, a ``q_proj`` whose
-shape contradicts ``num_attention_heads * head_dim``) is one ``WeightsError``
-listing all of them. Float tensors must all share the final norm's dtype:
+what the checkpoint stores but the graph does not read, and the tensor rule
+is the graph itself: the core's strict loader reads the expected shapes from
+the (lazily built) graph and compares the checkpoint with them before any
+weight is attached. Any difference (a missing layer, a stray tensor, a
+``q_proj`` whose shape contradicts ``num_attention_heads * head_dim``) is one
+``WeightsError`` listing all of them; a layer count the checkpoint cannot
+back is refused before the graph is built. Float tensors must all share the final norm's dtype:
 tensors load in the dtype they are stored in, so a checkpoint mixing float
 dtypes would compute in whichever dtype promotion picks; it is refused instead.
 """
@@ -15,12 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TypeVar
 
-from mlx_loom.nn import load_checkpoint
+from mlx_loom.nn import graph_checkpoint_tensors, load_checkpoint
 from mlx_loom.plugin import BuildContext
 
 from .config import MiniCPM5Config
 from .graph import Model
-from .manifest import tensors
 
 T = TypeVar("T")
 
@@ -42,8 +43,13 @@ def build(ctx: BuildContext) -> Model:
     return load_checkpoint(
         ctx.model_dir,
         ctx.config,
-        manifest=tensors(cfg),
         build=lambda: Model(cfg),
+        layers=("model.layers", cfg.num_hidden_layers),
         sanitize=lambda weights: sanitize(weights, cfg),
         uniform_dtype_of="model.norm.weight",
     )
+
+
+#: The Hugging Face-layout tensors of an unquantized checkpoint for a config
+#: (what the conformance kit writes): the graph's own, as the names agree.
+checkpoint_tensors = graph_checkpoint_tensors(MiniCPM5Config.model_validate, Model)

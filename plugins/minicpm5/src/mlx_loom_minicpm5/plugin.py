@@ -26,8 +26,7 @@ from mlx_loom.plugin import (
 )
 
 from .config import FINGERPRINT_FIELDS, MiniCPM5Config
-from .loader import build
-from .manifest import checkpoint_tensors
+from .loader import build, checkpoint_tensors
 from .parallel import plan
 
 GRAPH = "minicpm5.llama"
@@ -62,7 +61,7 @@ TINY_CONFIG = {
 # untied head follow from the published counts (1,080,632,832 parameters,
 # 679,552,512 non-embedding). Both fingerprints are derived, not downloaded:
 # config = config_fingerprint over FINGERPRINT_FIELDS of that config;
-# artifact = artifact_fingerprint of manifest.checkpoint_tensors(config, "BF16").
+# artifact = artifact_fingerprint of loader.checkpoint_tensors(config, "BF16").
 # tests/test_profiles.py recomputes them.
 MINICPM5_1B_PROFILE = Profile(
     id="minicpm5/minicpm5-1b",
