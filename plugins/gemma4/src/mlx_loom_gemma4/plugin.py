@@ -8,6 +8,9 @@ a wrapper config (``text_config``), so the family never re-nests it.
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 from mlx_loom.plugin import (
     ADAPTERS,
     BATCH,
@@ -24,9 +27,48 @@ from mlx_loom.plugin import (
 
 from . import kernels as _kernels
 from .config import FINGERPRINT_FIELDS, Gemma4TextConfig
-from .loader import build
-from .manifest import TINY_TEXT_CONFIG, TINY_WRAPPER_CONFIG, checkpoint_tensors
+from .loader import build, checkpoint_tensors
 from .parallel import plan
+
+# Small but complete configs: what the conformance kit builds tiny checkpoints from.
+S, F = "sliding_attention", "full_attention"
+
+#: Every feature at once: sliding + global layers, per-layer inputs, KV sharing, MoE.
+TINY_TEXT_CONFIG: dict[str, Any] = {
+    "model_type": "gemma4_text",
+    "hidden_size": 64,
+    "num_hidden_layers": 5,
+    "intermediate_size": 96,
+    "num_attention_heads": 2,
+    "head_dim": 32,
+    "global_head_dim": 64,
+    "num_key_value_heads": 1,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 256,
+    "vocab_size_per_layer_input": 256,
+    "hidden_size_per_layer_input": 16,
+    "sliding_window": 8,
+    "layer_types": [S, S, F, S, F],
+    "num_kv_shared_layers": 2,
+    "attention_k_eq_v": False,
+    "final_logit_softcapping": 30.0,
+    "use_double_wide_mlp": True,
+    "enable_moe_block": True,
+    "num_experts": 4,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 32,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {
+        F: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+        S: {"rope_type": "default", "rope_theta": 10000.0},
+    },
+}
+
+TINY_WRAPPER_CONFIG: dict[str, Any] = {
+    "model_type": "gemma4",
+    "text_config": copy.deepcopy(TINY_TEXT_CONFIG),
+}
 
 # Speculative decoding: sliding layers use a rotating cache, whose trim past a
 # full window raises CacheNotTrimmable (mlx-lm silently trims nothing there and
