@@ -41,7 +41,8 @@ from mlx_loom.nn import (
     switch_glu,
 )
 from mlx_loom.plugin import BuildContext
-from mlx_loom_gemma4.config import Gemma4TextConfig
+from mlx_loom_gemma4.config import Gemma3TextConfig, Gemma3WrappedTextConfig, Gemma4TextConfig
+from mlx_loom_gemma4.gemma3 import Gemma3Model
 from mlx_loom_gemma4.graph import Model
 from mlx_loom_gemma4.kernels import SWITCH_GLU
 
@@ -129,3 +130,45 @@ def checkpoint_tensors(
         ("model.language_model." + n.removeprefix("model.")) if n.startswith("model.") else n: v
         for n, v in out.items()
     }
+
+
+
+# --- Gemma 3 -------------------------------------------------------------------------
+
+
+def build_gemma3(ctx: BuildContext) -> nn.Module:
+    """The ``gemma4.gemma3-text`` factory: names are the checkpoint's, so only tied heads
+    and rotary buffers need dropping."""
+    cfg = ctx.family_config
+    assert isinstance(cfg, Gemma3TextConfig)
+
+    def sanitize_gemma3(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        out = {k: v for k, v in weights.items() if "self_attn.rotary_emb" not in k}
+        if cfg.tie_word_embeddings:
+            # Tied means lm_head *is* embed_tokens; a stored copy is what transformers
+            # overwrites at load, so it is ignored here too.
+            out.pop("lm_head.weight", None)
+        return out
+
+    return load_checkpoint(
+        ctx.model_dir,
+        ctx.config,
+        build=lambda: Gemma3Model(cfg),
+        layers=("model.layers", cfg.num_hidden_layers),
+        sanitize=sanitize_gemma3,
+    )
+
+
+def gemma3_checkpoint_tensors(
+    config: Mapping[str, Any], dtype: str = "F32"
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{name: (shape, dtype)}`` for a ``gemma3_text`` or ``gemma3`` config.
+
+    A ``gemma3`` wrapper's text tower is written under ``language_model.*``,
+    as the published Gemma 3 checkpoints store it (and as mlx-lm reads it).
+    """
+    nested = isinstance(config.get("text_config"), Mapping)
+    schema = Gemma3WrappedTextConfig if nested else Gemma3TextConfig
+    cfg = schema.model_validate(dict(config["text_config"] if nested else config))
+    out = dense_tensors(graph_manifest(Gemma3Model(cfg)), dtype)
+    return {f"language_model.{n}": v for n, v in out.items()} if nested else out
