@@ -74,6 +74,10 @@ def _mlx_lm_utils() -> ModuleType:
     return utils
 
 
+def _as_oracle(config: Mapping[str, Any], oracle_type: str | None) -> dict[str, Any]:
+    return dict(config) | ({"model_type": oracle_type} if oracle_type else {})
+
+
 @dataclass(frozen=True)
 class Run:
     """A greedy run: the last-position logits of every forward, and the tokens picked."""
@@ -82,15 +86,26 @@ class Run:
     tokens: list[list[int]]  # one list per row: the prefill's pick, then one per decode step
 
 
-def oracle_model(config: Mapping[str, Any], *, dtype: mx.Dtype = mx.float32, seed: int = 0) -> Any:
+def oracle_model(
+    config: Mapping[str, Any],
+    *,
+    dtype: mx.Dtype = mx.float32,
+    seed: int = 0,
+    oracle_type: str | None = None,
+) -> Any:
     """mlx-lm's own model for ``config`` with seeded random weights (what it would load).
+
+    ``oracle_type`` names the mlx-lm model type that implements the
+    architecture when the config's own ``model_type`` is one mlx-lm does not
+    know (a new family built on a Llama graph: ``oracle_type="llama"``).
 
     Values are large enough that greedy picks differ from step to step: norm
     gains ``1 + 0.1 * N(0, 1)``, everything else ``0.2 * N(0, 1)``.
     """
     utils = _mlx_lm_utils()
-    model_class, args_class = utils._get_classes(config=dict(config))
-    model = model_class(args_class.from_dict(dict(config)))
+    cfg = _as_oracle(config, oracle_type)
+    model_class, args_class = utils._get_classes(config=cfg)
+    model = model_class(args_class.from_dict(cfg))
     params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     shapes = {name: tuple(p.shape) for name, p in params}
     keys = mx.random.split(mx.random.key(seed), len(shapes))
@@ -111,16 +126,18 @@ def write_hf_checkpoint(
     dtype: mx.Dtype = mx.float32,
     seed: int = 0,
     to_hf: ToHF | None = None,
+    oracle_type: str | None = None,
 ) -> Path:
     """A tiny checkpoint in Hugging Face layout: ``config.json`` + ``model.safetensors``.
 
     Tensor names are mlx-lm's parameter names mapped by ``to_hf`` (identity by
     default: for most families mlx-lm keeps the Hugging Face names), stored in
-    ``dtype`` with the ``"pt"`` format tag transformers writes.
+    ``dtype`` with the ``"pt"`` format tag transformers writes. ``config.json``
+    is ``config`` as given (see :func:`oracle_model` for ``oracle_type``).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = oracle_model(config, dtype=dtype, seed=seed)
+    model = oracle_model(config, dtype=dtype, seed=seed, oracle_type=oracle_type)
     params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     weights = dict(params)
     if to_hf is not None:
@@ -139,11 +156,12 @@ def write_mlx_checkpoint(
     seed: int = 0,
     bits: int | None = None,
     group_size: int = 64,
+    oracle_type: str | None = None,
 ) -> Path:
     """A tiny checkpoint in MLX layout, as ``mlx_lm.convert`` writes it (``bits``: quantized)."""
     utils = _mlx_lm_utils()
     path = Path(path)
-    model = oracle_model(config, dtype=dtype, seed=seed)
+    model = oracle_model(config, dtype=dtype, seed=seed, oracle_type=oracle_type)
     cfg = {"torch_dtype": _DTYPE_NAMES.get(dtype, "float32"), **config}
     if bits is not None:
         model, cfg = utils.quantize_model(model, cfg, group_size, bits)
@@ -159,18 +177,22 @@ def quantize_checkpoint(
     bits: int,
     group_size: int,
     predicate: Callable[[str, nn.Module], bool | dict[str, Any]] | None = None,
+    oracle_type: str | None = None,
 ) -> Path:
     """Quantize ``src`` with mlx-lm's own converter path into ``dst`` (MLX layout).
 
     ``predicate(path, module)`` is mlx-lm's per-module recipe (``False``:
-    leave it; a dict: its own bits / group size).
+    leave it; a dict: its own bits / group size). The written ``config.json``
+    keeps ``src``'s ``model_type`` (see :func:`oracle_model` for ``oracle_type``).
     """
     utils = _mlx_lm_utils()
     dst = Path(dst)
-    model, config = utils.load_model(Path(src))
+    own_type = json.loads((Path(src) / "config.json").read_text())["model_type"]
+    model, config = utils.load_model(Path(src), model_config=_as_oracle({}, oracle_type))
     model, config = utils.quantize_model(
         model, config, group_size, bits, quant_predicate=predicate
     )
+    config["model_type"] = own_type
     utils.save_model(dst, model)
     utils.save_config(config, dst / "config.json")
     return dst
@@ -186,9 +208,9 @@ def load_ours(path: str | Path, **options: Any) -> Model:
     return build_model(resolve_model(Path(path), **options))
 
 
-def load_oracle(path: str | Path) -> Any:
-    """The checkpoint as mlx-lm loads it."""
-    return _mlx_lm_utils().load_model(Path(path))[0]
+def load_oracle(path: str | Path, *, oracle_type: str | None = None) -> Any:
+    """The checkpoint as mlx-lm loads it (read as ``oracle_type`` when given)."""
+    return _mlx_lm_utils().load_model(Path(path), model_config=_as_oracle({}, oracle_type))[0]
 
 
 def greedy(
@@ -250,16 +272,18 @@ def compare_with_mlx_lm(
     oracle_cache: Callable[[Any], list[Any]] | None = None,
     our_after: Callable[[list[Any]], None] | None = None,
     oracle_after: Callable[[list[Any]], None] | None = None,
+    oracle_type: str | None = None,
     **options: Any,
 ) -> tuple[Run, Run]:
     """Load ``path`` in both engines, run both greedily, :func:`assert_same_run`.
 
     Each side decodes on its own caches: ``model.make_cache()`` unless
     ``our_cache`` / ``oracle_cache`` (called with the model) build others
-    (batch caches for a left-padded batch). ``options`` go to :func:`load_ours`.
+    (batch caches for a left-padded batch). ``options`` go to :func:`load_ours`;
+    ``oracle_type`` reads the checkpoint as that mlx-lm model type.
     Returns both runs.
     """
-    ours, oracle = load_ours(path, **options), load_oracle(path)
+    ours, oracle = load_ours(path, **options), load_oracle(path, oracle_type=oracle_type)
     x = mx.array([list(PROMPT)]) if prompt is None else prompt
     mine = greedy(
         ours,
