@@ -38,7 +38,6 @@ DEVICES = ["g", "p", "s", "d"]
 def test_the_rules_are_pinned_to_the_installed_mlx():
     # A different MLX may dispatch differently: re-read its source, then bump the pin.
     assert mx.__version__ == rules.MLX_VERSION
-    assert rules.MLX_VERSION in rules.SOURCE or "0.32.4" in rules.SOURCE
 
 
 def _sdpa_vector_header() -> str:

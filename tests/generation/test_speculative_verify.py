@@ -118,3 +118,31 @@ def test_under_metals_rules_a_model_without_a_window_of_2_is_refused(spec_models
     with pytest.raises(CapabilityRefused, match="no verify window of 2 tokens") as err:
         list(mlx_loom.stream_generate(model, None, SPEC_PROMPT, max_tokens=4, draft="ngram"))
     assert "unfused" in str(err.value)
+
+
+def test_where_kernels_follow_shapes_speculative_rows_verify_alone(spec_models, monkeypatch):
+    """A stacked verify would pick the kernel by the batch's lengths, not each row's."""
+    from mlx_loom.engine import Engine, Speculation, make_request
+    from mlx_loom.engine import speculative
+
+    shaped = VerifyPolicy("cpu", kernel=lambda q_len, kv_len, geometry: "vector")
+    monkeypatch.setattr(speculative, "VERIFY_POLICIES", VerifyPolicies([shaped]))
+    model, _ = spec_models["llama-sliding"]
+    prompts = [SPEC_PROMPT, SPEC_PROMPT[3:]]
+    engine = Engine(model)
+    uids = engine.insert(
+        [make_request(model, None, p, max_tokens=8, speculation=Speculation(None, 3)) for p in prompts]
+    )
+    got: dict[int, list[int]] = {u: [] for u in uids}
+    stacked = set()
+    with mx.stream(mx.default_stream(mx.default_device())):
+        while engine.has_work:
+            for event in engine.step():
+                if hasattr(event, "token"):
+                    got[event.uid].append(event.token)
+            stacked |= {g.stacked for g in engine._groups}
+    assert stacked == {False}
+    plain = [
+        [r.token for r in mlx_loom.stream_generate(model, None, p, max_tokens=8)] for p in prompts
+    ]
+    assert [got[u] for u in uids] == plain

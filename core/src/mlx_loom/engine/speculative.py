@@ -215,6 +215,12 @@ class SpeculativeGroup(DecodeGroup):
     def key(self) -> Hashable | None:
         if self.stacked:
             return self._key
+        if self.policy.kernel is not None:
+            # The backend picks attention kernels by shape (Metal): a stacked
+            # verify runs every row at the batch's padded KV length and widest
+            # window, not at the row's own, so only a lone row's window is the
+            # one its policy allowed. Such rows verify alone.
+            return None
         row = self.rows[0]
         if not stackable(self.caches) or quantization_pending(self.caches, row.request.kv.bits):
             return None

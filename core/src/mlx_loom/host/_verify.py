@@ -44,6 +44,7 @@ Per backend:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -140,8 +141,9 @@ class VerifyPolicy:
             )
 
 
+@functools.cache
 def _metal_device_class() -> str:
-    """The last letter of the Metal GPU's architecture name (MLX's ``devc``)."""
+    """The last letter of the Metal GPU's architecture name (MLX's ``devc``), read once."""
     return str(mx.metal.device_info()["architecture"])[-1:]
 
 
