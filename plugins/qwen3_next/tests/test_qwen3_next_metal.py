@@ -12,6 +12,12 @@ sources are captured by constructing its kernels with a recording stand-in
 for ``mx.fast.metal_kernel``, and its dispatch by calling its launcher with
 recording kernels.
 
+One arithmetic per geometry. The geometry alone picks the family (packed,
+simd, ops), and each family's padded forward and state-only replay are
+derived from the forward's template; the tests pin which kernel each path
+launches and that the replay keeps every statement that writes the state,
+in order, stopping at each row's kept length.
+
 Causal conv. The fused kernel must round where ``mx.conv1d`` + ``nn.silu``
 round. Its CPU emulation (the kernel's steps in ops) is compared bit for bit
 with the ops path, and the kernel's SiLU must be MLX's own Metal ``Sigmoid``
