@@ -1,4 +1,4 @@
-"""Loading: bad configs and incomplete checkpoints are refused by name; equivalent spellings agree."""
+"""Loading: bad configs and incomplete checkpoints are refused by name; spellings agree."""
 
 from __future__ import annotations
 
