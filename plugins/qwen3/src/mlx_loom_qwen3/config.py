@@ -141,7 +141,8 @@ class Qwen3MoeConfig(Qwen3Config):
     num_experts_per_tok: Size
     moe_intermediate_size: Size
     decoder_sparse_step: Size = 1
-    mlp_only_layers: tuple[Count, ...] = ()
+    # A set: each layer asks whether it is listed (a hostile list stays linear).
+    mlp_only_layers: frozenset[Count] = frozenset()
     norm_topk_prob: Flag = False
 
     @model_validator(mode="after")
@@ -152,7 +153,7 @@ class Qwen3MoeConfig(Qwen3Config):
                 f"{self.num_experts_per_tok} exceeds num_experts = {self.num_experts}",
                 fix="route each token to at most num_experts experts",
             )
-        beyond = [i for i in self.mlp_only_layers if i >= self.num_hidden_layers]
+        beyond = sorted(i for i in self.mlp_only_layers if i >= self.num_hidden_layers)
         if beyond:
             raise FieldError(
                 "mlp_only_layers",
