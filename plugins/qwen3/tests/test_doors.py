@@ -101,11 +101,17 @@ def test_python_api_batch_equals_each_prompt_alone(checkpoint):
     assert alone[0] and batched == alone
 
 
-def test_loom_generate(checkpoint, capsys):
-    code = main(["generate", "--model", str(checkpoint), "-p", "hello", "-m", "8"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    assert "Generation:" in err
+def test_loom_generate_speculating_gives_the_plain_text(checkpoint, capsys):
+    def run(*extra: str) -> str:
+        code = main(["generate", "--model", str(checkpoint), "-p", "hello", "-m", "12", *extra])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert "Generation:" in err
+        return out
+
+    plain = run()
+    assert plain.strip()
+    assert run("--draft-model", str(checkpoint), "--num-draft-tokens", "3") == plain
 
 
 def test_loom_chat_two_turns(checkpoint, capsys, monkeypatch):
