@@ -12,9 +12,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load as lm_load
 from mlx_lm.models import cache as lm_cache
-from qwen3_testkit import PROMPT, assert_same_run, greedy, write_checkpoint, write_lora
+from qwen3_testkit import PROMPT, STEPS, write_checkpoint, write_lora
 
 import mlx_loom
+from mlx_loom.testing import parity
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
@@ -29,6 +30,7 @@ def test_lora_on_every_layer_matches_mlx_lm(tmp_path, model_type):
     x = mx.array([PROMPT])
     plain = mlx_loom.load(base, compute_dtype="checkpoint", cpu_kernels="cpu-ops")[0]
     assert not mx.array_equal(ours(x), plain(x)), "the adapter changed nothing"
-    assert_same_run(
-        greedy(ours, x, ours.make_cache()), greedy(theirs, x, lm_cache.make_prompt_cache(theirs))
+    parity.assert_same_run(
+        parity.greedy(ours, x, ours.make_cache(), steps=STEPS),
+        parity.greedy(theirs, x, lm_cache.make_prompt_cache(theirs), steps=STEPS),
     )

@@ -6,9 +6,10 @@ import json
 
 import mlx.core as mx
 import pytest
-from qwen3_testkit import PROMPT, load_ours, write_checkpoint
+from qwen3_testkit import PROMPT, write_checkpoint
 
 from mlx_loom.plugin import ConfigError, WeightsError
+from mlx_loom.testing.parity import load_ours
 
 
 def _edit_config(path, **changes):

@@ -6,22 +6,34 @@ Both are the Llama-shaped decoder plus a per-head RMSNorm on queries and keys
 Face's, filled here so the graph never re-derives them; ``head_dim`` has no
 default (Hugging Face's is 128 whatever the width, mlx-lm requires the field,
 and every published config states it), so a config without it is refused
-rather than guessed. Every size is bounded (int32, finite floats, at most
-``MAX_LAYERS`` layers); each problem is one ``ConfigError`` naming the field.
+rather than guessed. Both are written in the core's config dialect
+(:class:`mlx_loom.plugin.FamilyConfig`): bounded field types (int32, finite
+floats, at most ``MAX_LAYERS`` layers), cross-field rules in :meth:`check`,
+each problem one ``ConfigError`` naming the field.
 
 transformers >= 5 nests ``rope_theta`` and the scaling under
-``rope_parameters``; :meth:`Qwen3Config._rope_parameters` reads that form
-into the flat fields, as mlx-lm's ``qwen3`` does.
+``rope_parameters``; :meth:`Qwen3Config.fill` reads that form into the flat
+fields when they are absent, as mlx-lm's ``qwen3`` does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
+from pydantic import ValidationInfo, field_validator
 
 from mlx_loom.nn import RopeScaling, parse_rope_scaling
-from mlx_loom.plugin import Count, FieldError, Flag, LayerCount, PositiveFloat, Size
+from mlx_loom.plugin import (
+    Count,
+    FamilyConfig,
+    FieldError,
+    Flag,
+    Given,
+    LayerCount,
+    PositiveFloat,
+    Size,
+)
 
 #: The config fields that decide tensor shapes and graph structure; the config
 #: fingerprint hashes exactly these (as the checkpoint spells them).
@@ -52,10 +64,8 @@ ROPE_KINDS = ("default", "linear", "dynamic", "yarn")
 MlpKind = Literal["moe", "dense"]
 
 
-class Qwen3Config(BaseModel):
+class Qwen3Config(FamilyConfig):
     """``model_type: qwen3`` — the dense decoder (Qwen3-0.6B ... 32B)."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
 
     vocab_size: Size
     hidden_size: Size
@@ -70,27 +80,18 @@ class Qwen3Config(BaseModel):
     rope_theta: PositiveFloat = 10000.0
     max_position_embeddings: Size | None = None
     rope_scaling: RopeScaling | None = None
+    # Hugging Face would give layers from max_window_layers on a sliding
+    # window; no published Qwen3 turns it on and mlx-lm ignores it, so it is
+    # refused (check) rather than run without the window.
     use_sliding_window: Flag = False
 
-    @model_validator(mode="before")
     @classmethod
-    def _rope_parameters(cls, data: Any) -> Any:
+    def fill(cls, given: Given) -> Mapping[str, Any]:
         """transformers >= 5: ``rope_parameters`` carries the base and the scaling."""
-        if not isinstance(data, dict) or not isinstance(data.get("rope_parameters"), dict):
-            return data
-        data, params = dict(data), data["rope_parameters"]
-        if data.get("rope_theta") is None and "rope_theta" in params:
-            data["rope_theta"] = params["rope_theta"]
-        if data.get("rope_scaling") is None:
-            data["rope_scaling"] = params
-        return data
-
-    @field_validator("head_dim")
-    @classmethod
-    def _even_head_dim(cls, v: int) -> int:
-        if v % 2:
-            raise ValueError("must be even: RoPE rotates pairs of dimensions")
-        return v
+        params = given.get("rope_parameters")
+        if not isinstance(params, dict):
+            return {}
+        return {"rope_theta": params.get("rope_theta"), "rope_scaling": params}
 
     @field_validator("rope_scaling", mode="before")
     @classmethod
@@ -102,27 +103,21 @@ class Qwen3Config(BaseModel):
             kinds=ROPE_KINDS,
         )
 
-    @field_validator("use_sliding_window")
-    @classmethod
-    def _no_sliding_window(cls, v: bool) -> bool:
-        # Hugging Face would give layers from max_window_layers on a sliding
-        # window; no published Qwen3 turns it on and mlx-lm ignores it, so it
-        # is refused rather than run without the window.
-        if v:
-            raise ValueError("true is not supported (no published Qwen3 uses a sliding window)")
-        return v
-
-    @model_validator(mode="after")
-    def _grouped_query_attention(self) -> Qwen3Config:
+    def check(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise FieldError(
                 "num_key_value_heads",
-                f"{self.num_key_value_heads} does not divide num_attention_heads = "
-                f"{self.num_attention_heads}",
-                fix="grouped-query attention needs num_key_value_heads to divide "
-                "num_attention_heads",
+                f"does not divide num_attention_heads = {self.num_attention_heads}",
+                fix="grouped-query attention needs the key/value heads to divide the heads",
             )
-        return self
+        if self.head_dim % 2:
+            raise FieldError("head_dim", "must be even: RoPE rotates pairs of dimensions")
+        if self.use_sliding_window:
+            raise FieldError(
+                "use_sliding_window",
+                "true is not supported (no published Qwen3 uses a sliding window)",
+                fix="set use_sliding_window to false",
+            )
 
     def mlp_kind(self, i: int) -> MlpKind:
         """Which MLP layer ``i`` has: always dense here."""
@@ -145,12 +140,12 @@ class Qwen3MoeConfig(Qwen3Config):
     mlp_only_layers: frozenset[Count] = frozenset()
     norm_topk_prob: Flag = False
 
-    @model_validator(mode="after")
-    def _experts(self) -> Qwen3MoeConfig:
+    def check(self) -> None:
+        super().check()
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
             raise FieldError(
                 "num_experts_per_tok",
-                f"{self.num_experts_per_tok} exceeds num_experts = {self.num_experts}",
+                f"exceeds num_experts = {self.num_experts}",
                 fix="route each token to at most num_experts experts",
             )
         beyond = sorted(i for i in self.mlp_only_layers if i >= self.num_hidden_layers)
@@ -161,7 +156,6 @@ class Qwen3MoeConfig(Qwen3Config):
                 f"{self.num_hidden_layers}",
                 fix="list only existing layer indices",
             )
-        return self
 
     def mlp_kind(self, i: int) -> MlpKind:
         sparse = (
