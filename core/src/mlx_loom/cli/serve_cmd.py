@@ -592,9 +592,10 @@ def _adapters_by_model(specs: list[str], ids: list[str]) -> dict[str, dict[str, 
         model, colon, name = head.rpartition(":")
         if colon and model not in ids:
             raise AdapterError(
-                f"--adapter {spec!r} names the model {model!r}, which is not served "
-                f"(served: {', '.join(ids)})",
-                fix="pass --adapter MODEL:NAME=PATH with MODEL one of the --model ids",
+                f"--adapter {spec!r} names the model {model!r}, which is not one of the "
+                "--model ids",
+                fix="pass --adapter MODEL:NAME=PATH with MODEL one of the --model ids (or "
+                "NAME=PATH for the first model)",
             )
         target = model if colon else ids[0]
         grouped.setdefault(target, []).append(f"{name if colon else head}{sep}{path}")

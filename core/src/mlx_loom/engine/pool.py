@@ -39,6 +39,8 @@ for that model.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import logging
 import threading
@@ -204,14 +206,24 @@ class Lease(Generic[R]):
     def __init__(self, pool: ModelPool[R], slot: _Slot[R], resident: R) -> None:
         self._pool = pool
         self._slot = slot
-        self.resident = resident
+        self._resident: R | None = resident
         self.model_id = slot.spec.id
-        self._released = False
+
+    @property
+    def resident(self) -> R:
+        """The leased model (an error once the lease is released: it may be unloaded)."""
+        if self._resident is None:
+            raise RuntimeError(f"the lease on {self.model_id!r} was released")
+        return self._resident
 
     def release(self) -> None:
-        """Done with the model (idempotent); it may be unloaded from now."""
-        if not self._released:
-            self._released = True
+        """Done with the model (idempotent); it may be unloaded from now.
+
+        The lease lets go of the resident, so an unloaded model is not kept
+        alive by a lease object someone still holds.
+        """
+        if self._resident is not None:
+            self._resident = None
             self._pool._release(self._slot)
 
     def __enter__(self) -> R:
@@ -556,10 +568,7 @@ class ModelPool(Generic[R]):
                 slot.draining = False
                 slot.load_queued = False
                 self._cond.notify_all()
-            # The weights are unreachable now; return their buffers to the system
-            # rather than to MLX's cache, so the next model can have them.
-            gc.collect()
-            mx.clear_cache()
+            _return_memory()
             log.info("unloaded model %s", slot.spec.id)
 
     def _reap(self) -> None:
@@ -579,6 +588,35 @@ class ModelPool(Generic[R]):
                     s.state = "unloading"
             for s in expired:
                 self._free(s)
+
+
+def _libc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (``None`` on other C libraries)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def _return_memory() -> None:
+    """Give an unloaded model's memory back to the system.
+
+    The weights are unreachable once the resident is dropped; ``gc`` frees
+    the cycles that still hold them, ``mx.clear_cache`` returns MLX's
+    buffers to ``malloc`` rather than keeping them for reuse, and glibc's
+    ``malloc_trim`` returns what ``malloc`` then holds free. Without the
+    trim, glibc raises its mmap threshold after the first large free, and
+    one model's worth of memory (+41 MB for a 39 MB checkpoint, measured)
+    stays in the process after a later unload.
+    """
+    gc.collect()
+    mx.clear_cache()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def statuses_json(statuses: Sequence[ModelStatus]) -> list[Mapping[str, Any]]:

@@ -380,6 +380,7 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             for lease in self._leases:
                 lease.release()  # the model may be unloaded from now
+            self._leases, self._app = [], None  # a kept-alive connection holds no model
             self.server.request_ended()
             if self._status is not None:
                 self.server.metrics.request(_endpoint_label(path), self._status)
