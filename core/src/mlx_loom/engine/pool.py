@@ -163,6 +163,8 @@ class ModelStatus:
     last_used: float | None
     #: Leases held now (requests using it).
     in_use: int
+    #: Times it was loaded (a model swapped in and out counts each time).
+    loads: int = 0
     #: Why it failed to load (``None`` unless ``state`` is ``failed``).
     error: str | None = None
 
@@ -183,6 +185,7 @@ class _Slot(Generic[R]):
         #: Picked to make room: no new leases until it is unloaded.
         self.draining = False
         self.load_queued = False
+        self.loads = 0
 
     def touch(self) -> None:
         self.used_at = time.monotonic()
@@ -324,6 +327,7 @@ class ModelPool(Generic[R]):
                     kv_bytes=s.kv_bytes(),
                     last_used=s.used_wall,
                     in_use=s.leases,
+                    loads=s.loads,
                     error=s.error.message if s.error is not None else None,
                 )
                 for s in self._slots.values()
@@ -522,6 +526,7 @@ class ModelPool(Generic[R]):
             return
         with self._cond:
             slot.resident = resident
+            slot.loads += 1
             slot.state = "loaded"
             slot.load_queued = False
             slot.touch()
@@ -629,6 +634,7 @@ def statuses_json(statuses: Sequence[ModelStatus]) -> list[Mapping[str, Any]]:
             "kv_bytes": s.kv_bytes,
             "last_used": s.last_used,
             "in_use": s.in_use,
+            "loads": s.loads,
             **({"error": s.error} if s.error is not None else {}),
         }
         for s in statuses
