@@ -170,7 +170,7 @@ def test_a_failed_load_fails_its_requests_with_the_cause_and_the_others_serve():
         pool.close()
 
 
-def test_only_the_pools_models_are_served_and_waiting_is_bounded():
+def test_a_slow_load_holds_up_neither_the_other_models_nor_more_than_its_waiters():
     log: list[str] = []
     release = threading.Event()
 
@@ -178,8 +178,10 @@ def test_only_the_pools_models_are_served_and_waiting_is_bounded():
         release.wait(10)
         return Fake("slow", log)
 
-    pool = ModelPool([PooledModel("slow", slow, lambda: 1)], max_waiting=1)
+    fast = PooledModel("fast", lambda: Fake("fast", log), lambda: 1)
+    pool = ModelPool([fast, PooledModel("slow", slow, lambda: 1)], max_waiting=1)
     try:
+        pool.load("fast")
         with pytest.raises(RequestError, match="not in this pool") as err:
             pool.acquire("other")
         assert err.value.code == "model_not_found"
@@ -188,6 +190,7 @@ def test_only_the_pools_models_are_served_and_waiting_is_bounded():
         wait_until(lambda: states(pool)["slow"] == "loading")
         with pytest.raises(EngineBusy):
             pool.acquire("slow")  # one caller already waits: the bound
+        pool.acquire("fast").release()  # served at once while "slow" loads
         release.set()
         first.join(10)
         pool.acquire("slow").release()  # a loaded model takes any number of users

@@ -89,7 +89,8 @@ class Resident(Protocol):
         ...
 
     def close(self) -> None:
-        """Stop its engine (cancelling nothing: the pool closes only idle residents)."""
+        """Stop its engine and let go of the model (the pool closes a resident when it is
+        idle, or when the pool itself closes)."""
         ...
 
 
@@ -349,6 +350,10 @@ class ModelPool(Generic[R]):
         failed to load, :class:`~mlx_loom.errors.EngineBusy` past
         ``max_waiting`` waiting callers, :class:`~mlx_loom.errors.EngineStopped`
         once the pool is closed.
+
+        A caller that holds a lease and asks for another model past
+        ``max_loaded`` waits for its own lease: release one model before
+        asking for the next.
         """
         slot = self._slot(model_id)
         with self._cond:
