@@ -27,7 +27,6 @@ from ..engine.settings import (
 )
 from ..engine.pool import checkpoint_bytes
 from ..errors import AdapterError, RequestError
-from ..loader import load
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from ..serve.server import DEFAULT_SHUTDOWN_GRACE
 from ..serve.adapters import parse_adapter_specs
@@ -559,13 +558,7 @@ def _served_model(
     """One ``--model``: loaded with the CPU-path flags, its ``--kv-*`` flags checked in flags."""
 
     def load_it() -> Any:
-        model, tokenizer = load(
-            ref,
-            kernel_backend=args.kernel_backend,
-            adapter_path=args.adapter_path,
-            compute_dtype=args.compute_dtype,
-            cpu_kernels=args.cpu_kernels,
-        )
+        model, tokenizer = load_from_args(_one_model(args, ref))  # as every command loads
         kv_group_size(args, model)  # a bad --kv-* flag is refused in flags
         return model, tokenizer
 

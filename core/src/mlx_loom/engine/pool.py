@@ -373,9 +373,17 @@ class ModelPool(Generic[R]):
                         raise EngineStopped(
                             "The model pool was closed.", fix="retry once the server is back"
                         )
-                    if slot.state == "failed" and slot.error is not None:
-                        raise slot.error
-                    if slot.state == "loaded" and not slot.draining and slot.resident:
+                    failed = slot.error
+                    if slot.state == "failed" and failed is not None:
+                        # a fresh error for each caller (threads raise it at once)
+                        raise ModelUnavailable(
+                            failed.message, fix=failed.fix, model=model_id, cause=failed.cause
+                        )
+                    if (
+                        slot.state == "loaded"
+                        and not slot.draining
+                        and slot.resident is not None
+                    ):
                         slot.leases += 1
                         slot.touch()
                         return Lease(self, slot, slot.resident)
