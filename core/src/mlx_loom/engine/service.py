@@ -43,6 +43,7 @@ from mlx_loom.engine.disk import check_directory
 from mlx_loom.engine.events import Done, Event, TokenEvent
 from mlx_loom.engine.request import Request
 from mlx_loom.engine.settings import EngineSettings
+from mlx_loom.engine.kv_budget import check_kv_budget
 from mlx_loom.errors import EngineBusy, EngineStopped, RequestError
 
 if TYPE_CHECKING:
@@ -285,6 +286,7 @@ class EngineService:
             new = EngineSettings(**new.model_dump())  # validate the changed values
         if new.prompt_cache_dir is not None:
             check_directory(new.prompt_cache_dir)  # refused here, not on the engine thread
+        check_kv_budget(self.model, new.max_kv_bytes)
         self._settings = new
         self._post(("configure", new))
         return new
