@@ -38,13 +38,15 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlx_loom.device import wired_limit
 from mlx_loom.engine.core import Engine, EngineStats
 from mlx_loom.engine.disk import check_directory
 from mlx_loom.engine.events import Done, Event, TokenEvent
+from mlx_loom.engine.kv_budget import check_kv_budget
 from mlx_loom.engine.request import Request
 from mlx_loom.engine.settings import EngineSettings
-from mlx_loom.engine.kv_budget import check_kv_budget
 from mlx_loom.errors import EngineBusy, EngineStopped, RequestError
+from mlx_loom.streams import generation_stream
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
@@ -171,8 +173,10 @@ class Turns:
         service = self.service
         handles: dict[int, Handle] = {}
         try:
-            while self.serve(handles):
-                pass
+            # Metal: the model's memory stays wired while this thread generates.
+            with wired_limit(service.model.module, generation_stream()):
+                while self.serve(handles):
+                    pass
         finally:
             stopped = EngineStopped(
                 "The generation engine stopped before this request finished.",
