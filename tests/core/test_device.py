@@ -4,6 +4,7 @@ load becoming a reason, never a crash."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import mlx.core as mx
@@ -12,6 +13,7 @@ import pytest
 import mlx_loom.cpu
 from mlx_loom import device
 from mlx_loom.cpu import native
+from mlx_loom.cli.main import main
 from mlx_loom.cpu.path import resolve_cpu_path
 from mlx_loom.errors import KernelUnavailable
 
@@ -141,3 +143,23 @@ def test_an_extension_that_does_not_import_is_a_reason_and_cpu_native_refuses_wi
     # The CPU default then says why it is not the native set (never silently another).
     path = resolve_cpu_path("cpu")
     assert path.kernel_set == "cpu-ops" and says in path.kernel_set_reason
+
+
+def test_loom_explain_names_the_backend_device_memory_and_native_kernels(capsys):
+    assert main(["explain", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "mlx backend            cpu  (mlx-cpu " in out
+    assert "device                 cpu: " in out
+    assert "(system memory)" in out
+    assert "native cpu kernels     " in out
+    assert main(["explain", "tiny", "--json"]) == 0
+    mlx = json.loads(capsys.readouterr().out)["mlx"]
+    assert mlx["backend"] == "cpu" and mlx["problem"] is None
+    assert mlx["memory_bytes"] > 0 and mlx["working_set_bytes"] is None
+
+
+def test_loom_explain_shows_why_the_native_kernels_do_not_load(native_fails_to_import, capsys):
+    assert main(["explain", "tiny", "--cpu-kernels", "cpu-ops"]) == 0
+    out = capsys.readouterr().out
+    line = next(row for row in out.splitlines() if row.startswith("native cpu kernels"))
+    assert "native CPU kernels" in line and "available" not in line
