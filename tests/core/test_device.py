@@ -19,7 +19,11 @@ from mlx_loom.errors import KernelUnavailable
 
 GB = 1024**3
 #: mx.device_info() of each backend, as MLX 0.32.4 reports them (Metal's keys are mlx-lm's).
-METAL = {"device_name": "Apple M2", "memory_size": 32 * GB, "max_recommended_working_set_size": 22 * GB}
+METAL = {
+    "device_name": "Apple M2",
+    "memory_size": 32 * GB,
+    "max_recommended_working_set_size": 22 * GB,
+}
 CUDA = {"device_name": "NVIDIA H100", "architecture": "sm_90", "total_memory": 80 * GB}
 CPU = {"device_name": "AMD EPYC", "architecture": "x86_64"}
 

@@ -119,7 +119,8 @@ def _memory(device: DeviceReport) -> str:
         return "not reported"
     text = human_bytes(device.memory_bytes)
     if device.working_set_bytes is not None:
-        text += f"  (recommended working set {human_bytes(device.working_set_bytes)}, wired while generating)"
+        wired = human_bytes(device.working_set_bytes)
+        text += f"  (recommended working set {wired}, wired while generating)"
     elif device.backend == "cpu":
         text += "  (system memory)"
     return text

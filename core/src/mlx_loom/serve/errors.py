@@ -14,7 +14,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import EngineBusy, KVBudgetExceeded, LoomError, Refusal, RequestError, TokenizerError
+from ..errors import (
+    EngineBusy,
+    KVBudgetExceeded,
+    LoomError,
+    Refusal,
+    RequestError,
+    TokenizerError,
+)
 
 #: ``type`` values, as the OpenAI API spells them (``refusal`` is ours).
 INVALID_REQUEST = "invalid_request_error"
