@@ -12,7 +12,7 @@ from mlx_loom.errors import KVBudgetExceeded, RequestError
 from .conftest import alone, assert_same_run, drive, ids, request
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_next", "gemma4_text"])
+@pytest.mark.parametrize("name", ["llama", "llama-sliding", "qwen3_next", "gemma4_text"])
 def test_a_reservation_covers_the_caches_a_finished_request_holds(name, loaded):
     model, _ = loaded(name)
     req = request(model, prompt=ids(300, 1), max_tokens=20)
