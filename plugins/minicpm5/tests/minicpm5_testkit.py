@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from mlx_loom.host import resolve_model
 from mlx_loom.loader import build_model
+from mlx_loom.testing.oracle import oracle_options
 
 STEPS = 64
 PROMPT = [3, 17, 42, 99, 7, 250, 128, 64, 5, 11, 200, 31]
@@ -96,7 +97,7 @@ def write_checkpoint(directory: Path, cfg: dict[str, Any], tensors: dict[str, mx
 def load_ours(path: Path) -> Any:
     # The checkpoint's dtype on MLX operations: the oracle's own arithmetic,
     # so parity is bit-equal (the CPU paths have their own parity tests).
-    return build_model(resolve_model(path, compute_dtype="checkpoint", cpu_kernels="cpu-ops"))
+    return build_model(resolve_model(path, **oracle_options()))
 
 
 def load_oracle(path: Path) -> Any:
