@@ -321,7 +321,7 @@ class ServeApp:
             "decoding": engine.decoding,
             "decode_concurrency": settings.decode_concurrency,
             "max_queued": settings.max_queued,
-            "kv_bytes": {"reserved": engine.kv_bytes_reserved, "max": engine.max_kv_bytes},
+            "kv_bytes": {"reserved": engine.kv_bytes_reserved, "max": settings.max_kv_bytes},
             "prompt_cache": {
                 "entries": engine.prefix_entries,
                 "bytes": engine.prefix_bytes,
