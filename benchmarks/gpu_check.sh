@@ -80,9 +80,11 @@ if [ "$dry" = 1 ]; then  # what can be checked without a GPU: the files, and wha
         [ -f "$f" ] || { echo "gpu_check: $f is missing" >&2; exit 1; }
     done
     report=$(mktemp)
+    copy=$(mktemp -d)  # pip writes the build's egg-info beside the sources: not into this tree
+    cp -r core "$copy/core"
     echo "=== what pip would install for the $backend backend (pip install --dry-run)"
     MLX_LOOM_BACKEND="$backend" "${python:-python3}" -m pip install -q --dry-run --ignore-installed \
-        --report "$report" -e core -e plugins/minicpm5 >"$report.log" 2>&1 \
+        --report "$report" -e "$copy/core" >"$report.log" 2>&1 \
         || { cat "$report.log"; exit 1; }
     "${python:-python3}" - "$report" "$want" "$unwanted" <<'EOF' || exit 1
 import json, sys
@@ -90,7 +92,7 @@ names = {i["metadata"]["name"] for i in json.load(open(sys.argv[1]))["install"]}
 print("MLX packages:", ", ".join(sorted(n for n in names if n.startswith("mlx"))))
 assert sys.argv[2] in names and sys.argv[3] not in names, "the wrong MLX backend would be installed"
 EOF
-    rm -f "$report" "$report.log"
+    rm -rf "$report" "$report.log" "$copy"
 fi
 
 if [ "$install" = 1 ]; then

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 from email.parser import Parser
@@ -76,7 +77,19 @@ def test_an_unknown_backend_stops_the_build_with_the_choices_named(build_rules):
 
 @pytest.mark.parametrize(("backend", "expected"), [(None, "mlx-cpu"), ("cuda", "mlx-cuda-12")])
 def test_the_built_metadata_names_one_backend(tmp_path, backend, expected):
-    """What pip reads: the core's METADATA as setuptools writes it (no network, no compiler)."""
+    """What pip reads: the core's METADATA as setuptools writes it (no network, no compiler).
+
+    Built from a copy of the core's build files (and an empty package), so the
+    build's egg-info is not left in the source tree, where ``importlib.metadata``
+    would find it before the installed distribution.
+    """
+    core = tmp_path / "core"
+    (core / "src" / "mlx_loom").mkdir(parents=True)
+    (core / "src" / "mlx_loom" / "__init__.py").write_text("")
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(CORE / name, core / name)
+    out_dir = tmp_path / "metadata"
+    out_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "MLX_LOOM_BACKEND"}
     if backend is not None:
         env["MLX_LOOM_BACKEND"] = backend
@@ -85,14 +98,14 @@ def test_the_built_metadata_names_one_backend(tmp_path, backend, expected):
         "print(b.prepare_metadata_for_build_wheel(sys.argv[1]))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)],
-        cwd=CORE,
+        [sys.executable, "-c", script, str(out_dir)],
+        cwd=core,
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     )
-    info = tmp_path / out.stdout.strip().splitlines()[-1] / "METADATA"
+    info = out_dir / out.stdout.strip().splitlines()[-1] / "METADATA"
     requires = Parser().parsestr(info.read_text()).get_all("Requires-Dist") or []
     assert mlx_backends(requires, LINUX) == {expected}
