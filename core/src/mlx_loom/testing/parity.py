@@ -40,6 +40,7 @@ from mlx.utils import tree_flatten
 from ..host import resolve_model
 from ..loader import build_model
 from ..model import Model
+from .oracle import oracle_options
 
 __all__ = [
     "PROMPT",
@@ -204,7 +205,7 @@ def load_ours(path: str | Path, **options: Any) -> Model:
     ``options`` go to the core's resolution; the defaults are the oracle's
     arithmetic: the checkpoint's dtype on MLX's own operations.
     """
-    options = {"compute_dtype": "checkpoint", "cpu_kernels": "cpu-ops", **options}
+    options = {**oracle_options(), **options}
     return build_model(resolve_model(Path(path), **options))
 
 
