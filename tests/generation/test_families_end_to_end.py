@@ -11,9 +11,7 @@ from mlx_loom.cli.main import main
 from mlx_loom.generation import PromptCache
 from mlx_loom.testing.checkpoints import write_checkpoint
 
-#: mistral (every layer sliding) and mistral3 (the wrapper, Ministral 3 text) ride the
-#: Llama graph with their own caches and query scaling.
-FAMILIES = ["llama", "mistral", "mistral3", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4"]
+FAMILIES = ["llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
