@@ -27,9 +27,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..nn import projections
+from ..nn.experts import SwitchGLU
 from ..nn.mlp import GatedMLP
 from ..nn.rope import FreqsRoPE
-from . import native
+from . import experts, native
 
 
 class NativeLinear(nn.Linear):
@@ -158,6 +159,7 @@ SWAPS: dict[type[nn.Module], type[nn.Module]] = {
     nn.QuantizedLinear: NativeQuantizedLinear,
     nn.Embedding: NativeEmbedding,
     nn.QuantizedEmbedding: NativeQuantizedEmbedding,
+    **experts.SWAPS,
 }
 
 
@@ -171,6 +173,7 @@ def op_swaps() -> dict[type[nn.Module], type[nn.Module]]:
         nn.RoPE: ops.NativeRoPE,
         FreqsRoPE: ops.NativeFreqsRoPE,
         GatedMLP: ops.NativeGatedMLP,
+        SwitchGLU: experts.NativeSwitchGLU,
     }
 
 
@@ -182,6 +185,7 @@ KEPT_AS_STORED: dict[type[nn.Module], frozenset[str]] = {
     NativeQuantizedLinear: frozenset({"weight", "scales", "biases"}),
     NativeEmbedding: frozenset({"weight"}),
     NativeQuantizedEmbedding: frozenset({"weight", "scales", "biases"}),
+    **experts.KEPT_AS_STORED,
 }
 
 
@@ -199,6 +203,9 @@ def swappable(module: nn.Module) -> bool:
         from . import ops  # loaded by op_swaps() already; see there
 
         return ops.fits(module)
+    # Expert stacks with a bias keep MLX's gather (the native node has none).
+    if type(module) in experts.SWAPS and "bias" in module:
+        return False
     return type(module) in SWAPS and getattr(module, "mode", "affine") == "affine"
 
 
@@ -222,7 +229,10 @@ def swap_in(
     module.__class__ = SWAPS[type(module)]
     if isinstance(module, NativeEmbedding | NativeQuantizedEmbedding):
         module.compute_dtype = compute_dtype
-    if isinstance(module, NativeQuantizedLinear | NativeQuantizedEmbedding):
+    if isinstance(
+        module,
+        NativeQuantizedLinear | NativeQuantizedEmbedding | experts.NativeQuantizedSwitchLinear,
+    ):
         module.int8_activations = int8_activations and module.bits == 4
 
 
