@@ -32,7 +32,8 @@ def checkpoints(tmp_path_factory):
 
 def _write(family: str, kind: str, root: Path, overrides: dict) -> Path:
     mt = default_host().registry.model_type(family)
-    config = {**mt.tiny_config, **overrides}
+    config = {**(mt.tiny_config or {}), **overrides}
+    assert mt.checkpoint_tensors is not None
     spec = {
         name: (shape, "bfloat16" if dtype in ("float32", "F32", "BF16", "bfloat16") else dtype)
         for name, (shape, dtype) in mt.checkpoint_tensors(config).items()

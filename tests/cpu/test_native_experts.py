@@ -75,13 +75,13 @@ def gathered(kind: str, x, idx, weights, **kw):
 def per_expert(x_rows: np.ndarray, pair_rows: np.ndarray, idx: np.ndarray, n: int, product):
     """The reference: each expert's pairs in pair order, one native call on their rows."""
     flat = idx.reshape(-1)
-    out = [None] * flat.size
+    out: dict[int, mx.array] = {}
     for e in np.unique(flat):
         pairs = np.flatnonzero(flat == e)
         y = product(x_rows[mx.array(pair_rows[pairs].astype(np.int32))], int(e))
         for i, p in enumerate(pairs):
-            out[p] = y[i]
-    return mx.stack(out).reshape(*idx.shape, n)
+            out[int(p)] = y[i]
+    return mx.stack([out[p] for p in range(flat.size)]).reshape(*idx.shape, n)
 
 
 KINDS = ["dense-f32", "dense-bf16", "affine-2", "affine-3", "affine-4", "affine-5", "affine-6", "affine-8"]
@@ -259,7 +259,7 @@ def greedy_tokens(model, make_cache, steps: int = 6) -> list[int]:
     logits = model(mx.array([PROMPT]), cache=cache)[:, -1, :]
     tokens = []
     for _ in range(steps):
-        tokens.append(int(mx.argmax(logits, axis=-1).item()))
+        tokens.append(int(np.asarray(mx.argmax(logits, axis=-1)).reshape(-1)[0]))
         logits = model(mx.array([[tokens[-1]]]), cache=cache)[:, -1, :]
     return tokens
 
