@@ -1,6 +1,7 @@
 #include "native_experts.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
@@ -71,6 +72,19 @@ thread_local Scratch step_scratch;
 thread_local Scratch part_scratch[kMaxGatherParts];
 thread_local Scratch down_scratch;
 thread_local Scratch gemm_scratch;
+
+// A prefill chunk's buffers are large (2048 tokens x top-8 x 2048 columns of
+// grouped x alone is 128 MiB) and a thread's scratch otherwise keeps its
+// largest size for good: past this size they are freed after the node.
+constexpr size_t kKeptScratchFloats = size_t{8} << 20;  // 32 MiB
+
+void trim(Scratch& s) {
+  if (s.size > kKeptScratchFloats) {
+    std::free(s.data);
+    s.data = nullptr;
+    s.size = 0;
+  }
+}
 
 size_t floats_for_bytes(size_t bytes) {
   return (bytes + sizeof(float) - 1) / sizeof(float) + 16;
@@ -309,6 +323,10 @@ void run_job(const Job& j) {
       fill_nan(static_cast<char*>(j.outs[o]) + static_cast<size_t>(order[i]) * out_n * j.out_item,
                j.out_dtype, static_cast<size_t>(out_n));
     }
+  }
+  for (Scratch* s : {&grouped_scratch, &perm_scratch, &sum_scratch, &int8_scratch,
+                     &step_scratch, &part_scratch[0], &part_scratch[1], &down_scratch}) {
+    trim(*s);
   }
 }
 

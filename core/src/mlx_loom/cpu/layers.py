@@ -15,7 +15,8 @@ quantization (the only mode the loader accepts). On ``cpu-native-int8-act``
 the 4-bit quantized ones are marked ``int8_activations``: their products of
 at most 32 rows run against int8 activations (the kernel's stated bound).
 The same pass swaps the norm and RoPE modules, and the core's gated MLP, for
-their one-node versions (:mod:`mlx_loom.cpu.ops`).
+their one-node versions (:mod:`mlx_loom.cpu.ops`), and the routed-expert
+layer and its stacked projections for theirs (:mod:`mlx_loom.cpu.experts`).
 """
 
 from __future__ import annotations
@@ -212,7 +213,8 @@ def swappable(module: nn.Module) -> bool:
 def swap_in(
     module: nn.Module, compute_dtype: mx.Dtype | None, *, int8_activations: bool = False
 ) -> None:
-    """Turn ``module`` (one of the four classes, affine) into its native subclass.
+    """Turn ``module`` (a class of :data:`SWAPS` or :func:`op_swaps`, affine) into its
+    native subclass.
 
     The class changes in place, so the module keeps its identity, its place
     in the tree and everything the loader set on it. ``int8_activations``
