@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 CONFIG = {
     "model_type": "qwen3_next",
@@ -105,7 +106,7 @@ def run(model, prompt: list[int], tokens: int) -> tuple[float, float, list[int]]
     t1 = time.perf_counter()
     out = []
     for _ in range(tokens):
-        out.append(int(token.item()))
+        out.append(int(np.asarray(token).reshape(-1)[0]))
         token = mx.argmax(model(token.reshape(1, 1), cache=cache)[:, -1, :], axis=-1)
         mx.eval(token)
     t2 = time.perf_counter()
