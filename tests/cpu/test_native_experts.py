@@ -9,7 +9,7 @@ expert's rows through the native linears' kernels, so the claims are:
 * within the native products' fp32 bound of MLX's ``gather_mm`` /
   ``gather_qmm`` (what the native linears hold against ``quantized_matmul``);
 * the SwiGLU layer as one node equals the unfused native products and gate;
-* whole models (Qwen3-Next, Gemma 4 MoE) keep mlx-lm's greedy tokens.
+* whole models (Qwen3-Next, Gemma 4 MoE, Qwen3-MoE) keep mlx-lm's greedy tokens.
 """
 
 from __future__ import annotations
@@ -266,7 +266,9 @@ def greedy_tokens(model, make_cache, steps: int = 6) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["bf16", "q4"])
 @pytest.mark.parametrize(
-    "family,config", [("qwen3_next", {}), ("gemma4_text", GEMMA4_MOE)], ids=["qwen3_next", "gemma4"]
+    "family,config",
+    [("qwen3_next", {}), ("gemma4_text", GEMMA4_MOE), ("qwen3_moe", {})],
+    ids=["qwen3_next", "gemma4", "qwen3_moe"],
 )
 def test_moe_models_on_native_experts_keep_mlx_lm_greedy_tokens(checkpoints, family, config, kind):
     from mlx_lm.models.cache import make_prompt_cache
