@@ -67,9 +67,10 @@ DEFAULT_CPU_COMPUTE_DTYPE: ComputeDtype = "float32"
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
-def _native_kernels(matmul: str) -> dict[str, str]:
+def _native_kernels(matmul: str, experts: str) -> dict[str, str]:
     """The kernels of a kernel set on the native extension, by name, with what each
-    runs; ``matmul`` describes its products (the one thing the native sets differ in)."""
+    runs; ``matmul`` and ``experts`` describe its products (the one thing the native
+    sets differ in)."""
     return {
         "matmul": matmul,
         "rms_norm": "mlx_loom.cpu._native rms_norm: nn.RMSNorm as one node",
@@ -80,7 +81,17 @@ def _native_kernels(matmul: str) -> dict[str, str]:
         "bit-equal to MLX's; with GatedMLP's gate and up projections, one product node",
         "log_softmax": "mlx_loom.cpu._native log_softmax: the engine's float32 "
         "log-probabilities, bit-equal to MLX's logsumexp",
+        "experts": experts,
     }
+
+
+#: What the native sets run for routed experts (mlx_loom.cpu.experts).
+_EXPERTS = (
+    "mlx_loom.cpu._native gather_dense_matmul / gather_affine_matmul: the routed experts "
+    "(SwitchGLU) of fp32/bf16/fp16 and affine 2-8 bit stacks, one node per layer with "
+    "SwiGLU in float32 (gate, up, gate and down), else gate+up and down nodes; mxfp4, "
+    "mxfp8 and nvfp4 experts stay on MLX's gather_qmm"
+)
 
 
 @dataclass(frozen=True)
@@ -116,7 +127,8 @@ def cpu_kernel_sets() -> dict[str, KernelSet]:
             "one node each; fp32 accumulation",
             _native_kernels(
                 "mlx_loom.cpu._native dense_matmul / affine_matmul (projections of one "
-                "activation through mlx_loom.nn.project: one multi-output node)"
+                "activation through mlx_loom.nn.project: one multi-output node)",
+                _EXPERTS,
             ),
             lambda: native.unavailable_reason(),
         ),
@@ -127,7 +139,8 @@ def cpu_kernel_sets() -> dict[str, KernelSet]:
             _native_kernels(
                 "mlx_loom.cpu._native affine_matmul(int8_activations=True) for 4-bit weights, "
                 "dense_matmul / affine_matmul otherwise (projections of one activation through "
-                "mlx_loom.nn.project: one multi-output node)"
+                "mlx_loom.nn.project: one multi-output node)",
+                _EXPERTS + "; 4-bit experts with int8 activations up to 32 rows per expert",
             ),
             lambda: native.unavailable_reason(),
         ),
