@@ -277,7 +277,7 @@ def test_a_checkpoint_packed_in_another_mode_than_declared_is_a_weights_error():
 
 
 @pytest.mark.parametrize("count", [1, 2, 3])
-def test_nvfp4_lookups_of_tables_mlx_cannot_dequantize_row_by_row_give_the_tables_rows(count):
+def test_nvfp4_lookups_mlx_cannot_dequantize_row_by_row_give_the_tables_rows(count):
     # An 80-wide nvfp4 table packs 10 words a row: MLX 0.32.4's dequantize fails
     # on an odd number of such rows; the loader's lookup pairs them.
     table = nn.Embedding(8, 80).to_quantized(mode="nvfp4")

@@ -52,6 +52,7 @@ from mlx_loom.errors import ConfigError, WeightsError
 
 __all__ = [
     "MODE_PACKING",
+    "MicroscalingEmbedding",
     "QUANT_MODES",
     "SUPPORTED_BITS",
     "SUPPORTED_GROUP_SIZES",
@@ -316,26 +317,35 @@ def apply_quantization(
     nn.quantize(model, class_predicate=predicate)
     for path, module in model.named_modules():
         if path in plan:
-            _pair_nvfp4_lookups(module)
+            _microscaling_lookups(module)
     return sorted(plan)
 
 
-class PairedRowsEmbedding(nn.QuantizedEmbedding):
-    """An nvfp4 ``nn.QuantizedEmbedding`` whose lookups dequantize an even number of rows.
+class MicroscalingEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` in a microscaling mode (mxfp4, nvfp4, mxfp8), with two
+    lookup fixes; ``as_linear`` (a tied head) stays MLX's ``quantized_matmul``.
 
-    MLX 0.32.4's ``mx.dequantize`` in nvfp4 mode raises ``[reshape] Cannot
-    reshape array of size 10 into shape (2,4)`` when the packed words it is
-    given are not a multiple of four — one looked-up row of a table whose
-    width is an odd multiple of 16 (mlx-lm fails the same way: a tiny Gemma 4
-    with 80-wide per-layer embeddings cannot decode one token). Rows are
-    dequantized independently, so looking up one row twice and dropping the
-    copy gives the same bits as any lookup that works.
+    * **Pairs of rows.** MLX 0.32.4's ``mx.dequantize`` in nvfp4 mode raises
+      ``[reshape] Cannot reshape array of size 10 into shape (2,4)`` when the
+      packed words it is given are not a multiple of four: one looked-up row
+      of a table whose width is an odd multiple of 16 (mlx-lm fails the same
+      way: a tiny Gemma 4 with 80-wide per-layer embeddings cannot decode a
+      token). Rows dequantize independently, so an odd lookup there takes its
+      first row twice and drops the copy: the bits of any lookup that works.
+    * **The compute dtype.** MLX dequantizes uint8-scaled rows to bfloat16.
+      Every such value is exact in bfloat16, but what the family does next
+      (Gemma's ``embedding * sqrt(hidden)``) would then run in bf16 under a
+      float32 compute dtype; ``lookup_dtype`` (set by the CPU path) converts
+      the rows first. ``None``, MLX's own result: the oracle's arithmetic.
     """
+
+    lookup_dtype: mx.Dtype | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
         flat = x.reshape(-1)
         count = flat.size
-        if count % 2:
+        paired = count % 2 == 1 and self["weight"].shape[-1] % 4 != 0
+        if paired:
             flat = mx.concatenate([flat, flat[:1]])
         rows = mx.dequantize(
             self["weight"][flat],
@@ -344,15 +354,17 @@ class PairedRowsEmbedding(nn.QuantizedEmbedding):
             bits=self.bits,
             mode=self.mode,
         )
-        return rows[:count].reshape(*x.shape, -1)
+        if paired:
+            rows = rows[:count]
+        rows = rows.reshape(*x.shape, -1)
+        return rows if self.lookup_dtype is None else rows.astype(self.lookup_dtype)
 
 
-def _pair_nvfp4_lookups(module: nn.Module) -> None:
-    """Give an nvfp4 embedding whose rows pack to an odd number of word pairs the
-    :class:`PairedRowsEmbedding` lookup (the parameters and attributes stay)."""
-    if type(module) is nn.QuantizedEmbedding and module.mode == "nvfp4":
-        if module["weight"].shape[-1] % 4:
-            module.__class__ = PairedRowsEmbedding
+def _microscaling_lookups(module: nn.Module) -> None:
+    """Give a microscaling ``nn.QuantizedEmbedding`` the :class:`MicroscalingEmbedding`
+    lookup (in place: the parameters and attributes stay)."""
+    if type(module) is nn.QuantizedEmbedding and module.mode != "affine":
+        module.__class__ = MicroscalingEmbedding
 
 
 def _geometry_mismatch(

@@ -7,6 +7,7 @@ import json
 
 from ..artifacts.summary import summarize_artifact
 from ..cpu.compiled_step import describe as describe_step
+from ..cpu.path import describe_quantized_products
 from ..engine.defaults import generation_defaults
 from ..host import PluginHost, resolve_model
 from .generate_cmd import add_cpu_path_options
@@ -49,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
         payload = {
             **summary.model_dump(mode="json"),
             "weights": weights.model_dump(mode="json"),
+            "quantized_products": describe_quantized_products(
+                summary.cpu, weights.quantization_modes
+            ),
             "sampling_defaults": sampling,
         }
         print(json.dumps(payload, indent=2))
@@ -68,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
         ("kernel backend", summary.backend),
         ("compute dtype", f"{summary.cpu.compute_dtype}  ({summary.cpu.compute_dtype_reason})"),
         ("cpu kernels", summary.cpu.describe_kernels()),
+        (
+            "quantized products",
+            describe_quantized_products(summary.cpu, weights.quantization_modes) or "none",
+        ),
         ("decode step", describe_step(summary.cpu.kernel_set, frozenset(summary.capabilities))),
         ("capabilities", ", ".join(summary.capabilities) or "-"),
         (
