@@ -131,3 +131,29 @@ def test_loom_generate_runs_an_nvfp4_checkpoint_as_mlx_lm_does(checkpoint, capsy
     model, tokenizer = load(str(path))
     theirs = generate(model, tokenizer, "hi", max_tokens=4)
     assert theirs and theirs in ours
+
+
+def test_loom_serve_answers_openai_and_anthropic_clients_from_a_mixed_checkpoint(checkpoint):
+    import anthropic
+    import openai
+
+    from mlx_loom.serve import make_server
+
+    model, tokenizer = mlx_loom.load(checkpoint("qwen3_next", "mixed"))
+    messages = [{"role": "user", "content": "hi"}]
+    server = make_server(model, tokenizer, host="127.0.0.1", port=0, model_id="m")
+    server.start_in_background()
+    try:
+        url = server.url
+        chat = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        reply = chat.chat.completions.create(
+            model="m", messages=messages, max_tokens=4, temperature=0
+        )
+        expected = reply.choices[0].message.content
+        assert expected and reply.usage.completion_tokens == 4
+        message = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0).messages.create(
+            model="m", max_tokens=4, messages=messages, extra_body={"temperature": 0}
+        )
+        assert "".join(b.text for b in message.content if b.type == "text") == expected
+    finally:
+        server.stop()
