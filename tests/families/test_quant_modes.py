@@ -115,9 +115,9 @@ def test_explain_says_where_each_modes_products_run(checkpoint, capsys):
     )
     assert rows["quantization"] == "mxfp4 + 8-bit, group 64"
     products = rows["quantized products"]
-    assert "affine linear/embedding: mlx_loom.cpu._native affine_matmul" in products
-    assert "mxfp4 linear/embedding: MLX quantized_matmul / dequantize" in products
-    assert "routed experts: MLX gather_qmm" in products
+    assert "affine linear and tied head: mlx_loom.cpu._native affine_matmul" in products
+    assert "mxfp4 linear and tied head: MLX quantized_matmul (the native kernels" in products
+    assert "any routed experts: MLX gather_qmm" in products
 
 
 def test_loom_generate_runs_an_nvfp4_checkpoint_as_mlx_lm_does(checkpoint, capsys):

@@ -398,8 +398,8 @@ def _geometry_mismatch(
         kind = "uint8 scales (a microscaling mode)" if byte_scales else "float scales (affine)"
         hint = f" (the stored shapes fit {bits}-bit, group size {group}, with {kind})"
     return (
-        f"{path}: config declares {spec.describe()} ({spec.mode}), which packs to "
-        f"{want}, but the checkpoint has {found}{hint}"
+        f"{path}: config declares {spec.describe()}{' (affine)' if spec.has_biases else ''}, "
+        f"which packs to {want}, but the checkpoint has {found}{hint}"
     )
 
 

@@ -174,23 +174,22 @@ def describe_quantized_products(path: CpuPath, modes: Iterable[str]) -> str | No
     modes = sorted(set(modes))
     if not modes:
         return None
-    experts = "routed experts: MLX gather_qmm"
     if path.kernel_set is None:
         return f"MLX's quantized kernels on {path.backend} ({', '.join(modes)})"
+    tail = ["embedding lookups: MLX dequantize", "any routed experts: MLX gather_qmm"]
     if path.kernel_set not in NATIVE_KERNEL_SETS:
-        return (
-            f"linear/embedding: MLX quantized_matmul / dequantize ({', '.join(modes)}); {experts}"
-        )
+        ops = f"linear and tied head: MLX quantized_matmul ({', '.join(modes)})"
+        return "; ".join([ops, *tail])
     parts = []
     if "affine" in modes:
-        parts.append("affine linear/embedding: mlx_loom.cpu._native affine_matmul")
+        parts.append("affine linear and tied head: mlx_loom.cpu._native affine_matmul")
     micro = [m for m in modes if m != "affine"]
     if micro:
         parts.append(
-            f"{'/'.join(micro)} linear/embedding: MLX quantized_matmul / dequantize "
+            f"{'/'.join(micro)} linear and tied head: MLX quantized_matmul "
             "(the native kernels run affine packing only)"
         )
-    return "; ".join([*parts, experts])
+    return "; ".join([*parts, *tail])
 
 
 def check_compute_dtype(value: str | None, *, asked: str = "compute_dtype") -> None:
