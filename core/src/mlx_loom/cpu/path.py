@@ -46,7 +46,7 @@ then only ask for the pinned value.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -54,6 +54,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict
 
+from ..artifacts.quantization import MicroscalingEmbedding
 from ..errors import KernelUnavailable, RequestError
 from . import layers, native
 from .native import NATIVE_KERNEL_SETS
@@ -173,6 +174,37 @@ class CpuPath(BaseModel):
         return f"{self.kernel_set}{extra}: {kernels}  ({self.kernel_set_reason})"
 
 
+def describe_quantized_products(path: CpuPath, modes: Iterable[str]) -> str | None:
+    """Where a checkpoint's quantized products run, per layer kind and packing mode.
+
+    ``modes`` are the checkpoint's (``WeightsSummary.quantization_modes``);
+    ``None`` when it has no quantized matrix. The native kernels implement
+    affine packing only: a linear or embedding packed in a microscaling mode
+    (mxfp4, nvfp4, mxfp8) is left on MLX's own ``quantized_matmul`` /
+    ``dequantize`` — never swapped, never approximated — and routed experts
+    run MLX's ``gather_qmm`` in every mode and every kernel set.
+    """
+    modes = sorted(set(modes))
+    if not modes:
+        return None
+    if path.kernel_set is None:
+        return f"MLX's quantized kernels on {path.backend} ({', '.join(modes)})"
+    tail = ["embedding lookups: MLX dequantize", "any routed experts: MLX gather_qmm"]
+    if path.kernel_set not in NATIVE_KERNEL_SETS:
+        ops = f"linear and tied head: MLX quantized_matmul ({', '.join(modes)})"
+        return "; ".join([ops, *tail])
+    parts = []
+    if "affine" in modes:
+        parts.append("affine linear and tied head: mlx_loom.cpu._native affine_matmul")
+    micro = [m for m in modes if m != "affine"]
+    if micro:
+        parts.append(
+            f"{'/'.join(micro)} linear and tied head: MLX quantized_matmul "
+            "(the native kernels run affine packing only)"
+        )
+    return "; ".join([*parts, *tail])
+
+
 def check_compute_dtype(value: str | None, *, asked: str = "compute_dtype") -> None:
     if value is not None and value not in COMPUTE_DTYPES:
         raise RequestError(
@@ -285,6 +317,10 @@ def apply_cpu_path(model: nn.Module, path: CpuPath) -> None:
     the whole model.
     """
     dtype = path.dtype
+    if dtype is not None:
+        for _, mod in model.named_modules():
+            if isinstance(mod, MicroscalingEmbedding):
+                mod.lookup_dtype = dtype  # its rows, not only its (uint8) scales
     if path.kernel_set not in NATIVE_KERNEL_SETS:
         if dtype is not None:
             model.set_dtype(dtype, predicate=lambda d: mx.issubdtype(d, mx.floating))
