@@ -209,12 +209,14 @@ def test_a_batch_decodes_on_the_ordinary_forward_with_the_same_tokens(llama, cou
 
 
 def test_loom_explain_says_whether_the_decode_step_is_compiled(
-    llama, capsys, monkeypatch, compiled_on
+    llama, tmp_path_factory, capsys, monkeypatch, compiled_on
 ):
     from mlx_loom.cli.main import main
 
     assert main(["explain", str(llama)]) == 0
     assert "decode step            compiled where one token" in capsys.readouterr().out
+    assert main(["explain", str(checkpoint(tmp_path_factory, "gemma4_text"))]) == 0
+    assert "rotating windows and recurrent state" in capsys.readouterr().out
     monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "0")
     assert main(["explain", str(llama)]) == 0
     assert "eager (MLX_LOOM_COMPILED_STEP=0 turns it off)" in capsys.readouterr().out

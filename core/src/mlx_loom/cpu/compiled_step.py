@@ -113,7 +113,7 @@ def describe(kernel_set: str | None, capabilities: frozenset[str], *, split: boo
     if why is None:
         return (
             "compiled where one token goes over full KV caches, rotating windows and "
-            "recurrent state in plain storage (else eager)"
+            "recurrent state in plain storage (else eager: prefill, batches, quantized KV)"
         )
     return f"eager ({why})"
 
