@@ -274,3 +274,18 @@ def test_native_attention_lengths_read_only_the_first_keys():
     )
     with pytest.raises(ValueError, match="lengths"):
         nat.attention(q, k, v, 0.25, False, None, mx.array([1, 2, 3], dtype=mx.int32))
+
+
+def test_a_kernel_that_reads_the_host_runs_eager_and_says_why(tmp_path_factory, compiled_on):
+    # In bf16, dense experts run the grouped expert GLU, which reads the
+    # router's choice on the host: MLX refuses that in a trace.
+    path = checkpoint(tmp_path_factory, "gemma4_text")
+    model, _ = mlx_loom.load(path, compute_dtype="bfloat16", cpu_kernels="cpu-native")
+    step = model.compiled_step
+    assert step is not None
+    compiled = decode(model, [3, 1, 4, 1, 5], 4)
+    assert [why for why in step.refused.values() if "reads an array on the host" in why]
+    model.compiled_step = None
+    eager = decode(model, [3, 1, 4, 1, 5], 4)
+    assert compiled[0] == eager[0]
+    assert mx.array_equal(compiled[1], eager[1])
