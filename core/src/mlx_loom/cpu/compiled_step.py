@@ -92,8 +92,8 @@ from ..forward_hooks import current_attention
 
 __all__ = ["CompiledStep", "describe", "not_compiled_because"]
 
-#: The capability a family declares when its graph reads caches only through
-#: ``offset``, ``make_mask`` and ``append`` (``mlx_loom.plugin.COMPILED_STEP``).
+#: The capability a family declares when its graph reads caches only through what
+#: the stand-ins below provide (``mlx_loom.plugin.COMPILED_STEP``; docs/plugin-authors.md).
 _CAPABILITY = "compiled-step"
 
 
@@ -164,8 +164,8 @@ class _WindowView:
 
 class _TracedKV:
     """A KV cache as the traced step sees it: the whole buffers, the token's position
-    ``offset`` (an array), the ``slot`` it is written to and the filled length after
-    it (``lengths``), each int32 ``[1]``.
+    ``offset`` (an int32 scalar array), the ``slot`` it is written to and the filled
+    length after it (``lengths``), each int32 ``[1]``.
 
     A full cache writes at its offset; a rotating window at its write index,
     which the window's own housekeeping set before the call. ``window`` is a
