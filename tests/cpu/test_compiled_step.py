@@ -7,15 +7,18 @@ import pytest
 
 import mlx_loom
 from mlx_loom.cache import KVCache, RotatingKVCache
+from mlx_loom.cache.recurrent import RecurrentCache
 from mlx_loom.cpu.compiled_step import CompiledStep
 from mlx_loom.generation.loop import generate_tokens
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 
-def checkpoint(tmp_path_factory, model_type: str):
+def checkpoint(tmp_path_factory, model_type: str, **overrides):
     claim = mlx_loom.default_host().registry.model_types[model_type]
     path = tmp_path_factory.mktemp(model_type) / "ckpt"
-    return write_checkpoint(path, claim.tiny_config, claim.checkpoint_tensors(claim.tiny_config))
+    assert claim.tiny_config is not None and claim.checkpoint_tensors is not None
+    config = {**claim.tiny_config, **overrides}
+    return write_checkpoint(path, config, claim.checkpoint_tensors(config))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +101,7 @@ def test_a_trimmed_cache_continues_compiled_bit_for_bit(llama, compiled_on):
     assert mx.array_equal(compiled[1], eager[1])
 
 
-def test_it_applies_only_to_one_token_over_full_caches_at_one_offset():
+def test_it_applies_only_to_one_token_over_the_cache_kinds_it_traces():
     full = KVCache()
     full.update_and_fetch(mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 3, 64)))
     one = mx.array([[1]])
@@ -108,23 +111,89 @@ def test_it_applies_only_to_one_token_over_full_caches_at_one_offset():
     assert not CompiledStep.applies(one, [KVCache()])  # nothing written yet
     rotating = RotatingKVCache(max_size=8)
     rotating.update_and_fetch(mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 3, 64)))
-    assert not CompiledStep.applies(one, [full, rotating])
+    assert CompiledStep.applies(one, [full, rotating])
+    rotating.begin_round()
+    assert not CompiledStep.applies(one, [full, rotating])  # a speculative round is open
+    rotating.commit(0)
     other = KVCache()
     other.update_and_fetch(mx.zeros((1, 2, 4, 64)), mx.zeros((1, 2, 4, 64)))
     assert not CompiledStep.applies(one, [full, other])  # offsets differ
-    quantized = full.to_quantized()
-    assert not CompiledStep.applies(one, [quantized])
+    assert not CompiledStep.applies(one, [full.to_quantized()])
+    assert not CompiledStep.applies(one, [full.to_turboquant()])
+    assert not CompiledStep.applies(one, [rotating.to_quantized()])
+    recurrent = RecurrentCache()
+    recurrent.update(conv_state=mx.zeros((1, 3, 8)), recurrent_state=mx.zeros((1, 2, 4, 4)), n=3)
+    assert CompiledStep.applies(one, [full, recurrent])
+    padded = RecurrentCache(left_padding=[1])
+    padded.update(conv_state=mx.zeros((1, 3, 8)), recurrent_state=mx.zeros((1, 2, 4, 4)), n=3)
+    assert not CompiledStep.applies(one, [padded])  # per-row offsets and a padding mask
+    assert not CompiledStep.applies(one, [KVCache.merge([full, full])])  # a padded batch
 
 
-def test_cpu_ops_and_families_without_the_capability_are_never_compiled(
-    llama, tmp_path_factory, compiled_on
+def _eager_and_compiled(path, prompt, n, counted, make_cache=None):
+    """Greedy decode of ``prompt`` eager, then through the compiled step (same model)."""
+    model, _ = mlx_loom.load(path, compute_dtype="float32", cpu_kernels="cpu-native")
+    step = model.compiled_step
+    assert step is not None
+    make = make_cache or model.make_cache
+    model.compiled_step = None
+    eager = decode(model, prompt, n, make())
+    model.compiled_step = step
+    before = counted["n"]
+    compiled = decode(model, prompt, n, make())
+    return eager, compiled, counted["n"] - before, step
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [
+        ("gemma3_text", {}),  # two sliding windows (8 slots) and a global layer
+        ("gemma4_text", {}),  # windows, full layers, KV-shared layers, per-layer inputs, MoE
+        ("qwen3_next", {}),  # gated delta nets (recurrent) and gated attention
+        ("llama", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}),
+    ],
+    ids=["gemma3", "gemma4", "qwen3_next", "sliding-llama"],
+)
+@pytest.mark.parametrize("prompt_len", [3, 13])
+def test_each_cache_kind_decodes_compiled_bit_for_bit(
+    tmp_path_factory, counted, compiled_on, model_type, overrides, prompt_len
 ):
+    # 3: a window grows (its buffer is shorter than the window) and then wraps;
+    # 13: the prompt's chunk left more slots than the window, dropped on the
+    # first compiled write. Decoding 12 tokens wraps every window.
+    path = checkpoint(tmp_path_factory, model_type, **overrides)
+    prompt = [(5 * i) % 97 + 2 for i in range(prompt_len)]
+    eager, compiled, calls, step = _eager_and_compiled(path, prompt, 12, counted)
+    assert calls == 12 and not step.refused
+    assert compiled[0] == eager[0]
+    assert mx.array_equal(compiled[1], eager[1])
+
+
+def test_a_window_wider_than_the_attention_window_runs_eager_and_says_why(
+    tmp_path_factory, counted, compiled_on
+):
+    # Gemma 3 attends over 8 tokens; a 16-slot window needs the eager step's
+    # mask once 8 tokens are in, so the trace refuses and the step runs eager.
+    path = checkpoint(tmp_path_factory, "gemma3_text")
+
+    def wide():
+        return [RotatingKVCache(max_size=16), RotatingKVCache(max_size=16), KVCache()]
+
+    eager, compiled, _, step = _eager_and_compiled(path, [3, 1, 4, 1, 5], 6, counted, wide)
+    assert list(step.refused.values()) == [
+        "an attention window of 8 tokens over a 16-slot rotating window needs a mask"
+    ]
+    assert compiled[0] == eager[0]
+    assert mx.array_equal(compiled[1], eager[1])
+
+
+def test_families_on_cpu_ops_are_never_compiled(llama, tmp_path_factory, compiled_on):
     ops_model, _ = mlx_loom.load(llama, compute_dtype="float32", cpu_kernels="cpu-ops")
     assert ops_model.compiled_step is None
     for model_type in ("qwen3_next", "gemma4_text"):
-        model, _ = mlx_loom.load(checkpoint(tmp_path_factory, model_type))
+        model, _ = mlx_loom.load(checkpoint(tmp_path_factory, model_type), cpu_kernels="cpu-ops")
         assert model.compiled_step is None
-        assert "compiled-step" not in model.capabilities
+        assert "compiled-step" in model.capabilities
 
 
 def test_a_batch_decodes_on_the_ordinary_forward_with_the_same_tokens(llama, counted, compiled_on):
@@ -140,12 +209,14 @@ def test_a_batch_decodes_on_the_ordinary_forward_with_the_same_tokens(llama, cou
 
 
 def test_loom_explain_says_whether_the_decode_step_is_compiled(
-    llama, capsys, monkeypatch, compiled_on
+    llama, tmp_path_factory, capsys, monkeypatch, compiled_on
 ):
     from mlx_loom.cli.main import main
 
     assert main(["explain", str(llama)]) == 0
     assert "decode step            compiled where one token" in capsys.readouterr().out
+    assert main(["explain", str(checkpoint(tmp_path_factory, "gemma4_text"))]) == 0
+    assert "rotating windows and recurrent state" in capsys.readouterr().out
     monkeypatch.setenv("MLX_LOOM_COMPILED_STEP", "0")
     assert main(["explain", str(llama)]) == 0
     assert "eager (MLX_LOOM_COMPILED_STEP=0 turns it off)" in capsys.readouterr().out
@@ -203,3 +274,18 @@ def test_native_attention_lengths_read_only_the_first_keys():
     )
     with pytest.raises(ValueError, match="lengths"):
         nat.attention(q, k, v, 0.25, False, None, mx.array([1, 2, 3], dtype=mx.int32))
+
+
+def test_a_kernel_that_reads_the_host_runs_eager_and_says_why(tmp_path_factory, compiled_on):
+    # In bf16, dense experts run the grouped expert GLU, which reads the
+    # router's choice on the host: MLX refuses that in a trace.
+    path = checkpoint(tmp_path_factory, "gemma4_text")
+    model, _ = mlx_loom.load(path, compute_dtype="bfloat16", cpu_kernels="cpu-native")
+    step = model.compiled_step
+    assert step is not None
+    compiled = decode(model, [3, 1, 4, 1, 5], 4)
+    assert [why for why in step.refused.values() if "reads an array on the host" in why]
+    model.compiled_step = None
+    eager = decode(model, [3, 1, 4, 1, 5], 4)
+    assert compiled[0] == eager[0]
+    assert mx.array_equal(compiled[1], eager[1])

@@ -13,6 +13,7 @@ from mlx_loom.errors import KernelUnavailable
 from mlx_loom.host import (
     ADAPTERS,
     BATCH,
+    COMPILED_STEP,
     GENERATE,
     KV_QUANTIZATION,
     PROMPT_CACHE,
@@ -79,6 +80,7 @@ def test_profiles_are_valid_and_declare_the_capabilities_the_caches_support():
             KV_QUANTIZATION,
             SPECULATIVE,
             ADAPTERS,
+            COMPILED_STEP,
         }
 
 

@@ -109,8 +109,14 @@ class RotatingKVCache(CodecLayout):
         self._idx = buf.seq_len(self.keys)
         return self.keys, self.values
 
-    def _write_in_place(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        S = keys.shape[2]
+    def prepare_write(self, keys: mx.array, values: mx.array) -> None:
+        """The slot housekeeping before a one-token write: grow, drop the excess, wrap.
+
+        ``keys``/``values`` give the new slots' shapes and dtype (the step's
+        keys and values, or plain buffers). Idempotent: after it, the write index is the slot the
+        token goes to, which is what the compiled decode step needs to know
+        before its forward (:mod:`mlx_loom.cpu.compiled_step`).
+        """
         prev = self.offset
         if (
             self.keys is None
@@ -133,6 +139,23 @@ class RotatingKVCache(CodecLayout):
             self._idx = self.max_size
         if self._idx == self.max_size:  # wrap past the kept prefix
             self._idx = self.keep
+
+    @property
+    def write_slot(self) -> int:
+        """The slot the next one-token write goes to, once :meth:`prepare_write` ran."""
+        return self._idx
+
+    def written(self, keys: buf.Stored, values: buf.Stored) -> None:
+        """Take buffers holding one more token, written at :attr:`write_slot` elsewhere
+        (the compiled decode step writes inside its traced forward)."""
+        self.keys, self.values = keys, values
+        self.offset += 1
+        self._idx += 1
+
+    def _write_in_place(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        S = keys.shape[2]
+        self.prepare_write(keys, values)
+        assert self.keys is not None and self.values is not None
         buf.write(self.keys, self._idx, self._codec.encode_keys(keys))
         buf.write(self.values, self._idx, self._codec.encode_values(values))
         self.offset += S

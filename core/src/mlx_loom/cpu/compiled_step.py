@@ -1,4 +1,5 @@
-"""The one-token forward as a compiled MLX function, where every layer's cache is a full KV cache.
+"""The one-token forward as a compiled MLX function, over full KV caches, rotating
+windows and recurrent state.
 
 Building a decode step's graph is Python work — a few milliseconds for a
 24-layer model — that competes for the cores with the products themselves
@@ -6,47 +7,93 @@ Building a decode step's graph is Python work — a few milliseconds for a
 builds the next step). A compiled function replays a traced graph instead.
 
 A trace is only valid while nothing the forward reads as a Python value
-changes, and a KV cache's offset changes every token. So the step is traced
-against stand-in caches whose offset is an array, which write the new
-key/value at that offset into the full buffer (``mx.slice_update`` with a
-dynamic start) and attend over the buffer's first ``offset + 1`` slots (the
-native attention takes that count as an array and reads nothing past it).
-The logits equal the uncompiled step's bit for bit (tested). The buffer
-grows by 256 slots at a time, and each new buffer length is one more trace.
+changes, and a cache's offset changes every token. So the step is traced
+against stand-in caches whose offset (the token's position) is an array:
+
+* a **full** :class:`~mlx_loom.cache.KVCache` writes the new key/value at
+  that offset into its buffer (``mx.slice_update`` with a dynamic start) and
+  attends over the buffer's first ``offset + 1`` slots: the native attention
+  takes that count as an array and reads nothing past it;
+* a **rotating window** (:class:`~mlx_loom.cache.RotatingKVCache`) first
+  does, in Python before the call, the slot housekeeping its own one-token
+  write does (grow the buffer, drop what a chunk left past the window, wrap
+  the write index: :meth:`~mlx_loom.cache.RotatingKVCache.prepare_write`),
+  then the trace writes at that slot (an array) and attends over the buffer
+  in its slot order, as the eager step does, its filled length an array too.
+  Only where the eager step builds no mask: a graph that asks a window for a
+  narrower attention window than its buffer (or a full cache for any window)
+  gets a mask from the eager step, so the trace refuses — the step records
+  why (:attr:`CompiledStep.refused`) and that layout of caches runs eager;
+* a **recurrent** cache (:class:`~mlx_loom.cache.recurrent.RecurrentCache`,
+  unpadded, no speculative round open) hands its convolution tail and state
+  in as arrays and takes the new ones back.
+
+A KV-shared layer (Gemma 4) attends through its donor's view, which in the
+trace is the donor's traced buffer, so it needs nothing of its own. The
+logits equal the uncompiled step's bit for bit (tested per kind, over
+prompts longer than the windows so they wrap). A full buffer grows by 256
+slots at a time, a window's up to its size, and each new set of buffer
+lengths is one more trace.
 
 It applies — :meth:`CompiledStep.applies` — only where that reasoning holds:
-one new token, every cache a plain :class:`~mlx_loom.cache.KVCache` with room
-for it at one shared offset, no adapters, not a rank of a split model.
-Anything else (rotating windows, recurrent state, quantized KV, batches,
-verification windows) runs the ordinary forward. The core uses it for
-models on the native CPU kernel sets whose family declares
-``compiled-step``, unless ``MLX_LOOM_COMPILED_STEP=0``.
+one new token, every cache one of those kinds in plain storage at one shared
+offset (a full one with room for the token), no adapters, not a rank of a
+split model. The core uses it for models on the native CPU kernel sets whose
+family declares ``compiled-step``, unless ``MLX_LOOM_COMPILED_STEP=0``.
+
+What stays eager, and why:
+
+* a trace that asks for a mask or attention sinks (above), or whose kernels
+  read an array on the host — the grouped expert GLU that bf16/fp16 dense
+  experts run reads the router's choice, which MLX refuses in a trace. The
+  step keeps the reason in :attr:`CompiledStep.refused`, logs it once
+  (``mlx_loom.cpu``, info) and runs that layout of caches eager;
+
+* **affine-quantized and TurboQuant KV** (``kv_bits`` / ``kv_codec``): their
+  views attend with MLX ops whose key count is the stored arrays' length. A
+  trace fixes that length at the whole buffer (MLX has no slice of a dynamic
+  length), so it would attend over up to 255 empty slots behind a mask: a
+  longer reduction than the eager step's (not bit-equal) and more work — the
+  same reason the plain path first attended that way and was slower than
+  eager. Only the native plain-key attention takes a filled length.
+* **batched rows** (the engine's batch caches, prompt or stacked rows): each
+  row has its own padding and offset, so the eager step builds a padding
+  mask and per-row positions as arrays, and the batch's row count changes
+  as requests join and finish — one trace per row count and layout.
+* prefill chunks, speculative verification windows and open rounds, adapters.
 
 Measured (350M Llama, 4-bit, float32, 2 threads, alternated in one process,
 100 new tokens): 18.3 against 20.8 ms a token with int8 activations, 17.6
 against 19.9 without; the tiny 4-layer model 0.84 against 1.09 ms. It used
 to attend over the whole buffer with the slots past the offset masked off,
 and was then slower than eager on the 350M model (the buffer is up to 255
-slots longer than the sequence).
+slots longer than the sequence). Over windows and recurrent state, on a
+loaded 2-core machine (min / median ms a token, eager against compiled): a
+15-layer Gemma-4-shaped model 18.6 / 24.4 against 13.6 / 19.2, a 12-layer
+Qwen3-Next-shaped one 11.6 / 17.9 against 10.2 / 12.7 (docs/cpu.md).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache.kv import KVCache
+from ..cache.recurrent import RecurrentCache
+from ..cache.rotating import RotatingKVCache
 from ..cpu.native import NATIVE_KERNEL_SETS
 from ..forward_hooks import current_attention
 
 __all__ = ["CompiledStep", "describe", "not_compiled_because"]
 
-#: The capability a family declares when its graph reads caches only through
-#: ``offset``, ``make_mask`` and ``append`` (``mlx_loom.plugin.COMPILED_STEP``).
+#: The capability a family declares when its graph reads caches only through what
+#: the stand-ins below provide (``mlx_loom.plugin.COMPILED_STEP``; docs/plugin-authors.md).
 _CAPABILITY = "compiled-step"
 
 
@@ -74,23 +121,34 @@ def describe(kernel_set: str | None, capabilities: frozenset[str], *, split: boo
     """What ``loom explain`` says about the decode step."""
     why = not_compiled_because(kernel_set, capabilities, split=split)
     if why is None:
-        return "compiled where one token goes over full KV caches (else eager)"
+        return (
+            "compiled where one token goes over full KV caches, rotating windows and "
+            "recurrent state in plain storage (else eager: prefill, batches, quantized KV)"
+        )
     return f"eager ({why})"
 
 
-class _WindowView:
-    """The whole key/value buffer, attended over its first ``offset + 1`` slots."""
+log = logging.getLogger("mlx_loom.cpu")
 
-    def __init__(
-        self, keys: mx.array, values: mx.array, offset: mx.array, lengths: mx.array
-    ) -> None:
-        self.keys, self.values, self.offset, self.lengths = keys, values, offset, lengths
+#: What MLX says when a traced function asks for an array's value.
+_HOST_READ = "during function transformations"
+
+
+class _Untraceable(Exception):
+    """The traced forward asked for something only the eager step builds (a mask)."""
+
+
+class _WindowView:
+    """A layer's whole key/value buffer, attended over its first ``lengths`` slots."""
+
+    def __init__(self, keys: mx.array, values: mx.array, lengths: mx.array) -> None:
+        self.keys, self.values, self.lengths = keys, values, lengths
 
     def attend(
         self, queries: mx.array, *, scale: float, mask: Any, sinks: mx.array | None = None
     ) -> mx.array:
         if mask is not None or sinks is not None:
-            raise NotImplementedError("the compiled step attends one query, without sinks")
+            raise _Untraceable("the compiled step attends one query, without a mask or sinks")
         kernel = current_attention()
         if kernel is not None:
             # The native kernel reads only the filled slots (their count, an
@@ -98,72 +156,213 @@ class _WindowView:
             return kernel(
                 queries, self.keys, self.values, scale=scale, mask=None, lengths=self.lengths
             )
-        valid = mx.arange(self.keys.shape[2]) <= self.offset
+        valid = mx.arange(self.keys.shape[2]) < self.lengths
         return mx.fast.scaled_dot_product_attention(
             queries, self.keys, self.values, scale=scale, mask=valid
         )
 
 
 class _TracedKV:
-    """A KV cache as the traced step sees it: the full buffers, an array offset and
-    the filled length after this token (``offset + 1``, int32 ``[1]``, shared by every
-    layer of the step)."""
+    """A KV cache as the traced step sees it: the whole buffers, the token's position
+    ``offset`` (an int32 scalar array), the ``slot`` it is written to and the filled
+    length after it (``lengths``), each int32 ``[1]``.
+
+    A full cache writes at its offset; a rotating window at its write index,
+    which the window's own housekeeping set before the call. ``window`` is a
+    rotating cache's ``max_size`` (None for a full cache): for one token the
+    eager step builds no mask over a window at most that wide, and a mask
+    over anything else, which the trace refuses.
+    """
 
     def __init__(
-        self, keys: mx.array, values: mx.array, offset: mx.array, lengths: mx.array
+        self,
+        keys: mx.array,
+        values: mx.array,
+        offset: mx.array,
+        slot: mx.array,
+        lengths: mx.array,
+        window: int | None,
     ) -> None:
-        self.keys, self.values, self.offset, self.lengths = keys, values, offset, lengths
+        self.keys, self.values, self.offset = keys, values, offset
+        self.slot, self.lengths, self.window = slot, lengths, window
 
     def make_mask(
         self, N: int, *, window_size: int | None = None, return_array: bool = False
     ) -> Any:
-        if N != 1 or window_size is not None or return_array:
-            raise NotImplementedError("the compiled step builds no mask")
-        return None
+        if N != 1 or return_array:
+            raise _Untraceable("the compiled step builds no mask")
+        if window_size is None:
+            return None
+        if self.window is not None and window_size >= self.window:
+            return None  # RotatingKVCache.make_mask: no mask within the window
+        over = "a full cache" if self.window is None else f"a {self.window}-slot rotating window"
+        raise _Untraceable(f"an attention window of {window_size} tokens over {over} needs a mask")
 
     def append(self, keys: mx.array, values: mx.array) -> _WindowView:
-        start = self.offset[None]
-        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
-        self.values = mx.slice_update(self.values, values, start, axes=(2,))
-        return _WindowView(self.keys, self.values, self.offset, self.lengths)
+        self.keys = mx.slice_update(self.keys, keys, self.slot, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.slot, axes=(2,))
+        return _WindowView(self.keys, self.values, self.lengths)
+
+
+class _TracedRecurrent:
+    """A recurrent cache as the traced step sees it: its convolution tail and state as
+    arrays in, the new ones out; one unpadded row set, no speculative round open."""
+
+    in_round = False
+
+    def __init__(self, conv_state: mx.array, recurrent_state: mx.array, offset: mx.array) -> None:
+        self.conv_state, self.recurrent_state, self.offset = conv_state, recurrent_state, offset
+
+    def make_mask(
+        self, N: int, *, window_size: int | None = None, return_array: bool = False
+    ) -> None:
+        if N != 1:
+            raise _Untraceable("the compiled step runs one token")
+        return None  # no padding: every position is real
+
+    def tail_ends(self, N: int) -> None:
+        return None
+
+    def conv_tail(self, batch: int, width: int, channels: int, dtype: mx.Dtype) -> mx.array:
+        return self.conv_state
+
+    def record(self, **_: Any) -> None:
+        """Nothing to keep: no speculative round is open (``applies``)."""
+
+    def update(self, *, conv_state: mx.array, recurrent_state: mx.array, n: int) -> None:
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+
+
+#: A layer's static part of a trace: ``None`` for a full cache, a rotating
+#: window's ``max_size``, or ``"recurrent"``.
+_Layer = int | str | None
+_Shape = tuple[_Layer, ...]
+_RECURRENT = "recurrent"
+
+
+def _traceable(c: Any, offset: int) -> bool:
+    """A plain full cache with room for one more token, a plain rotating window, or an
+    unpadded recurrent cache; outside a speculative round, already written and at
+    ``offset``."""
+    kind = type(c)
+    if kind is RecurrentCache:
+        return bool(
+            c.offset == offset
+            and isinstance(c.offset, int)
+            and c.left_padding is None
+            and c.lengths is None
+            and not c.in_round
+            and c.conv_state is not None
+            and c.recurrent_state is not None
+        )
+    if kind is not KVCache and kind is not RotatingKVCache:
+        return False
+    if not c.plain or not isinstance(c.keys, mx.array) or c.offset != offset:
+        return False
+    if kind is KVCache:
+        return bool(c.offset < c.keys.shape[2])
+    return not c.in_round
+
+
+def _layer(c: Any) -> _Layer:
+    if isinstance(c, RecurrentCache):
+        return _RECURRENT
+    return c.max_size if isinstance(c, RotatingKVCache) else None
+
+
+def _arrays(c: Any) -> tuple[mx.array, mx.array]:
+    """The two arrays a layer's cache hands the trace (``applies`` checked they exist)."""
+    if isinstance(c, RecurrentCache):
+        return cast(mx.array, c.conv_state), cast(mx.array, c.recurrent_state)
+    return cast(mx.array, c.keys), cast(mx.array, c.values)
 
 
 class CompiledStep:
-    """``module(tokens[B, 1], caches)`` for full KV caches, compiled; see the module docstring."""
+    """``module(tokens[B, 1], caches)`` over full KV caches, rotating windows and
+    recurrent caches, compiled; see the module docstring."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
-        self._compiled = mx.compile(self._forward)
+        self._compiled: dict[_Shape, Any] = {}
+        #: Why a layout of caches runs eager after all (its trace asked for a mask).
+        self.refused: dict[_Shape, str] = {}
 
     @staticmethod
     def applies(inputs: mx.array, cache: Sequence[Any] | None) -> bool:
         if cache is None or len(cache) == 0 or inputs.ndim != 2 or inputs.shape[1] != 1:
             return False
-        first = cache[0]
-        for c in cache:
-            if type(c) is not KVCache or not c.plain or not isinstance(c.keys, mx.array):
-                return False
-            if c.offset != first.offset or c.offset >= c.keys.shape[2]:
-                return False
-        return True
+        offset = cache[0].offset
+        return isinstance(offset, int) and all(_traceable(c, offset) for c in cache)
 
-    def __call__(self, inputs: mx.array, cache: Sequence[KVCache]) -> mx.array:
-        offset = mx.array(cache[0].offset, dtype=mx.int32)
-        logits, keys, values = self._compiled(
-            inputs,
-            offset,
-            [cast(mx.array, c.keys) for c in cache],  # plain: one array each (applies())
-            [cast(mx.array, c.values) for c in cache],
-        )
-        for c, k, v in zip(cache, keys, values, strict=True):
-            c.keys, c.values = k, v
-            c.offset += 1
-        return logits
+    def __call__(self, inputs: mx.array, cache: Sequence[Any]) -> mx.array:
+        shape: _Shape = tuple(_layer(c) for c in cache)
+        if shape in self.refused:
+            return cast(mx.array, self._module(inputs, cache=list(cache)))
+        offset = cache[0].offset
+        where: list[list[int]] = []
+        for c in cache:
+            if isinstance(c, RotatingKVCache):
+                keys, values = _arrays(c)
+                c.prepare_write(keys, values)  # what the eager write does first
+                where.append([c.write_slot, min(offset + 1, _arrays(c)[0].shape[2])])
+            else:
+                where.append([offset, offset + 1])  # a recurrent layer reads neither
+        compiled = self._compiled.get(shape)
+        if compiled is None:
+            compiled = self._compiled[shape] = mx.compile(partial(self._forward, shape))
+        try:
+            logits, states = compiled(
+                inputs,
+                mx.array(offset, dtype=mx.int32),
+                mx.array(where, dtype=mx.int32),
+                [_arrays(c) for c in cache],
+            )
+        except _Untraceable as e:
+            return self._refuse(shape, str(e), inputs, cache)
+        except ValueError as e:
+            if _HOST_READ not in str(e):
+                raise
+            # A kernel read an array on the host (e.g. the grouped expert GLU
+            # of bf16 dense experts reads the router's choice): it cannot run
+            # in a trace, so this layout runs eager.
+            return self._refuse(shape, f"a kernel reads an array on the host ({e})", inputs, cache)
+        for c, (a, b) in zip(cache, states, strict=True):
+            if isinstance(c, RecurrentCache):
+                c.update(conv_state=a, recurrent_state=b, n=1)
+            elif isinstance(c, RotatingKVCache):
+                c.written(a, b)
+            else:
+                c.keys, c.values = a, b
+                c.offset += 1
+        return cast(mx.array, logits)
+
+    def _refuse(self, shape: _Shape, why: str, inputs: mx.array, cache: Sequence[Any]) -> mx.array:
+        """Run eager from now on for this layout, keeping why.
+
+        The trace stopped before any cache changed but for the housekeeping,
+        which the eager write repeats as a no-op.
+        """
+        self.refused[shape] = why
+        log.info("the compiled decode step runs eager for this model: %s", why)
+        return cast(mx.array, self._module(inputs, cache=list(cache)))
 
     def _forward(
-        self, inputs: mx.array, offset: mx.array, keys: list[mx.array], values: list[mx.array]
-    ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
-        lengths = (offset + 1).reshape(1)
-        traced = [_TracedKV(k, v, offset, lengths) for k, v in zip(keys, values, strict=True)]
+        self,
+        shape: _Shape,
+        inputs: mx.array,
+        offset: mx.array,
+        where: mx.array,
+        states: list[tuple[mx.array, mx.array]],
+    ) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
+        traced: list[_TracedKV | _TracedRecurrent] = []
+        for i, ((a, b), layer) in enumerate(zip(states, shape, strict=True)):
+            if layer == _RECURRENT:
+                traced.append(_TracedRecurrent(a, b, offset))
+            else:
+                window = layer if isinstance(layer, int) else None
+                traced.append(_TracedKV(a, b, offset, where[i, 0:1], where[i, 1:2], window))
         logits = self._module(inputs, cache=traced)
-        return logits, [t.keys for t in traced], [t.values for t in traced]
+        return logits, [
+            (t.conv_state, t.recurrent_state) if isinstance(t, _TracedRecurrent) else (t.keys, t.values)
+            for t in traced
+        ]

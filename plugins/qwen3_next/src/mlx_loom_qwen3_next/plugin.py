@@ -18,6 +18,7 @@ from typing import Any
 from mlx_loom.plugin import (
     ADAPTERS,
     BATCH,
+    COMPILED_STEP,
     GENERATE,
     KV_QUANTIZATION,
     PLUGIN_API_VERSION,
@@ -113,7 +114,13 @@ TINY_QWEN3_5_MOE: dict[str, Any] = {
 
 # Speculative decoding goes through RecurrentCache rounds (begin_round/commit);
 # prompt-cache reuse never trims (the loop reuses exact prefixes only).
-CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS})
+# COMPILED_STEP: the graph reads a recurrent cache only through offset,
+# make_mask, tail_ends, conv_tail, recurrent_state, record and update, and its
+# attention caches through offset, make_mask and append, so the core may trace
+# the one-token forward (bit-equal to the eager step, tested).
+CAPABILITIES = frozenset(
+    {GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS, COMPILED_STEP}
+)
 
 FAMILY = Family(
     name="qwen3_next",
