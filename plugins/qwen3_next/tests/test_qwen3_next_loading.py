@@ -70,6 +70,15 @@ def test_qwen3_5_reads_rope_parameters(qn):
     assert cfg.norm_topk_prob is True
 
 
+def test_qwen3_5_rope_parameters_win_over_flat_rope_fields_as_in_mlx_lm(qn):
+    text = {**qn.QWEN3_5_CONFIG["text_config"], "rope_theta": 5.0, "partial_rotary_factor": 0.5}
+    assert _validate(text, Qwen3_5Config).rope_theta == 10000.0  # the object's
+    absent = {k: v for k, v in text.items() if k != "rope_parameters"}
+    assert _validate(absent, Qwen3_5Config).rope_theta == 100000.0  # mlx-lm's default object
+    flat = _validate({**text, "rope_parameters": None}, Qwen3_5Config)
+    assert (flat.rope_theta, flat.rope_dims) == (5.0, 8)  # null: the flat fields
+
+
 def test_missing_linear_attention_tensors_fail_at_load_naming_them(tmp_path, qn):
     gone = "model.layers.2.linear_attn.in_proj_ba.weight"
     path = qn.write_checkpoint(
