@@ -16,7 +16,7 @@ import pytest
 from mlx_loom.testing import parity
 
 pytest.importorskip("mlx_loom_gemma4")
-from mlx_loom_gemma4.plugin import TINY_TEXT_CONFIG  # noqa: E402
+from mlx_loom_gemma4.plugin import TINY_CONFIG  # noqa: E402
 
 STEPS = 16
 
@@ -43,21 +43,21 @@ def test_the_testing_package_imports_without_mlx_lm():
 
 
 def test_gemma4_hugging_face_layout_matches_mlx_lm(tmp_path):
-    path = parity.write_hf_checkpoint(tmp_path / "hf", TINY_TEXT_CONFIG, to_hf=gemma4_to_hf)
+    path = parity.write_hf_checkpoint(tmp_path / "hf", TINY_CONFIG, to_hf=gemma4_to_hf)
     ours, _ = parity.compare_with_mlx_lm(path, steps=STEPS, chunks=(7, 5))
     assert len(ours.tokens[0]) == STEPS + 1
 
 
 def test_gemma4_quantized_mlx_layout_matches_mlx_lm(tmp_path):
-    path = parity.write_mlx_checkpoint(tmp_path / "q4", TINY_TEXT_CONFIG, bits=4, group_size=32)
+    path = parity.write_mlx_checkpoint(tmp_path / "q4", TINY_CONFIG, bits=4, group_size=32)
     assert parity.load_ours(path).module.model.embed_tokens.weight.dtype == mx.uint32
     parity.compare_with_mlx_lm(path, steps=STEPS)
 
 
 def test_different_weights_fail_the_comparison(tmp_path):
     write = parity.write_hf_checkpoint
-    ours = parity.load_ours(write(tmp_path / "a", TINY_TEXT_CONFIG, seed=0, to_hf=gemma4_to_hf))
-    oracle = parity.load_oracle(write(tmp_path / "b", TINY_TEXT_CONFIG, seed=1, to_hf=gemma4_to_hf))
+    ours = parity.load_ours(write(tmp_path / "a", TINY_CONFIG, seed=0, to_hf=gemma4_to_hf))
+    oracle = parity.load_oracle(write(tmp_path / "b", TINY_CONFIG, seed=1, to_hf=gemma4_to_hf))
     prompt = mx.array([list(parity.PROMPT)])
     mine = parity.greedy(ours, prompt, ours.make_cache(), steps=2)
     ref = parity.greedy(oracle, prompt, oracle.make_cache(), steps=2)

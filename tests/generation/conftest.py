@@ -8,10 +8,10 @@ import pytest
 
 import mlx_loom
 from mlx_loom.testing.checkpoints import write_checkpoint
-from mlx_loom_gemma4.plugin import TINY_TEXT_CONFIG
+from mlx_loom_gemma4.plugin import TINY_CONFIG as TINY_GEMMA4
 from mlx_loom_gemma4.loader import checkpoint_tensors as gemma_tensors
 from mlx_loom_minicpm5.plugin import TINY_CONFIG, checkpoint_tensors
-from mlx_loom_qwen3_next.plugin import TINY_QWEN3_NEXT
+from mlx_loom_qwen3_next.plugin import TINY_CONFIG as TINY_QWEN3_NEXT
 from mlx_loom_qwen3_next.loader import checkpoint_tensors as qwen_tensors
 
 #: Speculation tests: 27 tokens, longer than every window of the tiny checkpoints
@@ -65,7 +65,7 @@ def spec_models(tmp_path_factory):
         else:
             cfg, tensors = {
                 "qwen3_next": (TINY_QWEN3_NEXT, qwen_tensors),
-                "gemma4": (TINY_TEXT_CONFIG, gemma_tensors),
+                "gemma4": (TINY_GEMMA4, gemma_tensors),
             }[name]
             paths = [
                 write_checkpoint(root / f"{name}{s}", cfg, tensors(cfg), seed=s) for s in (0, 5)

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from mlx_loom.host import resolve_model
 from mlx_loom.loader import build_model
-from mlx_loom_gemma4.plugin import TINY_TEXT_CONFIG
+from mlx_loom_gemma4.plugin import TINY_CONFIG
 from mlx_loom.testing.oracle import oracle_options
 
 S, F = "sliding_attention", "full_attention"
@@ -30,7 +30,7 @@ S, F = "sliding_attention", "full_attention"
 #: hidden 64, 5 layers (sliding, sliding, full, sliding, full), window 8, vocab 256.
 BASE: dict[str, Any] = {
     k: v
-    for k, v in TINY_TEXT_CONFIG.items()
+    for k, v in TINY_CONFIG.items()
     if k not in ("num_experts", "top_k_experts", "moe_intermediate_size")
 } | {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "enable_moe_block": False}
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlx_loom_gemma4.plugin import TINY_TEXT_CONFIG, TINY_WRAPPER_CONFIG
+from mlx_loom_gemma4.plugin import TINY_CONFIG, TINY_WRAPPER_CONFIG
 from mlx_loom_gemma4.loader import checkpoint_tensors
 
 
@@ -22,7 +22,7 @@ def test_manifest_matches_the_hf_layout_writer(kit, tmp_path, wrapper):
     assert declared == written
 
 
-@pytest.mark.parametrize("cfg", [TINY_TEXT_CONFIG, TINY_WRAPPER_CONFIG])
+@pytest.mark.parametrize("cfg", [TINY_CONFIG, TINY_WRAPPER_CONFIG])
 def test_tiny_configs_load_and_run(tmp_path, cfg):
     import mlx_loom
     from mlx_loom.testing.checkpoints import write_checkpoint

@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from mlx_loom.testing import parity
 from mlx_loom.testing.tokenizer import write_tokenizer
-from mlx_loom_qwen3.plugin import TINY_QWEN3, TINY_QWEN3_MOE
+from mlx_loom_qwen3.plugin import TINY_CONFIG, TINY_MOE_CONFIG
 
 STEPS = 24
 # 40 tokens: with top-2 routing a prefill holds 80 (token, expert) pairs, past
@@ -33,8 +33,8 @@ STEPS = 24
 PROMPT = [(7 * i + 3) % 256 for i in range(40)]
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen3": {**TINY_QWEN3, "num_attention_heads": 4, "num_key_value_heads": 2},
-    "qwen3_moe": {**TINY_QWEN3_MOE, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "qwen3": {**TINY_CONFIG, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "qwen3_moe": {**TINY_MOE_CONFIG, "num_attention_heads": 4, "num_key_value_heads": 2},
 }
 LAYOUTS = ("hf", "mlx", "mlx-q4")
 _STACKED = re.compile(r"^(.*\.mlp)\.switch_mlp\.(\w+)\.weight$")

@@ -22,10 +22,10 @@ from mlx_loom.host import resolve_model
 from mlx_loom.testing.oracle import oracle_options
 from mlx_loom.loader import build_model
 from mlx_loom_qwen3_next.graph import Model
-from mlx_loom_qwen3_next.plugin import TINY_QWEN3_NEXT
+from mlx_loom_qwen3_next.plugin import TINY_CONFIG
 
 # The plugin's own tiny config, with head_dim 16 (more heads per byte) and an EOS id.
-QWEN3_NEXT_CONFIG: dict[str, Any] = {**TINY_QWEN3_NEXT, "head_dim": 16, "eos_token_id": 255}
+QWEN3_NEXT_CONFIG: dict[str, Any] = {**TINY_CONFIG, "head_dim": 16, "eos_token_id": 255}
 
 QWEN3_5_TEXT = {
     k: v

@@ -11,11 +11,11 @@ from mlx_loom.artifacts import validate_family_config
 from mlx_loom.errors import ConfigError, WeightsError
 from mlx_loom_qwen3_next.config import Qwen3_5Config, Qwen3NextConfig
 from mlx_loom_qwen3_next.loader import sanitize
-from mlx_loom_qwen3_next.plugin import TINY_QWEN3_NEXT
+from mlx_loom_qwen3_next.plugin import TINY_CONFIG
 
 
 def _cfg(**changes):
-    return {**TINY_QWEN3_NEXT, "head_dim": 16, **changes}
+    return {**TINY_CONFIG, "head_dim": 16, **changes}
 
 
 def _validate(data, schema=Qwen3NextConfig):
@@ -68,6 +68,15 @@ def test_qwen3_5_reads_rope_parameters(qn):
     cfg = _validate(qn.QWEN3_5_CONFIG["text_config"], Qwen3_5Config)
     assert (cfg.hidden_size, cfg.rope_theta, cfg.rope_dims, cfg.num_experts) == (64, 10000.0, 4, 0)
     assert cfg.norm_topk_prob is True
+
+
+def test_qwen3_5_rope_parameters_win_over_flat_rope_fields_as_in_mlx_lm(qn):
+    text = {**qn.QWEN3_5_CONFIG["text_config"], "rope_theta": 5.0, "partial_rotary_factor": 0.5}
+    assert _validate(text, Qwen3_5Config).rope_theta == 10000.0  # the object's
+    absent = {k: v for k, v in text.items() if k != "rope_parameters"}
+    assert _validate(absent, Qwen3_5Config).rope_theta == 100000.0  # mlx-lm's default object
+    flat = _validate({**text, "rope_parameters": None}, Qwen3_5Config)
+    assert (flat.rope_theta, flat.rope_dims) == (5.0, 8)  # null: the flat fields
 
 
 def test_missing_linear_attention_tensors_fail_at_load_naming_them(tmp_path, qn):

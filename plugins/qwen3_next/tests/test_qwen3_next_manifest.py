@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlx_loom_qwen3_next.plugin import TINY_QWEN3_5, TINY_QWEN3_NEXT
+from mlx_loom_qwen3_next.plugin import TINY_QWEN3_5_CONFIG, TINY_CONFIG
 from mlx_loom_qwen3_next.loader import checkpoint_tensors
 
 
@@ -21,7 +21,7 @@ def test_manifest_matches_the_hf_layout_writer(qn, tmp_path, name):
     assert declared == written
 
 
-@pytest.mark.parametrize("cfg", [TINY_QWEN3_NEXT, TINY_QWEN3_5])
+@pytest.mark.parametrize("cfg", [TINY_CONFIG, TINY_QWEN3_5_CONFIG])
 def test_tiny_configs_load_and_run(tmp_path, cfg):
     import mlx_loom
     from mlx_loom.testing.checkpoints import write_checkpoint
@@ -38,11 +38,14 @@ _MOE_5 = {
     "shared_expert_intermediate_size": 32,
 }
 VARIANTS = {
-    "qwen3_next": TINY_QWEN3_NEXT,
-    "qwen3_next-tied": {**TINY_QWEN3_NEXT, "tie_word_embeddings": True, "attention_bias": True},
-    "qwen3_5": TINY_QWEN3_5,
-    "qwen3_5-moe": {**TINY_QWEN3_5, "text_config": {**TINY_QWEN3_5["text_config"], **_MOE_5}},
-    "qwen3_5_text-moe": {**TINY_QWEN3_5["text_config"], **_MOE_5},
+    "qwen3_next": TINY_CONFIG,
+    "qwen3_next-tied": {**TINY_CONFIG, "tie_word_embeddings": True, "attention_bias": True},
+    "qwen3_5": TINY_QWEN3_5_CONFIG,
+    "qwen3_5-moe": {
+        **TINY_QWEN3_5_CONFIG,
+        "text_config": {**TINY_QWEN3_5_CONFIG["text_config"], **_MOE_5},
+    },
+    "qwen3_5_text-moe": {**TINY_QWEN3_5_CONFIG["text_config"], **_MOE_5},
 }
 
 

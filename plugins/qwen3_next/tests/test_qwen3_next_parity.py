@@ -120,16 +120,16 @@ def test_qwen3_5_with_experts_matches_mlx_lm(tmp_path, qn):
     from mlx_loom.testing.checkpoints import write_checkpoint
     from mlx_loom_qwen3_next.config import Qwen3_5Config
     from mlx_loom_qwen3_next.loader import checkpoint_tensors, sanitize
-    from mlx_loom_qwen3_next.plugin import TINY_QWEN3_5
+    from mlx_loom_qwen3_next.plugin import TINY_QWEN3_5_CONFIG
 
     text = {
-        **TINY_QWEN3_5["text_config"],
+        **TINY_QWEN3_5_CONFIG["text_config"],
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 32,
     }
-    cfg = {**TINY_QWEN3_5, "text_config": text}
+    cfg = {**TINY_QWEN3_5_CONFIG, "text_config": text}
     hf = write_checkpoint(tmp_path / "hf", cfg, checkpoint_tensors(cfg))
     weights = {k.replace("model.language_model.", "model."): v for k, v in load_weights(hf).items()}
     stacked = sanitize(weights, Qwen3_5Config.model_validate(text))
@@ -153,9 +153,10 @@ def test_qwen3_5_moe_matches_mlx_lm_in_every_layout(tmp_path, qn, layout):
 
     from mlx_loom.testing.checkpoints import write_checkpoint
     from mlx_loom_qwen3_next.loader import checkpoint_tensors
-    from mlx_loom_qwen3_next.plugin import TINY_QWEN3_5_MOE
+    from mlx_loom_qwen3_next.plugin import TINY_QWEN3_5_MOE_CONFIG
 
-    path = write_checkpoint(tmp_path / "hf", TINY_QWEN3_5_MOE, checkpoint_tensors(TINY_QWEN3_5_MOE))
+    cfg = TINY_QWEN3_5_MOE_CONFIG
+    path = write_checkpoint(tmp_path / "hf", cfg, checkpoint_tensors(cfg))
     assert any(k.endswith("experts.gate_up_proj") for k in mx.load(str(path / "model.safetensors")))
     if layout != "hf":
         mlx = tmp_path / "mlx"

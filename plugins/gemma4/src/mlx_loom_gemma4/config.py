@@ -8,8 +8,11 @@ fields of either, so :class:`Gemma4TextConfig` is the one schema. (mlx-lm's
 ``vocab_size``, 262144 when absent; we read the text config's own value, and
 the weights' headers settle any disagreement before a graph is built.)
 
-Every size is bounded (int32, finite floats, at most ``MAX_LAYERS`` layers)
-and each bad field is one ``ConfigError`` naming it.
+Both are written in the core's config dialect (:class:`mlx_loom.plugin.FamilyConfig`):
+every size is bounded (int32, finite floats, at most ``MAX_LAYERS`` layers),
+omitted per-layer kinds and RoPE are derived in :meth:`~FamilyConfig.fill`,
+cross-field rules live in ``check``, and each bad field is one ``ConfigError``
+naming it.
 
 Defaults follow mlx-lm's ``gemma4_text.ModelArgs`` (so the oracle and we read
 the same directory the same way) with one deliberate exception:
@@ -23,26 +26,22 @@ reading that cannot surprise. Parity tests set it explicitly.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import (
-    AliasChoices,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mlx_loom.nn import ProportionalScaling, RopeScaling, parse_rope_scaling
 from mlx_loom.plugin import (
     Count,
+    FamilyConfig,
     FieldError,
     Flag,
+    Given,
     LayerCount,
     PositiveFloat,
     Size,
+    derived,
 )
 
 SLIDING = "sliding_attention"
@@ -85,10 +84,8 @@ class RopeParameters(BaseModel):
         )
 
 
-class Gemma4TextConfig(BaseModel):
-    """The language model's fields. Field order matters: validators read earlier fields."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
+class Gemma4TextConfig(FamilyConfig):
+    """The language model's fields: ``layer_types`` and ``rope_parameters`` derived when omitted."""
 
     model_type: str = "gemma4_text"
     hidden_size: Size = 1536
@@ -118,85 +115,33 @@ class Gemma4TextConfig(BaseModel):
     moe_intermediate_size: Size | None = None
     tie_word_embeddings: Flag = True
     num_kv_shared_layers: Count = 0
-    layer_types: list[str] | None = Field(None, validate_default=True)
-    rope_parameters: dict[str, RopeParameters] | None = Field(None, validate_default=True)
+    layer_types: list[str] = derived()  # every sliding_window_pattern-th layer full
+    rope_parameters: dict[str, RopeParameters] = derived()  # DEFAULT_ROPE_PARAMETERS
+
+    @classmethod
+    def fill(cls, given: Given) -> Mapping[str, Any]:
+        out: dict[str, Any] = {"rope_parameters": DEFAULT_ROPE_PARAMETERS}
+        n = given.get("num_hidden_layers") if "num_hidden_layers" in given else 35
+        if n is not None:
+            # Every pattern-th layer is global; O(layers), whatever the pattern.
+            pattern = given.get("sliding_window_pattern") or 5
+            out["layer_types"] = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n)]
+        return out
 
     # --- checks that must fail at load -----------------------------------
 
-    @field_validator("num_kv_shared_layers")
-    @classmethod
-    def _shared_below_layer_count(cls, v: int, info: ValidationInfo) -> int:
-        n = info.data.get("num_hidden_layers")
-        if n is not None and v >= n:
-            raise ValueError(
-                f"num_kv_shared_layers={v} must be smaller than num_hidden_layers={n}: "
-                "at least one earlier layer must own the keys/values the shared layers read"
+    def check(self) -> None:
+        n, shared = self.num_hidden_layers, self.num_kv_shared_layers
+        if shared >= n:
+            raise FieldError(
+                "num_kv_shared_layers",
+                f"must be smaller than num_hidden_layers={n}: "
+                "at least one earlier layer must own the keys/values the shared layers read",
+                fix="set num_kv_shared_layers below num_hidden_layers",
             )
-        return v
-
-    @field_validator("layer_types", mode="after")
-    @classmethod
-    def _layer_types_match_layers(cls, v: list[str] | None, info: ValidationInfo) -> list[str]:
-        n = info.data.get("num_hidden_layers")
-        if n is None:  # num_hidden_layers itself failed; that error is reported
-            return v or []
-        if v is None:
-            # Every pattern-th layer is global; O(layers), whatever the pattern.
-            pattern = info.data.get("sliding_window_pattern") or 5
-            v = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n)]
-        unknown = sorted({k for k in v if k not in ATTENTION_KINDS})
-        if unknown:
-            raise ValueError(
-                f"unknown layer kind(s) {unknown}; "
-                f"each entry must be one of {list(ATTENTION_KINDS)}"
-            )
-        if len(v) != n:
-            raise ValueError(
-                f"has {len(v)} entries but num_hidden_layers={n}; give one kind per layer"
-            )
-        shared = info.data.get("num_kv_shared_layers")
-        if shared:
-            owners = set(v[: n - shared])
-            orphans = sorted(set(v[n - shared :]) - owners)
-            if orphans:
-                raise ValueError(
-                    f"the last {shared} (KV-shared) layers include kind(s) {orphans} that no "
-                    "earlier layer has, so they would have no keys/values to read"
-                )
-        return v
-
-    @field_validator("rope_parameters", mode="after")
-    @classmethod
-    def _rope_splits_heads(
-        cls, v: dict[str, RopeParameters] | None, info: ValidationInfo
-    ) -> dict[str, RopeParameters]:
-        if v is None:
-            v = {k: RopeParameters.model_validate(p) for k, p in DEFAULT_ROPE_PARAMETERS.items()}
-        head_dim, global_head_dim = info.data.get("head_dim"), info.data.get("global_head_dim")
-        if head_dim is None:
-            return v
-        for kind in ATTENTION_KINDS:
-            rope = v.get(kind, RopeParameters())
-            dim = global_head_dim if kind == FULL and global_head_dim else head_dim
-            name = "global_head_dim" if dim is global_head_dim else "head_dim"
-            if rope.rope_type == "default" and rope.partial_rotary_factor != 1.0:
-                raise ValueError(
-                    f"{kind}: rope_type 'default' with partial_rotary_factor="
-                    f"{rope.partial_rotary_factor}; only 'proportional' RoPE rotates part of a "
-                    "head (mlx-lm ignores the factor here, so its meaning is ambiguous)"
-                )
-            rotated = rope.rotated_dims(dim)
-            if dim % 2 or rotated <= 0 or rotated > dim or rotated % 2:
-                raise ValueError(
-                    f"{kind}: {name}={dim} with partial_rotary_factor="
-                    f"{rope.partial_rotary_factor} gives {rotated} rotated dims; RoPE needs an "
-                    f"even head dim and an even rotary dim in (0, {dim}]"
-                )
-        return v
-
-    @model_validator(mode="after")
-    def _heads_and_experts(self) -> Gemma4TextConfig:
-        for kind in sorted(set(self.layer_types or [])):
+        self._check_layer_types()
+        self._check_rope()
+        for kind in sorted(set(self.layer_types)):
             kv = self.kv_heads_for(kind)
             if self.num_attention_heads % kv:
                 raise FieldError(
@@ -223,13 +168,57 @@ class Gemma4TextConfig(BaseModel):
                     f"{self.top_k_experts} exceeds num_experts={self.num_experts}",
                     fix="route each token to at most num_experts experts",
                 )
-        return self
+
+    def _check_layer_types(self) -> None:
+        v, n, shared = self.layer_types, self.num_hidden_layers, self.num_kv_shared_layers
+        unknown = sorted({k for k in v if k not in ATTENTION_KINDS})
+        if unknown:
+            raise FieldError(
+                "layer_types",
+                f"unknown layer kind(s) {unknown}; "
+                f"each entry must be one of {list(ATTENTION_KINDS)}",
+            )
+        if len(v) != n:
+            raise FieldError(
+                "layer_types",
+                f"has {len(v)} entries but num_hidden_layers={n}; give one kind per layer",
+            )
+        if shared:
+            owners = set(v[: n - shared])
+            orphans = sorted(set(v[n - shared :]) - owners)
+            if orphans:
+                raise FieldError(
+                    "layer_types",
+                    f"the last {shared} (KV-shared) layers include kind(s) {orphans} that no "
+                    "earlier layer has, so they would have no keys/values to read",
+                )
+
+    def _check_rope(self) -> None:
+        for kind in ATTENTION_KINDS:
+            rope = self.rope_for(kind)
+            dim = self.head_dim_for(kind)
+            name = "global_head_dim" if dim is self.global_head_dim else "head_dim"
+            if rope.rope_type == "default" and rope.partial_rotary_factor != 1.0:
+                raise FieldError(
+                    "rope_parameters",
+                    f"{kind}: rope_type 'default' with partial_rotary_factor="
+                    f"{rope.partial_rotary_factor}; only 'proportional' RoPE rotates part of a "
+                    "head (mlx-lm ignores the factor here, so its meaning is ambiguous)",
+                )
+            rotated = rope.rotated_dims(dim)
+            if dim % 2 or rotated <= 0 or rotated > dim or rotated % 2:
+                raise FieldError(
+                    "rope_parameters",
+                    f"{kind}: {name}={dim} with partial_rotary_factor="
+                    f"{rope.partial_rotary_factor} gives {rotated} rotated dims; RoPE needs an "
+                    f"even head dim and an even rotary dim in (0, {dim}]",
+                )
 
     # --- derived geometry (the graph never re-derives these) -------------
 
     @property
     def kinds(self) -> list[str]:
-        return list(self.layer_types or [])
+        return list(self.layer_types)
 
     @property
     def first_shared_layer(self) -> int:
@@ -259,7 +248,7 @@ class Gemma4TextConfig(BaseModel):
         return self.num_key_value_heads
 
     def rope_for(self, kind: str) -> RopeParameters:
-        return (self.rope_parameters or {}).get(kind, RopeParameters())
+        return self.rope_parameters.get(kind, RopeParameters())
 
     def mlp_width(self, layer: int) -> int:
         """KV-shared layers use a double-wide MLP when ``use_double_wide_mlp`` is set."""
@@ -321,7 +310,7 @@ GEMMA3_FINGERPRINT_FIELDS: tuple[str, ...] = (
 )
 
 
-class Gemma3TextConfig(BaseModel):
+class Gemma3TextConfig(FamilyConfig):
     """Gemma 3's language model (``gemma3_text``, or ``text_config`` of a ``gemma3`` wrapper).
 
     Defaults are mlx-lm's ``gemma3_text.ModelArgs`` (Gemma 3 1B), so a
@@ -332,8 +321,6 @@ class Gemma3TextConfig(BaseModel):
     ``attn_logit_softcapping``/``final_logit_softcapping``, an activation other
     than tanh-GELU, and a ``layer_types`` list that disagrees with the pattern.
     """
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
 
     model_type: str = "gemma3_text"
     hidden_size: Size = 1152
@@ -367,8 +354,7 @@ class Gemma3TextConfig(BaseModel):
             kinds=GEMMA3_ROPE_KINDS,
         )
 
-    @model_validator(mode="after")
-    def _geometry(self) -> Gemma3TextConfig:
+    def check(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise FieldError(
                 "num_key_value_heads",
@@ -384,7 +370,6 @@ class Gemma3TextConfig(BaseModel):
                 "(Gemma 3 makes every pattern-th layer global)",
                 fix="drop layer_types or make it match sliding_window_pattern",
             )
-        return self
 
     @property
     def kinds(self) -> list[str]:

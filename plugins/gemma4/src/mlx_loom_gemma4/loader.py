@@ -30,7 +30,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from mlx_loom.nn import (
     Entry,
@@ -87,7 +86,7 @@ def sanitize(weights: Mapping[str, mx.array], cfg: Gemma4TextConfig) -> dict[str
     return out
 
 
-def build(ctx: BuildContext) -> nn.Module:
+def build(ctx: BuildContext) -> Model:
     """The implementation's factory: the graph for the config, the checkpoint attached strictly."""
     cfg = ctx.family_config
     assert isinstance(cfg, Gemma4TextConfig)
@@ -136,7 +135,7 @@ def checkpoint_tensors(
 # --- Gemma 3 -------------------------------------------------------------------------
 
 
-def build_gemma3(ctx: BuildContext) -> nn.Module:
+def build_gemma3(ctx: BuildContext) -> Gemma3Model:
     """The ``gemma4.gemma3-text`` factory: names are the checkpoint's, so only tied heads
     and rotary buffers need dropping."""
     cfg = ctx.family_config

@@ -43,7 +43,7 @@ from .parallel import plan, plan_gemma3
 S, F = "sliding_attention", "full_attention"
 
 #: Every feature at once: sliding + global layers, per-layer inputs, KV sharing, MoE.
-TINY_TEXT_CONFIG: dict[str, Any] = {
+TINY_CONFIG: dict[str, Any] = {
     "model_type": "gemma4_text",
     "hidden_size": 64,
     "num_hidden_layers": 5,
@@ -76,7 +76,7 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
 
 TINY_WRAPPER_CONFIG: dict[str, Any] = {
     "model_type": "gemma4",
-    "text_config": copy.deepcopy(TINY_TEXT_CONFIG),
+    "text_config": copy.deepcopy(TINY_CONFIG),
 }
 
 # Speculative decoding: sliding layers use a rotating cache, whose trim past a
@@ -121,7 +121,7 @@ FAMILY = Family(
             schema=Gemma4TextConfig,
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Gemma 4 text model (flat config)",
-            tiny_config=TINY_TEXT_CONFIG,
+            tiny_config=TINY_CONFIG,
             tool_parser="gemma4",
         ),
         ModelType(

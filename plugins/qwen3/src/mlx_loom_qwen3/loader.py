@@ -21,7 +21,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 import mlx.core as mx
-import mlx.nn as nn
 
 from mlx_loom.nn import Entry, Matrix, graph_checkpoint_tensors, load_checkpoint
 from mlx_loom.plugin import BuildContext, WeightsError
@@ -98,7 +97,7 @@ def to_checkpoint(
             yield f"{prefix}.experts.{e}.{proj}", Matrix(tuple(shape))
 
 
-def build(ctx: BuildContext) -> nn.Module:
+def build(ctx: BuildContext) -> Model:
     """The implementations' factory: what :func:`mlx_loom.load` calls."""
     cfg = ctx.family_config
     assert isinstance(cfg, Qwen3Config)

@@ -44,7 +44,7 @@ CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECUL
 DENSE_CAPABILITIES = CAPABILITIES | {COMPILED_STEP}
 
 # Small but complete configs: what the conformance kit builds tiny checkpoints from.
-TINY_QWEN3 = {
+TINY_CONFIG = {
     "model_type": "qwen3",
     "architectures": ["Qwen3ForCausalLM"],
     "hidden_size": 64,
@@ -59,8 +59,8 @@ TINY_QWEN3 = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": True,  # as Qwen3-0.6B ... 4B
 }
-TINY_QWEN3_MOE = {
-    **TINY_QWEN3,
+TINY_MOE_CONFIG = {
+    **TINY_CONFIG,
     "model_type": "qwen3_moe",
     "architectures": ["Qwen3MoeForCausalLM"],
     "num_hidden_layers": 3,
@@ -81,7 +81,7 @@ FAMILY = Family(
             schema=Qwen3Config,
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Qwen3 dense (0.6B ... 32B): GQA with per-head q/k RMSNorm",
-            tiny_config=TINY_QWEN3,
+            tiny_config=TINY_CONFIG,
             tool_parser="json_tools",
         ),
         ModelType(
@@ -89,7 +89,7 @@ FAMILY = Family(
             schema=Qwen3MoeConfig,
             fingerprint_fields=MOE_FINGERPRINT_FIELDS,
             description="Qwen3 MoE (30B-A3B, 235B-A22B): top-k routed experts",
-            tiny_config=TINY_QWEN3_MOE,
+            tiny_config=TINY_MOE_CONFIG,
             tool_parser="json_tools",
         ),
     ),

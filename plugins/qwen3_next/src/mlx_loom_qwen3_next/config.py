@@ -6,7 +6,10 @@ checkpoint may omit are filled here, every size is bounded (int32, finite
 floats, at most ``MAX_LAYERS`` layers), and every check that would otherwise
 fail deep inside a forward (head counts that do not divide, a convolution
 width the kernels do not implement, an interval that leaves no attention
-layer) fails here, at load, as a ``ConfigError`` naming the field.
+layer) fails here, at load, as a ``ConfigError`` naming the field. All three
+are written in the core's config dialect (:class:`mlx_loom.plugin.FamilyConfig`):
+omitted values derived in :meth:`~FamilyConfig.fill`, cross-field rules in
+:meth:`HybridConfig.check`, pure functions of the fields as properties.
 
 ``qwen3_next`` follows mlx-lm's ``qwen3_next.ModelArgs`` (which requires the
 geometry fields); ``qwen3_5`` follows ``qwen3_5.TextModelArgs`` (every field
@@ -17,6 +20,7 @@ text fields.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import (
@@ -31,12 +35,15 @@ from pydantic import (
 from mlx_loom.nn import RopeScaling, parse_rope_scaling
 from mlx_loom.plugin import (
     Count,
+    FamilyConfig,
     FieldError,
     Flag,
+    Given,
     LayerCount,
     PositiveFloat,
     Size,
     UnitFloat,
+    derived,
 )
 from mlx_loom_qwen3_next.kernels import SUPPORTED_CONV_WIDTHS
 
@@ -85,10 +92,8 @@ class _RopeParameters(BaseModel):
     partial_rotary_factor: UnitFloat = 0.25
 
 
-class HybridConfig(BaseModel):
+class HybridConfig(FamilyConfig):
     """Fields and checks shared by both graphs; the graph reads only these."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
 
     model_type: str
     hidden_size: Size
@@ -167,8 +172,7 @@ class HybridConfig(BaseModel):
 
     # --- checks that must fail at load ------------------------------------------
 
-    @model_validator(mode="after")
-    def _check_geometry(self) -> HybridConfig:
+    def check(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise FieldError(
                 "num_attention_heads",
@@ -229,7 +233,6 @@ class HybridConfig(BaseModel):
                         f"is 0 but num_experts = {self.num_experts} (MoE layers need it)",
                         fix=f"set {name} to the experts' hidden size",
                     )
-        return self
 
 
 class Qwen3NextConfig(HybridConfig):
@@ -239,24 +242,22 @@ class Qwen3NextConfig(HybridConfig):
     max_position_embeddings: Size
 
 
-_QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-
-
 class Qwen3_5Config(HybridConfig):
     """``model_type: qwen3_5`` / ``qwen3_5_text`` (and the ``_moe`` types): defaults for
-    all fields, RoPE from ``rope_parameters``.
+    all fields, RoPE from ``rope_parameters`` (mlx-lm's ``qwen3_5.TextModelArgs``).
 
     A ``qwen3_5`` checkpoint's graph puts an MoE block on every layer when
     ``num_experts > 0`` and a dense MLP otherwise (mlx-lm's ``qwen3_5``).
     """
 
-    model_type: Literal["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"] = "qwen3_5"
+    # Any text model type of the wrapper reads as qwen3_5 (the graph does not branch on it).
+    model_type: str = "qwen3_5"
     hidden_size: Size = 4096
     num_hidden_layers: LayerCount = 32
     intermediate_size: Size = 14336
     num_attention_heads: Size = 32
     num_key_value_heads: Size = 8
-    head_dim: Size  # filled from hidden_size / num_attention_heads when absent
+    head_dim: Size = derived()  # hidden_size // num_attention_heads
     linear_num_value_heads: Size = 64
     linear_num_key_heads: Size = 16
     linear_key_head_dim: Size = 192
@@ -264,38 +265,49 @@ class Qwen3_5Config(HybridConfig):
     linear_conv_kernel_dim: Size = 4
     rms_norm_eps: PositiveFloat = 1e-6
     vocab_size: Size = 151936
-    rope_theta: PositiveFloat = 100000.0
-    partial_rotary_factor: UnitFloat = 0.25
+    # The three RoPE fields come from rope_parameters (mlx-lm's defaults when absent).
+    rope_theta: PositiveFloat = derived()
+    partial_rotary_factor: UnitFloat = derived()
     norm_topk_prob: Flag = True
-
-    def mlp_kind(self, i: int) -> MlpKind:
-        return "moe" if self.num_experts > 0 else "dense"
 
     @model_validator(mode="before")
     @classmethod
-    def _rope_parameters(cls, data: Any) -> Any:
+    def _rope_parameters_win(cls, data: Any) -> Any:
+        """mlx-lm reads RoPE from ``rope_parameters``, its default object when absent.
+
+        So the flat spellings are dropped for :meth:`fill` to derive them from it
+        (``fill`` only fills absent fields); only an explicit null (or a value that
+        is no object) leaves the flat fields in charge.
+        """
+        if isinstance(data, Mapping) and (
+            "rope_parameters" not in data or isinstance(data["rope_parameters"], Mapping)
+        ):
+            flat = ("rope_theta", "partial_rotary_factor", "rope_scaling")
+            return {k: v for k, v in data.items() if k not in flat}
+        return data
+
+    @classmethod
+    def fill(cls, given: Given) -> Mapping[str, Any]:
         """mlx-lm's ``TextModelArgs.__post_init__``: head_dim and RoPE from other fields."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        if data.get("model_type") not in _QWEN3_5_TYPES:
-            data["model_type"] = "qwen3_5"
-        if data.get("head_dim") is None:
-            heads = data.get("num_attention_heads", 32)
-            hidden = data.get("hidden_size", 4096)
-            if type(heads) is int and type(hidden) is int and heads > 0:
-                data["head_dim"] = hidden // heads
-        params = data.get("rope_parameters")
-        if params is None and "rope_parameters" not in data:
-            params = {"type": "default", "rope_theta": 100000, "partial_rotary_factor": 0.25}
-        if isinstance(params, dict):
+        out: dict[str, Any] = {}
+        heads = given.get("num_attention_heads") if "num_attention_heads" in given else 32
+        hidden = given.get("hidden_size") if "hidden_size" in given else 4096
+        if heads is not None and hidden is not None:
+            out["head_dim"] = hidden // heads
+        params = given.get("rope_parameters")
+        if isinstance(params, Mapping):
             try:
                 rope = _RopeParameters.model_validate(params)
             except ValidationError as err:
                 first = err.errors()[0]
                 field = ".".join(["rope_parameters", *map(str, first["loc"])])
                 raise FieldError(field, first["msg"]) from None
-            data["partial_rotary_factor"] = rope.partial_rotary_factor
-            data["rope_theta"] = rope.rope_theta
-            data["rope_scaling"] = params
-        return data
+            out["rope_theta"] = rope.rope_theta
+            out["partial_rotary_factor"] = rope.partial_rotary_factor
+            out["rope_scaling"] = params
+        else:  # absent (mlx-lm's default object) or null (the flat fields, else these)
+            out["rope_theta"], out["partial_rotary_factor"] = 100000.0, 0.25
+        return out
+
+    def mlp_kind(self, i: int) -> MlpKind:
+        return "moe" if self.num_experts > 0 else "dense"

@@ -28,7 +28,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from mlx_loom.nn import Entry, Matrix, Tensor, dense_tensors, graph_manifest, load_checkpoint
 from mlx_loom.plugin import BuildContext, WeightsError
@@ -152,7 +151,7 @@ def sanitize(weights: Mapping[str, mx.array], cfg: HybridConfig) -> dict[str, mx
     return out
 
 
-def build(ctx: BuildContext) -> nn.Module:
+def build(ctx: BuildContext) -> Model:
     """The implementations' factory: the graph for the config, the checkpoint attached strictly.
 
     ``qwen3_next`` configs get the fused-projection graph, ``qwen3_5`` ones

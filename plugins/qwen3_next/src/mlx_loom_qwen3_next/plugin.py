@@ -36,7 +36,7 @@ from .loader import build, checkpoint_tensors
 from .parallel import plan
 
 # Small but complete configs: what the conformance kit builds tiny checkpoints from.
-TINY_QWEN3_NEXT: dict[str, Any] = {
+TINY_CONFIG: dict[str, Any] = {
     "model_type": "qwen3_next",
     "architectures": ["Qwen3NextForCausalLM"],
     "hidden_size": 64,
@@ -80,8 +80,8 @@ _MOE_KEYS = {
     "model_type",
 }
 
-TINY_QWEN3_5_TEXT: dict[str, Any] = {
-    k: v for k, v in TINY_QWEN3_NEXT.items() if k not in _MOE_KEYS
+TINY_QWEN3_5_TEXT_CONFIG: dict[str, Any] = {
+    k: v for k, v in TINY_CONFIG.items() if k not in _MOE_KEYS
 } | {
     "model_type": "qwen3_5_text",
     "rope_parameters": {
@@ -91,14 +91,14 @@ TINY_QWEN3_5_TEXT: dict[str, Any] = {
     },
 }
 
-TINY_QWEN3_5: dict[str, Any] = {
+TINY_QWEN3_5_CONFIG: dict[str, Any] = {
     "model_type": "qwen3_5",
     "architectures": ["Qwen3_5ForConditionalGeneration"],
-    "text_config": copy.deepcopy(TINY_QWEN3_5_TEXT),
+    "text_config": copy.deepcopy(TINY_QWEN3_5_TEXT_CONFIG),
 }
 
 # Qwen3.5-MoE (the 35B-A3B class): the Qwen3.5 graph with experts on every layer.
-TINY_QWEN3_5_MOE_TEXT: dict[str, Any] = TINY_QWEN3_5_TEXT | {
+TINY_QWEN3_5_MOE_TEXT_CONFIG: dict[str, Any] = TINY_QWEN3_5_TEXT_CONFIG | {
     "model_type": "qwen3_5_moe_text",
     "num_experts": 4,
     "num_experts_per_tok": 2,
@@ -106,10 +106,10 @@ TINY_QWEN3_5_MOE_TEXT: dict[str, Any] = TINY_QWEN3_5_TEXT | {
     "shared_expert_intermediate_size": 32,
 }
 
-TINY_QWEN3_5_MOE: dict[str, Any] = {
+TINY_QWEN3_5_MOE_CONFIG: dict[str, Any] = {
     "model_type": "qwen3_5_moe",
     "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-    "text_config": copy.deepcopy(TINY_QWEN3_5_MOE_TEXT),
+    "text_config": copy.deepcopy(TINY_QWEN3_5_MOE_TEXT_CONFIG),
 }
 
 # Speculative decoding goes through RecurrentCache rounds (begin_round/commit);
@@ -130,7 +130,7 @@ FAMILY = Family(
             schema=Qwen3NextConfig,
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Qwen3-Next: gated delta nets + gated attention, sparse MoE",
-            tiny_config=TINY_QWEN3_NEXT,
+            tiny_config=TINY_CONFIG,
             tool_parser="json_tools",
         ),
         ModelType(
@@ -138,7 +138,7 @@ FAMILY = Family(
             schema=Qwen3_5Config,
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Qwen3.5 (text): gated delta nets + gated attention",
-            tiny_config=TINY_QWEN3_5,
+            tiny_config=TINY_QWEN3_5_CONFIG,
             tool_parser="qwen3_coder",
         ),
         ModelType(
@@ -146,7 +146,7 @@ FAMILY = Family(
             schema=Qwen3_5Config,
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Qwen3.5 text config",
-            tiny_config=TINY_QWEN3_5_TEXT,
+            tiny_config=TINY_QWEN3_5_TEXT_CONFIG,
             tool_parser="qwen3_coder",
         ),
         ModelType(
@@ -154,7 +154,7 @@ FAMILY = Family(
             schema=Qwen3_5Config,
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Qwen3.5/3.6-MoE (text): gated delta nets + gated attention, experts on every layer",
-            tiny_config=TINY_QWEN3_5_MOE,
+            tiny_config=TINY_QWEN3_5_MOE_CONFIG,
             tool_parser="qwen3_coder",
         ),
         ModelType(
@@ -162,7 +162,7 @@ FAMILY = Family(
             schema=Qwen3_5Config,
             fingerprint_fields=FINGERPRINT_FIELDS,
             description="Qwen3.5-MoE text config",
-            tiny_config=TINY_QWEN3_5_MOE_TEXT,
+            tiny_config=TINY_QWEN3_5_MOE_TEXT_CONFIG,
             tool_parser="qwen3_coder",
         ),
     ),
