@@ -101,10 +101,10 @@ def to_hf(manifest: list[tuple[str, Entry]], cfg: GptOssConfig) -> Manifest:
             out.append((name, entry))
         elif proj == "gate_proj":
             E, hidden, dims = entry.shape
-            out.append((f"{prefix}.experts.{_GATE_UP}", Tensor((E, 2 * hidden, dims))))
+            out.append((f"{prefix}.experts.{_GATE_UP}.weight", Tensor((E, 2 * hidden, dims))))
             out.append((f"{prefix}.experts.{_GATE_UP}_bias", Tensor((E, 2 * hidden))))
         elif proj == "down_proj":
-            out.append((f"{prefix}.experts.down_proj", Tensor(entry.shape)))
+            out.append((f"{prefix}.experts.down_proj.weight", Tensor(entry.shape)))
             out.append((f"{prefix}.experts.down_proj_bias", Tensor(entry.shape[:-1])))
         # up_proj is half of gate_up_proj: written with the gate.
     return out
