@@ -1,4 +1,4 @@
-"""The repository's three family plugins pass the conformance suite, as installed.
+"""The repository's family plugins pass the conformance suite, as installed.
 
 Each runs exactly what ``loom plugins check NAME`` runs; on failure the
 whole report (one line per check) is the assertion message.
@@ -10,7 +10,7 @@ import pytest
 
 from mlx_loom.testing import run_conformance
 
-FAMILIES = ("minicpm5", "qwen3_next", "gemma4")
+FAMILIES = ("minicpm5", "qwen3_next", "gemma4", "gpt_oss")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
