@@ -106,6 +106,21 @@ def hf_layout(params: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
+def mxfp4_layout(params: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The Hugging Face layout with MXFP4 experts, as OpenAI publishes gpt-oss:
+    ``*_blocks`` (uint8 ``[..., in / 32, 16]``) and ``*_scales`` beside the biases."""
+    out = {}
+    for name, value in hf_layout(params).items():
+        if name.endswith(("experts.gate_up_proj.weight", "experts.down_proj.weight")):
+            packed, scales = mx.quantize(value, group_size=32, bits=4, mode="mxfp4")
+            base = name[: -len(".weight")]
+            out[base + "_blocks"] = packed.view(mx.uint8).reshape(*packed.shape[:-1], -1, 16)
+            out[base + "_scales"] = scales
+        else:
+            out[name] = value
+    return out
+
+
 def write(directory: Path, cfg: dict[str, Any], tensors: dict[str, mx.array]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
