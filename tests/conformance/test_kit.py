@@ -270,17 +270,17 @@ def test_the_templates_head_dim_is_a_config_field_a_checkpoint_may_set(kitlm, tm
     from mlx_loom.loader import load
 
     config = importlib.import_module(f"mlx_loom_{NAME}.config")
-    manifest = importlib.import_module(f"mlx_loom_{NAME}.manifest")
-    assert "head_dim" in config.Config.model_fields and "head_dim" in config.FINGERPRINT_FIELDS
-    tiny = {**manifest.TINY_CONFIG}
-    assert config.Config(**tiny).head_dim == tiny["hidden_size"] // tiny["num_attention_heads"]
-    wide = {**tiny, "head_dim": 2 * config.Config(**tiny).head_dim}
-    assert config.Config(**wide).head_dim == wide["head_dim"]
-    path = write_checkpoint(tmp_path / "wide", wide, manifest.checkpoint_tensors(wide))
+    schema = config.KitlmConfig  # the template's <Family>Config
+    assert "head_dim" in schema.model_fields and "head_dim" in config.FINGERPRINT_FIELDS
+    tiny = {**kitlm.TINY_CONFIG}
+    assert schema(**tiny).head_dim == tiny["hidden_size"] // tiny["num_attention_heads"]
+    wide = {**tiny, "head_dim": 2 * schema(**tiny).head_dim}
+    assert schema(**wide).head_dim == wide["head_dim"]
+    path = write_checkpoint(tmp_path / "wide", wide, kitlm.checkpoint_tensors(wide))
     host = PluginHost(policy=PluginPolicy(), plugins=[(NAME, kitlm)], entry_points=False)
     model, _ = load(path, host=host)
     q_proj = model.module.model.layers[0].self_attn.q_proj
     heads, hidden = tiny["num_attention_heads"], tiny["hidden_size"]
     assert q_proj.weight.shape == (heads * wide["head_dim"], hidden)
     with pytest.raises(ValueError, match="head_dim"):
-        config.Config(**{**tiny, "head_dim": 7})
+        schema(**{**tiny, "head_dim": 7})

@@ -4,7 +4,8 @@ One generated package is pip-installed into a temporary directory; every
 step runs the real command line in a subprocess that sees the core, its
 dependencies and that package only (no family plugins of this repository):
 discovery, ``loom explain``, ``loom generate``, ``loom plugins check``, and
-the package's own tests (which use the kit's pytest fixtures).
+the package's own tests (which use the kit's pytest fixtures and its
+mlx-lm parity harness).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def site(tmp_path_factory):
     checkpoint = root / "demo-checkpoint"
     python(
         "from mlx_loom.testing import write_checkpoint\n"
-        "from mlx_loom_demo_lm.loader import TINY_CONFIG, checkpoint_tensors\n"
+        "from mlx_loom_demo_lm.plugin import TINY_CONFIG, checkpoint_tensors\n"
         f"write_checkpoint({str(checkpoint)!r}, TINY_CONFIG, checkpoint_tensors(TINY_CONFIG))\n",
         paths=paths,
     )
@@ -161,4 +162,4 @@ def test_the_generated_package_passes_its_own_tests_with_the_kit_fixtures(site):
         args=["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
         cwd=site["package"],
     )
-    assert "2 passed" in result.stdout, result.stdout
+    assert "3 passed" in result.stdout, result.stdout

@@ -8,11 +8,11 @@ import pytest
 
 import mlx_loom
 from mlx_loom.testing.checkpoints import write_checkpoint
-from mlx_loom_gemma4.manifest import TINY_TEXT_CONFIG
-from mlx_loom_gemma4.manifest import checkpoint_tensors as gemma_tensors
+from mlx_loom_gemma4.plugin import TINY_TEXT_CONFIG
+from mlx_loom_gemma4.loader import checkpoint_tensors as gemma_tensors
 from mlx_loom_minicpm5.plugin import TINY_CONFIG, checkpoint_tensors
-from mlx_loom_qwen3_next.manifest import TINY_QWEN3_NEXT
-from mlx_loom_qwen3_next.manifest import checkpoint_tensors as qwen_tensors
+from mlx_loom_qwen3_next.plugin import TINY_QWEN3_NEXT
+from mlx_loom_qwen3_next.loader import checkpoint_tensors as qwen_tensors
 
 #: Speculation tests: 27 tokens, longer than every window of the tiny checkpoints
 #: (the sliding Llama's is 6, Gemma 4's 8), for the three families.

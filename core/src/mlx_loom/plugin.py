@@ -26,6 +26,10 @@ else in the core is a contract for plugins. A whole plugin module reads::
     def loom_families() -> list[Family]:
         return [FAMILY]
 
+A family's config schema derives from :class:`FamilyConfig` (the config
+dialect: bounded field types, ``derived()`` defaults filled once, cross-field
+checks in one ``check`` that raises :class:`FieldError`).
+
 The core derives the implementation (id = graph id) and the family profile
 (``"mydecoder/decoder"``) from the declaration. :class:`Implementation` and
 exact-artifact :class:`Profile` values tune one published artifact. A plugin
@@ -38,13 +42,16 @@ from __future__ import annotations
 
 from .artifacts.fields import (
     Count,
+    FamilyConfig,
     FieldError,
     FiniteFloat,
     Flag,
+    Given,
     LayerCount,
     PositiveFloat,
     Size,
     UnitFloat,
+    derived,
 )
 from .causal_lm import CausalLM
 from .errors import (
@@ -94,9 +101,11 @@ __all__ = [
     "Count",
     "Execution",
     "Family",
+    "FamilyConfig",
     "FieldError",
     "FiniteFloat",
     "Flag",
+    "Given",
     "Graph",
     "Implementation",
     "Kernel",
@@ -111,5 +120,6 @@ __all__ = [
     "ToolParser",
     "UnitFloat",
     "WeightsError",
+    "derived",
     "hookimpl",
 ]

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from mlx_loom.host import resolve_model
 from mlx_loom.loader import build_model
-from mlx_loom_gemma4.manifest import TINY_TEXT_CONFIG
+from mlx_loom_gemma4.plugin import TINY_TEXT_CONFIG
 
 S, F = "sliding_attention", "full_attention"
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from mlx_loom_gemma4.manifest import TINY_TEXT_CONFIG, TINY_WRAPPER_CONFIG, checkpoint_tensors
+from mlx_loom_gemma4.plugin import TINY_TEXT_CONFIG, TINY_WRAPPER_CONFIG
+from mlx_loom_gemma4.loader import checkpoint_tensors
 
 
 @pytest.mark.parametrize("wrapper", [False, True])
@@ -29,25 +30,3 @@ def test_tiny_configs_load_and_run(tmp_path, cfg):
     path = write_checkpoint(tmp_path / "ckpt", cfg, checkpoint_tensors(cfg))
     model, tok = mlx_loom.load(path)
     assert mlx_loom.generate(model, tok, "hello", max_tokens=4)
-
-
-@pytest.mark.parametrize(
-    "features",
-    ["", "MOE", "PER_LAYER", "SHARED", "K_EQ_V", "MOE+PER_LAYER+SHARED+K_EQ_V"],
-)
-@pytest.mark.parametrize("tied", [True, False])
-def test_the_graph_holds_exactly_the_manifests_tensors(kit, features, tied):
-    """One rule: what the loader expects (and the kit writes) is what the graph loads."""
-    from mlx.utils import tree_flatten
-
-    from mlx_loom.nn import dense_tensors, switch_glu
-    from mlx_loom_gemma4.config import Gemma4TextConfig
-    from mlx_loom_gemma4.graph import Model
-    from mlx_loom_gemma4.manifest import tensors
-
-    overrides = {"tie_word_embeddings": tied}
-    for name in filter(None, features.split("+")):
-        overrides |= getattr(kit, name)
-    cfg = Gemma4TextConfig.model_validate(kit.tiny_config(**overrides))
-    graph = {k: tuple(v.shape) for k, v in tree_flatten(Model(cfg, switch_glu).parameters())}
-    assert graph == {k: shape for k, (shape, _) in dense_tensors(tensors(cfg)).items()}

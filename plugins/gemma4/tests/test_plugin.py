@@ -16,17 +16,25 @@ REGISTERED = plugin.FAMILY.registrations()
 
 
 def test_plugin_claims_both_layouts_and_declares_its_capabilities():
-    (impl,) = REGISTERED.implementations
-    (profile,) = REGISTERED.profiles
-    assert (impl.id, profile.id) == ("gemma4.text", "gemma4/text")
-    assert {m.name for m in REGISTERED.model_types} == {"gemma4_text", "gemma4"}
-    assert impl.model_types == profile.model_types == {"gemma4_text", "gemma4"}
-    assert (
-        impl.capabilities
-        == profile.capabilities
-        == {"generate", "batch", "prompt-cache", "kv-quantization", "speculative", "adapters"}
-    )
-    validate_profile(profile)
+    impls = {i.id: i for i in REGISTERED.implementations}
+    profiles = {p.id: p for p in REGISTERED.profiles}
+    assert set(impls) == {"gemma4.text", "gemma4.gemma3-text"}
+    assert set(profiles) == {"gemma4/text", "gemma4/gemma3-text"}
+    assert {m.name for m in REGISTERED.model_types} == {
+        "gemma4_text",
+        "gemma4",
+        "gemma3_text",
+        "gemma3",
+    }
+    gemma4 = {"generate", "batch", "prompt-cache", "kv-quantization", "speculative", "adapters"}
+    for impl_id, profile_id, types, caps in [
+        ("gemma4.text", "gemma4/text", {"gemma4_text", "gemma4"}, gemma4),
+        ("gemma4.gemma3-text", "gemma4/gemma3-text", {"gemma3_text", "gemma3"}, gemma4 | {"compiled-step"}),
+    ]:
+        impl, profile = impls[impl_id], profiles[profile_id]
+        assert impl.model_types == profile.model_types == types
+        assert impl.capabilities == profile.capabilities == caps
+        validate_profile(profile)
 
 
 def test_expert_kernel_is_registered_for_every_backend():

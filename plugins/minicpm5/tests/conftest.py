@@ -1,8 +1,7 @@
-"""Fixtures of the MiniCPM5 tests; the helpers live in ``minicpm5_testkit``."""
+"""Fixtures of the MiniCPM5 tests; the tiny config lives in ``minicpm5_testkit``."""
 
 from __future__ import annotations
 
-import copy
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +12,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # make minicpm5_testkit importable
 
-from minicpm5_testkit import TINY, hf_tensors, write_checkpoint  # noqa: E402
+from minicpm5_testkit import write_tiny  # noqa: E402
+
+from mlx_loom.testing import parity  # noqa: E402
 
 
 @pytest.fixture
@@ -23,31 +24,19 @@ def make_checkpoint(tmp_path: Path) -> Callable[..., Path]:
     def make(
         name: str = "ckpt", dtype: mx.Dtype = mx.float32, seed: int = 0, **overrides: Any
     ) -> Path:
-        cfg = copy.deepcopy(TINY) | overrides
-        cfg["torch_dtype"] = {
-            mx.float32: "float32",
-            mx.bfloat16: "bfloat16",
-            mx.float16: "float16",
-        }[dtype]
-        return write_checkpoint(tmp_path / name, cfg, hf_tensors(cfg, dtype, seed))
+        return write_tiny(tmp_path / name, dtype=dtype, seed=seed, **overrides)
 
     return make
 
 
 @pytest.fixture
 def quantize_checkpoint(tmp_path: Path) -> Callable[..., Path]:
-    """Quantize a checkpoint with mlx-lm's own converter path (``quantize_model``)."""
+    """Quantize a checkpoint with mlx-lm's own converter path (MLX layout)."""
 
     def quantize(src: Path, bits: int, group_size: int, predicate: Any = None) -> Path:
-        from mlx.utils import tree_flatten
-        from mlx_lm.utils import load_model, quantize_model, save_config
-
-        model, config = load_model(src)
-        model, config = quantize_model(model, config, group_size, bits, quant_predicate=predicate)
         dst = tmp_path / f"{src.name}-q{bits}g{group_size}"
-        dst.mkdir()
-        mx.save_safetensors(str(dst / "model.safetensors"), dict(tree_flatten(model.parameters())))
-        save_config(config, dst / "config.json")
-        return dst
+        return parity.quantize_checkpoint(
+            src, dst, bits=bits, group_size=group_size, predicate=predicate
+        )
 
     return quantize

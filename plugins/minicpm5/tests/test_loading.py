@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import json
 from functools import partial
 
 import mlx.core as mx
 import pytest
-from minicpm5_testkit import PROMPT, TINY, greedy, hf_tensors, load_ours, write_checkpoint
+from minicpm5_testkit import TINY, write_tiny
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import mlx_loom
@@ -19,17 +18,15 @@ from mlx_loom.cache import (
     maybe_quantize_kv_cache,
 )
 from mlx_loom.errors import WeightsError
-from mlx_loom_minicpm5.config import MiniCPM5Config
+from mlx_loom.testing.parity import PROMPT, greedy, load_ours
 from mlx_loom_minicpm5 import checkpoint_tensors
+
+PROMPT_IDS = list(PROMPT)
 
 
 def checkpoint(tmp_path, edit=None, **overrides):
     """A tiny checkpoint whose tensors ``edit`` may change before writing."""
-    cfg = copy.deepcopy(TINY) | overrides
-    tensors = hf_tensors(cfg, mx.float32, seed=0)
-    if edit is not None:
-        edit(tensors)
-    return write_checkpoint(tmp_path / "ckpt", cfg, tensors)
+    return write_tiny(tmp_path / "ckpt", edit=edit, **overrides)
 
 
 def weights_error(path) -> str:
@@ -84,7 +81,7 @@ def test_stored_rotary_inv_freq_is_dropped(tmp_path):
         tmp_path,
         lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": mx.ones((16,))}),
     )
-    assert load_ours(path)(mx.array([PROMPT])).shape == (1, len(PROMPT), 256)
+    assert load_ours(path)(mx.array([PROMPT_IDS])).shape == (1, len(PROMPT), 256)
 
 
 def test_tied_checkpoint_ignores_a_stored_lm_head_copy(tmp_path):
@@ -93,14 +90,14 @@ def test_tied_checkpoint_ignores_a_stored_lm_head_copy(tmp_path):
 
     model = load_ours(checkpoint(tmp_path, add_head, tie_word_embeddings=True))
     assert "lm_head" not in model.module
-    assert mx.abs(model(mx.array([PROMPT]))).max().item() > 0
+    assert mx.abs(model(mx.array([PROMPT_IDS]))).max().item() > 0
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
 def test_weights_load_in_the_dtype_they_are_stored_in(make_checkpoint, dtype):
     model = load_ours(make_checkpoint(dtype=dtype))
     assert model.module.model.layers[0].self_attn.q_proj.weight.dtype == dtype
-    assert model(mx.array([PROMPT])).dtype == dtype
+    assert model(mx.array([PROMPT_IDS])).dtype == dtype
 
 
 def test_quantized_checkpoint_keeps_its_scale_dtype(make_checkpoint, quantize_checkpoint):
@@ -120,14 +117,19 @@ def test_sliding_layers_get_a_rotating_cache_of_the_window(make_checkpoint):
 def test_kv_quantization_reaches_sliding_window_layers(make_checkpoint):
     # mlx-lm cannot quantize a rotating cache, so there is no oracle: 8-bit KV
     # must leave these (deterministic) 16 greedy tokens unchanged.
-    path = make_checkpoint(layer_types=["sliding_attention"] * 2, sliding_window=5)
-    model, prompt = load_ours(path), mx.array([PROMPT])
-    _, plain = greedy(model, prompt, model.make_cache(), steps=16)
+    # mlx-lm's llama cannot build an all-sliding config, so its class writes
+    # one full layer and the config is then edited (the tensors are the same).
+    path = make_checkpoint(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    config = json.loads((path / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention"] * 2
+    (path / "config.json").write_text(json.dumps(config))
+    model, prompt = load_ours(path), mx.array([PROMPT_IDS])
+    plain = greedy(model, prompt, model.make_cache(), steps=16).tokens
     caches = model.make_cache()
     quantize = partial(maybe_quantize_kv_cache, kv_bits=8, kv_group_size=32, quantized_kv_start=0)
-    _, quantized = greedy(model, prompt, caches, steps=16, after_forward=quantize)
+    quantized = greedy(model, prompt, caches, steps=16, after_forward=quantize).tokens
     assert all(isinstance(c, QuantizedRotatingKVCache) for c in caches)
-    assert quantized.tolist() == plain.tolist()
+    assert quantized == plain
 
 
 def test_dynamic_rope_refuses_batched_offsets(make_checkpoint):
@@ -135,7 +137,7 @@ def test_dynamic_rope_refuses_batched_offsets(make_checkpoint):
     model = load_ours(path)
     caches = [c.empty_batch([0, 2]) for c in model.make_cache()]
     with pytest.raises(mlx_loom.errors.CapabilityRefused, match="dynamic"):
-        model(mx.array([PROMPT[:4], [0, 0, *PROMPT[:2]]]), cache=caches)
+        model(mx.array([PROMPT_IDS[:4], [0, 0, *PROMPT_IDS[:2]]]), cache=caches)
 
 
 def _write_word_tokenizer(directory, vocab_size=256):

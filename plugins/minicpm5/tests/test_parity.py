@@ -3,7 +3,8 @@
 The op graph is the same as mlx-lm's (fused attention, RoPE, RMSNorm, the same
 compiled SwiGLU, the same masks and quantized attention), so every comparison
 is bit-equal: identical greedy tokens over 64 decode steps and ``mx.array_equal``
-logits at the prefill and at every decode step.
+logits at the prefill and at every decode step. The harness is the core's
+(:mod:`mlx_loom.testing.parity`).
 """
 
 from __future__ import annotations
@@ -12,33 +13,16 @@ from functools import partial
 
 import mlx.core as mx
 import pytest
-from minicpm5_testkit import PROMPT, assert_same_run, greedy, load_oracle, load_ours
 from mlx_lm.generate import maybe_quantize_kv_cache as lm_quantize_kv
 from mlx_lm.models import cache as lm_cache
 
 from mlx_loom.cache import maybe_quantize_kv_cache
-
-
-def run_both(
-    path, prompts=None, ours_cache=None, oracle_cache=None, ours_after=None, oracle_after=None
-):
-    ours, oracle = load_ours(path), load_oracle(path)
-    x = mx.array([PROMPT]) if prompts is None else prompts
-    mine = greedy(
-        ours, x, ours_cache(ours) if ours_cache else ours.make_cache(), after_forward=ours_after
-    )
-    ref = greedy(
-        oracle,
-        x,
-        oracle_cache(oracle) if oracle_cache else oracle.make_cache(),
-        after_forward=oracle_after,
-    )
-    return mine, ref
+from mlx_loom.testing.parity import PROMPT, compare_with_mlx_lm, load_ours
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32, mx.float16], ids=str)
 def test_unquantized_weights_match_mlx_lm(make_checkpoint, dtype):
-    assert_same_run(*run_both(make_checkpoint(dtype=dtype)))
+    compare_with_mlx_lm(make_checkpoint(dtype=dtype))
 
 
 @pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 32), (4, 32), (8, 128)])
@@ -50,7 +34,7 @@ def test_affine_quantized_weights_match_mlx_lm(
     path = quantize_checkpoint(make_checkpoint(), bits, group_size)
     ours = load_ours(path)
     assert ours.module.model.layers[0].mlp.down_proj.weight.dtype == mx.uint32
-    assert_same_run(*run_both(path))
+    compare_with_mlx_lm(path)
 
 
 def test_per_module_quantization_overrides_match_mlx_lm(make_checkpoint, quantize_checkpoint):
@@ -65,7 +49,7 @@ def test_per_module_quantization_overrides_match_mlx_lm(make_checkpoint, quantiz
     ours = load_ours(path).module
     assert ours.model.embed_tokens.weight.dtype == mx.float32
     assert ours.lm_head.bits == 8 and ours.model.layers[1].self_attn.q_proj.bits == 4
-    assert_same_run(*run_both(path))
+    compare_with_mlx_lm(path)
 
 
 @pytest.mark.parametrize("kv_bits", [4, 8])
@@ -73,27 +57,26 @@ def test_quantized_kv_cache_matches_mlx_lm(make_checkpoint, kv_bits):
     # Quantize once the cache holds 8 tokens: the prompt (12) is stored plain
     # first and converted after the prefill, as mlx-lm's generate does.
     args = {"kv_bits": kv_bits, "kv_group_size": 32, "quantized_kv_start": 8}
-    mine, ref = run_both(
+    compare_with_mlx_lm(
         make_checkpoint(dtype=mx.bfloat16),
-        ours_after=partial(maybe_quantize_kv_cache, **args),
+        our_after=partial(maybe_quantize_kv_cache, **args),
         oracle_after=lambda c: lm_quantize_kv(c, 8, 32, kv_bits),
     )
-    assert_same_run(mine, ref)
 
 
 def test_sliding_window_layers_match_mlx_lm(make_checkpoint):
     # A window of 5 < the 12-token prompt: the rotating cache wraps during prefill.
     path = make_checkpoint(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
-    assert_same_run(*run_both(path))
+    compare_with_mlx_lm(path)
 
 
 def test_tied_embeddings_match_mlx_lm(make_checkpoint):
-    assert_same_run(*run_both(make_checkpoint(tie_word_embeddings=True)))
+    compare_with_mlx_lm(make_checkpoint(tie_word_embeddings=True))
 
 
 def test_attention_and_mlp_bias_match_mlx_lm(make_checkpoint):
     path = make_checkpoint(dtype=mx.bfloat16, attention_bias=True, mlp_bias=True)
-    assert_same_run(*run_both(path))
+    compare_with_mlx_lm(path)
 
 
 ROPE_SCALINGS = {
@@ -122,7 +105,7 @@ def test_rope_scaling_matches_mlx_lm(make_checkpoint, kind):
     path = make_checkpoint(
         dtype=mx.bfloat16, rope_scaling=ROPE_SCALINGS[kind], max_position_embeddings=16
     )
-    assert_same_run(*run_both(path))
+    compare_with_mlx_lm(path)
 
 
 def _left_padded(prompts):
@@ -135,7 +118,8 @@ def _left_padded(prompts):
 def test_left_padded_batch_matches_mlx_lm_batch_caches(make_checkpoint, sliding):
     overrides = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}
     path = make_checkpoint(dtype=mx.bfloat16, **(overrides if sliding else {}))
-    x, padding = _left_padded([PROMPT, PROMPT[:7], PROMPT[4:7]])
+    prompt = list(PROMPT)
+    x, padding = _left_padded([prompt, prompt[:7], prompt[4:7]])
 
     def oracle_caches(model):
         return [
@@ -145,10 +129,9 @@ def test_left_padded_batch_matches_mlx_lm_batch_caches(make_checkpoint, sliding)
             for layer in model.layers
         ]
 
-    mine, ref = run_both(
+    compare_with_mlx_lm(
         path,
-        prompts=x,
-        ours_cache=lambda m: [c.empty_batch(padding) for c in m.make_cache()],
+        prompt=x,
+        our_cache=lambda m: [c.empty_batch(padding) for c in m.make_cache()],
         oracle_cache=oracle_caches,
     )
-    assert_same_run(mine, ref)

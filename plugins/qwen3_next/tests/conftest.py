@@ -21,7 +21,7 @@ import pytest
 from mlx_loom.host import resolve_model
 from mlx_loom.loader import build_model
 from mlx_loom_qwen3_next.graph import Model
-from mlx_loom_qwen3_next.manifest import TINY_QWEN3_NEXT
+from mlx_loom_qwen3_next.plugin import TINY_QWEN3_NEXT
 
 # The plugin's own tiny config, with head_dim 16 (more heads per byte) and an EOS id.
 QWEN3_NEXT_CONFIG: dict[str, Any] = {**TINY_QWEN3_NEXT, "head_dim": 16, "eos_token_id": 255}
@@ -254,4 +254,5 @@ def qn():
         write_checkpoint=write_checkpoint,
         load_ours=load_ours,
         load_reference=load_reference,
+        quantize_checkpoint=quantize_checkpoint,
     )

@@ -11,7 +11,7 @@ from mlx_loom.artifacts import validate_family_config
 from mlx_loom.errors import ConfigError, WeightsError
 from mlx_loom_qwen3_next.config import Qwen3_5Config, Qwen3NextConfig
 from mlx_loom_qwen3_next.loader import sanitize
-from mlx_loom_qwen3_next.manifest import TINY_QWEN3_NEXT
+from mlx_loom_qwen3_next.plugin import TINY_QWEN3_NEXT
 
 
 def _cfg(**changes):

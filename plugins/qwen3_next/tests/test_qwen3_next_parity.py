@@ -119,8 +119,8 @@ def test_qwen3_5_with_experts_matches_mlx_lm(tmp_path, qn):
     from mlx_loom.artifacts import load_weights
     from mlx_loom.testing.checkpoints import write_checkpoint
     from mlx_loom_qwen3_next.config import Qwen3_5Config
-    from mlx_loom_qwen3_next.loader import sanitize
-    from mlx_loom_qwen3_next.manifest import TINY_QWEN3_5, checkpoint_tensors
+    from mlx_loom_qwen3_next.loader import checkpoint_tensors, sanitize
+    from mlx_loom_qwen3_next.plugin import TINY_QWEN3_5
 
     text = {
         **TINY_QWEN3_5["text_config"],
@@ -143,6 +143,30 @@ def test_qwen3_5_with_experts_matches_mlx_lm(tmp_path, qn):
     ours = qn.load_ours(mlx)
     assert type(ours.layers[0].mlp).__name__ == "SparseMoe"
     _greedy_parity(ours, qn.load_reference(mlx))
+
+
+@pytest.mark.parametrize("layout", ["hf", "mlx", "mlx-4bit"])
+def test_qwen3_5_moe_matches_mlx_lm_in_every_layout(tmp_path, qn, layout):
+    """Qwen3.5-MoE: the published layout (fused ``experts.gate_up_proj``, torch conv,
+    zero-centred gains), the MLX layout mlx-lm saves, and its 4-bit conversion."""
+    from mlx.utils import tree_flatten
+
+    from mlx_loom.testing.checkpoints import write_checkpoint
+    from mlx_loom_qwen3_next.loader import checkpoint_tensors
+    from mlx_loom_qwen3_next.plugin import TINY_QWEN3_5_MOE
+
+    path = write_checkpoint(tmp_path / "hf", TINY_QWEN3_5_MOE, checkpoint_tensors(TINY_QWEN3_5_MOE))
+    assert any(k.endswith("experts.gate_up_proj") for k in mx.load(str(path / "model.safetensors")))
+    if layout != "hf":
+        mlx = tmp_path / "mlx"
+        mlx.mkdir()
+        weights = dict(tree_flatten(qn.load_reference(path).parameters()))
+        mx.save_safetensors(str(mlx / "model.safetensors"), weights)
+        (mlx / "config.json").write_text((path / "config.json").read_text())
+        path = mlx if layout == "mlx" else qn.quantize_checkpoint(mlx, tmp_path / "q4")
+    ours = qn.load_ours(path)
+    assert type(ours.layers[0].mlp).__name__ == "SparseMoe"
+    _greedy_parity(ours, qn.load_reference(path))
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 The package is rendered from the template files shipped in
 ``mlx_loom/testing/template`` (``*.tmpl``, placeholders ``__NAME__``,
+``__CLASS__`` (the name in CamelCase, as in ``__CLASS__Config``),
 ``__PACKAGE__``, ``__DIST__``, ``__CORE_VERSION__``). It installs with
 ``pip install DIR``, is discovered by ``loom plugins``, claims checkpoints
 whose ``model_type`` is ``NAME``, and passes ``loom plugins check NAME`` and
@@ -48,6 +49,7 @@ def placeholders(name: str) -> dict[str, str]:
         "__PACKAGE__": f"mlx_loom_{name}",
         "__DIST__": f"mlx-loom-{name.replace('_', '-')}",
         "__CORE_VERSION__": _core_version(),
+        "__CLASS__": "".join(part.capitalize() for part in name.split("_")),
         "__NAME__": name,
     }
 

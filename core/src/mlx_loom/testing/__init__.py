@@ -12,8 +12,14 @@ The same suite runs as ``loom plugins check NAME``, and as pytest fixtures
 ``loom_tiny_checkpoint``) that mlx-loom registers through the ``pytest11``
 entry point. ``write_checkpoint`` writes tiny random-weight checkpoints in
 Hugging Face layout with a small real tokenizer.
+
+:mod:`mlx_loom.testing.parity` is the mlx-lm parity harness: tiny
+checkpoints written from mlx-lm's own model classes in Hugging Face and MLX
+layout (quantized too), both engines loaded, greedy tokens and logits held
+bit-equal (mlx-lm, a test dependency, is imported only when it is used).
 """
 
+from . import parity
 from .checkpoints import random_tensors, write_checkpoint
 from .conformance import CheckResult, ConformanceReport, plugin_host, run_conformance
 from .tokenizer import write_tokenizer
@@ -21,6 +27,7 @@ from .tokenizer import write_tokenizer
 __all__ = [
     "CheckResult",
     "ConformanceReport",
+    "parity",
     "plugin_host",
     "random_tensors",
     "run_conformance",

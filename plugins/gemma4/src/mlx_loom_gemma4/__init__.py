@@ -2,7 +2,6 @@
 
 from mlx_loom_gemma4.config import Gemma4TextConfig
 from mlx_loom_gemma4.graph import Model
-from mlx_loom_gemma4.loader import build
-from mlx_loom_gemma4.manifest import checkpoint_tensors, tensors
+from mlx_loom_gemma4.loader import build, checkpoint_tensors
 
-__all__ = ["Gemma4TextConfig", "Model", "build", "checkpoint_tensors", "tensors"]
+__all__ = ["Gemma4TextConfig", "Model", "build", "checkpoint_tensors"]

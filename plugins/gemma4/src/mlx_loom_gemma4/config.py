@@ -1,4 +1,4 @@
-"""The Gemma 4 checkpoint config: omitted-field defaults, and the checks that must fail at load.
+"""The Gemma 4 and Gemma 3 checkpoint configs: omitted-field defaults, and the checks that must fail at load.
 
 Two layouts reach us: ``gemma4_text`` checkpoints are flat, ``gemma4``
 (multimodal) checkpoints nest the language model's fields under
@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from mlx_loom.nn import ProportionalScaling, RopeScaling
+from mlx_loom.nn import ProportionalScaling, RopeScaling, parse_rope_scaling
 from mlx_loom.plugin import (
     Count,
     FieldError,
@@ -300,3 +300,108 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
     "tie_word_embeddings",
     "num_kv_shared_layers",
 )
+
+
+# --- Gemma 3 ---------------------------------------------------------------------------
+
+#: The RoPE kinds a Gemma 3 config may ask for on its global layers (4B and up
+#: publish ``linear`` with factor 8; the local layers never scale).
+GEMMA3_ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3")
+
+GEMMA3_FINGERPRINT_FIELDS: tuple[str, ...] = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "sliding_window_pattern",
+    "tie_word_embeddings",
+)
+
+
+class Gemma3TextConfig(BaseModel):
+    """Gemma 3's language model (``gemma3_text``, or ``text_config`` of a ``gemma3`` wrapper).
+
+    Defaults are mlx-lm's ``gemma3_text.ModelArgs`` (Gemma 3 1B), so a
+    directory both engines read means the same thing to both. Layer ``i`` is
+    global (full attention) when ``(i + 1) % sliding_window_pattern == 0``,
+    sliding otherwise. Fields mlx-lm ignores but that would change the
+    arithmetic if honoured are refused rather than ignored: a non-null
+    ``attn_logit_softcapping``/``final_logit_softcapping``, an activation other
+    than tanh-GELU, and a ``layer_types`` list that disagrees with the pattern.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    model_type: str = "gemma3_text"
+    hidden_size: Size = 1152
+    num_hidden_layers: LayerCount = 26
+    intermediate_size: Size = 6912
+    num_attention_heads: Size = 4
+    head_dim: Size = 256
+    num_key_value_heads: Size = 1
+    rms_norm_eps: PositiveFloat = 1e-6
+    vocab_size: Size = 262144
+    rope_theta: PositiveFloat = 1_000_000.0
+    rope_local_base_freq: PositiveFloat = 10_000.0
+    query_pre_attn_scalar: PositiveFloat = 256.0
+    sliding_window: Size = 512
+    sliding_window_pattern: Size = 6
+    max_position_embeddings: Size = 32768
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: Flag = True
+    hidden_activation: Literal["gelu_pytorch_tanh"] = "gelu_pytorch_tanh"
+    attn_logit_softcapping: None = None
+    final_logit_softcapping: None = None
+    layer_types: list[AttentionKind] | None = None
+
+    @field_validator("rope_scaling", mode="before")
+    @classmethod
+    def _rope_scaling(cls, v: Any, info: ValidationInfo) -> Any:
+        return parse_rope_scaling(
+            v,
+            dims=info.data.get("head_dim"),
+            max_position_embeddings=info.data.get("max_position_embeddings"),
+            kinds=GEMMA3_ROPE_KINDS,
+        )
+
+    @model_validator(mode="after")
+    def _geometry(self) -> Gemma3TextConfig:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise FieldError(
+                "num_key_value_heads",
+                f"{self.num_key_value_heads} does not divide num_attention_heads = "
+                f"{self.num_attention_heads} (grouped-query attention)",
+            )
+        if self.head_dim % 2:
+            raise FieldError("head_dim", f"{self.head_dim} is odd; RoPE rotates pairs")
+        if self.layer_types is not None and list(self.layer_types) != self.kinds:
+            raise FieldError(
+                "layer_types",
+                f"disagrees with sliding_window_pattern = {self.sliding_window_pattern} "
+                "(Gemma 3 makes every pattern-th layer global)",
+                fix="drop layer_types or make it match sliding_window_pattern",
+            )
+        return self
+
+    @property
+    def kinds(self) -> list[str]:
+        """Per layer: ``sliding_attention`` or ``full_attention``."""
+        p = self.sliding_window_pattern
+        return [FULL if (i + 1) % p == 0 else SLIDING for i in range(self.num_hidden_layers)]
+
+
+class Gemma3WrappedTextConfig(Gemma3TextConfig):
+    """The ``text_config`` of a ``gemma3`` (multimodal) checkpoint: its text tower only.
+
+    Omitted fields take the wrapper's defaults, which differ from the flat
+    text model's: 8 query and 4 key/value heads and a 262,208-token
+    vocabulary (transformers' and mlx-lm's ``gemma3`` wrapper agree on these).
+    """
+
+    model_type: str = "gemma3"
+    num_attention_heads: Size = 8
+    num_key_value_heads: Size = 4
+    vocab_size: Size = 262208

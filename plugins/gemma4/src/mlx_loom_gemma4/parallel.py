@@ -1,4 +1,4 @@
-"""How the Gemma 4 text graph splits across processes.
+"""How the Gemma 4 and Gemma 3 text graphs split across processes.
 
 Tensor parallel, layer by layer (the kinds differ in head width and, with
 ``attention_k_eq_v``, in key/value heads): query heads, the key/value heads
@@ -34,7 +34,7 @@ from mlx_loom.parallel import (
     gated_mlp,
     switch_glu,
 )
-from mlx_loom_gemma4.config import Gemma4TextConfig
+from mlx_loom_gemma4.config import Gemma3TextConfig, Gemma4TextConfig
 
 
 def _layer(cfg: Gemma4TextConfig, i: int) -> tuple[Rule, ...]:
@@ -75,4 +75,25 @@ def plan(cfg: Gemma4TextConfig) -> ParallelPlan:
             reason="KV-shared layers read their donor layer's cache",
             fields=("num_hidden_layers", "num_kv_shared_layers"),
         ),
+    )
+
+
+def plan_gemma3(cfg: Gemma3TextConfig) -> ParallelPlan:
+    """Gemma 3: query heads and the key/value heads they read, the GeGLU by hidden units
+    (summed at ``down_proj``, whose output is normed next); contiguous layer ranges."""
+    p = "model.layers.*"
+    return ParallelPlan(
+        vocab=Vocab(
+            embeddings=("model.embed_tokens",),
+            head=None if cfg.tie_word_embeddings else "lm_head",
+        ),
+        tensor=(
+            *attention(
+                f"{p}.self_attn",
+                heads=Units("num_attention_heads", cfg.num_attention_heads),
+                kv_heads=Units("num_key_value_heads", cfg.num_key_value_heads, replicable=True),
+            ),
+            *gated_mlp(f"{p}.mlp", Units("intermediate_size", cfg.intermediate_size)),
+        ),
+        pipeline=Pipeline(layers="model.layers"),
     )

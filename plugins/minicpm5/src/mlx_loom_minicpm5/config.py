@@ -1,26 +1,35 @@
 """The checkpoint config: a Hugging Face ``LlamaConfig``, validated at load.
 
 MiniCPM5 is published as ``model_type: "llama"``, so this schema is the Llama
-one. Defaults are Hugging Face's (the checkpoint's own format), filled here so
-the graph never re-derives them. Every check that would otherwise fail deep
-inside the first forward — heads that do not divide, a window without a size,
-an unknown RoPE type — fails here, and every size is bounded (int32, finite
-floats, at most ``MAX_LAYERS`` layers): the core reports each as one
-``ConfigError`` naming the field.
-
-Cross-field checks sit on the *later* field (pydantic validates fields in
-declaration order and hands earlier values to later validators), so the error
-names the field that is inconsistent with what came before it.
+one, written in the core's config dialect (:class:`mlx_loom.plugin.FamilyConfig`).
+Defaults are Hugging Face's (the checkpoint's own format); those derived from
+other fields (``head_dim``, ``num_key_value_heads``, ``layer_types``) are
+filled once by :meth:`LlamaConfig.fill`, so the graph never re-derives them.
+Every check that would otherwise fail deep inside the first forward — heads
+that do not divide, a window without a size, an unknown RoPE type — fails
+here, and every size is bounded (int32, finite floats, at most ``MAX_LAYERS``
+layers): the core reports each as one ``ConfigError`` naming the field.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from collections.abc import Mapping
+
+from pydantic import ValidationInfo, field_validator
 
 from mlx_loom.nn import RopeScaling, parse_rope_scaling
-from mlx_loom.plugin import Flag, LayerCount, PositiveFloat, Size
+from mlx_loom.plugin import (
+    FamilyConfig,
+    FieldError,
+    Flag,
+    Given,
+    LayerCount,
+    PositiveFloat,
+    Size,
+    derived,
+)
 
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -41,18 +50,16 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-class MiniCPM5Config(BaseModel):
+class MiniCPM5Config(FamilyConfig):
     """The fields of ``config.json`` the graph reads, with defaults filled."""
-
-    model_config = ConfigDict(extra="ignore")
 
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size
     num_hidden_layers: LayerCount
     num_attention_heads: Size
-    num_key_value_heads: Size | None = Field(None, validate_default=True)
-    head_dim: Size | None = Field(None, validate_default=True)
+    num_key_value_heads: Size = derived()  # num_attention_heads (multi-head attention)
+    head_dim: Size = derived()  # hidden_size / num_attention_heads
     rms_norm_eps: PositiveFloat = 1e-6
     attention_bias: Flag = False
     mlp_bias: Flag = False
@@ -65,34 +72,25 @@ class MiniCPM5Config(BaseModel):
     max_position_embeddings: Size | None = None
     rope_scaling: RopeScaling | None = None
     sliding_window: Size | None = None
-    layer_types: list[LayerType] | None = Field(None, validate_default=True)
+    layer_types: list[LayerType] = derived()  # every layer full attention
 
-    @field_validator("num_key_value_heads")
     @classmethod
-    def _kv_heads_divide_heads(cls, v: int | None, info: ValidationInfo) -> int | None:
-        heads = info.data.get("num_attention_heads")
-        if heads is None:
-            return v
-        if v is None:
-            return heads
-        if heads % v:
-            raise ValueError(f"must divide num_attention_heads = {heads} (grouped-query attention)")
-        return v
-
-    @field_validator("head_dim")
-    @classmethod
-    def _head_dim(cls, v: int | None, info: ValidationInfo) -> int | None:
-        hidden, heads = info.data.get("hidden_size"), info.data.get("num_attention_heads")
-        if v is None and hidden is not None and heads is not None:
+    def fill(cls, given: Given) -> Mapping[str, Any]:
+        hidden, heads = given.get("hidden_size"), given.get("num_attention_heads")
+        layers = given.get("num_hidden_layers")
+        out: dict[str, Any] = {"num_key_value_heads": heads}
+        if layers is not None:
+            out["layer_types"] = ["full_attention"] * layers
+        if "head_dim" not in given and hidden is not None and heads is not None:
             if hidden % heads:
-                raise ValueError(
+                raise FieldError(
+                    "head_dim",
                     f"is absent and hidden_size = {hidden} is not divisible by "
-                    f"num_attention_heads = {heads}; set head_dim explicitly"
+                    f"num_attention_heads = {heads}",
+                    fix="set head_dim explicitly",
                 )
-            v = hidden // heads
-        if v is not None and v % 2:
-            raise ValueError("must be even: RoPE rotates pairs of dimensions")
-        return v
+            out["head_dim"] = hidden // heads
+        return out
 
     @field_validator("rope_scaling", mode="before")
     @classmethod
@@ -104,21 +102,31 @@ class MiniCPM5Config(BaseModel):
             kinds=ROPE_KINDS,
         )
 
-    @field_validator("layer_types")
-    @classmethod
-    def _layer_types(cls, v: list[str] | None, info: ValidationInfo) -> list[str] | None:
-        layers = info.data.get("num_hidden_layers")
-        if layers is None:
-            return v
-        if v is None:
-            return ["full_attention"] * layers
-        if len(v) != layers:
-            raise ValueError(f"has {len(v)} entries; num_hidden_layers = {layers}")
-        if "sliding_attention" in v and info.data.get("sliding_window") is None:
-            raise ValueError("has sliding_attention layers but sliding_window is absent")
-        return v
+    def check(self) -> None:
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads % kv:
+            raise FieldError(
+                "num_key_value_heads",
+                f"must divide num_attention_heads = {heads}",
+                fix="grouped-query attention needs the key/value heads to divide the heads",
+            )
+        if self.head_dim % 2:
+            raise FieldError("head_dim", "must be even: RoPE rotates pairs of dimensions")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise FieldError(
+                "layer_types",
+                f"has {len(self.layer_types)} entries; num_hidden_layers = "
+                f"{self.num_hidden_layers}",
+                fix="give one kind per layer",
+            )
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise FieldError(
+                "sliding_window",
+                "is absent but layer_types has sliding_attention layers",
+                fix="set sliding_window, or make every layer full_attention",
+            )
 
     @property
     def sliding(self) -> list[bool]:
         """Per layer: does it attend over a sliding window (rotating cache)?"""
-        return [t == "sliding_attention" for t in self.layer_types or ()]
+        return [t == "sliding_attention" for t in self.layer_types]

@@ -35,7 +35,6 @@ class Attention(nn.Module):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        assert hd is not None and KV is not None  # the config derives both when absent
         bias = cfg.attention_bias
         self.n_heads, self.n_kv_heads, self.scale = H, KV, hd**-0.5
         self.q_proj = nn.Linear(D, H * hd, bias=bias)

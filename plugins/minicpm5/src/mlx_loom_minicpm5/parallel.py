@@ -18,7 +18,7 @@ from .config import MiniCPM5Config
 
 def plan(cfg: MiniCPM5Config) -> ParallelPlan:
     heads = Units("num_attention_heads", cfg.num_attention_heads)
-    kv_heads = Units("num_key_value_heads", cfg.num_key_value_heads, replicable=True)  # type: ignore[arg-type]
+    kv_heads = Units("num_key_value_heads", cfg.num_key_value_heads, replicable=True)
     hidden = Units("intermediate_size", cfg.intermediate_size)
     return ParallelPlan(
         vocab=Vocab(

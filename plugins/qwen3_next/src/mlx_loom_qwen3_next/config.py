@@ -239,15 +239,18 @@ class Qwen3NextConfig(HybridConfig):
     max_position_embeddings: Size
 
 
+_QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
 class Qwen3_5Config(HybridConfig):
-    """``model_type: qwen3_5`` / ``qwen3_5_text``: defaults for all fields, RoPE from
-    ``rope_parameters``.
+    """``model_type: qwen3_5`` / ``qwen3_5_text`` (and the ``_moe`` types): defaults for
+    all fields, RoPE from ``rope_parameters``.
 
     A ``qwen3_5`` checkpoint's graph puts an MoE block on every layer when
     ``num_experts > 0`` and a dense MLP otherwise (mlx-lm's ``qwen3_5``).
     """
 
-    model_type: Literal["qwen3_5", "qwen3_5_text"] = "qwen3_5"
+    model_type: Literal["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"] = "qwen3_5"
     hidden_size: Size = 4096
     num_hidden_layers: LayerCount = 32
     intermediate_size: Size = 14336
@@ -275,7 +278,7 @@ class Qwen3_5Config(HybridConfig):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        if data.get("model_type") not in ("qwen3_5", "qwen3_5_text"):
+        if data.get("model_type") not in _QWEN3_5_TYPES:
             data["model_type"] = "qwen3_5"
         if data.get("head_dim") is None:
             heads = data.get("num_attention_heads", 32)

@@ -3,36 +3,40 @@
 Checkpoints come in two layouts, told apart by the convolution weight:
 
 * **Hugging Face** (``conv1d.weight`` is torch's ``(C, 1, K)``): experts are
-  separate tensors, RMSNorm gains are zero-centred (stored as ``w - 1``) except
+  separate tensors (Qwen3-Next, Qwen3.5) or one fused ``experts.gate_up_proj``
+  and ``experts.down_proj`` per layer (Qwen3.5-MoE), RMSNorm gains are zero-centred (stored as ``w - 1``) except
   the delta net's gated ``linear_attn.norm``, and multi-token-prediction heads
   (``mtp.*``) ride along. :func:`sanitize` stacks the experts, moves the conv
   axes to MLX's ``(C, K, 1)``, adds 1.0 to the zero-centred gains and drops
-  ``mtp.*`` — the same mapping mlx-lm's ``sanitize`` applies.
+  ``mtp.*`` — the same mapping mlx-lm's ``sanitize`` applies. :func:`checkpoint_tensors`
+  is the inverse for the conformance kit: the graph's own tensors (read from
+  the lazily built graph) written back in this layout.
 * **MLX** (already converted, possibly affine-quantized): nothing changes.
 
 Wrapper checkpoints (Qwen3.5's ``model.language_model.*``, mlx-lm's
 ``language_model.model.*``, a vision tower beside them) reach :func:`sanitize`
 already under the text model's names: the core's config view maps them. The
-core's strict loader then compares the result with :func:`~.manifest.tensors`
-before the graph is built, and attaches the weights lazily (nothing is
-evaluated here).
+core's strict loader then compares the result with the graph's own parameter
+shapes (the tensor rule is the graph) and attaches the weights lazily
+(nothing is evaluated here).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_loom.nn import load_checkpoint
+from mlx_loom.nn import Entry, Matrix, Tensor, dense_tensors, graph_manifest, load_checkpoint
 from mlx_loom.plugin import BuildContext, WeightsError
-from mlx_loom_qwen3_next.config import HybridConfig, Qwen3NextConfig
+from mlx_loom_qwen3_next.config import HybridConfig, Qwen3_5Config, Qwen3NextConfig
 from mlx_loom_qwen3_next.graph import Kernels, Model
-from mlx_loom_qwen3_next.manifest import tensors
+from mlx_loom_qwen3_next.kernels import ops_kernels
 
-__all__ = ["build", "is_hf_layout", "sanitize"]
+__all__ = ["build", "checkpoint_tensors", "is_hf_layout", "sanitize"]
 
 # Gains stored zero-centred by Hugging Face (the gated linear_attn.norm is not).
 _ZERO_CENTRED = (
@@ -45,6 +49,7 @@ _FINAL_NORM = "model.norm.weight"
 _EXPERT = re.compile(
     r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
 )
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 _SHOW = 10
 
 
@@ -109,6 +114,28 @@ def _stack_experts(weights: dict[str, mx.array], cfg: HybridConfig) -> dict[str,
     return rest
 
 
+def _split_fused_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Qwen3.5-MoE's fused experts: ``gate_up_proj [E, 2I, D]`` halves into gate and up."""
+    out: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        m = _FUSED_EXPERTS.match(name)
+        if m is None:
+            out[name] = value
+        elif m.group(2) == "down_proj":
+            out[f"{m.group(1)}.switch_mlp.down_proj.weight"] = value
+        elif value.ndim != 3 or value.shape[-2] % 2:
+            raise WeightsError(
+                f"{name}: shape {tuple(value.shape)} is not [experts, 2 * moe_intermediate_size, "
+                "hidden_size]",
+                fix="use the checkpoint as published (its fused experts are gate then up)",
+            )
+        else:
+            mid = value.shape[-2] // 2
+            out[f"{m.group(1)}.switch_mlp.gate_proj.weight"] = value[..., :mid, :]
+            out[f"{m.group(1)}.switch_mlp.up_proj.weight"] = value[..., mid:, :]
+    return out
+
+
 def sanitize(weights: Mapping[str, mx.array], cfg: HybridConfig) -> dict[str, mx.array]:
     """Map checkpoint tensors (either layout) to this plugin's names and layouts (lazily)."""
     out = {k: v for k, v in weights.items() if "mtp." not in k}
@@ -116,7 +143,7 @@ def sanitize(weights: Mapping[str, mx.array], cfg: HybridConfig) -> dict[str, mx
         out.pop("lm_head.weight", None)
     if not is_hf_layout(out):
         return out
-    out = _stack_experts(out, cfg)
+    out = _stack_experts(_split_fused_experts(out), cfg)
     for name, value in out.items():
         if name.endswith("conv1d.weight") and value.shape[-1] != 1:
             out[name] = value.moveaxis(2, 1)
@@ -137,7 +164,56 @@ def build(ctx: BuildContext) -> nn.Module:
     return load_checkpoint(
         ctx.model_dir,
         ctx.config,
-        manifest=tensors(cfg),
         build=lambda: Model(cfg, kernels, fused=isinstance(cfg, Qwen3NextConfig)),
+        layers=("model.layers", cfg.num_hidden_layers),
         sanitize=lambda weights: sanitize(weights, cfg),
     )
+
+
+# --- the conformance kit's writer: the graph's tensors in the Hugging Face layout ---
+
+_STACKED = re.compile(r"^(.*\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)$")
+
+
+def _hf_layout(manifest: list[tuple[str, Entry]], fused_experts: bool) -> Iterator[tuple[str, Entry]]:
+    """Undo :func:`sanitize`: per-expert (or fused) experts, torch's ``(C, 1, K)`` conv."""
+    for name, entry in manifest:
+        stacked = _STACKED.match(name)
+        if stacked and isinstance(entry, Matrix):
+            base, proj = stacked.groups()
+            E, *rest = entry.shape
+            if not fused_experts:
+                for e in range(E):
+                    yield f"{base}.experts.{e}.{proj}", Matrix(tuple(rest))
+            elif proj == "gate_proj":  # gate and up stored as one [E, 2I, D] tensor
+                yield f"{base}.experts.gate_up_proj", Tensor((E, 2 * rest[0], rest[1]))
+            elif proj == "down_proj":
+                yield f"{base}.experts.down_proj", Tensor(entry.shape)
+        elif name.endswith("conv1d.weight"):
+            C, K, _ = entry.shape
+            yield name, Tensor((C, 1, K))
+        else:
+            yield name, entry
+
+
+def checkpoint_tensors(config: Mapping[str, Any], dtype: str = "F32") -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{hf_name: (shape, dtype)}`` of an unquantized Hugging Face checkpoint for ``config``.
+
+    Any of the family's model types, flat or inside a ``text_config`` wrapper
+    (whose tensors then live under ``model.language_model.*``).
+    """
+    nested = isinstance(config.get("text_config"), Mapping)
+    text = dict(config["text_config"] if nested else config)
+    qwen3_next = config.get("model_type") == "qwen3_next"
+    cfg = (Qwen3NextConfig if qwen3_next else Qwen3_5Config).model_validate(text)
+    # Shapes only: the kernels are never called, so the MLX-ops set serves.
+    ops = Kernels.from_mapping({k.name: k.fn for k in ops_kernels() if k.backend == "cpu"})
+    graph = Model(cfg, ops, fused=qwen3_next)
+    fused = str(config.get("model_type", "")).startswith("qwen3_5_moe")
+    hf = dense_tensors(_hf_layout(graph_manifest(graph), fused), dtype)
+    if not nested:
+        return hf
+    return {
+        ("model.language_model." + n.removeprefix("model.")) if n.startswith("model.") else n: v
+        for n, v in hf.items()
+    }
