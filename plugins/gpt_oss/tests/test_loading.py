@@ -7,10 +7,11 @@ import json
 
 import mlx.core as mx
 import pytest
-from gpt_oss_testkit import TINY, hf_layout, load_ours, mxfp4_layout, oracle_model, write
+from gpt_oss_testkit import TINY, hf_layout, mxfp4_layout, write
 from mlx.utils import tree_flatten
 
 from mlx_loom.errors import ConfigError, WeightsError
+from mlx_loom.testing.parity import load_ours, oracle_model
 from mlx_loom_gpt_oss import sanitize
 
 

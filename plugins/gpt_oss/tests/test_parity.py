@@ -3,9 +3,10 @@
 The op graph is mlx-lm's (sinks through the fused attention, YaRN RoPE, the
 argpartition top-k, the compiled clamped SwiGLU, biased gathered experts,
 per-kind masks), so every comparison is bit-equal: identical greedy tokens
-and ``mx.array_equal`` logits at the prefill and every decode step. The
-prompt (12 tokens) is longer than the tiny window (8), so the sliding
-layers' rotating caches wrap during the prefill and keep wrapping.
+and ``mx.array_equal`` logits at the prefill and every decode step (the
+core's harness, :mod:`mlx_loom.testing.parity`). The harness's prompt (12
+tokens) is longer than the tiny window (8), so the sliding layers' rotating
+caches wrap during the prefill and keep wrapping.
 """
 
 from __future__ import annotations
@@ -14,17 +15,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from gpt_oss_testkit import (
-    PROMPT,
-    assert_same_run,
-    greedy,
-    load_oracle,
-    load_ours,
-    write_checkpoint,
-)
+from gpt_oss_testkit import write_tiny
 from mlx_lm.models import cache as lm_cache
 
 from mlx_loom.cache import BatchKVCache, BatchRotatingKVCache
+from mlx_loom.testing.parity import PROMPT, compare_with_mlx_lm, greedy, load_oracle, load_ours
 
 CHECKPOINTS = {
     "hf-fp32": {"layout": "hf"},
@@ -39,7 +34,7 @@ def checkpoint(tmp_path_factory):
 
     def get(kind: str) -> Path:
         if kind not in made:
-            made[kind] = write_checkpoint(tmp_path_factory.mktemp(kind), **CHECKPOINTS[kind])
+            made[kind] = write_tiny(tmp_path_factory.mktemp(kind), **CHECKPOINTS[kind])
         return made[kind]
 
     return get
@@ -48,18 +43,16 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("kind", list(CHECKPOINTS))
 def test_greedy_decode_matches_mlx_lm_bit_for_bit(checkpoint, kind):
     path = checkpoint(kind)
-    ours, oracle = load_ours(path), load_oracle(path)
     if kind == "mlx-q4":
-        layer = ours.module.model.layers[0].mlp
+        layer = load_ours(path).module.model.layers[0].mlp
         assert layer.router.bits == 8 and layer.experts.down_proj.bits == 4
         assert "bias" in layer.experts.down_proj  # the experts' bias survives quantization
-    x = mx.array([PROMPT])
-    assert_same_run(greedy(ours, x, ours.make_cache()), greedy(oracle, x, oracle.make_cache()))
+    compare_with_mlx_lm(path, steps=24)
 
 
 def test_cacheless_forward_matches_mlx_lm(checkpoint):
     path = checkpoint("hf-fp32")
-    x = mx.array([PROMPT, PROMPT[::-1]])
+    x = mx.array([list(PROMPT), list(PROMPT[::-1])])
     assert mx.array_equal(load_ours(path)(x), load_oracle(path)(x)).item()
 
 
@@ -67,36 +60,30 @@ def test_the_cpu_default_writes_the_oracles_greedy_tokens(checkpoint):
     path = checkpoint("mlx-fp32")
     ours = load_ours(path, compute_dtype=None, cpu_kernels=None)  # the CPU default
     oracle = load_oracle(path)
-    x = mx.array([PROMPT])
-    mine, ref = greedy(ours, x, ours.make_cache()), greedy(oracle, x, oracle.make_cache())
-    assert mine[1].tolist() == ref[1].tolist()
-
-
-def _left_pad(rows):
-    width = max(map(len, rows))
-    return mx.array([[0] * (width - len(r)) + r for r in rows]), [width - len(r) for r in rows]
+    x = mx.array([list(PROMPT)])
+    mine = greedy(ours, x, ours.make_cache(), steps=24)
+    assert mine.tokens == greedy(oracle, x, oracle.make_cache(), steps=24).tokens
 
 
 def test_left_padded_batch_matches_mlx_lms_batch_caches(checkpoint):
-    path = checkpoint("mlx-fp32")
-    ours, oracle = load_ours(path), load_oracle(path)
-    rows = [PROMPT, PROMPT[3:8], PROMPT[:10]]
-    x, pad = _left_pad(rows)
+    rows = [list(PROMPT), list(PROMPT[3:8]), list(PROMPT[:10])]
+    width = max(map(len, rows))
+    pad = [width - len(r) for r in rows]
+    x = mx.array([[0] * p + r for p, r in zip(pad, rows, strict=True)])
+    window = 8
 
-    def caches(model, full, window):
-        return [window(8, pad) if layer.sliding else full(pad) for layer in model.model.layers]
+    def ours(model):
+        return [
+            BatchRotatingKVCache(window, pad) if layer.sliding else BatchKVCache(pad)
+            for layer in model.module.model.layers
+        ]
 
-    ca = caches(ours.module, BatchKVCache, BatchRotatingKVCache)
-    cb = [
-        lm_cache.BatchRotatingKVCache(8, pad) if kind == "sliding_attention"
-        else lm_cache.BatchKVCache(pad)
-        for kind in oracle.model.layer_types
-    ]
-    la, lb = ours(x, cache=ca), oracle(x, cache=cb)
-    for r, p in enumerate(pad):
-        assert mx.array_equal(la[r, p:], lb[r, p:]).item()
-    for _ in range(10):
-        t = mx.argmax(la[:, -1], -1)[:, None]
-        assert mx.array_equal(t, mx.argmax(lb[:, -1], -1)[:, None]).item()
-        la, lb = ours(t, cache=ca), oracle(t, cache=cb)
-        assert mx.array_equal(la, lb).item()
+    def theirs(model):
+        return [
+            lm_cache.BatchRotatingKVCache(window, pad)
+            if kind == "sliding_attention"
+            else lm_cache.BatchKVCache(pad)
+            for kind in model.model.layer_types
+        ]
+
+    compare_with_mlx_lm(checkpoint("mlx-fp32"), prompt=x, steps=10, our_cache=ours, oracle_cache=theirs)

@@ -5,17 +5,26 @@ Defaults are those of the published gpt-oss checkpoints (and of mlx-lm's
 re-derives them: alternating sliding/full layers starting with a sliding one,
 a 128-token window, 4 experts per token. Every size is bounded by the core's
 field types; a cross-field inconsistency is one ``ConfigError`` naming the
-later field.
+field it blames (the core's config dialect, :class:`mlx_loom.plugin.FamilyConfig`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ValidationInfo, field_validator
 
 from mlx_loom.nn import RopeScaling, parse_rope_scaling
-from mlx_loom.plugin import LayerCount, PositiveFloat, Size
+from mlx_loom.plugin import (
+    FamilyConfig,
+    FieldError,
+    Given,
+    LayerCount,
+    PositiveFloat,
+    Size,
+    derived,
+)
 
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -36,10 +45,8 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
 ROPE_KINDS = ("default", "linear", "yarn")
 
 
-class GptOssConfig(BaseModel):
+class GptOssConfig(FamilyConfig):
     """The fields of ``config.json`` the graph reads, with defaults filled."""
-
-    model_config = ConfigDict(extra="ignore")
 
     vocab_size: Size
     hidden_size: Size
@@ -59,30 +66,15 @@ class GptOssConfig(BaseModel):
     max_position_embeddings: Size | None = None
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: Literal[False] = False
-    layer_types: list[LayerType] | None = Field(None, validate_default=True)
+    layer_types: list[LayerType] = derived()  # sliding, full, sliding, full, ...
 
-    @field_validator("num_key_value_heads")
     @classmethod
-    def _kv_heads_divide_heads(cls, v: int, info: ValidationInfo) -> int:
-        heads = info.data.get("num_attention_heads")
-        if heads is not None and heads % v:
-            raise ValueError(f"must divide num_attention_heads = {heads} (grouped-query attention)")
-        return v
-
-    @field_validator("head_dim")
-    @classmethod
-    def _head_dim_even(cls, v: int) -> int:
-        if v % 2:
-            raise ValueError("must be even: RoPE rotates pairs of dimensions")
-        return v
-
-    @field_validator("num_experts_per_tok")
-    @classmethod
-    def _top_k(cls, v: int, info: ValidationInfo) -> int:
-        experts = info.data.get("num_local_experts")
-        if experts is not None and v > experts:
-            raise ValueError(f"= {v} exceeds num_local_experts = {experts}")
-        return v
+    def fill(cls, given: Given) -> Mapping[str, Any]:
+        layers = given.get("num_hidden_layers")
+        if layers is None:
+            return {}
+        # The published default: sliding, full, sliding, full, ...
+        return {"layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]}
 
     @field_validator("rope_scaling", mode="before")
     @classmethod
@@ -94,20 +86,31 @@ class GptOssConfig(BaseModel):
             kinds=ROPE_KINDS,
         )
 
-    @field_validator("layer_types")
-    @classmethod
-    def _layer_types(cls, v: list[str] | None, info: ValidationInfo) -> list[str] | None:
-        layers = info.data.get("num_hidden_layers")
-        if layers is None:
-            return v
-        if v is None:
-            # The published default: sliding, full, sliding, full, ...
-            return [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
-        if len(v) != layers:
-            raise ValueError(f"has {len(v)} entries; num_hidden_layers = {layers}")
-        return v
+    def check(self) -> None:
+        heads = self.num_attention_heads
+        if heads % self.num_key_value_heads:
+            raise FieldError(
+                "num_key_value_heads",
+                f"must divide num_attention_heads = {heads}",
+                fix="grouped-query attention needs the key/value heads to divide the heads",
+            )
+        if self.head_dim % 2:
+            raise FieldError("head_dim", "must be even: RoPE rotates pairs of dimensions")
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise FieldError(
+                "num_experts_per_tok",
+                f"exceeds num_local_experts = {self.num_local_experts}",
+                fix="route each token to at most as many experts as there are",
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise FieldError(
+                "layer_types",
+                f"has {len(self.layer_types)} entries; num_hidden_layers = "
+                f"{self.num_hidden_layers}",
+                fix="give one kind per layer",
+            )
 
     @property
     def sliding(self) -> list[bool]:
         """Per layer: does it attend over a sliding window (rotating cache)?"""
-        return [t == "sliding_attention" for t in self.layer_types or ()]
+        return [t == "sliding_attention" for t in self.layer_types]
