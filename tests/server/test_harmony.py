@@ -157,7 +157,8 @@ def test_a_commentary_call_comes_back_as_a_tool_call_and_round_trips(served, str
     worker.script("<|channel|>final<|message|>Sunny.")
     assert ask(server, history, stream=stream, tools=[WEATHER_TOOL])[0] == "Sunny."
     prompt = server.app.tokenizer.decode(worker.jobs[-1].prompt)
-    assert "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>" in prompt
+    header = "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    assert header in prompt
     assert prompt.endswith("commentary<|message|>sunny<|end|><|start|>assistant")
 
 
@@ -167,8 +168,9 @@ def test_anthropic_and_responses_clients_get_thinking_and_reasoning_items(served
     message = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0).messages.create(
         model="tools", max_tokens=16, messages=[USER]
     )
-    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
-            for b in message.content] == [("thinking", "The user greets me."), ("text", "Hello there!")]
+    blocks = [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+              for b in message.content]
+    assert blocks == [("thinking", "The user greets me."), ("text", "Hello there!")]
     worker.script(ANSWER)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
     response = client.responses.create(model="tools", input="hello", max_output_tokens=16)

@@ -27,7 +27,8 @@ def test_sanitize_is_mlx_lms_on_the_hugging_face_layouts(params, layout):
     theirs = oracle_model(TINY).sanitize(dict(stored))
     assert sorted(ours) == sorted(theirs)
     for name, value in ours.items():
-        assert value.dtype == theirs[name].dtype and mx.array_equal(value, theirs[name]).item(), name
+        assert value.dtype == theirs[name].dtype, name
+        assert mx.array_equal(value, theirs[name]).item(), name
 
 
 def test_the_mlx_layout_is_left_as_it_is(params):

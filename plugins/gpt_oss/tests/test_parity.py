@@ -86,4 +86,5 @@ def test_left_padded_batch_matches_mlx_lms_batch_caches(checkpoint):
             for kind in model.model.layer_types
         ]
 
-    compare_with_mlx_lm(checkpoint("mlx-fp32"), prompt=x, steps=10, our_cache=ours, oracle_cache=theirs)
+    path = checkpoint("mlx-fp32")
+    compare_with_mlx_lm(path, prompt=x, steps=10, our_cache=ours, oracle_cache=theirs)

@@ -103,10 +103,10 @@ def _add_bias(module: nn.Module, x: mx.array, indices: mx.array) -> mx.array:
 
 
 class SwitchLinear(nn.Module):
-    """One projection of every expert: ``weight [experts, out, in]``, optional ``bias [experts, out]``.
+    """One projection of every expert: ``weight [experts, out, in]``, optional ``bias``.
 
-    The bias is per expert (gpt-oss's experts carry one); it is added after the
-    gathered product, the op order mlx-lm's ``SwitchLinear`` uses.
+    ``bias [experts, out]`` is per expert (gpt-oss's experts carry one); it is
+    added after the gathered product, the op order mlx-lm's ``SwitchLinear`` uses.
     """
 
     is_quantized = False

@@ -74,7 +74,8 @@ class GptOssConfig(FamilyConfig):
         if layers is None:
             return {}
         # The published default: sliding, full, sliding, full, ...
-        return {"layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]}
+        kinds = ("sliding_attention", "full_attention")
+        return {"layer_types": [kinds[i % 2] for i in range(layers)]}
 
     @field_validator("rope_scaling", mode="before")
     @classmethod

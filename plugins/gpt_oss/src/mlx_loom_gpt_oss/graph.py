@@ -68,7 +68,8 @@ def top_k(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
 class Attention(nn.Module):
     def __init__(self, cfg: GptOssConfig) -> None:
         super().__init__()
-        D, H, KV, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        KV = cfg.num_key_value_heads
         self.n_heads, self.n_kv_heads, self.scale = H, KV, hd**-0.5
         self.sinks = mx.zeros((H,))
         self.q_proj = nn.Linear(D, H * hd, bias=True)
@@ -119,7 +120,9 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: GptOssConfig, sliding: bool, switch_glu: Callable[..., mx.array]) -> None:
+    def __init__(
+        self, cfg: GptOssConfig, sliding: bool, switch_glu: Callable[..., mx.array]
+    ) -> None:
         super().__init__()
         self.sliding = sliding
         self.self_attn = Attention(cfg)

@@ -1,4 +1,4 @@
-"""A gpt-oss checkpoint in (Hugging Face or MLX layout), the graph with its weights out — strictly.
+"""A gpt-oss checkpoint in (Hugging Face or MLX layout), the graph with its weights out.
 
 Two layouts reach this loader, and :func:`sanitize` tells them apart by name:
 
@@ -72,8 +72,9 @@ def sanitize(weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
                 value = value.view(mx.uint32).flatten(-2)
             if leaf.startswith(_GATE_UP):
                 # Rows alternate gate, up: split on the output axis.
-                out[base + renamed.replace(_GATE_UP, "gate_proj")] = mx.contiguous(value[..., ::2, :])
-                out[base + renamed.replace(_GATE_UP, "up_proj")] = mx.contiguous(value[..., 1::2, :])
+                gate, up = value[..., ::2, :], value[..., 1::2, :]
+                out[base + renamed.replace(_GATE_UP, "gate_proj")] = mx.contiguous(gate)
+                out[base + renamed.replace(_GATE_UP, "up_proj")] = mx.contiguous(up)
             else:
                 out[base + renamed] = value
     return out
@@ -116,4 +117,6 @@ def _graph(cfg: GptOssConfig) -> Model:
 
 #: The Hugging Face-layout tensors of an unquantized checkpoint for a config
 #: (what the conformance kit writes).
-checkpoint_tensors = graph_checkpoint_tensors(GptOssConfig.model_validate, _graph, to_checkpoint=to_hf)
+checkpoint_tensors = graph_checkpoint_tensors(
+    GptOssConfig.model_validate, _graph, to_checkpoint=to_hf
+)

@@ -12,7 +12,16 @@ vocabulary rows.
 
 from __future__ import annotations
 
-from mlx_loom.parallel import ParallelPlan, Pipeline, Reduce, Split, Units, Vocab, attention, switch_glu
+from mlx_loom.parallel import (
+    ParallelPlan,
+    Pipeline,
+    Reduce,
+    Split,
+    Units,
+    Vocab,
+    attention,
+    switch_glu,
+)
 
 from .config import GptOssConfig
 

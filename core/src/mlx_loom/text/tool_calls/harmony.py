@@ -5,8 +5,8 @@ JSON arguments, and ``<|call|>`` ends it. The recipient may stand in the
 channel header (how the models write it) or in the role header (how the
 chat template renders earlier calls)::
 
-    <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
-    <|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{...}<|call|>
+    <|channel|>commentary to=functions.f <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+    <|start|>assistant to=functions.f<|channel|>commentary json<|message|>{...}<|call|>
 
 The message headers around it (``<|start|>assistant``, ``<|channel|>commentary``,
 ``<|message|>``, ``<|end|>``) are layout that Harmony's reasoning format
