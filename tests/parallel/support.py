@@ -26,8 +26,8 @@ import mlx_loom
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 HERE = Path(__file__).parent
-#: Plain tiny checkpoints: every model type of the three families.
-MODEL_TYPES = ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4")
+#: Plain tiny checkpoints: every model type of the families.
+MODEL_TYPES = ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4", "gpt_oss")
 #: Quantized checkpoints (4-bit, groups of 32) need every split input slice to be
 #: whole groups at two ranks: these dims are the tiny configs' with that property.
 QUANTIZED = {
