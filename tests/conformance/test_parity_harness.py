@@ -16,7 +16,7 @@ import pytest
 from mlx_loom.testing import parity
 
 pytest.importorskip("mlx_loom_gemma4")
-from mlx_loom_gemma4.manifest import TINY_TEXT_CONFIG  # noqa: E402
+from mlx_loom_gemma4.plugin import TINY_TEXT_CONFIG  # noqa: E402
 
 STEPS = 16
 
