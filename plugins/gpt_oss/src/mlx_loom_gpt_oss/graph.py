@@ -166,6 +166,13 @@ class GptOssModel(nn.Module):
         return self.norm(self.stage.leave(h))
 
 
+def _router_at_8_bits(path: str, _: nn.Module) -> bool | dict[str, int]:
+    """``loom convert``: the router stays at 8 bits, group 64 (mlx-lm's recipe for gpt-oss)."""
+    if path.endswith("router"):
+        return {"group_size": 64, "bits": 8}
+    return True
+
+
 class Model(nn.Module):
     """The :class:`mlx_loom.plugin.CausalLM` this plugin builds."""
 
@@ -177,6 +184,10 @@ class Model(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
         return self.lm_head(self.model(inputs, cache))
+
+    @property
+    def quant_predicate(self) -> Callable[[str, nn.Module], bool | dict[str, int]]:
+        return _router_at_8_bits
 
     def make_cache(self) -> list[Any]:
         """One cache per layer: a rotating window for sliding layers, else a full cache."""
