@@ -26,7 +26,10 @@ def _weights():
 W_CONV, W_GATE = _weights()
 
 
-def replay(q, k, v, g, beta, state, mask=None):
+def replay(q, k, v, g, beta, state, mask=None, lengths=None):
+    if lengths is not None:
+        kept = mx.arange(q.shape[1])[None] < lengths[:, None]
+        mask = kept if mask is None else mask & kept
     return mx.fast.gated_delta_update(q, k, v, g, beta, state, mask)[1]
 
 

@@ -33,7 +33,7 @@ ADDRESS_SPACE = 3 << 29  # 1.5 GiB: importing MLX needs ~0.25 GiB
 
 # (case id, model type, edit of the text fields, error type, text the message must contain)
 CASES: list[tuple[str, str, dict[str, Any], str, str]] = []
-for model_type in ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4"):
+for model_type in ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4", "qwen3", "qwen3_moe"):
     CASES += [
         (
             f"{model_type}-100000-layers",
@@ -133,6 +133,20 @@ CASES += [
         {"sliding_window_pattern": HUGE, "layer_types": None},
         "WeightsError",
         "self_attn",
+    ),
+    (
+        "qwen3_moe-experts-at-int32",
+        "qwen3_moe",
+        {"num_experts": HUGE},
+        "WeightsError",
+        "per-expert tensors",
+    ),
+    (
+        "qwen3_moe-100000-mlp-only-layers",
+        "qwen3_moe",
+        {"mlp_only_layers": list(range(100_000))},
+        "ConfigError",
+        "mlp_only_layers",
     ),
     (
         "gemma4-softcap-inf",

@@ -16,7 +16,7 @@ from mlx_loom.host import PluginHost, resolve_model
 from mlx_loom.loader import build_model
 from mlx_loom.testing.checkpoints import write_checkpoint
 
-MODEL_TYPES = ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4")
+MODEL_TYPES = ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4", "qwen3", "qwen3_moe")
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

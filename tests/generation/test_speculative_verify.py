@@ -10,12 +10,16 @@ plain decoding's.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
 import mlx_loom
 from mlx_loom.engine.speculative import begin_rounds, keep_rounds
-from mlx_loom.host import VERIFY_POLICIES, VerifyPolicy
+from mlx_loom.host import VERIFY_POLICIES, VerifyPolicies, VerifyPolicy
+from mlx_loom.host._verify import metal_policy
+from mlx_loom.nn import AttentionGeometry, attention_geometries
 
 from .conftest import SPEC_FAMILIES, SPEC_PROMPT
 
@@ -85,6 +89,60 @@ def test_the_cpu_policy_is_registered_and_cuda_is_refused_until_measured():
     from mlx_loom.errors import CapabilityRefused
 
     assert VERIFY_POLICIES.for_backend("cpu").boundaries == ()
-    assert VERIFY_POLICIES.for_backend("metal").boundaries == (1023, 1024, 8192, 32768, 65536)
+    assert VERIFY_POLICIES.for_backend("cpu").kernel is None
+    assert VERIFY_POLICIES.for_backend("metal").kernel is not None  # MLX's dispatch as data
     with pytest.raises(CapabilityRefused, match="not been measured"):
         VERIFY_POLICIES.for_backend("cuda")
+
+
+def test_each_family_declares_the_geometry_of_every_attention_kind(spec_models):
+    windows = {"llama-sliding": {6, None}, "qwen3_next": {None}, "gemma4": {8, None}}
+    for family, (model, _) in spec_models.items():
+        declared = attention_geometries(model.module)
+        assert {g.window for g in declared} == windows[family]
+        for m in model.module.modules():
+            if isinstance(getattr(m, "geometry", None), AttentionGeometry):
+                g = m.geometry
+                rows = m.q_proj.weight.shape[0]  # qwen3_next's also carries the gate
+                assert rows in (g.query_heads * g.head_dim, 2 * g.query_heads * g.head_dim)
+
+
+def test_under_metals_rules_a_model_without_a_window_of_2_is_refused(spec_models, monkeypatch):
+    """The tiny models' head dims have no Metal vector kernel: decoding runs unfused."""
+    from mlx_loom.engine import speculative
+    from mlx_loom.errors import CapabilityRefused
+
+    as_if_metal = replace(metal_policy("g"), backend="cpu")
+    monkeypatch.setattr(speculative, "VERIFY_POLICIES", VerifyPolicies([as_if_metal]))
+    model, _ = spec_models["gemma4"]
+    with pytest.raises(CapabilityRefused, match="no verify window of 2 tokens") as err:
+        list(mlx_loom.stream_generate(model, None, SPEC_PROMPT, max_tokens=4, draft="ngram"))
+    assert "unfused" in str(err.value)
+
+
+def test_where_kernels_follow_shapes_speculative_rows_verify_alone(spec_models, monkeypatch):
+    """A stacked verify would pick the kernel by the batch's lengths, not each row's."""
+    from mlx_loom.engine import Engine, Speculation, make_request
+    from mlx_loom.engine import speculative
+
+    shaped = VerifyPolicy("cpu", kernel=lambda q_len, kv_len, geometry: "vector")
+    monkeypatch.setattr(speculative, "VERIFY_POLICIES", VerifyPolicies([shaped]))
+    model, _ = spec_models["llama-sliding"]
+    prompts = [SPEC_PROMPT, SPEC_PROMPT[3:]]
+    engine = Engine(model)
+    uids = engine.insert(
+        [make_request(model, None, p, max_tokens=8, speculation=Speculation(None, 3)) for p in prompts]
+    )
+    got: dict[int, list[int]] = {u: [] for u in uids}
+    stacked = set()
+    with mx.stream(mx.default_stream(mx.default_device())):
+        while engine.has_work:
+            for event in engine.step():
+                if hasattr(event, "token"):
+                    got[event.uid].append(event.token)
+            stacked |= {g.stacked for g in engine._groups}
+    assert stacked == {False}
+    plain = [
+        [r.token for r in mlx_loom.stream_generate(model, None, p, max_tokens=8)] for p in prompts
+    ]
+    assert [got[u] for u in uids] == plain

@@ -26,8 +26,8 @@ import mlx_loom
 from mlx_loom.testing.checkpoints import write_checkpoint
 
 HERE = Path(__file__).parent
-#: Plain tiny checkpoints: every model type of the families.
-MODEL_TYPES = ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4", "gpt_oss")
+#: Plain tiny checkpoints: every model type of the families (qwen3 dense is the llama plan).
+MODEL_TYPES = ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4", "qwen3_moe", "gpt_oss")
 #: Quantized checkpoints (4-bit, groups of 32) need every split input slice to be
 #: whole groups at two ranks: these dims are the tiny configs' with that property.
 QUANTIZED = {
@@ -38,6 +38,7 @@ QUANTIZED = {
         "shared_expert_intermediate_size": 64,
     },
     "gemma4_text": {"intermediate_size": 128, "moe_intermediate_size": 64},
+    "qwen3_moe": {"moe_intermediate_size": 64},
 }
 GROUP_SIZE, BITS = 32, 4
 #: A vocabulary two ranks do not divide: the last rank's block is one row short.

@@ -179,7 +179,7 @@ def test_the_api_key_can_come_from_the_environment(checkpoint, monkeypatch):
     monkeypatch.setenv(serve_cmd.API_KEY_ENV, KEY)
     seen = {}
 
-    def fake_make_server(model, tokenizer, **options):
+    def fake_make_server(**options):
         seen.update(options)
         raise ServerStartError("stop here", fix="none")
 

@@ -62,7 +62,7 @@ def test_loom_serve_passes_the_codec_flags_on(family_checkpoint, monkeypatch):
 
     seen = {}
 
-    def fake_make_server(model, tokenizer, **options):
+    def fake_make_server(**options):
         seen.update(options)
         raise ServerStartError("stop here", fix="none")
 

@@ -61,9 +61,12 @@ def test_loom_serve_picks_a_kv_group_size_that_divides_the_heads(checkpoint, mon
     from mlx_loom.serve import ServerStartError
 
     seen = {}
+    real_make_server = serve_cmd.make_server
 
-    def fake_make_server(model, tokenizer, **options):
-        seen.update(options)
+    def fake_make_server(**options):
+        server = real_make_server(**options)  # the model is loaded, its kv settings chosen
+        seen.update(server.app.kv)
+        server.stop()
         raise ServerStartError("stop here", fix="none")
 
     monkeypatch.setattr(serve_cmd, "make_server", fake_make_server)

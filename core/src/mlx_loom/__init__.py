@@ -15,6 +15,9 @@ several threads at once: their requests are batched together.
 An application that embeds the engine and chooses its composition uses
 :class:`PluginHost`, :class:`PluginPolicy` and :class:`Registry` (more in
 :mod:`mlx_loom.host`). Family authors import from :mod:`mlx_loom.plugin`.
+A host that uses several models keeps them in a :class:`ModelPool` (of
+:meth:`PooledModel.from_ref` models, each loaded with the plugin policy the
+host chose for it), which loads and unloads them under its bounds.
 Every error is in :mod:`mlx_loom.errors`.
 
 The names below are imported on first use (PEP 562): importing the package,
@@ -53,6 +56,8 @@ _LAZY = {
     "Engine": "engine",
     "EngineSettings": "engine",
     "make_request": "engine",
+    "ModelPool": "engine.pool",
+    "PooledModel": "engine.pool",
 }
 
 __all__ = ["BUNDLED_MODEL", "LoomError", "Refusal", "__version__", "errors", *sorted(_LAZY)]
@@ -81,6 +86,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from .engine import Engine, EngineSettings, make_request  # noqa: F401
+    from .engine.pool import ModelPool, PooledModel  # noqa: F401
     from .generation import (  # noqa: F401
         BatchResponse,
         BatchResult,

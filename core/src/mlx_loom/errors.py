@@ -105,6 +105,20 @@ class EngineStopped(LoomError):
     """The engine was shut down (or stopped) before the request could finish."""
 
 
+class ModelUnavailable(LoomError):
+    """A model of a pool could not be loaded (its own error is the cause); the others serve on.
+
+    ``model`` is the pool's id of the model, ``cause`` the error its load raised.
+    """
+
+    def __init__(
+        self, message: str, *, fix: str | None = None, model: str, cause: BaseException | None
+    ) -> None:
+        super().__init__(message, fix=fix)
+        self.model = model
+        self.cause = cause
+
+
 # --- plugins ---------------------------------------------------------------
 
 

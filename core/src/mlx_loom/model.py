@@ -183,6 +183,23 @@ class Model:
                     self._engine = EngineService(self)
             return self._engine
 
+    @property
+    def started_engine(self) -> EngineService | None:
+        """The engine if one was started and is not closed (``None``: none runs)."""
+        with self._engine_lock:
+            engine = self._engine
+        return engine if engine is not None and engine.alive else None
+
+    def close_engine(self, timeout: float = 10.0) -> None:
+        """Stop this model's engine, if one runs (a pool unloading the model).
+
+        The next use of :attr:`engine` starts a new one.
+        """
+        with self._engine_lock:
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close(timeout)
+
     def materialize(self) -> None:
         """Evaluate every array of the graph, weights included, on the calling thread.
 

@@ -12,6 +12,12 @@ sources are captured by constructing its kernels with a recording stand-in
 for ``mx.fast.metal_kernel``, and its dispatch by calling its launcher with
 recording kernels.
 
+One arithmetic per geometry. The geometry alone picks the family (packed,
+simd, ops), and each family's padded forward and state-only replay are
+derived from the forward's template; the tests pin which kernel each path
+launches and that the replay keeps every statement that writes the state,
+in order, stopping at each row's kept length.
+
 Causal conv. The fused kernel must round where ``mx.conv1d`` + ``nn.silu``
 round. Its CPU emulation (the kernel's steps in ops) is compared bit for bit
 with the ops path, and the kernel's SiLU must be MLX's own Metal ``Sigmoid``
@@ -72,29 +78,65 @@ def _reference_sources() -> dict[str, dict]:
     return dict(zip(("plain", "masked", "packed"), made, strict=True))
 
 
+#: Our (family, path) whose source must be each mlx-lm kernel's computation.
+_MLX_LMS = {"plain": ("simd", "forward"), "masked": ("simd", "masked"), "packed": ("packed", "forward")}
+
+
 @pytest.mark.parametrize("variant", ["plain", "masked", "packed"])
 def test_gated_delta_metal_source_is_mlx_lms_computation(variant):
     theirs = _reference_sources()[variant]
-    ours = qk.gated_delta_metal_sources()[variant]
+    family, path = _MLX_LMS[variant]
+    ours = qk.gated_delta_metal_sources()[family][path]
     assert fingerprint(ours) == fingerprint(theirs["source"])
 
 
 def test_the_fingerprint_tells_a_changed_operation_apart():
-    ours = qk.gated_delta_metal_sources()["plain"]
+    ours = qk.gated_delta_metal_sources()["simd"]["forward"]
     changed = ours.replace("acc[j] = acc[j] * gp[vhead];", "acc[j] = acc[j] + gp[vhead];")
     assert changed != ours
     assert fingerprint(changed) != fingerprint(ours)
 
 
-def test_gated_delta_kernels_take_mlx_lms_inputs_and_outputs():
-    refs = _reference_sources()
-    ours = qk._MetalGatedDelta()
-    for variant, kernel in (("plain", ours.plain), ("masked", ours.masked)):
-        assert refs[variant]["input_names"] == qk._DELTA_INPUTS + (
-            ["mask"] if variant == "masked" else []
-        )
-        assert refs[variant]["output_names"] == ["y", "state_out"]
-        assert kernel is not None
+def test_the_padded_packed_kernel_is_mlx_lms_packed_kernel_under_a_step_guard():
+    """Padded prefill keeps the packed arithmetic (mlx-lm would switch to simd_sum)."""
+    masked = qk.gated_delta_metal_sources()["packed"]["masked"]
+    guard = "if (mask[batch * T + step]) {"
+    otherwise = re.compile(r"\}\s*else\s*\{\s*y\[vrow\] = static_cast<InT>\(0\);\s*\}")
+    assert masked.count(guard) == 1 and len(otherwise.findall(masked)) == 1
+    unguarded = otherwise.sub("", masked.replace(guard, ""))
+    assert fingerprint(unguarded) == fingerprint(_reference_sources()["packed"]["source"])
+
+
+_STATE = re.compile(r"^\s*(acc\[|kv\b|float kv\b|auto d\b|float decay\b|dst\[|kp\b|vp\b|gp\b|bp\b)")
+
+
+def _statements(source: str) -> list[str]:
+    body = re.sub(r"//[^\n]*", "", source)
+    return [" ".join(s.split()) for s in re.split(r"[;{}]", body) if s.strip()]
+
+
+@pytest.mark.parametrize("family", ["simd", "packed"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_replay_runs_the_forwards_state_statements_and_stops_at_the_kept_length(
+    family, masked
+):
+    sources = qk.gated_delta_metal_sources()[family]
+    forward = _statements(sources["masked" if masked else "forward"])
+    replay = _statements(sources["replay_masked" if masked else "replay"])
+    # Only the loop bound differs in what is kept: T for a forward, the row's kept length.
+    assert "for (int step = 0" in forward and "step < T" in forward
+    assert "step < lengths[batch]" in replay and "step < T" not in replay
+    replay = ["step < T" if s == "step < lengths[batch]" else s for s in replay]
+    # The replay is the forward with statements removed, in the forward's order ...
+    it = iter(forward)
+    assert all(any(s == f for f in it) for s in replay)
+    dropped = [s for s in forward if s not in replay]
+    assert dropped, "the replay must drop the output statements"
+    # ... and none it removes touches the state or the inputs the state reads.
+    assert not [s for s in dropped if _STATE.match(s)]
+    write_guards = {"else", "if (thread_index_in_simdgroup == 0)", "if (part == 0)"}
+    assert all(re.search(r"\b(y|o|qp|s)\b", s) or s in write_guards for s in dropped)
+    assert not re.search(r"(?<![.\w])(y|q|qp)\b", "\n".join(replay))
 
 
 class _Recorder:
@@ -109,10 +151,9 @@ class _Recorder:
         return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
 
 
-def _launch_signature(name: str, launch: dict) -> tuple:
+def _launch_signature(launch: dict) -> tuple:
     inputs = tuple(x if isinstance(x, int) else (tuple(x.shape), x.dtype) for x in launch["inputs"])
     return (
-        name,
         inputs,
         tuple(launch["template"]),
         tuple(launch["grid"]),
@@ -132,60 +173,128 @@ def _case(Dk: int, Dv: int, dtype: mx.Dtype, masked: bool):
     return q, q, v, g, beta, state, mask
 
 
-@pytest.mark.parametrize(
-    "Dk,Dv,dtype,masked,kind",
-    [
-        (128, 16, mx.float32, False, "packed"),
-        (128, 16, mx.bfloat16, False, "packed"),
-        (128, 12, mx.float32, False, "plain"),  # Dv not a multiple of 8
-        (64, 16, mx.bfloat16, False, "plain"),
-        (128, 16, mx.float32, True, "masked"),
-        (32, 8, mx.float16, True, "masked"),
-    ],
-)
-def test_gated_delta_dispatch_is_mlx_lms(Dk, Dv, dtype, masked, kind, monkeypatch):
+def _recording() -> tuple[qk._MetalGatedDelta, list]:
+    calls: list = []
+    delta = qk._MetalGatedDelta()
+    delta.kernels = {key: _Recorder("/".join(key), calls) for key in delta.kernels}
+    return delta, calls
+
+
+def _mlx_lm_launches(args, monkeypatch) -> list:
     theirs: list = []
     for name in ("plain", "masked", "packed"):
         attr = {"plain": "", "masked": "_masked", "packed": "_packed"}[name]
         monkeypatch.setattr(reference, f"_gated_delta_kernel{attr}", _Recorder(name, theirs))
-    ours: list = []
-    delta = qk._MetalGatedDelta()
-    delta.plain, delta.masked, delta.packed = (
-        _Recorder("plain", ours),
-        _Recorder("masked", ours),
-        _Recorder("packed", ours),
-    )
-    args = _case(Dk, Dv, dtype, masked)
     reference.gated_delta_kernel(*args)
-    delta(*args)
-    assert [_launch_signature(*c) for c in ours] == [_launch_signature(*c) for c in theirs]
-    assert ours[0][0] == kind
+    return theirs
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("masked", [False, True])
-def test_key_dims_mlx_lm_runs_in_ops_take_its_ops_recurrence_bit_for_bit(dtype, masked):
+@pytest.mark.parametrize(
+    "Dk,Dv,dtype,family",
+    [
+        (128, 16, mx.float32, "packed"),
+        (128, 16, mx.bfloat16, "packed"),
+        (128, 12, mx.float32, "simd"),  # Dv not a multiple of 8
+        (64, 16, mx.bfloat16, "simd"),
+        (32, 8, mx.float16, "simd"),
+    ],
+)
+def test_every_path_of_a_geometry_runs_one_family(Dk, Dv, dtype, family, monkeypatch):
+    """Forward, padded prefill and replay launch the same family; the forward is mlx-lm's."""
+    delta, ours = _recording()
+    forward = _case(Dk, Dv, dtype, masked=False)
+    padded = _case(Dk, Dv, dtype, masked=True)
+    delta(*forward)
+    delta(*padded)
+    delta.replay(*forward[:6], None, mx.array([1, 3], mx.int32))
+    delta.replay(*padded, mx.array([2, 0], mx.int32))
+    assert [name for name, _ in ours] == [
+        f"{family}/forward",
+        f"{family}/masked",
+        f"{family}/replay",
+        f"{family}/replay_masked",
+    ]
+    # The unmasked forward is mlx-lm's launch, input for input.
+    (theirs,) = _mlx_lm_launches(forward, monkeypatch)
+    assert _launch_signature(ours[0][1]) == _launch_signature(theirs[1])
+    # Every path launches the forward's grid and threadgroup (one thread per
+    # state entry in the same places), the replay with the kept lengths and
+    # the state as its only output.
+    for _, launch in ours[1:]:
+        assert launch["grid"] == ours[0][1]["grid"]
+        assert launch["threadgroup"] == ours[0][1]["threadgroup"]
+    for _, launch in ours[2:]:
+        assert launch["output_shapes"] == [forward[5].shape]
+        assert launch["inputs"][-1].dtype == mx.int32
+
+
+def test_mlx_lm_pads_on_another_arithmetic_than_its_packed_forward(monkeypatch):
+    """Why the padded path is ours: mlx-lm sends a masked Dk=128 call to simd_sum."""
+    masked = _case(128, 16, mx.float32, masked=True)
+    (theirs,) = _mlx_lm_launches(masked, monkeypatch)
+    (unmasked,) = _mlx_lm_launches(_case(128, 16, mx.float32, masked=False), monkeypatch)
+    assert (theirs[0], unmasked[0]) == ("masked", "packed")
+    delta, ours = _recording()
+    delta(*masked)
+    assert ours[0][0] == "packed/masked"
+
+
+def _random_case(dtype, Dk=16, T=5):
     keys = mx.random.split(mx.random.key(7), 6)
-    B, T, Hk, Hv, Dk, Dv = 2, 5, 2, 4, 16, 8
+    B, Hk, Hv, Dv = 2, 2, 4, 8
     q = mx.random.normal((B, T, Hk, Dk), key=keys[0]).astype(dtype) * 0.3
     k = mx.random.normal((B, T, Hk, Dk), key=keys[1]).astype(dtype) * 0.3
     v = mx.random.normal((B, T, Hv, Dv), key=keys[2]).astype(dtype)
     g = mx.random.uniform(0.5, 1.0, (B, T, Hv), key=keys[3])
     beta = mx.random.uniform(0.0, 1.0, (B, T, Hv), key=keys[4]).astype(dtype)
     state = mx.random.normal((B, Hv, Dv, Dk), key=keys[5])
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_key_dims_mlx_lm_runs_in_ops_take_its_ops_recurrence_bit_for_bit(dtype, masked):
+    q, k, v, g, beta, state = _random_case(dtype)
     mask = mx.array([[True] * 5, [True, True, False, False, False]]) if masked else None
     want_y, want_state = reference.gated_delta_ops(q, k, v, g, beta, state, mask)
     # Dk = 16 < 32: mlx-lm's dispatch (and ours, on Metal) takes the ops recurrence.
+    assert qk.gated_delta_family(16, 8, g.dtype, state.dtype) == "ops"
     got_y, got_state = qk._MetalGatedDelta()(q, k, v, g, beta, state, mask)
     assert mx.array_equal(got_state, want_state)
     assert mx.array_equal(got_y, want_y)
 
 
-def test_the_replay_registration_returns_the_forward_state():
-    replay = {k.name: k for k in qk.metal_kernels()}[qk.GATED_DELTA_REPLAY].fn
-    args = _case(16, 8, mx.float32, masked=False)
-    forward = qk._MetalGatedDelta()(*args)[1]
-    assert mx.array_equal(replay(*args), forward)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_ops_family_replay_stops_each_row_at_its_kept_length(dtype):
+    q, k, v, g, beta, state = _random_case(dtype)
+    delta = qk._MetalGatedDelta()
+    got = delta.replay(q, k, v, g, beta, state, None, mx.array([2, 5], mx.int32))
+    for row, keep in enumerate((2, 5)):
+        part = [x[row : row + 1, :keep] for x in (q, k, v, g, beta)]
+        _, want = delta(*part, state[row : row + 1])
+        assert mx.array_equal(got[row : row + 1], want)
+
+
+def test_the_replay_registration_is_the_state_only_replay():
+    replay = {k.name: k for k in qk.metal_kernels()}[qk.GATED_DELTA_REPLAY]
+    q, k, v, g, beta, state = _random_case(mx.float32)
+    forward = qk._MetalGatedDelta()(q, k, v, g, beta, state)[1]
+    assert mx.array_equal(replay.fn(q, k, v, g, beta, state), forward)
+    assert "lengths[batch]" in replay.source and "y[" not in replay.source
+
+
+@pytest.mark.parametrize(
+    "geometry,family",
+    [
+        # Qwen3-Next-80B-A3B and the Qwen3.5 family: linear key/value heads of 128.
+        ((128, 128), "packed"),
+        ((64, 64), "simd"),
+        ((48, 64), "ops"),
+    ],
+)
+def test_the_family_depends_on_the_geometry_alone(geometry, family):
+    Dk, Dv = geometry
+    assert qk.gated_delta_family(Dk, Dv, mx.float32, mx.float32) == family
 
 
 # --- the fused causal conv --------------------------------------------------------

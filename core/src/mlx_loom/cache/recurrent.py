@@ -27,10 +27,13 @@ them. :meth:`commit(keep)` restores the snapshot and recomputes:
 
 * the tail as the last ``K-1`` rows of ``snapshot_tail ++ conv_input[:keep]``
   (pure data movement, so it is bit-identical to a fresh forward's tail);
-* the state as ``replay(*inputs[:keep], snapshot_state, mask)`` — the same
-  recurrence over the same inputs from the same state, so it is bit-identical
-  to a fresh forward over the kept tokens. A per-row ``keep`` becomes a mask
-  ``t < keep[b]`` (the recurrence keeps its state on masked steps).
+* the state as ``replay(*inputs, snapshot_state, mask, lengths)`` — the same
+  recurrence over the same inputs from the same state, stopping after each
+  row's kept tokens, so it is bit-identical to a fresh forward over the kept
+  tokens. One ``keep`` for every row slices the inputs (``lengths`` is
+  ``None``); a per-row ``keep`` is passed as ``lengths`` (a backend's replay
+  kernel stops there; the ops replay masks the steps after it, and the
+  recurrence keeps its state on masked steps).
 
 The cache records only while a round is open, so ordinary decoding stores
 nothing extra. It needs no knowledge of the recurrence beyond "a function of
@@ -52,9 +55,11 @@ from mlx_loom.errors import CacheError, CacheNotTrimmable
 
 __all__ = ["RecurrentCache", "ReplayFn"]
 
-#: ``replay(*inputs, state, mask) -> state``: the state after running the
-#: recurrence over ``inputs`` (each ``[B, T, ...]``) from ``state``; ``mask``
-#: is ``None`` or ``[B, T]`` bool (False steps leave the state unchanged).
+#: ``replay(*inputs, state, mask, lengths) -> state``: the state after running
+#: the recurrence over ``inputs`` (each ``[B, T, ...]``) from ``state``; ``mask``
+#: is ``None`` or ``[B, T]`` bool (False steps leave the state unchanged, the
+#: padding of the verify forward); ``lengths`` is ``None`` (all ``T`` steps) or
+#: ``[B]`` int32, the kept steps per row (steps from ``lengths[b]`` on are not run).
 ReplayFn = Callable[..., mx.array]
 
 
@@ -329,16 +334,16 @@ class RecurrentCache:
                 f"{self.kind}: the round recorded no forward to replay the kept tokens from",
                 fix="run the verify forward between begin_round() and commit(keep)",
             )
+        lengths: mx.array | None = None
         if isinstance(keep, int):
             inputs = tuple(x[:, :keep] for x in inputs)
             conv_in = conv_in[:, :keep]
             mask = None if mask is None else mask[:, :keep]
             n: int | mx.array = keep
         else:
-            kept = mx.arange(S)[None] < keep[:, None]
-            mask = kept if mask is None else mask & kept
+            lengths = keep.astype(mx.int32)
             n = keep
-        self.recurrent_state = r.replay(*inputs, state0, mask)
+        self.recurrent_state = r.replay(*inputs, state0, mask, lengths)
         width = tail.shape[1]
         full = mx.concatenate([tail, conv_in], axis=1)
         if isinstance(n, int):

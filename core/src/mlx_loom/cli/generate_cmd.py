@@ -40,13 +40,15 @@ TEMPLATE_MAX_OUTPUT = flags.integer(
 )
 
 
-def add_model_options(parser: argparse.ArgumentParser) -> None:
+def add_model_options(parser: argparse.ArgumentParser, *, several: str | None = None) -> None:
+    """The model flags; ``several`` (help text) makes ``--model`` repeatable (``loom serve``)."""
     parser.add_argument(
         "--model",
         metavar="MODEL",
+        action="append" if several else "store",
         help="model directory, Hugging Face repo id (org/name[@revision]) or short name "
         f"(default: {BUNDLED_MODEL_ALIAS!r}, the bundled tiny MiniCPM5 model; "
-        "`loom models` lists what is here)",
+        "`loom models` lists what is here)" + (f"; {several}" if several else ""),
     )
     parser.add_argument(
         "--kernel-backend", choices=["metal", "cuda", "cpu"], help="pin the kernel backend"

@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("explain_cmd", "show how a model would be resolved, without loading weights"),
     "generate": ("generate_cmd", "generate text from a prompt"),
     "chat": ("chat_cmd", "chat interactively with a model"),
-    "serve": ("serve_cmd", "serve a model over OpenAI- and Anthropic-compatible HTTP APIs"),
+    "serve": ("serve_cmd", "serve models over OpenAI- and Anthropic-compatible HTTP APIs"),
     "convert": ("convert_cmd", "convert a Hugging Face checkpoint to MLX, optionally quantized"),
     "fuse": ("fuse_cmd", "fuse a LoRA/DoRA adapter into its base model"),
 }

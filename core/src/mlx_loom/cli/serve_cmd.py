@@ -1,4 +1,10 @@
-"""``loom serve``: serve one model over OpenAI- and Anthropic-compatible HTTP APIs."""
+"""``loom serve``: serve models over OpenAI- and Anthropic-compatible HTTP APIs.
+
+One ``--model``, or several: each is served under its id, loaded on its
+first request (the first at start), and kept resident under
+``--max-loaded-models``, ``--max-memory`` and ``--keep-alive``
+(:mod:`mlx_loom.serve.models`, :mod:`mlx_loom.engine.pool`).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ import sys
 from typing import Any
 
 from ..adapters import AdapterSet
-from ..assets import BUNDLED_MODEL_NAME
+from ..assets import BUNDLED_MODEL_ALIAS, BUNDLED_MODEL_NAME
 from ..bounded_json import REQUEST_JSON, parse_json
 from ..cache import resolve_kv_codec
 from ..engine import EngineSettings
@@ -19,7 +25,8 @@ from ..engine.settings import (
     DEFAULT_PROMPT_CACHE_SIZE,
     DEFAULT_PROMPT_CONCURRENCY,
 )
-from ..errors import RequestError
+from ..engine.pool import checkpoint_bytes
+from ..errors import AdapterError, RequestError
 from ..serve import DEFAULT_MAX_TOKENS_LIMIT, make_server
 from ..serve.server import DEFAULT_SHUTDOWN_GRACE
 from ..serve.adapters import parse_adapter_specs
@@ -38,6 +45,7 @@ from ..serve.connection import (
     DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
     DEFAULT_WRITE_TIMEOUT,
 )
+from ..serve.models import ServedModel, split_model_spec
 from ..serve.prepare import DEFAULT_THREADS
 from ..serve.ranks import follow_jobs
 from . import doors, flags
@@ -81,13 +89,18 @@ class _Origins(argparse.Action):
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "serve",
-        help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs",
+        help="serve models over OpenAI- and Anthropic-compatible HTTP APIs",
         description="Load a model once and serve /v1/chat/completions, /v1/completions, "
         "/v1/responses, /v1/messages, /v1/models, /health and a chat page at /. Concurrent "
         "requests are batched together (continuous batching); prompt caches are kept across "
-        "requests in a shared prefix store.",
+        "requests in a shared prefix store. With several --model, a request's 'model' picks "
+        "one; each loads on its first request and has its own engine.",
     )
-    add_model_options(parser)
+    add_model_options(
+        parser,
+        several="repeat to serve several models, each as its reference, or NAME=REF to "
+        "name it; a request's 'model' picks one (the first is the default)",
+    )
     parser.add_argument(
         "--host",
         default="127.0.0.1",
@@ -114,8 +127,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="NAME=PATH",
         help="register a LoRA/DoRA adapter a request may pick (model '<model>:NAME' or "
-        "'adapter': NAME); repeatable, rows with different adapters share one batch",
+        "'adapter': NAME); repeatable, rows with different adapters share one batch; "
+        "with several --model, MODEL:NAME=PATH registers it on that model (default: the first)",
     )
+    add_pool_options(parser)
     chat = parser.add_argument_group("chat")
     chat.add_argument(
         "--tool-call-parser",
@@ -209,6 +224,51 @@ def parse_size(text: str) -> int:
             "fix: pass a size such as --prompt-cache-bytes 2GB, or omit it for no bound"
         )
     return int(value * factor)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``300``, ``30s``, ``5m``, ``1h`` (``--keep-alive``)."""
+    units = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+    digits = text.strip()
+    unit = digits.lstrip("0123456789.")
+    try:
+        value = float(digits[: len(digits) - len(unit)])
+    except ValueError:
+        value = -1.0
+    factor = units.get(unit.strip().lower())
+    if factor is None or not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: it must be a positive number of seconds, or a "
+            "number with s, m or h\nfix: pass a duration such as --keep-alive 5m"
+        )
+    return value * factor
+
+
+def add_pool_options(parser: argparse.ArgumentParser) -> None:
+    """Which of the served models stay loaded (docs/serve.md, "Several models")."""
+    group = parser.add_argument_group("several models (residency)")
+    group.add_argument(
+        "--max-loaded-models",
+        type=_count("--max-loaded-models", 1, "models loaded at once", 2),
+        metavar="N",
+        help="most models loaded at once; loading another unloads the least recently used "
+        "idle one (default: no bound)",
+    )
+    group.add_argument(
+        "--max-memory",
+        type=parse_size,
+        metavar="SIZE",
+        help="most bytes of loaded models, e.g. 16GB: weights (from the safetensors headers) "
+        "plus each engine's KV caches; loading past it unloads the least recently used idle "
+        "model (default: no bound)",
+    )
+    group.add_argument(
+        "--keep-alive",
+        type=parse_duration,
+        metavar="DURATION",
+        help="unload a model unused this long, e.g. 300, 30s, 5m, 1h; its next request "
+        "loads it again (default: keep models loaded)",
+    )
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -381,19 +441,44 @@ def run(args: argparse.Namespace) -> int:
     )
     template_budget = template_budget_from_args(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
-    adapters = parse_adapter_specs(args.adapter)  # a malformed spec fails before loading
-    model, tokenizer = load_from_args(args)
-    if adapters:
-        AdapterSet(model, adapters)
-    if doors.is_follower(model):
-        follow_jobs(model, tokenizer)  # rank 0 serves; this rank runs every job with it
-        return 0
+    specs = [split_model_spec(m) for m in args.model or []] or [
+        (BUNDLED_MODEL_NAME, BUNDLED_MODEL_ALIAS)
+    ]
+    adapters = _adapters_by_model(args.adapter, [i for i, _ in specs])
+    served: dict[str, Any] = {}
+    if args.parallel:
+        if len(specs) > 1:
+            raise flags.usage_error(
+                "--parallel",
+                "--parallel splits one model across ranks; several --model were given",
+                "serve one model with --parallel, or several without it",
+            )
+        model, tokenizer = load_from_args(_one_model(args, specs[0][1]))
+        if adapters.get(specs[0][0]):
+            AdapterSet(model, adapters[specs[0][0]])
+        if doors.is_follower(model):
+            follow_jobs(model, tokenizer)  # rank 0 serves; this rank runs every job with it
+            return 0
+        kv_group_size(args, model)  # a bad --kv-* flag is refused in flags
+        served = {"model": model, "tokenizer": tokenizer, "model_id": specs[0][0]}
+    else:
+        if len(specs) > 1:
+            for flag in ("--draft-model", "--adapter-path"):
+                if getattr(args, flag[2:].replace("-", "_")):
+                    raise flags.usage_error(
+                        flag,
+                        f"{flag} applies to one model, and several --model were given",
+                        "serve that model alone, or register adapters per model with "
+                        "--adapter MODEL:NAME=PATH",
+                    )
+        served = {"models": [_served_model(args, i, ref, adapters.get(i, {})) for i, ref in specs]}
     server = make_server(
-        model,
-        tokenizer,
+        **served,
+        max_loaded_models=args.max_loaded_models,
+        max_memory=args.max_memory,
+        keep_alive=args.keep_alive,
         host=args.host,
         port=args.port,
-        model_id=args.model or BUNDLED_MODEL_NAME,
         max_tokens_limit=args.max_tokens_limit,
         engine=engine_settings(args),
         template_budget=template_budget,
@@ -402,7 +487,7 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         chat_template_args=args.chat_template_args,
         kv_bits=args.kv_bits,
-        kv_group_size=kv_group_size(args, model),
+        kv_group_size=args.kv_group_size,
         quantized_kv_start=args.quantized_kv_start,
         kv_codec=args.kv_codec,
         max_prompt_chars=args.max_prompt_chars,
@@ -432,10 +517,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     print(
-        f"loom: serving {server.app.model_id} at {server.url}/v1 (chat page: {server.url}/; "
-        "Ctrl-C to stop)",
+        f"loom: serving {', '.join(server.models.pool.ids)} at {server.url}/v1 "
+        f"(chat page: {server.url}/; Ctrl-C to stop)",
         file=sys.stderr,
     )
+    if len(server.models.pool.ids) > 1:
+        print(
+            f"loom: {server.app.model_id} is loaded; the others load on their first request",
+            file=sys.stderr,
+        )
     fmt = server.app.chat_format
     tools = fmt.tool_parser.name if fmt.tool_parser is not None else "none"
     reasoning = fmt.reasoning.name if fmt.reasoning is not None else "none"
@@ -455,6 +545,55 @@ def run(args: argparse.Namespace) -> int:
         server.stop()
         return 1
     return 0
+
+
+def _one_model(args: argparse.Namespace, ref: str) -> argparse.Namespace:
+    """``args`` with ``--model`` as the single reference ``load_from_args`` reads."""
+    return argparse.Namespace(**{**vars(args), "model": ref})
+
+
+def _served_model(
+    args: argparse.Namespace, model_id: str, ref: str, adapters: dict[str, str]
+) -> ServedModel:
+    """One ``--model``: loaded with the CPU-path flags, its ``--kv-*`` flags checked in flags."""
+
+    def load_it() -> Any:
+        model, tokenizer = load_from_args(_one_model(args, ref))  # as every command loads
+        kv_group_size(args, model)  # a bad --kv-* flag is refused in flags
+        return model, tokenizer
+
+    options: dict[str, Any] = {}
+    speculation = speculation_from_args(args)
+    if speculation is not None:
+        options["speculation"] = speculation
+    plain = ServedModel.from_ref(model_id, ref)
+    return ServedModel(
+        model_id,
+        load_it,
+        lambda: checkpoint_bytes(ref),
+        options=options,
+        adapters=adapters,
+        aliases=plain.aliases,
+    )
+
+
+def _adapters_by_model(specs: list[str], ids: list[str]) -> dict[str, dict[str, str]]:
+    """``--adapter [MODEL:]NAME=PATH`` per served model id (no MODEL: the first model)."""
+    grouped: dict[str, list[str]] = {}
+    for spec in specs:
+        head, sep, path = spec.partition("=")
+        model, colon, name = head.rpartition(":")
+        if colon and model not in ids:
+            raise AdapterError(
+                f"--adapter {spec!r} names the model {model!r}, which is not one of the "
+                "--model ids",
+                fix="pass --adapter MODEL:NAME=PATH with MODEL one of the --model ids (or "
+                "NAME=PATH for the first model)",
+            )
+        target = model if colon else ids[0]
+        grouped.setdefault(target, []).append(f"{name if colon else head}{sep}{path}")
+    # a malformed spec fails before anything loads
+    return {model: parse_adapter_specs(given) for model, given in grouped.items()}
 
 
 def decoding_line(app: ServeApp, draft_model: str | None) -> str:

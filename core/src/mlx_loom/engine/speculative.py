@@ -27,8 +27,10 @@ Verification uses the decode arithmetic: on the CPU backend a window's
 logits equal step-by-step decode logits bit for bit for every family (the
 caches attend in decode order; see :mod:`mlx_loom.cache.window_round`), and
 the backend's :class:`~mlx_loom.host.VerifyPolicy` cuts a window before any
-KV length where the attention kernel changes arithmetic. So greedy
-speculative output equals greedy output token for token.
+point where the attention kernel changes arithmetic — by KV length, and by
+query length and GQA factor for each of the model's attention geometries —
+and refuses a model that never allows a window of 2. So greedy speculative
+output equals greedy output token for token.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from mlx_loom.engine.row import Row
 from mlx_loom.errors import CacheNotTrimmable
 from mlx_loom.engine.sampling import Sampler, logprobs_top_k, make_sampler
 from mlx_loom.host import VERIFY_POLICIES
+from mlx_loom.nn.attention_geometry import attention_geometries
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
@@ -203,12 +206,21 @@ class SpeculativeGroup(DecodeGroup):
         check_rollback(caches, owner="model")
         super().__init__(model, row, caches)
         self.policy = VERIFY_POLICIES.for_backend()
+        #: Every attention layer kind of the model: the policy's kernel rules read them.
+        self.geometries = attention_geometries(model.module)
+        self.policy.check(self.geometries)
         row.speculation = RowSpeculation(model, row, prefill_step)
 
     @property
     def key(self) -> Hashable | None:
         if self.stacked:
             return self._key
+        if self.policy.kernel is not None:
+            # The backend picks attention kernels by shape (Metal): a stacked
+            # verify runs every row at the batch's padded KV length and widest
+            # window, not at the row's own, so only a lone row's window is the
+            # one its policy allowed. Such rows verify alone.
+            return None
         row = self.rows[0]
         if not stackable(self.caches) or quantization_pending(self.caches, row.request.kv.bits):
             return None
@@ -293,7 +305,7 @@ class SpeculativeGroup(DecodeGroup):
         budget = row.request.limit - row.produced
         k = min(st.spec.num_draft, budget - 1)
         if k > 0:
-            k = self.policy.window(len(st.sequence) - 1, k + 1) - 1
+            k = self.policy.window(len(st.sequence) - 1, k + 1, self.geometries) - 1
         try:
             drafts, q = st.propose(k)
         except BaseException as err:  # a draft model may raise anything: this row fails

@@ -10,6 +10,8 @@ is solved once, one way, so three families do not carry three versions.
 * :mod:`.experts` — stacked expert projections, :class:`SwitchGLU`, and the
   per-backend expert kernels (one bf16-on-CPU strategy, measured);
 * :mod:`.rope` — every RoPE kind the families read, validated and built;
+* :mod:`.attention_geometry` — what an attention layer declares about its
+  shape, for the backends' kernel rules (speculative verify windows);
 * :mod:`.loading` — the strict loader: config manifest vs. safetensors
   headers before any graph exists, lazy weights, no evaluation.
 
@@ -18,6 +20,7 @@ later per-backend linear kernel) applies to them unchanged.
 """
 
 from .activations import Activation, geglu, swiglu
+from .attention_geometry import AttentionGeometry, attention_geometries
 from .experts import (
     QuantizedSwitchLinear,
     SwitchGLU,
@@ -56,6 +59,7 @@ from .rope import (
 __all__ = [
     "ROPE_KINDS",
     "Activation",
+    "AttentionGeometry",
     "DynamicScaling",
     "Entry",
     "GatedMLP",
@@ -71,6 +75,7 @@ __all__ = [
     "SwitchLinear",
     "Tensor",
     "YarnScaling",
+    "attention_geometries",
     "dense_tensors",
     "expected_tensors",
     "expert_kernels",

@@ -272,6 +272,17 @@ class ServeApp:
     def close(self) -> None:
         self.worker.close()
 
+    # --- residency (what a model pool asks of a served model) ---------------------------
+
+    def busy(self) -> bool:
+        """Rows running or waiting in this model's engine."""
+        stats = self.worker.stats()
+        return stats.engine.active > 0 or stats.queued > 0
+
+    def kv_bytes(self) -> int:
+        """Bytes of KV caches this model's engine keeps (its prefix store)."""
+        return self.worker.stats().engine.prefix_bytes
+
     # --- GET endpoints --------------------------------------------------------
 
     def _accepted_ids(self) -> set[str]:

@@ -539,6 +539,8 @@ class ModelCard(BaseModel):
     #: The sampling values (and ``max_tokens``) a request that omits them gets:
     #: the checkpoint's ``generation_config.json`` under the server's flags.
     defaults: dict[str, Any] = Field(default_factory=dict)
+    #: Whether the model is resident now (a server of several loads each on first use).
+    loaded: bool = True
 
 
 class ModelList(BaseModel):

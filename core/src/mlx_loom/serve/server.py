@@ -18,6 +18,7 @@ handler raise past :meth:`Handler._dispatch`.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import io
 import ipaddress
@@ -30,7 +31,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
@@ -39,10 +40,11 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from ..bounded_json import REQUEST_JSON, parse_json
-from ..engine import EngineSettings
-from ..errors import EngineBusy, LoomError, RequestError
+from ..engine import EngineSettings, EngineStats, ServiceStats
+from ..engine.pool import Lease, ModelPool, checkpoint_bytes, statuses_json
+from ..errors import EngineBusy, EngineStopped, LoomError, ModelUnavailable, RequestError
 from . import anthropic, page, responses, utility, wire
-from .app import Prepared, ServeApp
+from .app import Prepared, ServeApp, server_engine_settings
 from .connection import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -70,6 +72,7 @@ from .errors import (
 )
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import UNMATCHED, ServerMetrics, Timing
+from .models import ServedModel, ServedModels
 from .prepare import DEFAULT_THREADS as DEFAULT_TOKENIZER_THREADS
 from .prepare import LARGE_BODY_BYTES, ClientGone, PoolClosed, PreparePool
 from .worker import END, Job, Piece
@@ -326,7 +329,8 @@ class Handler(BaseHTTPRequestHandler):
 
     @property
     def app(self) -> ServeApp:
-        return self.server.app
+        """The app of the model this request uses (leased in :meth:`_prepare`)."""
+        return self._app if self._app is not None else self.server.app
 
     def _dispatch(self, method: str) -> None:
         # A body is read only by the endpoints that take one; any answer sent
@@ -336,6 +340,8 @@ class Handler(BaseHTTPRequestHandler):
         self.server.request_started()
         self._arrived = time.monotonic()
         self._status: int | None = None
+        self._app: ServeApp | None = None
+        self._leases: list[Lease[ServeApp]] = []
         path = ""
         try:
             path = _request_path(self.path)
@@ -372,6 +378,9 @@ class Handler(BaseHTTPRequestHandler):
                 HttpError(500, f"Internal error: {type(err).__name__}: {err}", type=SERVER_ERROR)
             )
         finally:
+            for lease in self._leases:
+                lease.release()  # the model may be unloaded from now
+            self._leases, self._app = [], None  # a kept-alive connection holds no model
             self.server.request_ended()
             if self._status is not None:
                 self.server.metrics.request(_endpoint_label(path), self._status)
@@ -435,10 +444,11 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/health":
             return self._health
         if path == "/v1/models":
-            return lambda: self._send_json(200, self.app.models())
+            return lambda: self._send_json(200, self.server.models.cards(self.server.created))
         if path.startswith("/v1/models/"):
             model_id = path.removeprefix("/v1/models/")
-            return lambda: self._send_json(200, self.app.model_card(model_id))
+            created = self.server.created
+            return lambda: self._send_json(200, self.server.models.card(model_id, created))
         if path == "/v1/messages":
             return self._messages
         if path == "/metrics":
@@ -580,8 +590,8 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _health(self) -> None:
-        status, body = self.app.health()
         server = self.server
+        status, body = server.health()
         if server.draining:  # a load balancer stops sending requests here
             status, body["status"] = 503, "stopping"
         body["connections"] = {
@@ -655,22 +665,53 @@ class Handler(BaseHTTPRequestHandler):
         self._body_read = True
         return data
 
-    def _prepare(self, make: Callable[[Any], _T]) -> _T:
-        """Read the body on this thread; parse and prepare it (``make``) on the preparation pool.
+    def _prepare(self, make: Callable[[ServeApp, Any], _T]) -> _T:
+        """Read the body on this thread; parse and prepare it (``make``) on the preparation pool,
+        for the model the body names (leased until the request ends).
 
         Everything whose cost grows with the body — JSON, validation, the
-        chat template, the tokenizer — runs there, never here.
+        chat template, the tokenizer — runs there, never here. A server of
+        several models parses first, then waits here (not on the preparation
+        pool) for the named model to be loaded.
         """
         raw = self._read_body()
-        return self.server.prepare_pool.run(
-            lambda: make(parse_body(raw)),
-            large=len(raw) >= LARGE_BODY_BYTES,
-            gone=self._client_gone,
-        )
+        run = self.server.prepare_pool.run
+        large = len(raw) >= LARGE_BODY_BYTES
+        models = self.server.models
+        if models.single:
+            app = self._use(models.default_id)
+            return run(lambda: make(app, parse_body(raw)), large=large, gone=self._client_gone)
+        body = run(lambda: parse_body(raw), large=large, gone=self._client_gone)
+        asked = body.get("model") if isinstance(body, dict) else None
+        app = self._use(models.route(asked))
+        return run(lambda: make(app, body), large=large, gone=self._client_gone)
+
+    def _use(self, model_id: str) -> ServeApp:
+        """A lease on a served model: loaded first if it is not, waiting while it loads."""
+        try:
+            lease = self.server.pool.acquire(model_id, check=self._check_waiting)
+        except EngineBusy as err:
+            raise overloaded(err.message, fix=err.fix or "", code="queue_full") from None
+        except EngineStopped:
+            raise _stopping() from None
+        except ModelUnavailable as err:
+            raise HttpError(
+                503, err.message, fix=err.fix, type=SERVER_ERROR, code="model_unavailable"
+            ) from None
+        self._leases.append(lease)
+        self._app = lease.resident
+        return lease.resident
+
+    def _check_waiting(self) -> None:
+        """While a model loads: stop waiting for a client that left, or a server that stops."""
+        if self.server.stopping:
+            raise _stopping()
+        if self._client_gone():
+            raise ClientGone
 
     def _utility(self, answer: Callable[[ServeApp, Any], dict[str, Any]]) -> None:
         """A utility endpoint (see ``utility.py``): its answer prepared off this thread."""
-        self._send_json(200, self._prepare(lambda body: answer(self.app, body)))
+        self._send_json(200, self._prepare(answer))
 
     # --- completions ------------------------------------------------------------------
 
@@ -757,7 +798,7 @@ class Handler(BaseHTTPRequestHandler):
             raise overloaded(err.message, fix=err.fix or "", code="queue_full") from None
 
     def _complete(self, *, chat: bool) -> None:
-        prep = self._prepare(lambda body: self.app.prepare(body, chat=chat))
+        prep = self._prepare(lambda app, body: app.prepare(body, chat=chat))
         self._submit(prep.jobs)
         try:
             if not prep.stream:
@@ -841,10 +882,10 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             choice.job.cancel()
 
-    def _prepare_message(self, body: Any) -> Prepared:
+    def _prepare_message(self, app: ServeApp, body: Any) -> Prepared:
         chat_body = anthropic.to_chat_body(body)
         try:
-            return self.app.prepare(chat_body, chat=True)
+            return app.prepare(chat_body, chat=True)
         except HttpError as err:
             raise anthropic.renamed(err) from None
 
@@ -852,11 +893,11 @@ class Handler(BaseHTTPRequestHandler):
         """``POST /v1/responses``: one Response, whole or as the Responses event stream."""
         asked: list[responses.ResponsesRequest] = []
 
-        def make(body: Any) -> Prepared:
+        def make(app: ServeApp, body: Any) -> Prepared:
             request = responses.parse(body)
             asked.append(request)
             try:
-                return self.app.prepare(responses.to_chat_body(request), chat=True)
+                return app.prepare(responses.to_chat_body(request), chat=True)
             except HttpError as err:
                 raise responses.renamed(err) from None
 
@@ -1025,7 +1066,7 @@ class LoomServer(ThreadingHTTPServer):
 
     def __init__(
         self,
-        app: ServeApp,
+        models: ServedModels,
         host: str = "127.0.0.1",
         port: int = 8080,
         *,
@@ -1034,7 +1075,11 @@ class LoomServer(ThreadingHTTPServer):
         limits: ConnectionLimits | None = None,
         tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
     ) -> None:
-        self.app = app
+        #: The served models: which one a request names, and their cards.
+        self.models = models
+        #: Which of them are resident (loads, unloads, leases).
+        self.pool = models.pool
+        self.created = int(time.time())
         #: Origins whose web pages may call the API (``"*"``: any); none by default.
         self.allowed_origins = tuple(allowed_origins)
         if api_key is not None and not api_key.strip():
@@ -1078,8 +1123,55 @@ class LoomServer(ThreadingHTTPServer):
             ) from exc
         self.prepare_pool = PreparePool(tokenizer_threads)
         #: What ``GET /metrics`` reports (a registry of this server's own).
-        self.metrics = ServerMetrics(lambda: self.app.worker.stats(), lambda: self.open_connections)
+        self.metrics = ServerMetrics(self.stats, lambda: self.open_connections)
         self._check_bounds_compose()
+
+    @property
+    def app(self) -> ServeApp:
+        """The default (first) model's app, loaded if it is not."""
+        default = self.models.default_id
+        return self.pool.resident(default) or self.pool.load(default)
+
+    def stats(self) -> ServiceStats:
+        """Every resident model's engine figures, summed (what ``/metrics`` reports)."""
+        snapshots = [app.worker.stats() for app in self.pool.residents()]
+        engine = EngineStats(
+            **{
+                f.name: sum(getattr(s.engine, f.name) for s in snapshots)
+                for f in dataclasses.fields(EngineStats)
+            }
+        )
+        return ServiceStats(
+            engine=engine,
+            submitted=sum(s.submitted for s in snapshots),
+            running=any(s.running for s in snapshots),
+        )
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """``(status, body)`` of ``GET /health``: the default model's figures at the top
+        (as a single-model server has always answered), then each served model's state,
+        bytes and last use under ``models``."""
+        default = self.pool.resident(self.models.default_id)
+        if default is not None:
+            status, body = default.health()
+        else:
+            status, body = 200, {"status": "ok", "model": self.models.default_id}
+        models = statuses_json(self.pool.status())
+        for entry in models:
+            app = self.pool.resident(str(entry["id"]))
+            if app is not None and len(models) > 1:
+                _, detail = app.health()
+                entry.update(  # type: ignore[attr-defined]
+                    {k: detail[k] for k in ("busy", "queued", "active_rows", "prompt_cache")}
+                )
+        body["models"] = models
+        body["memory"] = {
+            "bytes": self.pool.memory_in_use(),
+            "max_bytes": self.pool.max_memory,
+            "max_loaded_models": self.pool.max_loaded,
+            "keep_alive_seconds": self.pool.keep_alive,
+        }
+        return status, body
 
     def _check_bounds_compose(self) -> None:
         """Warn when the connection limit makes the engine's queue bound unreachable.
@@ -1089,7 +1181,10 @@ class LoomServer(ThreadingHTTPServer):
         Both answer ``503`` with ``Retry-After``, so this is not an error; but
         the operator set a queue size that never applies.
         """
-        settings = self.app.worker.service.settings
+        app = self.pool.resident(self.models.default_id)
+        if app is None:
+            return
+        settings = app.worker.service.settings
         if settings.max_queued is None:
             return
         held = settings.decode_concurrency + settings.max_queued
@@ -1237,7 +1332,7 @@ class LoomServer(ThreadingHTTPServer):
             self._stopping.set()
             self._wait_idle(_END_SECONDS)
         self.prepare_pool.close()
-        self.app.close()
+        self.pool.close()
         return finished
 
     def _wait_idle(self, seconds: float) -> bool:
@@ -1301,13 +1396,17 @@ class LoomServer(ThreadingHTTPServer):
             self._thread = None
         self.server_close()
         self.prepare_pool.close()
-        self.app.close()
+        self.pool.close()
 
 
 def make_server(
-    model: Any,
-    tokenizer: Any,
+    model: Any = None,
+    tokenizer: Any = None,
     *,
+    models: Sequence[ServedModel] | None = None,
+    max_loaded_models: int | None = None,
+    max_memory: int | None = None,
+    keep_alive: float | None = None,
     host: str = "127.0.0.1",
     port: int = 8080,
     model_id: str | None = None,
@@ -1324,7 +1423,15 @@ def make_server(
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
     **app_options: Any,
 ) -> LoomServer:
-    """A server for a loaded ``(model, tokenizer)``, bound but not yet serving.
+    """A server for a loaded ``(model, tokenizer)``, or for several ``models``; bound, not
+    yet serving.
+
+    ``models`` (:class:`~mlx_loom.serve.models.ServedModel`) are served behind
+    one door, the first one loaded now (its errors fail start-up), the others
+    on their first request; ``max_loaded_models``, ``max_memory`` (bytes) and
+    ``keep_alive`` (seconds) bound which stay resident
+    (:class:`~mlx_loom.engine.pool.ModelPool`). ``app_options`` are every
+    model's unless its own ``options`` say otherwise.
 
     ``engine`` sets how requests are batched (default:
     :func:`~mlx_loom.serve.app.server_engine_settings`). The timeouts
@@ -1357,10 +1464,49 @@ def make_server(
         ) from None
     if max_tokens_limit is not None:
         app_options["max_tokens_limit"] = max_tokens_limit
-    app = ServeApp(model, tokenizer, model_id=model_id, engine=engine, **app_options)
+    engine = engine or server_engine_settings()
+    if models is None:
+        if model is None or tokenizer is None:
+            raise ServerStartError(
+                "make_server needs a model and its tokenizer, or models.",
+                fix="pass make_server(model, tokenizer) or make_server(models=[ServedModel(...)])",
+            )
+        loaded = (model, tokenizer)
+        models = [
+            ServedModel(
+                model_id or model.model_dir.name,
+                lambda: loaded,
+                lambda: checkpoint_bytes(model.model_dir),
+            )
+        ]
+    elif model is not None:
+        raise ServerStartError(
+            "make_server was given both a model and models.",
+            fix="pass the model as one of models",
+        )
+    common = {"engine": engine, **app_options}
+    try:
+        pool = ModelPool(
+            [m.pooled(common) for m in models],
+            max_loaded=max_loaded_models,
+            max_memory=max_memory,
+            keep_alive=keep_alive,
+            max_waiting=engine.max_queued,
+        )
+    except RequestError as err:
+        raise ServerStartError(err.message, fix=err.fix) from None
+    try:
+        pool.load(pool.default_id)  # the first model's errors fail start-up
+    except ModelUnavailable as err:
+        pool.close()
+        cause = err.cause
+        if isinstance(cause, LoomError):
+            raise cause from None  # as a single-model server has always raised it
+        raise
+    served = ServedModels(models, pool)
     try:
         return LoomServer(
-            app,
+            served,
             host,
             port,
             allowed_origins=allowed_origins,
@@ -1369,5 +1515,5 @@ def make_server(
             tokenizer_threads=tokenizer_threads,
         )
     except BaseException:
-        app.close()
+        pool.close()
         raise

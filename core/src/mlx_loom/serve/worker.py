@@ -191,5 +191,10 @@ class GenerationWorker:
         return self.stats().queued
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the engine (cancelling what runs) and wait for its thread."""
+        """Stop the engine (cancelling what runs) and wait for its thread.
+
+        The model lets go of it too, so an unloaded model's caches go with it.
+        """
         self.service.close(timeout)
+        if self.model.started_engine is None:
+            self.model.close_engine(timeout)

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_loom.cache import KVCache, RotatingKVCache, append_kv, create_attention_mask
-from mlx_loom.nn import make_rope, project
+from mlx_loom.nn import AttentionGeometry, make_rope, project
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_gemma4.config import FULL, Gemma3TextConfig
 
@@ -54,6 +54,8 @@ class Attention(nn.Module):
         )
         self.n_heads, self.n_kv_heads = H, KV
         self.scale = cfg.query_pre_attn_scalar**-0.5
+        # What backends' speculative verify rules read (docs/plugin-authors.md).
+        self.geometry = AttentionGeometry(H, KV, hd, window=cfg.sliding_window if sliding else None)
         self.q_proj = nn.Linear(D, H * hd, bias=False)
         self.k_proj = nn.Linear(D, KV * hd, bias=False)
         self.v_proj = nn.Linear(D, KV * hd, bias=False)

@@ -28,7 +28,7 @@ from mlx_loom.cache import (
     append_kv,
     create_attention_mask,
 )
-from mlx_loom.nn import GatedMLP, SwitchGLU, geglu, make_rope, project
+from mlx_loom.nn import AttentionGeometry, GatedMLP, SwitchGLU, geglu, make_rope, project
 from mlx_loom.nn.experts import ExpertKernel
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_gemma4.config import FULL, SLIDING, Gemma4TextConfig
@@ -65,6 +65,12 @@ class Attention(nn.Module):
         self.n_heads = cfg.num_attention_heads
         self.head_dim = cfg.head_dim_for(kind)
         self.n_kv_heads = cfg.kv_heads_for(kind)
+        self.geometry = AttentionGeometry(
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            window=cfg.sliding_window if kind == SLIDING else None,
+        )
         self.k_eq_v = cfg.k_eq_v_for(kind)
         self.owns_kv = not cfg.is_shared(layer)
         dim, eps = cfg.hidden_size, cfg.rms_norm_eps

@@ -20,14 +20,14 @@ from mlx_loom.cache import (
     append_kv,
     create_attention_mask,
 )
-from mlx_loom.nn import GatedMLP, make_rope, project
+from mlx_loom.nn import AttentionGeometry, GatedMLP, make_rope, project
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 
 from .config import MiniCPM5Config
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: MiniCPM5Config) -> None:
+    def __init__(self, cfg: MiniCPM5Config, window: int | None = None) -> None:
         super().__init__()
         D, H, KV, hd = (
             cfg.hidden_size,
@@ -37,6 +37,7 @@ class Attention(nn.Module):
         )
         bias = cfg.attention_bias
         self.n_heads, self.n_kv_heads, self.scale = H, KV, hd**-0.5
+        self.geometry = AttentionGeometry(H, KV, hd, window=window)
         self.q_proj = nn.Linear(D, H * hd, bias=bias)
         self.k_proj = nn.Linear(D, KV * hd, bias=bias)
         self.v_proj = nn.Linear(D, KV * hd, bias=bias)
@@ -66,7 +67,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: MiniCPM5Config, sliding: bool) -> None:
         super().__init__()
         self.sliding = sliding
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, cfg.sliding_window if sliding else None)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)

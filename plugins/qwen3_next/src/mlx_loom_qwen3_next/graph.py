@@ -20,7 +20,7 @@ import mlx.nn as nn
 
 from mlx_loom.cache import KVCache, append_kv, create_attention_mask
 from mlx_loom.cache.recurrent import RecurrentCache
-from mlx_loom.nn import GatedMLP, SwitchGLU, make_rope, project
+from mlx_loom.nn import AttentionGeometry, GatedMLP, SwitchGLU, make_rope, project
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_qwen3_next.config import HybridConfig, Qwen3_5Config
 from mlx_loom_qwen3_next.kernels import (
@@ -106,6 +106,7 @@ class GatedAttention(nn.Module):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
+        self.geometry = AttentionGeometry(self.n_heads, self.n_kv_heads, self.head_dim)
         self.scale = self.head_dim**-0.5
         bias = cfg.attention_bias
         d = cfg.hidden_size

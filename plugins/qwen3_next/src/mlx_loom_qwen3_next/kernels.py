@@ -11,10 +11,11 @@ the device's backend (or refuses). Signatures (all arrays ``mx.array``):
 ``qwen3_next.gated_delta_masked(q, k, v, g, beta, state, mask) -> (y, state)``
     The same with ``mask: [B, T]`` bool; masked steps leave the state unchanged
     (padded prefill). ``y`` at masked steps is unspecified; callers discard it.
-``qwen3_next.gated_delta_replay(q, k, v, g, beta, state, mask=None) -> state``
-    State-only replay of a kept prefix (speculative commit). On every backend
-    it runs the forward kernel above and drops ``y``, so its state is the
-    forward's, bit for bit.
+``qwen3_next.gated_delta_replay(q, k, v, g, beta, state, mask=None, lengths=None) -> state``
+    State-only replay of a kept prefix (speculative commit): the forward's
+    state statements over each row's first ``lengths[b]`` steps (all ``T``
+    when ``None``), so its state is the forward's over the kept tokens, bit
+    for bit. ``mask`` is the verify forward's padding, as above.
 ``qwen3_next.causal_conv_silu(x, tail, weight, ends=None) -> (y, new_tail)``
     Depthwise causal convolution of width ``K`` over ``tail ++ x`` followed by
     SiLU. ``x: [B, S, C]``, ``tail: [B, K-1, C]``, ``weight: [C, K, 1]``;
@@ -34,12 +35,18 @@ Backends, honestly:
   a per-row speculative commit exact; for bf16 it differs from mlx-lm's ops
   path by bf16 rounding, both keeping the state in fp32), ``mx.conv1d`` +
   ``nn.silu``, and the shared expert GLU.
-* ``metal`` — the gated delta rule is mlx-lm's Metal computation
-  (``mlx_lm/models/gated_delta.py``) with its dispatch: the same kernels
-  (one SIMD-group per value row reducing with ``simd_sum``; the packed
-  Dk = 128 specialisation), the same grid, threadgroup, inputs and template
-  parameters, and its ops recurrence where it uses ops (Dk not a multiple of
-  32), so Metal logits can be bit-equal to mlx-lm's there. The causal conv is
+* ``metal`` — the gated delta rule in mlx-lm's Metal arithmetic, one family
+  per geometry for *every* path (:func:`gated_delta_family`): mlx-lm's packed
+  Dk = 128 kernel (eight value rows per SIMD-group, an explicit butterfly
+  sum) for every real Qwen3-Next / Qwen3.5 geometry, its simd_sum kernel for
+  other key dims that are multiples of 32, its ops recurrence for the rest.
+  mlx-lm itself runs padded prefill on the simd_sum kernel even where its
+  forward is packed, and the two sum in different orders; here the padded
+  forward and the state-only replay are derived from the forward's own
+  template (same state statements, same order), so a padded row equals the
+  row alone and a replayed prefix equals the forward over it. The unmasked
+  forward is mlx-lm's kernel statement for statement with mlx-lm's grid,
+  so Metal logits can be bit-equal to mlx-lm's solo path. The causal conv is
   one fused kernel that rounds exactly where ``mx.conv1d`` + ``nn.silu`` round
   (fp32 tap accumulation rounded to the input dtype, then MLX's sigmoid and
   product in the input dtype); :func:`causal_conv_silu_emulated` reproduces
@@ -50,6 +57,7 @@ Backends, honestly:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -68,6 +76,8 @@ __all__ = [
     "SWITCH_GLU",
     "causal_conv_silu_emulated",
     "causal_conv_silu_ops",
+    "gated_delta_family",
+    "gated_delta_metal_sources",
     "gated_delta_steps",
     "kernels",
     "metal_kernels",
@@ -104,10 +114,15 @@ def gated_delta_masked_ops(q, k, v, g, beta, state, mask):
     return y, state
 
 
-def gated_delta_replay_ops(q, k, v, g, beta, state, mask=None):
+def gated_delta_replay_ops(q, k, v, g, beta, state, mask=None, lengths=None):
     # The same fused recurrence as the forward; y is produced and dropped (it
     # costs one extra reduction per step, far less than a second code path
-    # that might round differently).
+    # that might round differently). Steps after a row's kept length are
+    # masked: the op keeps the state there, and gives the prefix state bit for
+    # bit (tested), so this is the forward's state over the kept tokens.
+    if lengths is not None:
+        kept = mx.arange(q.shape[1])[None] < lengths[:, None]
+        mask = kept if mask is None else mask & kept
     return mx.fast.gated_delta_update(q, k, v, g, beta, state, mask)[1]
 
 
@@ -219,11 +234,23 @@ def gated_delta_steps(q, k, v, g, beta, state, mask=None):
 
 # --- metal: mx.fast.metal_kernel sources (constructed here, run only on Metal) ----
 
+# The recurrence's Metal sources are written once per arithmetic as a
+# *template*, and every path derives its source from it: the forward, the
+# padded (masked) forward and the state-only replay. A line tagged ``@out``
+# exists only to produce ``y`` (the replay drops it); a line tagged ``@mask``
+# exists only in the masked variants (padded prefill, and a replay whose verify
+# forward was padded). ``MASK_EXPR`` is the step's validity, ``STEPS`` how many
+# steps run: ``T`` for a forward, ``lengths[batch]`` (the row's kept tokens)
+# for a replay. So the state statements of the three paths are the same text,
+# in the same order, on the same operands: one arithmetic per family, which is
+# what makes a padded row equal the row alone and a replayed prefix equal the
+# forward over it (tested on the derived sources, since no GPU runs here).
+
 # One SIMD-group of 32 lanes per (row, value head, value row); each lane keeps
 # Dk / 32 interleaved state entries in registers and the two dot products are
 # reduced with simd_sum. Statement for statement the computation of mlx-lm's
-# scalar-gate kernel; MASK_EXPR selects the padded-step variant.
-_GATED_DELTA_SOURCE = """
+# scalar-gate kernel (its unmasked one writes ``if (true)``).
+_SIMD_TEMPLATE = """
     auto row = thread_position_in_grid.z;
     auto batch = row / Hv;
     auto vhead = row % Hv;
@@ -231,12 +258,12 @@ _GATED_DELTA_SOURCE = """
     constexpr int per_lane = Dk / 32;
 
     // q, k: [B, T, Hk, Dk] for this batch row and key head
-    auto qp = q + batch * T * Hk * Dk + khead * Dk;
+    auto qp = q + batch * T * Hk * Dk + khead * Dk;  // @out
     auto kp = k + batch * T * Hk * Dk + khead * Dk;
 
     // v, y: [B, T, Hv, Dv] for this batch row and value head
     auto vp = v + batch * T * Hv * Dv + vhead * Dv;
-    y += batch * T * Hv * Dv + vhead * Dv;
+    y += batch * T * Hv * Dv + vhead * Dv;  // @out
 
     auto lane = thread_position_in_threadgroup.x;
     auto vrow = thread_position_in_grid.y;
@@ -255,7 +282,7 @@ _GATED_DELTA_SOURCE = """
     auto gp = g + batch * T * Hv;
     auto bp = beta + batch * T * Hv;
 
-    for (int step = 0; step < T; ++step) {
+    for (int step = 0; step < STEPS; ++step) {
       if (MASK_EXPR) {
         float kv = 0.0f;
         for (int j = 0; j < per_lane; ++j) {
@@ -267,24 +294,24 @@ _GATED_DELTA_SOURCE = """
 
         auto d = (vp[vrow] - kv) * bp[vhead];
 
-        float o = 0.0f;
+        float o = 0.0f;  // @out
         for (int j = 0; j < per_lane; ++j) {
           auto idx = per_lane * lane + j;
           acc[j] = acc[j] + kp[idx] * d;
-          o += acc[j] * qp[idx];
+          o += acc[j] * qp[idx];  // @out
         }
-        o = simd_sum(o);
-        if (thread_index_in_simdgroup == 0) {
-          y[vrow] = static_cast<InT>(o);
-        }
-      } else {
-        y[vrow] = static_cast<InT>(0);
+        o = simd_sum(o);  // @out
+        if (thread_index_in_simdgroup == 0) {  // @out
+          y[vrow] = static_cast<InT>(o);  // @out
+        }  // @out
+      } else {  // @out
+        y[vrow] = static_cast<InT>(0);  // @out
       }
       // advance every pointer to the next step
-      qp += Hk * Dk;
+      qp += Hk * Dk;  // @out
       kp += Hk * Dk;
       vp += Hv * Dv;
-      y += Hv * Dv;
+      y += Hv * Dv;  // @out
       gp += Hv;
       bp += Hv;
     }
@@ -294,11 +321,15 @@ _GATED_DELTA_SOURCE = """
     }
 """
 
-# Dk = 128, scalar gate, no mask: eight value rows per SIMD-group, four lanes
-# per row, each lane holding 32 contiguous state entries. The sums are the
-# explicit butterfly mlx-lm's packed kernel writes (in-lane pairwise tree over
-# eight 4-element chains, then xor-1 and xor-2 shuffles within the row group).
-_GATED_DELTA_PACKED_SOURCE = """
+# Dk = 128, scalar gate: eight value rows per SIMD-group, four lanes per row,
+# each lane holding 32 contiguous state entries. The sums are the explicit
+# butterfly mlx-lm's packed kernel writes (in-lane pairwise tree over eight
+# 4-element chains, then xor-1 and xor-2 shuffles within the row group);
+# without the ``@mask`` lines it is mlx-lm's packed kernel statement for
+# statement. mlx-lm runs it only unmasked and falls back to the simd_sum
+# kernel for padded prefill, whose sum is ordered differently; here the padded
+# forward and the replay keep this arithmetic.
+_PACKED_TEMPLATE = """
     constexpr int lanes_per_row = 4;
     constexpr int rows_per_group = 32 / lanes_per_row;
     constexpr int per_lane = Dk / lanes_per_row;
@@ -316,12 +347,12 @@ _GATED_DELTA_PACKED_SOURCE = """
     auto vrow = group * rows_per_group + row_in_group;
 
     // q, k: [B, T, Hk, Dk]; this lane's contiguous quarter of the key dims
-    auto qp = q + (batch * T * Hk + khead) * Dk + part * per_lane;
+    auto qp = q + (batch * T * Hk + khead) * Dk + part * per_lane;  // @out
     auto kp = k + (batch * T * Hk + khead) * Dk + part * per_lane;
 
     // v, y: [B, T, Hv, Dv]
     auto vp = v + (batch * T * Hv + vhead) * Dv;
-    y += (batch * T * Hv + vhead) * Dv;
+    y += (batch * T * Hv + vhead) * Dv;  // @out
 
     // state: [B, Hv, Dv, Dk]
     auto src = state_in + (row * Dv + vrow) * Dk + part * per_lane;
@@ -336,7 +367,8 @@ _GATED_DELTA_PACKED_SOURCE = """
     auto gp = g + batch * T * Hv;
     auto bp = beta + batch * T * Hv;
 
-    for (int step = 0; step < T; ++step) {
+    for (int step = 0; step < STEPS; ++step) {
+      if (MASK_EXPR) {  // @mask
       float decay = static_cast<float>(gp[vhead]);
 
       float sums[chains];
@@ -360,27 +392,30 @@ _GATED_DELTA_PACKED_SOURCE = """
           static_cast<float>(bp[vhead]);
 
       for (int c = 0; c < chains; ++c) {
-        float s = 0.0f;
+        float s = 0.0f;  // @out
         for (int j = 0; j < 4; ++j) {
           int e = c * 4 + j;
           acc[e] = acc[e] + static_cast<float>(kp[e]) * d;
-          s += acc[e] * static_cast<float>(qp[e]);
+          s += acc[e] * static_cast<float>(qp[e]);  // @out
         }
-        sums[c] = s;
+        sums[c] = s;  // @out
       }
-      float o =
-          ((sums[0] + sums[1]) + (sums[2] + sums[3])) +
-          ((sums[4] + sums[5]) + (sums[6] + sums[7]));
-      o += simd_shuffle_xor(o, 1);
-      o += simd_shuffle_xor(o, 2);
-      if (part == 0) {
-        y[vrow] = static_cast<InT>(o);
-      }
+      float o =  // @out
+          ((sums[0] + sums[1]) + (sums[2] + sums[3])) +  // @out
+          ((sums[4] + sums[5]) + (sums[6] + sums[7]));  // @out
+      o += simd_shuffle_xor(o, 1);  // @out
+      o += simd_shuffle_xor(o, 2);  // @out
+      if (part == 0) {  // @out
+        y[vrow] = static_cast<InT>(o);  // @out
+      }  // @out
+      } else {  // @mask @out
+        y[vrow] = static_cast<InT>(0);  // @mask @out
+      }  // @mask
 
-      qp += Hk * Dk;
+      qp += Hk * Dk;  // @out
       kp += Hk * Dk;
       vp += Hv * Dv;
-      y += Hv * Dv;
+      y += Hv * Dv;  // @out
       gp += Hv;
       bp += Hv;
     }
@@ -389,6 +424,26 @@ _GATED_DELTA_PACKED_SOURCE = """
       dst[j] = static_cast<StT>(acc[j]);
     }
 """
+
+_TAGS = re.compile(r"\s*//((?:\s*@\w+)+)\s*$")
+
+
+def _derive(template: str, *, masked: bool, replay: bool) -> str:
+    """One path's source from a family's template (see the tags above)."""
+    lines = []
+    for line in template.split("\n"):
+        tagged = _TAGS.search(line)
+        tags = set(tagged.group(1).split()) if tagged else set()
+        if ("@out" in tags and replay) or ("@mask" in tags and not masked):
+            continue
+        lines.append(line[: tagged.start()] if tagged else line)
+    source = "\n".join(lines)
+    source = source.replace("MASK_EXPR", "mask[batch * T + step]" if masked else "true")
+    return source.replace("STEPS", "lengths[batch]" if replay else "T")
+
+
+#: The Metal arithmetic families of the recurrence, by name.
+_TEMPLATES = {"simd": _SIMD_TEMPLATE, "packed": _PACKED_TEMPLATE}
 
 #: MLX's Metal ``Sigmoid`` functor applied to the rounded conv output ``conv``
 #: (``auto y = 1 / (1 + metal::precise::exp(metal::abs(x))); return (x < 0) ? y
@@ -429,72 +484,148 @@ _CAUSAL_CONV_SOURCE = (
 )
 
 _DELTA_INPUTS = ["q", "k", "v", "g", "beta", "state_in", "T"]
+# The replay reads no query and writes no output: only the state.
+_REPLAY_INPUTS = ["k", "v", "g", "beta", "state_in", "T"]
+
+#: Every Metal path of the recurrence: (path, masked).
+_PATHS: tuple[tuple[str, bool], ...] = (
+    ("forward", False),
+    ("masked", True),
+    ("replay", False),
+    ("replay_masked", True),
+)
 
 
-def _delta_kernel(name: str, source: str, *, masked: bool):
-    return mx.fast.metal_kernel(
-        name=name,
-        input_names=_DELTA_INPUTS + (["mask"] if masked else []),
-        output_names=["y", "state_out"],
-        source=source,
-    )
+def gated_delta_metal_sources() -> dict[str, dict[str, str]]:
+    """The Metal sources of the recurrence: ``{family: {path: source}}``.
 
-
-def gated_delta_metal_sources() -> dict[str, str]:
-    """The Metal sources of the recurrence: ``plain``, ``masked`` and ``packed``."""
+    Families ``simd`` and ``packed`` (see :func:`gated_delta_family`); paths
+    ``forward`` (mlx-lm's kernel), ``masked`` (padded prefill), ``replay`` and
+    ``replay_masked`` (state only, each row stopping at its kept length).
+    """
     return {
-        "plain": _GATED_DELTA_SOURCE.replace("MASK_EXPR", "true"),
-        "masked": _GATED_DELTA_SOURCE.replace("MASK_EXPR", "mask[batch * T + step]"),
-        "packed": _GATED_DELTA_PACKED_SOURCE,
+        family: {
+            path: _derive(template, masked=masked, replay=path.startswith("replay"))
+            for path, masked in _PATHS
+        }
+        for family, template in _TEMPLATES.items()
     }
 
 
+def gated_delta_family(Dk: int, Dv: int, g_dtype: mx.Dtype, state_dtype: mx.Dtype) -> str:
+    """Which arithmetic runs the recurrence on Metal for this geometry: one for every path.
+
+    ``ops`` where mlx-lm runs ops (key dims not a multiple of 32), ``packed``
+    where mlx-lm's dispatch picks its packed kernel for an unmasked call
+    (Dk = 128, Dv a multiple of 8, fp32 gate and state: every real Qwen3-Next
+    and Qwen3.5 geometry), ``simd`` otherwise. The choice depends on the
+    geometry only, never on whether a call is masked or a replay, so solo
+    prefill, decode, padded batch prefill and speculative replay sum in one
+    order. (mlx-lm's own dispatch sends masked calls to the simd kernel, so
+    its padded batch prefill differs from its solo prefill there.)
+    """
+    if Dk < 32 or Dk % 32:
+        return "ops"
+    if Dk == 128 and Dv % 8 == 0 and g_dtype == mx.float32 and state_dtype == mx.float32:
+        return "packed"
+    return "simd"
+
+
+#: Launch geometry per family: (value rows per SIMD-group, threadgroup).
+_LAUNCH: dict[str, tuple[int, tuple[int, int, int]]] = {
+    "simd": (1, (32, 4, 1)),
+    "packed": (8, (32, 2, 1)),
+}
+
+
 class _MetalGatedDelta:
-    """mlx-lm's dispatch of its gated-delta Metal kernels, for one registration."""
+    """The recurrence on Metal: one family's kernels for the forward, padded and replay paths."""
 
     def __init__(self) -> None:
         sources = gated_delta_metal_sources()
-        self.plain = _delta_kernel("qwen3_next_gated_delta", sources["plain"], masked=False)
-        self.masked = _delta_kernel("qwen3_next_gated_delta_mask", sources["masked"], masked=True)
-        self.packed = _delta_kernel(
-            "qwen3_next_gated_delta_packed", sources["packed"], masked=False
-        )
+        self.kernels: dict[tuple[str, str], object] = {}
+        for family, paths in sources.items():
+            for path, masked in _PATHS:
+                replay = path.startswith("replay")
+                inputs = (_REPLAY_INPUTS if replay else _DELTA_INPUTS) + (
+                    ["mask"] if masked else []
+                )
+                self.kernels[family, path] = mx.fast.metal_kernel(
+                    name=f"qwen3_next_gated_delta_{family}_{path}",
+                    input_names=inputs + (["lengths"] if replay else []),
+                    output_names=["state_out"] if replay else ["y", "state_out"],
+                    source=paths[path],
+                )
 
-    def __call__(self, q, k, v, g, beta, state, mask=None):
+    def _launch(self, family: str, path: str, inputs: list, k, v, state, **out):
         B, T, Hk, Dk = k.shape
         Hv, Dv = v.shape[2:]
-        if Dk < 32 or Dk % 32:
-            return gated_delta_steps(q, k, v, g, beta, state, mask)
-        inputs = [q, k, v, g, beta, state, T]
-        if (
-            mask is None
-            and Dk == 128
-            and Dv % 8 == 0
-            and g.dtype == mx.float32
-            and state.dtype == mx.float32
-        ):
-            kernel, grid, threadgroup = self.packed, (32, Dv // 8, B * Hv), (32, 2, 1)
-        else:
-            kernel, grid, threadgroup = self.plain, (32, Dv, B * Hv), (32, 4, 1)
-            if mask is not None:
-                kernel = self.masked
-                inputs.append(mask)
-        y, state = kernel(
+        rows, threadgroup = _LAUNCH[family]
+        kernel = self.kernels[family, path]
+        return kernel(  # type: ignore[operator]
             inputs=inputs,
             template=[
-                ("InT", q.dtype),
+                ("InT", out.get("in_dtype", k.dtype)),
                 ("StT", state.dtype),
                 ("Dk", Dk),
                 ("Dv", Dv),
                 ("Hk", Hk),
                 ("Hv", Hv),
             ],
-            grid=grid,
+            grid=(32, Dv // rows, B * Hv),
             threadgroup=threadgroup,
-            output_shapes=[(B, T, Hv, Dv), state.shape],
-            output_dtypes=[q.dtype, state.dtype],
+            output_shapes=out["shapes"],
+            output_dtypes=out["dtypes"],
+        )
+
+    def __call__(self, q, k, v, g, beta, state, mask=None):
+        """``(y, state)``: the forward (``mask=None``) or the padded forward."""
+        B, T, Hk, Dk = k.shape
+        Hv, Dv = v.shape[2:]
+        family = gated_delta_family(Dk, Dv, g.dtype, state.dtype)
+        if family == "ops":
+            return gated_delta_steps(q, k, v, g, beta, state, mask)
+        inputs = [q, k, v, g, beta, state, T] + ([mask] if mask is not None else [])
+        y, state = self._launch(
+            family,
+            "forward" if mask is None else "masked",
+            inputs,
+            k,
+            v,
+            state,
+            in_dtype=q.dtype,
+            shapes=[(B, T, Hv, Dv), state.shape],
+            dtypes=[q.dtype, state.dtype],
         )
         return y, state
+
+    def replay(self, q, k, v, g, beta, state, mask=None, lengths=None):
+        """The state after each row's first ``lengths[b]`` steps (all ``T``: ``None``)."""
+        B, T, Hk, Dk = k.shape
+        Hv, Dv = v.shape[2:]
+        family = gated_delta_family(Dk, Dv, g.dtype, state.dtype)
+        if family == "ops":
+            # mlx-lm's ops recurrence, as the forward runs it here; the steps
+            # after a row's kept length are masked (the state stays).
+            if lengths is not None:
+                kept = mx.arange(T)[None] < lengths[:, None]
+                mask = kept if mask is None else mask & kept
+            return gated_delta_steps(q, k, v, g, beta, state, mask)[1]
+        if lengths is None:
+            lengths = mx.full((B,), T, dtype=mx.int32)
+        inputs = [k, v, g, beta, state, T] + ([mask] if mask is not None else [])
+        (state,) = self._launch(
+            family,
+            "replay" if mask is None else "replay_masked",
+            inputs + [lengths.astype(mx.int32)],
+            k,
+            v,
+            state,
+            in_dtype=q.dtype,
+            shapes=[state.shape],
+            dtypes=[state.dtype],
+        )
+        return state
 
 
 def _metal_causal_conv() -> Callable[..., object]:
@@ -525,36 +656,35 @@ def _metal_causal_conv() -> Callable[..., object]:
     return run
 
 
-def _state_only(delta: _MetalGatedDelta) -> Callable[..., mx.array]:
-    def replay(q, k, v, g, beta, state, mask=None):
-        return delta(q, k, v, g, beta, state, mask)[1]
-
-    return replay
-
-
 def metal_kernels() -> list[Kernel]:
     """Metal registrations. Constructing them needs no GPU; calling them does."""
     delta = _MetalGatedDelta()
     sources = gated_delta_metal_sources()
+
+    def both(path: str) -> str:
+        return "\n".join(f"// {family}\n{paths[path]}" for family, paths in sources.items())
+
     recurrence = (
-        "mlx-lm's gated-delta Metal kernels and dispatch (simd_sum per value row; packed "
-        "Dk=128 specialisation; ops recurrence for Dk not a multiple of 32)"
+        "one arithmetic per geometry for forward, padded prefill and replay: mlx-lm's packed "
+        "Dk=128 kernel, else its simd_sum kernel, else its ops recurrence (Dk not a multiple "
+        "of 32)"
     )
     metal = [
-        Kernel(GATED_DELTA, "metal", delta, source=sources["plain"], description=recurrence),
+        Kernel(GATED_DELTA, "metal", delta, source=both("forward"), description=recurrence),
         Kernel(
             GATED_DELTA_MASKED,
             "metal",
             delta,
-            source=sources["masked"],
+            source=both("masked"),
             description=recurrence + ", [B, T] mask",
         ),
         Kernel(
             GATED_DELTA_REPLAY,
             "metal",
-            _state_only(delta),
-            source=sources["plain"],
-            description="the forward Metal kernel, state only",
+            delta.replay,
+            source=both("replay"),
+            description="the forward's state statements only, each row stopping at its "
+            "kept length",
         ),
         Kernel(
             CAUSAL_CONV,
