@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_loom.cache import KVCache, RotatingKVCache, append_kv, create_attention_mask
-from mlx_loom.nn import SwitchGLU, make_rope, project
+from mlx_loom.nn import AttentionGeometry, SwitchGLU, make_rope, project
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 
 from .config import GptOssConfig
@@ -66,11 +66,12 @@ def top_k(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GptOssConfig) -> None:
+    def __init__(self, cfg: GptOssConfig, window: int | None = None) -> None:
         super().__init__()
         D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         KV = cfg.num_key_value_heads
         self.n_heads, self.n_kv_heads, self.scale = H, KV, hd**-0.5
+        self.geometry = AttentionGeometry(H, KV, hd, window=window)
         self.sinks = mx.zeros((H,))
         self.q_proj = nn.Linear(D, H * hd, bias=True)
         self.k_proj = nn.Linear(D, KV * hd, bias=True)
@@ -125,7 +126,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.sliding = sliding
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, cfg.sliding_window if sliding else None)
         self.mlp = MoE(cfg, switch_glu)
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
