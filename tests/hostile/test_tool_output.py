@@ -32,6 +32,7 @@ CALLS = {
     "minicpm5": '<function name="f"><param name="days">' + DIGITS + "</param></function>",
     "pythonic": '<|tool_call_start|>[f(days="' + DIGITS + '")]<|tool_call_end|>',
     "mistral": '[TOOL_CALLS]f[ARGS]{"days": "' + DIGITS + '"}',
+    "harmony": ' to=functions.f <|constrain|>json<|message|>{"days": "' + DIGITS + '"}<|call|>',
 }
 TOOL = {
     "type": "function",
