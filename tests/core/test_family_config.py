@@ -21,6 +21,7 @@ class DemoConfig(FamilyConfig):
     num_attention_heads: Size
     head_dim: Size = derived()
     layer_kinds: list[str] = derived()
+    window: Size | None = None  # an optional field: no bounds metadata of its own
 
     @classmethod
     def fill(cls, given: Given) -> Mapping[str, Any]:
@@ -30,7 +31,9 @@ class DemoConfig(FamilyConfig):
             given.get("num_hidden_layers"),
         )
         out: dict[str, Any] = {}
-        if hidden is not None and heads is not None:
+        if given.get("window") is not None:
+            out["head_dim"] = given.get("window")
+        elif hidden is not None and heads is not None:
             out["head_dim"] = hidden // heads
         if layers is not None:
             out["layer_kinds"] = ["full"] * layers
@@ -59,6 +62,11 @@ def test_absent_or_null_derived_fields_are_filled_and_given_ones_kept():
     assert validate(head_dim=None).head_dim == 16
     assert validate(head_dim=32).head_dim == 32
     assert validate().layer_kinds == ["full", "full"]
+
+
+def test_an_optional_field_is_read_through_its_own_type():
+    assert validate(window=8).head_dim == 8
+    assert "window: found 0" in message(window=0)  # not read as a window; reported alone
 
 
 def test_a_derived_value_is_validated_like_a_given_one():

@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "mlx_loom.causal_lm",
             "mlx_loom.forward_hooks",
             "mlx_loom.streams",
+            "mlx_loom.device",
         ),
     ),
     ("data", ("mlx_loom.artifacts", "mlx_loom.text")),

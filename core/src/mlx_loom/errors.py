@@ -101,6 +101,10 @@ class EngineBusy(LoomError):
     """The engine's queue of waiting requests is full; try again shortly."""
 
 
+class KVBudgetExceeded(EngineBusy):
+    """A request's KV caches alone would outgrow the engine's byte budget (``max_kv_bytes``)."""
+
+
 class EngineStopped(LoomError):
     """The engine was shut down (or stopped) before the request could finish."""
 

@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 from mlx_loom.host import resolve_model
 from mlx_loom.loader import build_model
 from mlx_loom_gemma4.plugin import TINY_TEXT_CONFIG
+from mlx_loom.testing.oracle import oracle_options
 
 S, F = "sliding_attention", "full_attention"
 
@@ -125,9 +126,7 @@ def load_ours(path: Path):
     """Our plugin's graph as ``mlx_loom.load`` builds it (core resolution, kernels, loader)."""
     # The checkpoint's dtype on MLX operations: the oracle's own arithmetic, so
     # parity is bit-equal (the CPU compute paths have their own parity tests).
-    return build_model(
-        resolve_model(path, compute_dtype="checkpoint", cpu_kernels="cpu-ops")
-    ).module
+    return build_model(resolve_model(path, **oracle_options())).module
 
 
 def load_theirs(path: Path):

@@ -20,6 +20,7 @@ from mlx_loom.errors import ConfigError
 from mlx_loom.host import resolve_model
 from mlx_loom.loader import build_model
 from mlx_loom.testing.checkpoints import write_checkpoint
+from mlx_loom.testing.oracle import oracle_options
 from mlx_loom_gemma4.loader import gemma3_checkpoint_tensors
 from mlx_loom_gemma4.plugin import TINY_GEMMA3_CONFIG, TINY_GEMMA3_TEXT_CONFIG
 
@@ -33,7 +34,7 @@ def _reference(path):
 
 
 def _ours(path):
-    return build_model(resolve_model(path, compute_dtype="checkpoint", cpu_kernels="cpu-ops")).module
+    return build_model(resolve_model(path, **oracle_options())).module
 
 
 def _assert_parity(ours, ref, steps: int = 12) -> None:

@@ -9,9 +9,8 @@ import struct
 from mlx_loom.artifacts import TensorInfo, artifact_fingerprint, config_fingerprint
 from mlx_loom.host import PluginHost, resolve_model
 from mlx_loom.host._profiles import validate_profile
-from mlx_loom_minicpm5 import plugin
+from mlx_loom_minicpm5 import checkpoint_tensors, plugin
 from mlx_loom_minicpm5.config import FINGERPRINT_FIELDS, MiniCPM5Config
-from mlx_loom_minicpm5 import checkpoint_tensors
 
 # The published openbmb/MiniCPM5-1B geometry (see plugin.py for where each number comes from).
 MINICPM5_1B = {

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from mlx_loom.host import resolve_model
+from mlx_loom.testing.oracle import oracle_options
 from mlx_loom.loader import build_model
 from mlx_loom_qwen3_next.graph import Model
 from mlx_loom_qwen3_next.plugin import TINY_QWEN3_NEXT
@@ -174,9 +175,7 @@ def load_ours(path: Path) -> Model:
     """The plugin's graph as ``mlx_loom.load`` builds it (core resolution, kernels, loader)."""
     # The checkpoint's dtype on MLX operations: the oracle's own arithmetic, so
     # parity is bit-equal (the CPU compute paths have their own parity tests).
-    return build_model(
-        resolve_model(path, compute_dtype="checkpoint", cpu_kernels="cpu-ops")
-    ).module
+    return build_model(resolve_model(path, **oracle_options())).module
 
 
 def load_reference(path: Path):

@@ -143,7 +143,8 @@ class Given:
 @lru_cache(maxsize=512)
 def _adapter(schema: type[BaseModel], name: str) -> TypeAdapter[Any]:
     info = schema.model_fields[name]
-    form: Any = Annotated[info.annotation, *info.metadata]  # the field's type and bounds
+    # The field's type and its bounds (pydantic keeps a bare Size's bounds in metadata).
+    form: Any = Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation
     return TypeAdapter(form)
 
 

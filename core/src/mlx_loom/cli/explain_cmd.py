@@ -6,7 +6,9 @@ import argparse
 import json
 
 from ..artifacts.summary import summarize_artifact
+from ..cpu import native
 from ..cpu.compiled_step import describe as describe_step
+from ..device import DeviceReport, report
 from ..engine.defaults import generation_defaults
 from ..host import PluginHost, resolve_model
 from .generate_cmd import add_cpu_path_options
@@ -45,11 +47,22 @@ def run(args: argparse.Namespace) -> int:
     weights = summarize_artifact(resolved.model_dir, resolved.config)
     # What `loom serve` applies to a request that omits them (without its flags).
     sampling = generation_defaults(resolved.model_dir)
+    device = report()
+    native_why = native.unavailable_reason()
     if args.json:
         payload = {
             **summary.model_dump(mode="json"),
             "weights": weights.model_dump(mode="json"),
             "sampling_defaults": sampling,
+            "mlx": {
+                "backend": device.backend,
+                "packages": list(device.packages),
+                "device": device.device,
+                "memory_bytes": device.memory_bytes,
+                "working_set_bytes": device.working_set_bytes,
+                "problem": device.problem,
+                "native_cpu_kernels": native_why or "available",
+            },
         }
         print(json.dumps(payload, indent=2))
         return 0
@@ -75,9 +88,15 @@ def run(args: argparse.Namespace) -> int:
             (", ".join(f"{k}={v}" for k, v in sampling.items()) or "none (greedy)")
             + "  (generation_config.json; loom serve applies them)",
         ),
+        ("mlx backend", _backend(device)),
+        ("device", device.device),
+        ("memory", _memory(device)),
+        ("native cpu kernels", native_why or "available"),
         ("config fingerprint", summary.config_fingerprint),
         ("artifact fingerprint", summary.artifact_fingerprint),
     ]
+    if device.problem is not None:
+        rows.append(("mlx install problem", device.problem))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -88,3 +107,20 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("kernels: none needed")
     return 0
+
+
+def _backend(device: DeviceReport) -> str:
+    packages = ", ".join(device.packages) or "mlx built without a separate backend package"
+    return f"{device.backend}  ({packages})"
+
+
+def _memory(device: DeviceReport) -> str:
+    if device.memory_bytes is None:
+        return "not reported"
+    text = human_bytes(device.memory_bytes)
+    if device.working_set_bytes is not None:
+        wired = human_bytes(device.working_set_bytes)
+        text += f"  (recommended working set {wired}, wired while generating)"
+    elif device.backend == "cpu":
+        text += "  (system memory)"
+    return text

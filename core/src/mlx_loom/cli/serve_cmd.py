@@ -334,6 +334,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="requests that may wait for a free row; more are answered 503 with Retry-After "
         f"(default: {DEFAULT_MAX_QUEUED})",
     )
+    group.add_argument(
+        "--max-kv-bytes",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="most bytes the running requests' KV caches may hold, each counted at its fullest "
+        "(prompt + max_tokens), e.g. 8GB; a request that does not fit waits in the queue, one "
+        "that could never fit is answered 503 (default: bounded by --decode-concurrency only)",
+    )
 
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
@@ -346,6 +355,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         prompt_cache_dir=args.prompt_cache_dir,
         prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
         max_queued=args.queue_size,
+        max_kv_bytes=args.max_kv_bytes,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import platform
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import mlx.core  # noqa: F401  (registers mx.array for the extension's signatures)
@@ -30,19 +31,37 @@ def _load() -> tuple[ModuleType | None, str]:
     try:
         # optional: built only on x86-64 Linux; its absence is reported
         from . import _native  # type: ignore[attr-defined]  # compiled; no stub
-    except ImportError as err:
-        if sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64"):
-            why = (
-                f"the native CPU kernels are not built into this install ({err}); "
-                "reinstall mlx-loom with a C++ compiler available (MLX_LOOM_NATIVE=0 skips them)"
-            )
-        else:
-            why = (
-                "the native CPU kernels are x86-64 code and are not built on "
-                f"{sys.platform}/{platform.machine()}"
-            )
-        return None, why
+    except Exception as err:  # a broken extension is a reason, never a crash at import
+        return None, _why_not(err)
     return _native, ""
+
+
+def _built() -> bool:
+    """Whether ``pip install`` compiled the extension into this package."""
+    return any(Path(__file__).parent.glob("_native*.so"))
+
+
+def _why_not(err: Exception) -> str:
+    """Why the extension did not load: not built here, or built but not loadable."""
+    if not (sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64")):
+        return (
+            "the native CPU kernels are x86-64 code and are not built on "
+            f"{sys.platform}/{platform.machine()}"
+        )
+    if not _built():
+        return (
+            f"the native CPU kernels are not built into this install ({err}); "
+            "reinstall mlx-loom with a C++ compiler available (MLX_LOOM_NATIVE=0 skips them)"
+        )
+    # Built, but the libmlx of the MLX backend installed now (mlx-cpu or
+    # mlx-cuda-*, see setup.py) does not serve it: a different MLX version,
+    # or a build from another environment.
+    return (
+        f"the native CPU kernels are built but do not load against the installed MLX "
+        f"({type(err).__name__}: {err}); reinstall mlx-loom so they are built against it "
+        "(pip install --force-reinstall --no-deps -e <clone>/core), or skip them with "
+        "MLX_LOOM_NATIVE=0"
+    )
 
 
 def module() -> ModuleType:

@@ -11,8 +11,9 @@ requests, :meth:`Engine.remove` takes them out (cancellation), and each
    step and hands out every token it accepted;
 2. admission: waiting requests take free rows (at most
    ``decode_concurrency`` requests decode or prefill at once, at most
-   ``prompt_concurrency`` prefill), reusing the longest usable prefix from
-   the shared prefix store;
+   ``prompt_concurrency`` prefill, and with ``max_kv_bytes`` set only while
+   their caches fit the KV byte budget, :mod:`mlx_loom.engine.kv_budget`),
+   reusing the longest usable prefix from the shared prefix store;
 3. one prefill chunk (``prefill_step_size`` tokens) of every prompt being
    prefilled (:mod:`mlx_loom.engine.prefill`), so a long prompt arriving
    delays the running streams by one chunk per step, never by its whole
@@ -44,6 +45,7 @@ from mlx_loom.engine.caches import fresh_caches
 from mlx_loom.engine.disk import DiskTier
 from mlx_loom.engine.events import Done, Event
 from mlx_loom.engine.group import DecodeGroup, Left
+from mlx_loom.engine.kv_budget import KVBudget, check_kv_budget
 from mlx_loom.engine.prefill import prefill_step
 from mlx_loom.engine.prefix import MAX_CHECKPOINTS_PER_ENTRY, PrefixStore, take_checkpoint
 from mlx_loom.engine.request import Request
@@ -88,6 +90,10 @@ class EngineStats:
     prefix_disk_bytes: int = 0
     prefix_disk_files: int = 0
     prefix_disk_hits: int = 0
+    #: The KV byte budget (``max_kv_bytes``): bytes reserved by the running
+    #: requests, and the budget (``None``: no byte bound).
+    kv_bytes_reserved: int = 0
+    max_kv_bytes: int | None = None
     #: Speculative decoding: draft tokens proposed, and how many the target accepted.
     draft_tokens: int = 0
     accepted_drafts: int = 0
@@ -116,6 +122,8 @@ class Engine:
             self.settings.prompt_cache_size, self.settings.prompt_cache_bytes, self._disk()
         )
         self._batchable = BATCH in model.capabilities
+        check_kv_budget(model, self.settings.max_kv_bytes)
+        self.kv_budget = KVBudget(model, self.settings.max_kv_bytes)
         self._counts = dict(
             completed=0,
             cancelled=0,
@@ -143,6 +151,8 @@ class Engine:
                 log.exception("the prompt-cache directory cannot be used; keeping none")
                 self.store.disk = None
         self.store.resize(settings.prompt_cache_size, settings.prompt_cache_bytes)
+        # Running rows keep their reservations; the new bound applies to admissions.
+        self.kv_budget.max_bytes = settings.max_kv_bytes
 
     def _disk(self) -> DiskTier | None:
         s = self.settings
@@ -232,6 +242,8 @@ class Engine:
             prefix_disk_bytes=store.disk_bytes,
             prefix_disk_files=store.disk_files,
             prefix_disk_hits=store.disk_hits,
+            kv_bytes_reserved=self.kv_budget.reserved,
+            max_kv_bytes=self.kv_budget.max_bytes,
             **self._counts,
         )
 
@@ -278,7 +290,19 @@ class Engine:
             and active < s.decode_concurrency
             and len(self._prefilling) < s.prompt_concurrency
         ):
-            row = self._waiting.popleft()
+            row = self._waiting[0]
+            try:
+                cost = self.kv_budget.cost(row.request, self._step(row.request))
+                self.kv_budget.check_alone(cost)
+            except BaseException as err:  # the probe runs the plugin's graph
+                self._waiting.popleft()
+                events.append(self._leave(Left(row, None, _typed(err)), "failed"))
+                continue
+            if not self.kv_budget.fits(cost):
+                break  # the head waits for bytes; those behind it wait their turn
+            self._waiting.popleft()
+            row.kv_bytes = cost
+            self.kv_budget.reserved += cost
             try:
                 self._start(row)
             except BaseException as err:  # a plugin or user callable may raise anything
@@ -406,6 +430,8 @@ class Engine:
     def _leave(self, left: Left, outcome: str) -> Done:
         row, request = left.row, left.row.request
         self._counts[{"finished": "completed"}.get(outcome, outcome)] += 1
+        self.kv_budget.reserved -= row.kv_bytes  # every running row leaves through here
+        row.kv_bytes = 0
         caches = left.caches
         if outcome == "failed":
             # The caches may hold a half-written step: nothing of them is kept.

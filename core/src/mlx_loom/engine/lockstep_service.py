@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlx_loom.device import wired_limit
 from mlx_loom.engine.core import Engine
 from mlx_loom.engine.events import Done, Event
 from mlx_loom.engine.prefix import PrefixStore
@@ -54,6 +55,7 @@ from mlx_loom.engine.service import EngineService, Handle, Sink, Turns
 from mlx_loom.engine.settings import EngineSettings
 from mlx_loom.errors import EngineStopped, LoomError, ParallelRefused, RequestError
 from mlx_loom.parallel.lockstep import Lockstep
+from mlx_loom.streams import generation_stream
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
@@ -205,13 +207,15 @@ class LockstepTurns(Turns):
         try:
             # Custom samplers draw from this thread's global generator: alike everywhere.
             mx.random.seed(self.lockstep.share_int(secrets.randbits(63)))
-            while True:
-                outcome = self.turn(handles)
-                if outcome == "park":
-                    parked = True
-                    break
-                if outcome == "stop":
-                    break
+            # Metal: the model's memory stays wired while this thread generates.
+            with wired_limit(service.model.module, generation_stream()):
+                while True:
+                    outcome = self.turn(handles)
+                    if outcome == "park":
+                        parked = True
+                        break
+                    if outcome == "stop":
+                        break
         except BaseException as err:  # follow() raises it; mlx.launch tells the other ranks
             log.exception("a split model's engine failed; this rank cannot stay in step")
             self.failure = err

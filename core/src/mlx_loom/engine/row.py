@@ -55,6 +55,9 @@ class Row:
         self.speculation: Any = None
         self.produced = 0
         self.finished = False
+        #: Bytes this row reserves against the KV budget while it runs
+        #: (:mod:`mlx_loom.engine.kv_budget`).
+        self.kv_bytes = 0
         #: How this row's logits become its tokens, whichever way it decodes.
         self.picker = TokenPicker(request)
         tok = request.tokenizer

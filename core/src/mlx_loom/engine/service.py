@@ -38,12 +38,15 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlx_loom.device import wired_limit
 from mlx_loom.engine.core import Engine, EngineStats
 from mlx_loom.engine.disk import check_directory
 from mlx_loom.engine.events import Done, Event, TokenEvent
+from mlx_loom.engine.kv_budget import check_kv_budget
 from mlx_loom.engine.request import Request
 from mlx_loom.engine.settings import EngineSettings
 from mlx_loom.errors import EngineBusy, EngineStopped, RequestError
+from mlx_loom.streams import generation_stream
 
 if TYPE_CHECKING:
     from mlx_loom.model import Model
@@ -170,8 +173,10 @@ class Turns:
         service = self.service
         handles: dict[int, Handle] = {}
         try:
-            while self.serve(handles):
-                pass
+            # Metal: the model's memory stays wired while this thread generates.
+            with wired_limit(service.model.module, generation_stream()):
+                while self.serve(handles):
+                    pass
         finally:
             stopped = EngineStopped(
                 "The generation engine stopped before this request finished.",
@@ -285,6 +290,7 @@ class EngineService:
             new = EngineSettings(**new.model_dump())  # validate the changed values
         if new.prompt_cache_dir is not None:
             check_directory(new.prompt_cache_dir)  # refused here, not on the engine thread
+        check_kv_budget(self.model, new.max_kv_bytes)
         self._settings = new
         self._post(("configure", new))
         return new

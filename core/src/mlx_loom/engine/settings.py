@@ -50,6 +50,12 @@ class EngineSettings(BaseModel):
     * ``max_queued``: requests that may wait for a free row; ``None`` is
       unbounded. Past it, :meth:`EngineService.submit` raises
       :class:`~mlx_loom.errors.EngineBusy` (the server answers 503).
+    * ``max_kv_bytes``: most bytes the running requests' KV caches may hold,
+      each counted at its fullest (prompt plus ``max_tokens``); a request
+      that does not fit waits for running ones to finish, one that could
+      never fit is failed with :class:`~mlx_loom.errors.KVBudgetExceeded`
+      (the server answers 503). ``None``: rows are bounded by count only.
+      See :mod:`mlx_loom.engine.kv_budget` for what it counts.
     * ``idle_seconds``: how long the engine thread waits for work before it
       exits (it restarts on the next request; the prefix store survives), so
       that an idle model holds no thread; ``None`` keeps it for good (the
@@ -67,6 +73,7 @@ class EngineSettings(BaseModel):
     prompt_cache_dir: str | None = None
     prompt_cache_disk_bytes: int | None = None
     max_queued: int | None = None
+    max_kv_bytes: int | None = None
     idle_seconds: float | None = 5.0
 
     def __init__(self, **data: Any) -> None:
@@ -113,7 +120,9 @@ class EngineSettings(BaseModel):
             raise ValueError("it must be None or a directory path")
         return value
 
-    @field_validator("prompt_cache_bytes", "prompt_cache_disk_bytes", "max_queued", mode="before")
+    @field_validator(
+        "prompt_cache_bytes", "prompt_cache_disk_bytes", "max_queued", "max_kv_bytes", mode="before"
+    )
     @classmethod
     def _optional_count(cls, value: Any) -> Any:
         if value is not None and (

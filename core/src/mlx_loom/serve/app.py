@@ -313,7 +313,8 @@ class ServeApp:
         """``(status, body)``: 503 once the engine has been shut down.
 
         ``queued`` counts requests waiting for a free row, ``active_rows`` the
-        requests being prefilled or decoded.
+        requests being prefilled or decoded; ``kv_bytes`` the KV bytes they
+        reserve and the budget (``--max-kv-bytes``; ``max`` null: none).
         """
         worker = self.worker
         ok = worker.alive
@@ -331,6 +332,7 @@ class ServeApp:
             "decoding": engine.decoding,
             "decode_concurrency": settings.decode_concurrency,
             "max_queued": settings.max_queued,
+            "kv_bytes": {"reserved": engine.kv_bytes_reserved, "max": settings.max_kv_bytes},
             "prompt_cache": {
                 "entries": engine.prefix_entries,
                 "bytes": engine.prefix_bytes,

@@ -14,7 +14,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import LoomError, Refusal, RequestError, TokenizerError
+from ..errors import (
+    EngineBusy,
+    KVBudgetExceeded,
+    LoomError,
+    Refusal,
+    RequestError,
+    TokenizerError,
+)
 
 #: ``type`` values, as the OpenAI API spells them (``refusal`` is ours).
 INVALID_REQUEST = "invalid_request_error"
@@ -125,6 +132,10 @@ def from_loom_error(err: LoomError, *, param: str | None = None) -> HttpError:
     """
     if isinstance(err, HttpError):
         return err
+    if isinstance(err, EngineBusy):
+        # A request that outgrew the KV byte budget fails on the engine thread.
+        code = "kv_budget" if isinstance(err, KVBudgetExceeded) else "queue_full"
+        return overloaded(err.message, fix=err.fix or "", code=code)
     if isinstance(err, Refusal):
         return HttpError(
             422, err.message, fix=err.fix, type=REFUSAL, param=param, code=type(err).__name__

@@ -40,6 +40,7 @@ from mlx.utils import tree_flatten
 from ..host import resolve_model
 from ..loader import build_model
 from ..model import Model
+from .oracle import oracle_options
 
 __all__ = [
     "PROMPT",
@@ -50,6 +51,7 @@ __all__ = [
     "greedy",
     "load_oracle",
     "load_ours",
+    "mlx_lm_cache",
     "oracle_model",
     "quantize_checkpoint",
     "write_hf_checkpoint",
@@ -72,6 +74,14 @@ def _mlx_lm_utils() -> ModuleType:
     from mlx_lm import utils
 
     return utils
+
+
+def mlx_lm_cache(model: Any) -> list[Any]:
+    """mlx-lm's caches for its model, as its generate makes them (``make_prompt_cache``)."""
+    # mlx-lm is a test dependency, never a run-time one: imported only when a test asks.
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return cast(list[Any], make_prompt_cache(model))
 
 
 def _as_oracle(config: Mapping[str, Any], oracle_type: str | None) -> dict[str, Any]:
@@ -189,9 +199,7 @@ def quantize_checkpoint(
     dst = Path(dst)
     own_type = json.loads((Path(src) / "config.json").read_text())["model_type"]
     model, config = utils.load_model(Path(src), model_config=_as_oracle({}, oracle_type))
-    model, config = utils.quantize_model(
-        model, config, group_size, bits, quant_predicate=predicate
-    )
+    model, config = utils.quantize_model(model, config, group_size, bits, quant_predicate=predicate)
     config["model_type"] = own_type
     utils.save_model(dst, model)
     utils.save_config(config, dst / "config.json")
@@ -204,7 +212,7 @@ def load_ours(path: str | Path, **options: Any) -> Model:
     ``options`` go to the core's resolution; the defaults are the oracle's
     arithmetic: the checkpoint's dtype on MLX's own operations.
     """
-    options = {"compute_dtype": "checkpoint", "cpu_kernels": "cpu-ops", **options}
+    options = {**oracle_options(), **options}
     return build_model(resolve_model(Path(path), **options))
 
 
@@ -277,8 +285,9 @@ def compare_with_mlx_lm(
 ) -> tuple[Run, Run]:
     """Load ``path`` in both engines, run both greedily, :func:`assert_same_run`.
 
-    Each side decodes on its own caches: ``model.make_cache()`` unless
-    ``our_cache`` / ``oracle_cache`` (called with the model) build others
+    Each side decodes on its own caches: ``model.make_cache()`` and
+    :func:`mlx_lm_cache` unless ``our_cache`` / ``oracle_cache`` (called with
+    the model) build others
     (batch caches for a left-padded batch). ``options`` go to :func:`load_ours`;
     ``oracle_type`` reads the checkpoint as that mlx-lm model type.
     Returns both runs.
@@ -296,7 +305,7 @@ def compare_with_mlx_lm(
     ref = greedy(
         oracle,
         x,
-        oracle_cache(oracle) if oracle_cache else oracle.make_cache(),
+        oracle_cache(oracle) if oracle_cache else mlx_lm_cache(oracle),
         steps=steps,
         chunks=chunks,
         after_forward=oracle_after,

@@ -1,10 +1,12 @@
-"""The Llama graph MiniCPM5 runs: pre-norm blocks of GQA attention and a SwiGLU MLP.
+"""The Llama graph MiniCPM5, Mistral and Ministral 3 run: pre-norm GQA attention, SwiGLU MLP.
 
 Module and attribute names are the Hugging Face ones (``model.layers.0.self_attn.q_proj``),
 so checkpoint tensors load by name with no renaming. The op graph is mlx-lm's
 ``llama`` op for op — the same fused attention, RoPE and RMSNorm calls, the
 same compiled SwiGLU (``mlx_loom.nn.swiglu``), the same mask shortcuts — which
-is what makes the bit-equal parity tests possible.
+is what makes the bit-equal parity tests possible. Ministral 3 adds one step,
+Llama 4's query scaling by position (:func:`llama4_query_scale`), as mlx-lm's
+``ministral3`` does.
 """
 
 from __future__ import annotations
@@ -24,6 +26,26 @@ from mlx_loom.nn import AttentionGeometry, GatedMLP, make_rope, project
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 
 from .config import MiniCPM5Config
+
+
+def llama4_query_scale(
+    length: int, offset: int | mx.array, beta: float, original_max: int, dtype: mx.Dtype
+) -> mx.array:
+    """Per-position query factors ``1 + beta * log(1 + floor(pos / original_max))``.
+
+    ``pos`` runs over the ``length`` new tokens from ``offset`` (one offset per
+    row for batch caches). Shaped to multiply queries ``[B, heads, L, D]``:
+    ``[L, 1]``, or ``[B, 1, L, 1]`` for per-row offsets. Computed in float32
+    and cast to the activations' dtype, which is mlx-lm's arithmetic.
+    """
+    positions = mx.arange(length)
+    if isinstance(offset, mx.array) and offset.ndim > 0:
+        positions = positions + offset[:, None]
+    else:
+        positions = positions + offset
+    factors = 1 + beta * mx.log(1 + mx.floor(positions / original_max))
+    shaped = factors[:, None, :, None] if factors.ndim == 2 else factors[:, None]
+    return shaped.astype(dtype)
 
 
 class Attention(nn.Module):
@@ -50,7 +72,9 @@ class Attention(nn.Module):
             max_position_embeddings=cfg.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, mask: Any, cache: Any = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, mask: Any, cache: Any = None, q_scale: mx.array | None = None
+    ) -> mx.array:
         B, L, _ = x.shape
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
@@ -58,6 +82,8 @@ class Attention(nn.Module):
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0  # an array for batch caches
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if q_scale is not None:
+            q = q * q_scale
         # The cache's view owns the attention arithmetic of its storage codec.
         out = append_kv(cache, k, v).attend(q, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -72,8 +98,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x: mx.array, mask: Any, cache: Any = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+    def __call__(
+        self, x: mx.array, mask: Any, cache: Any = None, q_scale: mx.array | None = None
+    ) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache, q_scale)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -89,6 +117,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: MiniCPM5Config) -> None:
         super().__init__()
         self.sliding_window = cfg.sliding_window
+        # Plain attributes (a tuple would become a module child): beta None = no scaling.
+        scaling = cfg.llama4_scaling
+        self.llama4_beta: float | None = scaling[0] if scaling else None
+        self.llama4_max: int = scaling[1] if scaling else 0
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = [DecoderLayer(cfg, sliding) for sliding in cfg.sliding]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
@@ -103,9 +135,15 @@ class LlamaModel(nn.Module):
             if layer.sliding not in masks:
                 window = self.sliding_window if layer.sliding else None
                 masks[layer.sliding] = create_attention_mask(h, c, window_size=window)
+        q_scale = None
+        if self.llama4_beta is not None:
+            offset = cache[0].offset if cache[0] is not None else 0
+            q_scale = llama4_query_scale(
+                inputs.shape[1], offset, self.llama4_beta, self.llama4_max, h.dtype
+            )
         h = self.stage.enter(h)
         for layer, c in zip(self.layers, cache, strict=True):
-            h = layer(h, masks[layer.sliding], cache=c)
+            h = layer(h, masks[layer.sliding], cache=c, q_scale=q_scale)
         return self.norm(self.stage.leave(h))
 
 

@@ -1,4 +1,4 @@
-"""MiniCPM5 for mlx-loom, declared once: the Llama architecture it is published in.
+"""MiniCPM5 for mlx-loom, declared once: the Llama graph, also serving Mistral and Ministral 3.
 
 Entry point: ``[project.entry-points.mlx_loom] minicpm5 = "mlx_loom_minicpm5.plugin"``.
 The core derives implementation ``minicpm5.llama`` and family profile
@@ -25,7 +25,13 @@ from mlx_loom.plugin import (
     hookimpl,
 )
 
-from .config import FINGERPRINT_FIELDS, MiniCPM5Config
+from .config import (
+    FINGERPRINT_FIELDS,
+    MiniCPM5Config,
+    Ministral3Config,
+    Mistral3Config,
+    MistralConfig,
+)
 from .loader import build, checkpoint_tensors
 from .parallel import plan
 
@@ -53,6 +59,43 @@ TINY_CONFIG = {
     "rms_norm_eps": 1e-5,
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
+}
+
+# Mistral: every layer slides over a window (8 < the kit's longer prompts, so
+# rotating caches wrap), no biases, head_dim 32 for KV quantization groups.
+TINY_MISTRAL_CONFIG = {
+    **{k: v for k, v in TINY_CONFIG.items() if k not in ("model_type", "architectures")},
+    "model_type": "mistral",
+    "architectures": ["MistralForCausalLM"],
+    "sliding_window": 8,
+}
+
+# Ministral 3: YaRN and Llama 4 query scaling from rope_parameters; an original
+# context of 8 positions so the scaling changes within a short prompt.
+TINY_MINISTRAL3_CONFIG = {
+    **{k: v for k, v in TINY_CONFIG.items() if k not in ("model_type", "architectures")},
+    "model_type": "ministral3",
+    "architectures": ["Ministral3ForCausalLM"],
+    "sliding_window": None,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 1000000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 8,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.1,
+    },
+}
+
+# The Mistral 3 wrapper (a vision-language checkpoint; the text model is served).
+TINY_MISTRAL3_CONFIG = {
+    "model_type": "mistral3",
+    "architectures": ["Mistral3ForConditionalGeneration"],
+    "text_config": TINY_MINISTRAL3_CONFIG,
+    "vision_config": {"model_type": "pixtral"},
 }
 
 
@@ -84,13 +127,38 @@ FAMILY = Family(
             tiny_config=TINY_CONFIG,
             tool_parser="minicpm5",
         ),
+        ModelType(
+            name="mistral",
+            schema=MistralConfig,
+            fingerprint_fields=FINGERPRINT_FIELDS,
+            description="Mistral (Llama graph; a sliding_window applies to every layer).",
+            tiny_config=TINY_MISTRAL_CONFIG,
+            tool_parser="mistral",
+        ),
+        ModelType(
+            name="ministral3",
+            schema=Ministral3Config,
+            fingerprint_fields=FINGERPRINT_FIELDS,
+            description="Ministral 3 text (Llama graph, YaRN, Llama 4 query scaling).",
+            tiny_config=TINY_MINISTRAL3_CONFIG,
+            tool_parser="mistral",
+        ),
+        ModelType(
+            name="mistral3",
+            schema=Mistral3Config,
+            fingerprint_fields=FINGERPRINT_FIELDS,
+            description="Mistral 3 wrapper: its text model (ministral3, mistral); vision dropped.",
+            tiny_config=TINY_MISTRAL3_CONFIG,
+            tool_parser="mistral",
+        ),
     ),
     graphs=(
         Graph(
             GRAPH,
             factory=build,
             parallel=plan,
-            description="Llama graph on MLX fused ops (attention, RoPE, RMSNorm); any backend.",
+            description="Llama graph on MLX fused ops (attention, RoPE, RMSNorm); any backend; "
+            "also Mistral and Ministral 3.",
         ),
     ),
     loader=LOADER,
