@@ -1137,7 +1137,7 @@ class LoomServer(ThreadingHTTPServer):
         snapshots = [app.worker.stats() for app in self.pool.residents()]
         engine = EngineStats(
             **{
-                f.name: sum(getattr(s.engine, f.name) for s in snapshots)
+                f.name: _total([getattr(s.engine, f.name) for s in snapshots])
                 for f in dataclasses.fields(EngineStats)
             }
         )
@@ -1517,3 +1517,9 @@ def make_server(
     except BaseException:
         pool.close()
         raise
+
+
+def _total(values: list[Any]) -> Any:
+    """The models' figures summed; a bound that is ``None`` (unbounded) on any model stays
+    ``None`` (``max_kv_bytes``)."""
+    return None if any(v is None for v in values) else sum(values)
