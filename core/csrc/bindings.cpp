@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu_features.h"
+#include "native_experts.h"
 #include "native_matmul.h"
 #include "native_ops.h"
 #include "threadpool.h"
@@ -139,6 +140,59 @@ NB_MODULE(_native, m) {
       "int8_activations"_a = false,
       "[x @ dequantize(w).T for each weight] as one node (one width, group size and scale "
       "dtype); each output equals affine_matmul bit for bit.");
+  m.attr("MAX_GATHER_PARTS") = loom_cpu::kMaxGatherParts;
+  m.def(
+      "gather_dense_matmul",
+      [](const mlx::core::array& x,
+         const mlx::core::array& indices,
+         const std::vector<mlx::core::array>& weights,
+         bool gated,
+         const std::optional<mlx::core::array>& down) {
+        return loom_cpu::gather_dense_matmul(x, indices, weights, gated, down);
+      },
+      "x"_a,
+      "indices"_a,
+      "weights"_a,
+      "gated"_a = false,
+      "down"_a = nb::none(),
+      "Routed experts: for each (token, expert) pair of indices [..., k], x's row (one per "
+      "token or per pair) @ w[expert].T for each stacked weight [experts, N, K]; outputs "
+      "indices.shape + [N]. gated: silu(gate) * up as one output (float32 x); down: that "
+      "hidden row @ down[expert].T in the same node. Each output equals dense_matmul of the "
+      "expert's rows bit for bit.");
+  m.def(
+      "gather_affine_matmul",
+      [](const mlx::core::array& x,
+         const mlx::core::array& indices,
+         const std::vector<mlx::core::array>& weights,
+         const std::vector<mlx::core::array>& scales,
+         const std::vector<mlx::core::array>& biases,
+         int bits,
+         int group_size,
+         bool int8_activations,
+         bool gated,
+         const std::optional<mlx::core::array>& down,
+         const std::optional<mlx::core::array>& down_scales,
+         const std::optional<mlx::core::array>& down_biases) {
+        return loom_cpu::gather_affine_matmul(
+            x, indices, weights, scales, biases, bits, group_size, int8_activations, gated, down,
+            down_scales, down_biases);
+      },
+      "x"_a,
+      "indices"_a,
+      "weights"_a,
+      "scales"_a,
+      "biases"_a,
+      "bits"_a,
+      "group_size"_a,
+      "int8_activations"_a = false,
+      "gated"_a = false,
+      "down"_a = nb::none(),
+      "down_scales"_a = nb::none(),
+      "down_biases"_a = nb::none(),
+      "gather_dense_matmul for stacked MLX affine weights [experts, N, words] with scales and "
+      "biases [experts, N, K / group_size]; each output equals affine_matmul of the expert's "
+      "rows bit for bit.");
   m.def(
       "rms_norm",
       [](const mlx::core::array& x, const std::optional<mlx::core::array>& w, float eps) {

@@ -38,11 +38,15 @@ def tiny_checkpoint(path: Path, model_type: str, *, dtype: str = "F32", **overri
     return write_checkpoint(path, config, tensors)
 
 
-def quantize_with_mlx_lm(src: Path, dst: Path, *, bits: int = 4, group_size: int = 32) -> Path:
-    """mlx-lm's own conversion of ``src`` to an affine-quantized MLX checkpoint."""
+def quantize_with_mlx_lm(
+    src: Path, dst: Path, *, bits: int = 4, group_size: int = 32, mode: str = "affine"
+) -> Path:
+    """mlx-lm's own conversion of ``src`` to a quantized MLX checkpoint (a microscaling
+    ``mode`` packs at its own group size and bits)."""
     from mlx_lm.convert import convert
 
-    convert(str(src), str(dst), quantize=True, q_bits=bits, q_group_size=group_size)
+    packing = {"q_bits": bits, "q_group_size": group_size} if mode == "affine" else {}
+    convert(str(src), str(dst), quantize=True, q_mode=mode, **packing)
     return dst
 
 

@@ -12,7 +12,8 @@ from . import adapterkit
 
 @pytest.fixture(scope="session")
 def base(tmp_path_factory) -> Callable[[str, str], Path]:
-    """``base(model_type, "fp32" | "q4" | "bf16")`` -> a tiny checkpoint, written once."""
+    """``base(model_type, "fp32" | "q4" | "bf16" | a microscaling mode)`` -> a tiny
+    checkpoint, written once."""
     root = tmp_path_factory.mktemp("adapter-bases")
     made: dict[tuple[str, str], Path] = {}
 
@@ -26,6 +27,8 @@ def base(tmp_path_factory) -> Callable[[str, str], Path]:
                 made[key] = adapterkit.tiny_checkpoint(where, model_type, dtype="BF16")
             elif kind == "q4":
                 made[key] = adapterkit.quantize_with_mlx_lm(get(model_type), where)
+            elif kind in ("mxfp4", "nvfp4", "mxfp8"):
+                made[key] = adapterkit.quantize_with_mlx_lm(get(model_type), where, mode=kind)
             else:
                 raise ValueError(kind)
         return made[key]

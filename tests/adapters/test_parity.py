@@ -68,6 +68,23 @@ def test_routed_expert_projections_carry_lora(base, tmp_path, model_type):
     kit.assert_same_run(ours, theirs)
 
 
+@pytest.mark.parametrize("fine_tune_type", ["lora", "dora"])
+@pytest.mark.parametrize("kind", ["mxfp4", "nvfp4"])
+def test_adapters_on_a_microscaling_base_match_mlx_lm(base, tmp_path, kind, fine_tune_type):
+    # DoRA reads the dequantized base weight: in the base's own mode.
+    path = base("llama", kind)
+    adapter = kit.write_adapter(path, tmp_path / "a", fine_tune_type=fine_tune_type)
+    kit.assert_same_run(*_both(path, adapter))
+
+
+def test_routed_experts_in_mxfp4_carry_lora(base, tmp_path):
+    path = base("qwen3_next", "mxfp4")
+    adapter = kit.write_adapter(path, tmp_path / "lora", num_layers=-1)
+    ours, theirs = _both(path, adapter)
+    assert any(".switch_" in p for p in ours.adapter.modules)
+    kit.assert_same_run(ours, theirs)
+
+
 def test_every_layer_and_the_output_head_match_mlx_lm(base, tmp_path):
     path = base("llama")
     keys = ["self_attn.k_proj", "mlp.up_proj", "lm_head", "model.embed_tokens"]

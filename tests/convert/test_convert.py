@@ -20,7 +20,7 @@ import pytest
 import mlx_loom
 from mlx_loom.cli.main import main
 from mlx_loom.convert import convert
-from mlx_loom.errors import ConvertError, HubRefused, Refusal
+from mlx_loom.errors import ConvertError, HubRefused
 
 from ..adapters import adapterkit as kit
 
@@ -29,6 +29,10 @@ VARIANTS = {
     "q4": {"quantize": True},
     "q8g32": {"quantize": True, "q_bits": 8, "q_group_size": 32},
     "mixed_3_6": {"quantize": True, "quant_predicate": "mixed_3_6", "q_group_size": 32},
+    # MLX's microscaling modes (Gemma 4's router stays 8-bit affine: mixed modes).
+    "mxfp4": {"quantize": True, "q_mode": "mxfp4"},
+    "nvfp4": {"quantize": True, "q_mode": "nvfp4"},
+    "mxfp8": {"quantize": True, "q_mode": "mxfp8"},
 }
 
 
@@ -178,10 +182,17 @@ def test_quantize_and_dequantize_together_are_refused(hf, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "mxfp8"])
-def test_a_mode_mlx_loom_cannot_load_is_refused(hf, tmp_path, mode):
-    with pytest.raises(Refusal, match=f"--q-mode {mode}"):
-        ours(hf("llama"), tmp_path / "out", quantize=True, q_mode=mode)
+@pytest.mark.parametrize("flag, value", [("q_bits", 8), ("q_group_size", 64)])
+def test_a_packing_a_microscaling_mode_cannot_hold_is_refused(hf, tmp_path, flag, value):
+    with pytest.raises(ConvertError, match="mode mxfp4 packs group size 32 at 4 bits only"):
+        ours(hf("llama"), tmp_path / "out", quantize=True, q_mode="mxfp4", **{flag: value})
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_recipe_with_a_microscaling_mode_is_refused_as_mlx_lm_does(hf, tmp_path):
+    with pytest.raises(ConvertError, match="cannot be combined with --q-mode nvfp4"):
+        options = {"q_mode": "nvfp4", "quant_predicate": "mixed_3_6"}
+        ours(hf("llama"), tmp_path / "o", quantize=True, **options)
 
 
 @pytest.mark.parametrize("bits, group", [(7, 64), (4, 48)])
@@ -271,7 +282,7 @@ def test_a_quantization_no_width_divides_loads_dense_in_both_engines_with_a_note
     "flags, code, message",
     [
         (["--trust-remote-code"], 3, "which mlx-loom never does"),
-        (["-q", "--q-mode", "nvfp4"], 3, "--q-mode nvfp4"),
+        (["-q", "--q-mode", "nvfp4", "--q-bits", "8"], 1, "mode nvfp4 packs group size 16"),
         (["-q", "-d"], 1, "either quantize or dequantize"),
     ],
 )

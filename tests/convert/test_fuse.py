@@ -34,6 +34,7 @@ CASES = {
     "fp32-dora": ("fp32", "dora", False),
     "q4-lora": ("q4", "lora", False),
     "q4-dora-dequantized": ("q4", "dora", True),
+    "mxfp4-lora": ("mxfp4", "lora", False),
 }
 
 

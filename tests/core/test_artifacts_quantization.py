@@ -22,6 +22,11 @@ from mlx_loom.artifacts import (
 from mlx_loom.errors import ConfigError, WeightsError
 
 SRC = Path("/models/q/config.json")
+MODES = {
+    "mxfp4": {"group_size": 32, "bits": 4},
+    "nvfp4": {"group_size": 16, "bits": 4},
+    "mxfp8": {"group_size": 32, "bits": 8},
+}
 Q4 = QuantSpec(group_size=64, bits=4)
 
 
@@ -104,10 +109,31 @@ def test_unsupported_group_sizes_are_refused(group_size):
     assert f"group_size = {group_size}" in text
 
 
-@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "mxfp8"])
-def test_non_affine_modes_are_refused_by_name(mode):
-    text = parse_error({"quantization": {"group_size": 32, "bits": 4, "mode": mode}})
-    assert f"mode = '{mode}' is an unsupported quantization mode" in text
+@pytest.mark.parametrize("mode", list(MODES))
+def test_microscaling_modes_parse_with_the_packing_they_fix(mode):
+    written = parse({"quantization": {**MODES[mode], "mode": mode}})
+    implied = parse({"quantization": {"mode": mode}})  # MLX's layers fill these in alike
+    want = QuantSpec(**MODES[mode], mode=mode)
+    assert written.default == implied.default == want
+    assert not want.has_biases and want.describe() == mode
+
+
+def test_modes_mix_per_module_as_mlx_lm_writes_them():
+    router = {"group_size": 64, "bits": 8}
+    q = parse({"quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4", "router": router}})
+    assert q.for_module("up").mode == "mxfp4"
+    assert q.for_module("router") == QuantSpec(group_size=64, bits=8, mode="affine")
+
+
+@pytest.mark.parametrize("key, value", [("group_size", 64), ("bits", 8)])
+def test_a_microscaling_mode_with_another_packing_is_refused(key, value):
+    text = parse_error({"quantization": {"mode": "mxfp4", key: value}})
+    assert f"quantization.{key} = {value}, but mode 'mxfp4' packs group size 32 at 4 bits" in text
+
+
+def test_an_unknown_mode_is_refused_by_name():
+    text = parse_error({"quantization": {"group_size": 32, "bits": 4, "mode": "fp6"}})
+    assert "mode = 'fp6' is an unsupported quantization mode" in text
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq", "fp8", "bitnet"])
@@ -223,6 +249,46 @@ def test_a_header_manifest_is_enough_to_plan_the_swap(tmp_path):
     model = Tiny()
     q = QuantizationConfig(default=QuantSpec(group_size=64, bits=4))
     assert apply_quantization(model, q, manifest) == ["up"]
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "mxfp8"])
+def test_a_microscaling_checkpoint_loads_without_biases_and_runs_mlx_products(mode):
+    source = Tiny()
+    source.up = source.up.to_quantized(mode=mode)
+    source.embed = source.embed.to_quantized(mode=mode)
+    weights = dict(tree_flatten(source.parameters()))
+    assert "up.biases" not in weights and weights["up.scales"].dtype == mx.uint8
+    model = Tiny()
+    q = QuantizationConfig(default=QuantSpec(**MODES[mode], mode=mode))
+    assert apply_quantization(model, q, weights) == ["embed", "up"]
+    model.load_weights(list(weights.items()), strict=True)
+    tokens = mx.array([[1, 5, 9]])
+    assert mx.array_equal(model(tokens), source(tokens)).item()
+
+
+def test_a_checkpoint_packed_in_another_mode_than_declared_is_a_weights_error():
+    source = Tiny()
+    source.up = source.up.to_quantized(mode="mxfp4")
+    weights = dict(tree_flatten(source.parameters()))
+    affine = QuantizationConfig(default=QuantSpec(group_size=32, bits=4))
+    with pytest.raises(WeightsError) as info:
+        apply_quantization(Tiny(), affine, weights)
+    assert "uint8 scales (a microscaling mode)" in str(info.value)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_nvfp4_lookups_mlx_cannot_dequantize_row_by_row_give_the_tables_rows(count):
+    # An 80-wide nvfp4 table packs 10 words a row: MLX 0.32.4's dequantize fails
+    # on an odd number of such rows; the loader's lookup pairs them.
+    table = nn.Embedding(8, 80).to_quantized(mode="nvfp4")
+    model = nn.Sequential(nn.Embedding(8, 80))
+    weights = {f"layers.0.{k}": v for k, v in tree_flatten(table.parameters())}
+    nvfp4 = QuantizationConfig(default=QuantSpec(**MODES["nvfp4"], mode="nvfp4"))
+    apply_quantization(model, nvfp4, weights)
+    model.load_weights(list(weights.items()), strict=True)
+    full = mx.dequantize(table.weight, table.scales, mode="nvfp4")
+    tokens = mx.array([[3, 7, 1][:count]])
+    assert mx.array_equal(model(tokens), full[tokens]).item()
 
 
 def test_config_and_packed_shapes_that_disagree_are_a_weights_error_with_a_hint():

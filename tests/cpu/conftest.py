@@ -16,22 +16,24 @@ from mlx_loom.testing.checkpoints import write_checkpoint
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """``checkpoints(family, "bf16" | "q4")``: written once per session."""
-    made: dict[tuple[str, str], Path] = {}
+    """``checkpoints(family, "bf16" | "q4", **config)``: written once per session;
+    ``config`` overrides fields of the family's tiny config (e.g. Gemma 4's MoE block)."""
+    made: dict[tuple[str, str, str], Path] = {}
 
-    def get(family: str, kind: str) -> Path:
-        key = (family, kind)
+    def get(family: str, kind: str, **config) -> Path:
+        key = (family, kind, repr(sorted(config.items())))
         if key not in made:
             root = tmp_path_factory.mktemp(f"{family}-{kind}")
-            made[key] = _write(family, kind, root)
+            made[key] = _write(family, kind, root, config)
         return made[key]
 
     return get
 
 
-def _write(family: str, kind: str, root: Path) -> Path:
+def _write(family: str, kind: str, root: Path, overrides: dict) -> Path:
     mt = default_host().registry.model_type(family)
-    config = dict(mt.tiny_config)
+    config = {**(mt.tiny_config or {}), **overrides}
+    assert mt.checkpoint_tensors is not None
     spec = {
         name: (shape, "bfloat16" if dtype in ("float32", "F32", "BF16", "bfloat16") else dtype)
         for name, (shape, dtype) in mt.checkpoint_tensors(config).items()

@@ -28,9 +28,9 @@ def family(request, family_dirs):
     return request.param, family_dirs[request.param]
 
 
-def claim(key: str, bits: int = 4, group_size: int = 32):
+def claim(key: str, bits: int = 4, group_size: int = 32, mode: str = "affine"):
     def edit(config: dict) -> None:
-        config[key] = {"group_size": group_size, "bits": bits}
+        config[key] = {"group_size": group_size, "bits": bits, "mode": mode}
 
     return edit
 
@@ -57,9 +57,9 @@ def test_a_claim_over_float_weights_generates_from_the_cli(family, tmp_path):
     assert code == 0, err.getvalue()
 
 
-def quantized(src, target, bits_claimed: int):
-    """``src`` with its quantizable weights packed at 4 bits, group 32; the config claims
-    ``bits_claimed``."""
+def quantized(src, target, bits_claimed: int, mode_claimed: str = "affine"):
+    """``src`` with its quantizable weights packed at 4 bits, group 32 (affine); the config
+    claims ``bits_claimed`` in ``mode_claimed``."""
     model, _ = mlx_loom.load(src)
     module = model.module
     nn.quantize(
@@ -69,7 +69,7 @@ def quantized(src, target, bits_claimed: int):
         class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0,
     )
     weights = dict(tree_flatten(module.parameters()))
-    path = variant(src, target, config=claim("quantization", bits=bits_claimed))
+    path = variant(src, target, config=claim("quantization", bits=bits_claimed, mode=mode_claimed))
     (path / "model.safetensors").unlink()
     mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "mlx"})
     return path
@@ -91,6 +91,17 @@ def test_packed_widths_that_disagree_with_the_claimed_bits_are_refused(family, t
     message = info.value.message
     assert "do not match the model" in message and "wrong shape" in message
     assert ".weight" in message and info.value.fix
+
+
+def test_affine_packing_claimed_as_mxfp4_is_refused_though_the_shapes_agree(family, tmp_path):
+    # mxfp4 packs 4 bits in groups of 32 too: only the scales' dtype (uint8, not
+    # float) and the biases (none) tell the modes apart, and both are checked.
+    _, src = family
+    path = quantized(src, tmp_path / "mx", bits_claimed=4, mode_claimed="mxfp4")
+    with pytest.raises(WeightsError) as info:
+        mlx_loom.load(path)
+    message = info.value.message
+    assert ".scales" in message and ".biases" in message and info.value.fix
 
 
 def test_a_claim_that_is_not_an_object_is_a_config_error_naming_the_field(family, tmp_path):

@@ -57,15 +57,17 @@ def write_tiny(path: Path, model_type: str, **overrides: Any) -> Path:
 
 
 def write_quantized(
-    src: Path, dst: Path, *, group_size: int = GROUP_SIZE, bits: int = BITS
+    src: Path, dst: Path, *, group_size: int = GROUP_SIZE, bits: int = BITS, mode: str = "affine"
 ) -> Path:
-    """``src`` affine-quantized in MLX layout: every linear, embedding and expert stack
-    whose input dimension is a whole number of groups (the rest stay as they are)."""
+    """``src`` quantized in MLX layout (``mode``: affine, or mxfp4/nvfp4/mxfp8 at the group
+    size and bits they fix): every linear, embedding and expert stack whose input
+    dimension is a whole number of groups (the rest stay as they are)."""
     model, _ = mlx_loom.load(src)
     nn.quantize(
         model.module,
         group_size=group_size,
         bits=bits,
+        mode=mode,
         class_predicate=lambda _, m: (
             hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
         ),
@@ -75,7 +77,7 @@ def write_quantized(
         str(dst / "model.safetensors"), dict(tree_flatten(model.module.parameters()))
     )
     config = json.loads((src / "config.json").read_text())
-    config["quantization"] = {"group_size": group_size, "bits": bits}
+    config["quantization"] = {"group_size": group_size, "bits": bits, "mode": mode}
     (dst / "config.json").write_text(json.dumps(config))
     for name in os.listdir(src):
         if name.startswith("tokenizer"):

@@ -119,6 +119,18 @@ def test_a_refusal_suggests_the_other_mode_when_it_fits(checkpoints):
     assert "--parallel pipeline" in err.value.fix
 
 
+def test_a_microscaling_checkpoint_splits_its_uint8_scales_with_its_weights(checkpoints, tmp_path):
+    path = write_quantized(checkpoints["llama"], tmp_path / "q", group_size=16, mode="nvfp4")
+    full = whole(path).model.layers[0].self_attn
+    (a, _), (b, _) = parts(path, "tensor", 2)
+    halves = [m.model.layers[0].self_attn for m in (a, b)]
+    for name, axis in (("q_proj", 0), ("o_proj", 1)):
+        for leaf in ("weight", "scales"):
+            joined = mx.concatenate([h[name][leaf] for h in halves], axis=axis)
+            assert mx.array_equal(joined, full[name][leaf]), (name, leaf)
+    assert halves[0].o_proj.mode == "nvfp4" and "biases" not in halves[0].o_proj
+
+
 def test_a_quantized_input_slice_must_be_whole_groups(checkpoints, tmp_path):
     # The tiny config's delta-net out_proj has 32 inputs: 16 per rank, half a group of 32.
     path = write_quantized(checkpoints["qwen3_next"], tmp_path / "q")

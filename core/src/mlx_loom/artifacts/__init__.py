@@ -26,6 +26,8 @@ from mlx_loom.artifacts.config import (
 from mlx_loom.artifacts.fields import FieldError
 from mlx_loom.artifacts.fingerprint import artifact_fingerprint, config_fingerprint
 from mlx_loom.artifacts.quantization import (
+    MODE_PACKING,
+    QUANT_MODES,
     SUPPORTED_BITS,
     SUPPORTED_GROUP_SIZES,
     QuantizationConfig,
@@ -66,6 +68,8 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "SAFETENSORS_DTYPES",
     "SHORT_NAMES",
+    "MODE_PACKING",
+    "QUANT_MODES",
     "SUPPORTED_BITS",
     "SUPPORTED_GROUP_SIZES",
     "TEXT_LAYOUT",

@@ -9,8 +9,26 @@ copies it to ``"quantization_config"`` for the Hub's model tree)::
 
 A key that is a module path overrides the global spec for that module; ``false``
 leaves it unquantized. Hugging Face style ``quantization_config`` is accepted
-when it describes the same MLX affine scheme; other methods (AWQ, GPTQ, FP8,
-bitnet, the microscaling modes) are refused by name rather than approximated.
+when it describes an MLX scheme; other methods (AWQ, GPTQ, FP8, bitnet, a
+Hugging Face ``quant_method: mxfp4`` export) are refused by name rather than
+approximated.
+
+**Modes.** MLX packs a weight one of four ways (``mx.quantize``'s ``mode``),
+and ``mlx_lm.convert --q-mode`` writes each of them:
+
+======  ==============  ========  ==============================  =========
+mode    group size      bits      ``scales``                      ``biases``
+======  ==============  ========  ==============================  =========
+affine  32, 64, 128     2-6, 8    the checkpoint's float dtype    yes
+mxfp4   32              4         uint8 (E8M0 power of two)       no
+nvfp4   16              4         uint8 (E4M3)                    no
+mxfp8   32              8         uint8 (E8M0 power of two)       no
+======  ==============  ========  ==============================  =========
+
+A microscaling mode fixes its group size and bits, so a config may omit them
+there (MLX's layers fill in the same values); given, they must be those.
+Modes mix per module: a global ``mxfp4`` with the router kept at 8-bit
+affine is what ``mlx_lm.convert --q-mode mxfp4`` writes for Gemma 4.
 
 :func:`apply_quantization` then swaps exactly the modules for which the
 checkpoint stores ``<module>.scales`` — mirroring mlx-lm's loader, which also
@@ -33,6 +51,9 @@ from mlx_loom.artifacts.safetensors_header import TensorInfo
 from mlx_loom.errors import ConfigError, WeightsError
 
 __all__ = [
+    "MODE_PACKING",
+    "MicroscalingEmbedding",
+    "QUANT_MODES",
     "SUPPORTED_BITS",
     "SUPPORTED_GROUP_SIZES",
     "QuantSpec",
@@ -45,13 +66,18 @@ __all__ = [
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 #: Affine group sizes MLX implements.
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-_SUPPORTED_MODES = ("affine",)
+QuantMode = Literal["affine", "mxfp4", "nvfp4", "mxfp8"]
+#: The modes MLX's ``quantize``/``quantized_matmul``/``gather_qmm`` implement.
+QUANT_MODES: tuple[QuantMode, ...] = ("affine", "mxfp4", "nvfp4", "mxfp8")
+#: ``(group_size, bits)`` each microscaling mode is fixed to (MLX 0.32's table).
+MODE_PACKING: dict[str, tuple[int, int]] = {"mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 _GLOBAL_KEYS = {"group_size", "bits", "mode"}
 # Keys some writers add next to the global spec that carry no layer information.
 _IGNORED_KEYS = {"quant_method"}
 _CONVERT_FIX = (
-    "convert the checkpoint to MLX affine quantization "
-    "(bits in 2,3,4,5,6,8; group size 32, 64 or 128), or use an unquantized checkpoint"
+    "convert the checkpoint to MLX quantization (loom convert -q or mlx_lm.convert -q: "
+    "affine with bits in 2,3,4,5,6,8 and group size 32, 64 or 128, or --q-mode "
+    "mxfp4/nvfp4/mxfp8), or use an unquantized checkpoint"
 )
 
 
@@ -62,7 +88,16 @@ class QuantSpec(BaseModel):
 
     group_size: int
     bits: int
-    mode: Literal["affine"] = "affine"
+    mode: QuantMode = "affine"
+
+    @property
+    def has_biases(self) -> bool:
+        """Whether the packing stores ``biases`` beside ``scales`` (affine only)."""
+        return self.mode == "affine"
+
+    def describe(self) -> str:
+        """``4-bit group 64`` for affine, the mode's name otherwise (it fixes the rest)."""
+        return f"{self.bits}-bit group {self.group_size}" if self.has_biases else self.mode
 
     def to_quantized_kwargs(self) -> dict[str, Any]:
         return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
@@ -90,13 +125,23 @@ class QuantizationConfig(BaseModel):
 def _spec(data: Mapping[str, Any], *, where: str, source: Path) -> QuantSpec:
     """Validate one ``{group_size, bits, mode}`` mapping.
 
-    ``group_size`` and ``bits`` are required, for overrides too: mlx-lm would
-    fill an omitted one from MLX's layer default (group 64, 4 bits), not from
-    the global spec, and guessing which was meant is how a model loads with the
-    wrong packing. ``mode`` defaults to affine, the only mode MLX checkpoints
-    omitted it for.
+    For affine, ``group_size`` and ``bits`` are required, for overrides too:
+    mlx-lm would fill an omitted one from MLX's layer default (group 64, 4
+    bits), not from the global spec, and guessing which was meant is how a
+    model loads with the wrong packing. ``mode`` defaults to affine, the only
+    mode MLX checkpoints omitted it for. A microscaling mode fixes both, so
+    either may be omitted there and a different value is refused.
     """
-    values: dict[str, Any] = {"mode": data.get("mode", "affine")}
+    mode = data.get("mode", "affine")
+    if mode not in QUANT_MODES:
+        raise ConfigError(
+            f"{source}: {where}.mode = {mode!r} is an unsupported quantization mode "
+            f"(supported: {', '.join(QUANT_MODES)})",
+            fix=_CONVERT_FIX,
+        )
+    if mode in MODE_PACKING:
+        return _fixed_spec(data, mode, where=where, source=source)
+    values: dict[str, Any] = {}
     for key in ("group_size", "bits"):
         if key not in data:
             raise ConfigError(
@@ -104,13 +149,7 @@ def _spec(data: Mapping[str, Any], *, where: str, source: Path) -> QuantSpec:
                 fix=f"add {key!r} to {where} in {source.name}; {_CONVERT_FIX}",
             )
         values[key] = data[key]
-    mode, bits, group_size = values["mode"], values["bits"], values["group_size"]
-    if mode not in _SUPPORTED_MODES:
-        raise ConfigError(
-            f"{source}: {where}.mode = {mode!r} is an unsupported quantization mode "
-            f"(supported: {', '.join(_SUPPORTED_MODES)})",
-            fix=_CONVERT_FIX,
-        )
+    bits, group_size = values["bits"], values["group_size"]
     if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
         raise ConfigError(
             f"{source}: {where}.bits = {bits!r} is unsupported "
@@ -123,7 +162,21 @@ def _spec(data: Mapping[str, Any], *, where: str, source: Path) -> QuantSpec:
             f"(supported: {', '.join(map(str, SUPPORTED_GROUP_SIZES))})",
             fix=_CONVERT_FIX,
         )
-    return QuantSpec(group_size=group_size, bits=bits, mode=mode)
+    return QuantSpec(group_size=group_size, bits=bits, mode="affine")
+
+
+def _fixed_spec(data: Mapping[str, Any], mode: str, *, where: str, source: Path) -> QuantSpec:
+    """A microscaling mode's spec: its own group size and bits, or a refusal naming them."""
+    group_size, bits = MODE_PACKING[mode]
+    for key, fixed in (("group_size", group_size), ("bits", bits)):
+        value = data.get(key, fixed)
+        if isinstance(value, bool) or value != fixed:
+            raise ConfigError(
+                f"{source}: {where}.{key} = {value!r}, but mode {mode!r} packs "
+                f"group size {group_size} at {bits} bits only",
+                fix=f"set {where}.{key} to {fixed} (or remove it) in {source.name}",
+            )
+    return QuantSpec(group_size=group_size, bits=bits, mode=mode)  # type: ignore[arg-type]
 
 
 def parse_quantization(config: Mapping[str, Any], *, source: Path) -> QuantizationConfig | None:
@@ -152,7 +205,7 @@ def parse_quantization(config: Mapping[str, Any], *, source: Path) -> Quantizati
     if method is not None and method != "mlx":
         raise ConfigError(
             f"{source}: {key}.quant_method = {method!r} is an unsupported quantization method "
-            "(supported: MLX affine)",
+            "(supported: mlx, the quantization MLX converters write)",
             fix=_CONVERT_FIX,
         )
 
@@ -219,7 +272,7 @@ def apply_quantization(
             declared = qconfig.overrides.get(path) if qconfig is not None else None
             if quantizable and declared is not None:
                 problems.append(
-                    f"{path}: config declares {declared.bits}-bit group {declared.group_size} "
+                    f"{path}: config declares {declared.describe()} "
                     "but the checkpoint has no scales for it"
                 )
             continue
@@ -262,33 +315,96 @@ def apply_quantization(
         return False if spec is None else spec.to_quantized_kwargs()
 
     nn.quantize(model, class_predicate=predicate)
+    for path, module in model.named_modules():
+        if path in plan:
+            _microscaling_lookups(module)
     return sorted(plan)
+
+
+class MicroscalingEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` in a microscaling mode (mxfp4, nvfp4, mxfp8), with two
+    lookup fixes; ``as_linear`` (a tied head) stays MLX's ``quantized_matmul``.
+
+    * **Pairs of rows.** MLX 0.32.4's ``mx.dequantize`` in nvfp4 mode raises
+      ``[reshape] Cannot reshape array of size 10 into shape (2,4)`` when the
+      packed words it is given are not a multiple of four: one looked-up row
+      of a table whose width is an odd multiple of 16 (mlx-lm fails the same
+      way: a tiny Gemma 4 with 80-wide per-layer embeddings cannot decode a
+      token). Rows dequantize independently, so an odd lookup there takes its
+      first row twice and drops the copy: the bits of any lookup that works.
+    * **The compute dtype.** MLX dequantizes uint8-scaled rows to bfloat16.
+      Every such value is exact in bfloat16, but what the family does next
+      (Gemma's ``embedding * sqrt(hidden)``) would then run in bf16 under a
+      float32 compute dtype; ``lookup_dtype`` (set by the CPU path) converts
+      the rows first. ``None``, MLX's own result: the oracle's arithmetic.
+    """
+
+    lookup_dtype: mx.Dtype | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        flat = x.reshape(-1)
+        count = flat.size
+        paired = count % 2 == 1 and self["weight"].shape[-1] % 4 != 0
+        if paired:
+            flat = mx.concatenate([flat, flat[:1]])
+        rows = mx.dequantize(
+            self["weight"][flat],
+            self["scales"][flat],
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
+        if paired:
+            rows = rows[:count]
+        rows = rows.reshape(*x.shape, -1)
+        return rows if self.lookup_dtype is None else rows.astype(self.lookup_dtype)
+
+
+def _microscaling_lookups(module: nn.Module) -> None:
+    """Give a microscaling ``nn.QuantizedEmbedding`` the :class:`MicroscalingEmbedding`
+    lookup (in place: the parameters and attributes stay)."""
+    if type(module) is nn.QuantizedEmbedding and module.mode != "affine":
+        module.__class__ = MicroscalingEmbedding
 
 
 def _geometry_mismatch(
     path: str, module: nn.Module, spec: QuantSpec, weights: Mapping[str, mx.array | TensorInfo]
 ) -> str | None:
-    """Compare the stored packed weight/scales/biases with what ``spec`` produces."""
+    """Compare the stored packed weight/scales(/biases) with what ``spec`` produces.
+
+    The scales' kind is compared too: affine stores them in a float dtype,
+    the microscaling modes as uint8, so a checkpoint packed in one mode and
+    declared as another is caught here even where the shapes coincide.
+    """
     dense = tuple(module.weight.shape)
     in_dims, lead = dense[-1], dense[:-1]
     if in_dims % spec.group_size:
         return (
             f"{path}: input dimension {in_dims} is not a multiple of group size {spec.group_size}"
         )
-    want = {
-        "weight": lead + (in_dims * spec.bits // 32,),
-        "scales": lead + (in_dims // spec.group_size,),
-        "biases": lead + (in_dims // spec.group_size,),
-    }
-    found = {k: _shape(weights[f"{path}.{k}"]) for k in want if f"{path}.{k}" in weights}
-    if found == want:
+    groups = lead + (in_dims // spec.group_size,)
+    want = {"weight": lead + (in_dims * spec.bits // 32,), "scales": groups}
+    if spec.has_biases:
+        want["biases"] = groups
+    present = [k for k in ("weight", "scales", "biases") if f"{path}.{k}" in weights]
+    found = {k: _shape(weights[f"{path}.{k}"]) for k in present}
+    byte_scales = _is_byte(weights[f"{path}.scales"])
+    if found == want and byte_scales != spec.has_biases:
         return None
     hint = ""
     if "weight" in found and "scales" in found and found["scales"][-1]:
         group = in_dims // found["scales"][-1]
         bits = found["weight"][-1] * 32 // in_dims
-        hint = f" (the stored shapes fit {bits}-bit, group size {group})"
+        kind = "uint8 scales (a microscaling mode)" if byte_scales else "float scales (affine)"
+        hint = f" (the stored shapes fit {bits}-bit, group size {group}, with {kind})"
     return (
-        f"{path}: config declares {spec.bits}-bit group {spec.group_size}, which packs to "
-        f"{want}, but the checkpoint has {found}{hint}"
+        f"{path}: config declares {spec.describe()}{' (affine)' if spec.has_biases else ''}, "
+        f"which packs to {want}, but the checkpoint has {found}{hint}"
     )
+
+
+def _is_byte(x: mx.array | TensorInfo) -> bool:
+    """Whether ``x`` is stored as uint8 (microscaling scales), from an array or a header."""
+    if isinstance(x, TensorInfo):
+        return x.dtype == "U8"
+    return x.dtype == mx.uint8

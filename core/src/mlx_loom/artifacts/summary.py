@@ -15,10 +15,14 @@ How the numbers are counted, and why:
   unquantized checkpoint the file was converted from. Every tensor the
   checkpoint holds counts — a vision tower beside the language model too —
   as model cards count them.
-* **dtype** is the floating type that holds the most parameters; a quantized
-  matrix counts under the dtype of its scales, which is the type its matmuls
-  compute in. A 4-bit mlx-community checkpoint therefore reads ``bfloat16``
-  with quantization ``4-bit``.
+* **dtype** is the floating type that holds the most parameters; an
+  affine-quantized matrix counts under the dtype of its scales, which is the
+  type its matmuls compute in. A 4-bit mlx-community checkpoint therefore
+  reads ``bfloat16`` with quantization ``4-bit``. A microscaling matrix
+  (mxfp4, nvfp4, mxfp8: uint8 scales) has no float dtype and does not count.
+* **Quantization** names the affine widths and groups (``4-bit, group 64``)
+  and each microscaling mode by name (``mxfp4``; mixed: ``mxfp4 + 8-bit,
+  group 64``).
 * **Context length** is ``max_position_embeddings`` (of ``text_config`` for
   wrapper layouts) — what the engine itself treats as the context.
 """
@@ -57,6 +61,8 @@ class WeightsSummary(BaseModel):
     dtype: str | None
     quantization: str | None
     quantization_bits: tuple[int, ...]
+    #: The packing modes of the quantized matrices (``affine``, ``mxfp4`` ...).
+    quantization_modes: tuple[str, ...] = ()
     context_length: int | None
     weights_bytes: int
 
@@ -78,7 +84,8 @@ def summarize_artifact(
     overhead = {f"{m}.{part}" for m in quantized for part in ("scales", "biases")}
     by_dtype: Counter[str] = Counter()
     bits_seen: set[int] = set()
-    groups_seen: set[int] = set()
+    affine_seen: set[tuple[int, int]] = set()
+    modes_seen: set[str] = set()
     parameters = 0
     for name, info in manifest.items():
         if name in overhead:
@@ -89,7 +96,9 @@ def summarize_artifact(
             count = info.numel * 32 // spec.bits if spec is not None else info.numel
             if spec is not None:
                 bits_seen.add(spec.bits)
-                groups_seen.add(spec.group_size)
+                modes_seen.add(spec.mode)
+                if spec.mode == "affine":
+                    affine_seen.add((spec.bits, spec.group_size))
             code = manifest[f"{module}.scales"].dtype
         else:
             count, code = info.numel, info.dtype
@@ -102,16 +111,18 @@ def summarize_artifact(
     return WeightsSummary(
         parameters=parameters,
         dtype=dtype,
-        quantization=_describe_quantization(bits, groups_seen),
+        quantization=_describe_quantization(affine_seen, modes_seen),
         quantization_bits=bits,
+        quantization_modes=tuple(sorted(modes_seen)),
         context_length=context if isinstance(context, int) and context > 0 else None,
         weights_bytes=sum(f.stat().st_size for f in list_weight_files(model_dir)),
     )
 
 
-def _describe_quantization(bits: tuple[int, ...], groups: set[int]) -> str | None:
-    if not bits:
-        return None
-    width = "/".join(map(str, bits)) + "-bit" + (" mixed" if len(bits) > 1 else "")
-    group = ", group " + "/".join(map(str, sorted(groups))) if groups else ""
-    return width + group
+def _describe_quantization(affine: set[tuple[int, int]], modes: set[str]) -> str | None:
+    parts = sorted(modes - {"affine"})
+    bits, groups = sorted({b for b, _ in affine}), {g for _, g in affine}
+    if bits:
+        width = "/".join(map(str, bits)) + "-bit" + (" mixed" if len(bits) > 1 else "")
+        parts.append(width + (", group " + "/".join(map(str, sorted(groups))) if groups else ""))
+    return " + ".join(parts) or None

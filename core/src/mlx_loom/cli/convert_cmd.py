@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..artifacts import INDEX_FILE, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from ..artifacts import INDEX_FILE, MODE_PACKING, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from ..convert import DTYPES, MODES, RECIPES, convert
 from ..errors import Refusal
 from .fuse_cmd import describe_output
@@ -37,17 +37,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--q-group-size",
         type=int,
-        choices=SUPPORTED_GROUP_SIZES,
-        help="quantization group size (default 64)",
+        choices=sorted({*SUPPORTED_GROUP_SIZES, *(g for g, _ in MODE_PACKING.values())}),
+        help="quantization group size (default 64 for affine; a microscaling mode fixes it)",
     )
     parser.add_argument(
-        "--q-bits", type=int, choices=SUPPORTED_BITS, help="bits per weight (default 4)"
+        "--q-bits",
+        type=int,
+        choices=SUPPORTED_BITS,
+        help="bits per weight (default 4 for affine; a microscaling mode fixes it)",
     )
     parser.add_argument(
         "--q-mode",
         default="affine",
         choices=MODES,
-        help="quantization mode (mlx-loom loads affine only; the others are refused)",
+        help="quantization mode: affine (group 32/64/128, 2-8 bits, float scales and biases), "
+        "or MLX's microscaling mxfp4 (group 32, 4 bits), nvfp4 (group 16, 4 bits), mxfp8 "
+        "(group 32, 8 bits) with uint8 scales; every mode loads in mlx-loom and mlx-lm, and "
+        "the native CPU kernels run affine only (loom explain says which products run where)",
     )
     parser.add_argument(
         "--quant-predicate", choices=list(RECIPES), help="a mixed-bit quantization recipe"
@@ -117,7 +123,8 @@ def nothing_packed_note(path: Path) -> str | None:
     spec = json.loads((path / "config.json").read_text()).get("quantization") or {}
     group = spec.get("group_size")
     smallest = min(SUPPORTED_GROUP_SIZES)
-    hint = f"; --q-group-size {smallest} may pack them" if group != smallest else ""
+    affine = spec.get("mode", "affine") == "affine"  # a microscaling mode fixes its group
+    hint = f"; --q-group-size {smallest} may pack them" if affine and group != smallest else ""
     return (
         f"loom: note: no module was quantized: no weight's input width is a multiple of "
         f"group size {group}, so every weight stays dense (as mlx_lm.convert does){hint}"

@@ -8,6 +8,7 @@ import json
 from ..artifacts.summary import summarize_artifact
 from ..cpu import native
 from ..cpu.compiled_step import describe as describe_step
+from ..cpu.path import describe_quantized_products
 from ..device import DeviceReport, report
 from ..engine.defaults import generation_defaults
 from ..host import PluginHost, resolve_model
@@ -53,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
         payload = {
             **summary.model_dump(mode="json"),
             "weights": weights.model_dump(mode="json"),
+            "quantized_products": describe_quantized_products(
+                summary.cpu, weights.quantization_modes
+            ),
             "sampling_defaults": sampling,
             "mlx": {
                 "backend": device.backend,
@@ -81,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         ("kernel backend", summary.backend),
         ("compute dtype", f"{summary.cpu.compute_dtype}  ({summary.cpu.compute_dtype_reason})"),
         ("cpu kernels", summary.cpu.describe_kernels()),
+        (
+            "quantized products",
+            describe_quantized_products(summary.cpu, weights.quantization_modes) or "none",
+        ),
         ("decode step", describe_step(summary.cpu.kernel_set, frozenset(summary.capabilities))),
         ("capabilities", ", ".join(summary.capabilities) or "-"),
         (

@@ -8,8 +8,10 @@ family's module paths, which mlx-lm's loaders accept for every family here.
 
 Options and their mlx-lm defaults: ``dtype`` falls back to the config's
 ``torch_dtype`` (or ``text_config.dtype``) and is applied only when it is a
-conversion dtype; ``q_bits``/``q_group_size`` default to 4 and 64; a recipe
-without ``q_group_size`` uses 64 (mlx-lm records ``null`` there, which no
+conversion dtype; ``q_bits``/``q_group_size`` default to 4 and 64 for affine
+and to the mode's own packing for mxfp4 (32, 4 bits), nvfp4 (16, 4 bits) and
+mxfp8 (32, 8 bits); a recipe (affine only, as in mlx-lm) without
+``q_group_size`` uses 64 (mlx-lm records ``null`` there, which no
 loader can check; the tensors are the same).
 """
 
@@ -21,7 +23,8 @@ from typing import Any
 
 from mlx.utils import tree_flatten
 
-from mlx_loom.errors import ConvertError, Refusal
+from mlx_loom.artifacts import QUANT_MODES
+from mlx_loom.errors import ConvertError
 from mlx_loom.host import resolve_model
 from mlx_loom.loader import build_model
 
@@ -33,13 +36,13 @@ from .output import (
     upload,
     write_model,
 )
-from .quantize import DEFAULT_BITS, DEFAULT_GROUP_SIZE, DTYPES, cast, dequantized_tensors, quantize
+from .quantize import DTYPES, cast, default_packing, dequantized_tensors, quantize
 from .recipes import RECIPES, mixed_predicate
 
 __all__ = ["MODES", "convert", "load_lazily"]
 
-#: ``--q-mode`` values mlx-lm offers; only affine loads back in mlx-loom.
-MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+#: ``--q-mode`` values mlx-lm offers; each loads back in mlx-loom and in mlx-lm.
+MODES = QUANT_MODES
 
 
 def load_lazily(source: str | os.PathLike[str], **host_options: Any):
@@ -78,11 +81,11 @@ def _check_options(quantize_: bool, dequantize: bool, q_mode: str, recipe: str |
         )
     if q_mode not in MODES:
         raise ConvertError(f"--q-mode {q_mode} is unknown", fix=f"choose one of {', '.join(MODES)}")
-    if quantize_ and q_mode != "affine":
-        raise Refusal(
-            f"--q-mode {q_mode} would write a checkpoint mlx-loom cannot load "
-            "(its loader reads affine quantization only)",
-            fix="use --q-mode affine (the default)",
+    if recipe is not None and q_mode != "affine":
+        raise ConvertError(
+            f"--quant-predicate {recipe} mixes affine bit widths and cannot be combined "
+            f"with --q-mode {q_mode}",
+            fix="drop --quant-predicate, or quantize with --q-mode affine",
         )
     if recipe is not None and recipe not in RECIPES:
         raise ConvertError(
@@ -130,14 +133,14 @@ def convert(
     if target is not None:
         cast(module, DTYPES[target])
     if quantize_:
-        group_size = q_group_size or DEFAULT_GROUP_SIZE
+        group_size, bits = default_packing(q_mode, q_group_size, q_bits)
         predicate = (
             mixed_predicate(quant_predicate, module, group_size) if quant_predicate else None
         )
         config = quantize(
             module,
             config,
-            bits=q_bits or DEFAULT_BITS,
+            bits=bits,
             group_size=group_size,
             mode=q_mode,
             predicate=predicate,

@@ -8,11 +8,14 @@ writer evaluates it, one at a time.
   quantizing, so scales and biases are in the cast dtype, as in mlx-lm.
 * **Quantize** (``-q``): every module that has ``to_quantized`` and whose
   input width divides the group size is packed, unless the predicate says
-  otherwise. The predicate is a mixed recipe, else the family graph's own
-  ``quant_predicate`` (mlx-lm's convention: Gemma 4 keeps its router at 8
-  bits), else none. A predicate may return ``False`` (keep dense), ``True``
-  (the global spec) or a ``{group_size, bits[, mode]}`` override, which is
-  recorded per module in the config's ``quantization``.
+  otherwise, in the mode asked for (``--q-mode``: affine, or MLX's
+  microscaling mxfp4, nvfp4, mxfp8, which fix their own group size and
+  bits). The predicate is a mixed recipe (affine only), else the family
+  graph's own ``quant_predicate`` (mlx-lm's convention: Gemma 4 keeps its
+  router at 8-bit affine, whatever the mode), else none. A predicate may
+  return ``False`` (keep dense), ``True`` (the global spec) or a
+  ``{group_size, bits[, mode]}`` override, which is recorded per module in
+  the config's ``quantization``.
 * **Dequantize** (``-d``): every packed module's weight is unpacked with its
   own group size, bits and mode and its scales/biases dropped; this works on
   the tensors, so it needs no dense twin of a family's quantized layer class.
@@ -29,11 +32,12 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
 from mlx_loom.adapters.layers import dense_weight, is_quantized
-from mlx_loom.artifacts import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from mlx_loom.artifacts import MODE_PACKING, QUANT_MODES, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from mlx_loom.errors import ConvertError
 
 __all__ = [
     "DTYPES",
+    "default_packing",
     "QuantPredicate",
     "cast",
     "dequantized_tensors",
@@ -54,8 +58,30 @@ QuantPredicate = Callable[[str, nn.Module], bool | dict[str, Any]]
 DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 64
 
 
-def validate_spec(bits: int, group_size: int, *, where: str) -> None:
-    """Refuse a packing this engine cannot load back (affine, MLX's bit widths and groups)."""
+def default_packing(mode: str, group_size: int | None, bits: int | None) -> tuple[int, int]:
+    """``(group_size, bits)`` with what was not given filled in as mlx-lm does for ``mode``."""
+    fixed_group, fixed_bits = MODE_PACKING.get(mode, (DEFAULT_GROUP_SIZE, DEFAULT_BITS))
+    return group_size or fixed_group, bits or fixed_bits
+
+
+def validate_spec(bits: int, group_size: int, *, where: str, mode: str = "affine") -> None:
+    """Refuse a packing this engine cannot load back (MLX's modes, bit widths and groups)."""
+    if mode not in QUANT_MODES:
+        raise ConvertError(
+            f"{where}: quantization mode {mode!r} is not supported "
+            f"(supported: {', '.join(QUANT_MODES)})",
+            fix="choose --q-mode from " + ", ".join(QUANT_MODES),
+        )
+    if mode in MODE_PACKING:
+        fixed_group, fixed_bits = MODE_PACKING[mode]
+        if (group_size, bits) != (fixed_group, fixed_bits):
+            raise ConvertError(
+                f"{where}: mode {mode} packs group size {fixed_group} at {fixed_bits} bits "
+                f"only, not group size {group_size} at {bits} bits",
+                fix=f"drop --q-group-size/--q-bits with --q-mode {mode} (or give "
+                f"{fixed_group}/{fixed_bits})",
+            )
+        return
     if bits not in SUPPORTED_BITS:
         raise ConvertError(
             f"{where}: {bits}-bit quantization is not supported "
@@ -97,7 +123,7 @@ def quantize(
     quantization (a partly quantized source), every newly packed module is
     recorded by path.
     """
-    validate_spec(bits, group_size, where="--q-bits/--q-group-size")
+    validate_spec(bits, group_size, where="--q-bits/--q-group-size", mode=mode)
     out = copy.deepcopy(config)
     predicate = predicate or getattr(model, "quant_predicate", None)
     spec = {"group_size": group_size, "bits": bits, "mode": mode}
@@ -112,7 +138,12 @@ def quantize(
             return False
         choice: bool | dict[str, Any] = True if predicate is None else predicate(path, module)
         if isinstance(choice, dict):
-            validate_spec(choice["bits"], choice["group_size"], where=f"the predicate for {path}")
+            validate_spec(
+                choice["bits"],
+                choice["group_size"],
+                where=f"the predicate for {path}",
+                mode=choice.get("mode", "affine"),
+            )
             out["quantization"][path] = choice
         elif fine_grained and choice:
             out["quantization"][path] = spec

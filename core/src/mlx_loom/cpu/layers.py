@@ -11,11 +11,14 @@ kernel. Family code is not touched.
 
 Exactly these four classes are swapped (``type(m) is nn.Linear``, not
 subclasses: a subclass may compute something else), and only affine
-quantization (the only mode the loader accepts). On ``cpu-native-int8-act``
+quantization: a layer in one of MLX's microscaling modes (mxfp4, nvfp4,
+mxfp8) keeps MLX's own ``quantized_matmul``, which ``loom explain`` states
+(:func:`mlx_loom.cpu.path.describe_quantized_products`). On ``cpu-native-int8-act``
 the 4-bit quantized ones are marked ``int8_activations``: their products of
 at most 32 rows run against int8 activations (the kernel's stated bound).
 The same pass swaps the norm and RoPE modules, and the core's gated MLP, for
-their one-node versions (:mod:`mlx_loom.cpu.ops`).
+their one-node versions (:mod:`mlx_loom.cpu.ops`), and the routed-expert
+layer and its stacked projections for theirs (:mod:`mlx_loom.cpu.experts`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..nn import projections
+from ..nn.experts import SwitchGLU
 from ..nn.mlp import GatedMLP
 from ..nn.rope import FreqsRoPE
-from . import native
+from . import experts, native
 
 
 class NativeLinear(nn.Linear):
@@ -158,6 +162,7 @@ SWAPS: dict[type[nn.Module], type[nn.Module]] = {
     nn.QuantizedLinear: NativeQuantizedLinear,
     nn.Embedding: NativeEmbedding,
     nn.QuantizedEmbedding: NativeQuantizedEmbedding,
+    **experts.SWAPS,
 }
 
 
@@ -171,6 +176,7 @@ def op_swaps() -> dict[type[nn.Module], type[nn.Module]]:
         nn.RoPE: ops.NativeRoPE,
         FreqsRoPE: ops.NativeFreqsRoPE,
         GatedMLP: ops.NativeGatedMLP,
+        SwitchGLU: experts.NativeSwitchGLU,
     }
 
 
@@ -182,6 +188,7 @@ KEPT_AS_STORED: dict[type[nn.Module], frozenset[str]] = {
     NativeQuantizedLinear: frozenset({"weight", "scales", "biases"}),
     NativeEmbedding: frozenset({"weight"}),
     NativeQuantizedEmbedding: frozenset({"weight", "scales", "biases"}),
+    **experts.KEPT_AS_STORED,
 }
 
 
@@ -199,13 +206,17 @@ def swappable(module: nn.Module) -> bool:
         from . import ops  # loaded by op_swaps() already; see there
 
         return ops.fits(module)
+    # Expert stacks with a bias keep MLX's gather (the native node has none).
+    if type(module) in experts.SWAPS and "bias" in module:
+        return False
     return type(module) in SWAPS and getattr(module, "mode", "affine") == "affine"
 
 
 def swap_in(
     module: nn.Module, compute_dtype: mx.Dtype | None, *, int8_activations: bool = False
 ) -> None:
-    """Turn ``module`` (one of the four classes, affine) into its native subclass.
+    """Turn ``module`` (a class of :data:`SWAPS` or :func:`op_swaps`, affine) into its
+    native subclass.
 
     The class changes in place, so the module keeps its identity, its place
     in the tree and everything the loader set on it. ``int8_activations``
@@ -222,7 +233,10 @@ def swap_in(
     module.__class__ = SWAPS[type(module)]
     if isinstance(module, NativeEmbedding | NativeQuantizedEmbedding):
         module.compute_dtype = compute_dtype
-    if isinstance(module, NativeQuantizedLinear | NativeQuantizedEmbedding):
+    if isinstance(
+        module,
+        NativeQuantizedLinear | NativeQuantizedEmbedding | experts.NativeQuantizedSwitchLinear,
+    ):
         module.int8_activations = int8_activations and module.bits == 4
 
 

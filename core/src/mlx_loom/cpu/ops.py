@@ -48,6 +48,7 @@ import mlx.nn as nn
 
 from ..forward_hooks import NativeForward, using
 from ..nn.activations import swiglu
+from ..nn.experts import SwitchGLU
 from ..nn.mlp import GatedMLP
 from ..nn.rope import FreqsRoPE
 from . import native
@@ -181,7 +182,7 @@ class NativeGatedMLP(GatedMLP):
 
 def fits(module: nn.Module) -> bool:
     """Whether a norm, RoPE or gated MLP module is within the native kernels' limits."""
-    if type(module) is GatedMLP:
+    if type(module) is GatedMLP or type(module) is SwitchGLU:
         return True
     if isinstance(module, nn.RMSNorm):
         return module["weight"].ndim == 1 and module["weight"].shape[0] <= MAX_NORM_WIDTH

@@ -46,7 +46,7 @@ then only ask for the pinned value.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -54,6 +54,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict
 
+from ..artifacts.quantization import MicroscalingEmbedding
 from ..errors import KernelUnavailable, RequestError
 from . import layers, native
 from .native import NATIVE_KERNEL_SETS
@@ -67,9 +68,10 @@ DEFAULT_CPU_COMPUTE_DTYPE: ComputeDtype = "float32"
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
-def _native_kernels(matmul: str) -> dict[str, str]:
+def _native_kernels(matmul: str, experts: str) -> dict[str, str]:
     """The kernels of a kernel set on the native extension, by name, with what each
-    runs; ``matmul`` describes its products (the one thing the native sets differ in)."""
+    runs; ``matmul`` and ``experts`` describe its products (the one thing the native
+    sets differ in)."""
     return {
         "matmul": matmul,
         "rms_norm": "mlx_loom.cpu._native rms_norm: nn.RMSNorm as one node",
@@ -80,7 +82,17 @@ def _native_kernels(matmul: str) -> dict[str, str]:
         "bit-equal to MLX's; with GatedMLP's gate and up projections, one product node",
         "log_softmax": "mlx_loom.cpu._native log_softmax: the engine's float32 "
         "log-probabilities, bit-equal to MLX's logsumexp",
+        "experts": experts,
     }
+
+
+#: What the native sets run for routed experts (mlx_loom.cpu.experts).
+_EXPERTS = (
+    "mlx_loom.cpu._native gather_dense_matmul / gather_affine_matmul: the routed experts "
+    "(SwitchGLU) of fp32/bf16/fp16 and affine 2-8 bit stacks, one node per layer with "
+    "SwiGLU in float32 (gate, up, gate and down), else gate+up and down nodes; mxfp4, "
+    "mxfp8 and nvfp4 experts stay on MLX's gather_qmm"
+)
 
 
 @dataclass(frozen=True)
@@ -116,7 +128,8 @@ def cpu_kernel_sets() -> dict[str, KernelSet]:
             "one node each; fp32 accumulation",
             _native_kernels(
                 "mlx_loom.cpu._native dense_matmul / affine_matmul (projections of one "
-                "activation through mlx_loom.nn.project: one multi-output node)"
+                "activation through mlx_loom.nn.project: one multi-output node)",
+                _EXPERTS,
             ),
             lambda: native.unavailable_reason(),
         ),
@@ -127,7 +140,8 @@ def cpu_kernel_sets() -> dict[str, KernelSet]:
             _native_kernels(
                 "mlx_loom.cpu._native affine_matmul(int8_activations=True) for 4-bit weights, "
                 "dense_matmul / affine_matmul otherwise (projections of one activation through "
-                "mlx_loom.nn.project: one multi-output node)"
+                "mlx_loom.nn.project: one multi-output node)",
+                _EXPERTS + "; 4-bit experts with int8 activations up to 32 rows per expert",
             ),
             lambda: native.unavailable_reason(),
         ),
@@ -158,6 +172,37 @@ class CpuPath(BaseModel):
         extra = f", {self.threads} threads" if self.kernel_set in NATIVE_KERNEL_SETS else ""
         kernels = ", ".join(cpu_kernel_sets()[self.kernel_set].kernels)
         return f"{self.kernel_set}{extra}: {kernels}  ({self.kernel_set_reason})"
+
+
+def describe_quantized_products(path: CpuPath, modes: Iterable[str]) -> str | None:
+    """Where a checkpoint's quantized products run, per layer kind and packing mode.
+
+    ``modes`` are the checkpoint's (``WeightsSummary.quantization_modes``);
+    ``None`` when it has no quantized matrix. The native kernels implement
+    affine packing only: a linear or embedding packed in a microscaling mode
+    (mxfp4, nvfp4, mxfp8) is left on MLX's own ``quantized_matmul`` /
+    ``dequantize`` — never swapped, never approximated — and routed experts
+    run MLX's ``gather_qmm`` in every mode and every kernel set.
+    """
+    modes = sorted(set(modes))
+    if not modes:
+        return None
+    if path.kernel_set is None:
+        return f"MLX's quantized kernels on {path.backend} ({', '.join(modes)})"
+    tail = ["embedding lookups: MLX dequantize", "any routed experts: MLX gather_qmm"]
+    if path.kernel_set not in NATIVE_KERNEL_SETS:
+        ops = f"linear and tied head: MLX quantized_matmul ({', '.join(modes)})"
+        return "; ".join([ops, *tail])
+    parts = []
+    if "affine" in modes:
+        parts.append("affine linear and tied head: mlx_loom.cpu._native affine_matmul")
+    micro = [m for m in modes if m != "affine"]
+    if micro:
+        parts.append(
+            f"{'/'.join(micro)} linear and tied head: MLX quantized_matmul "
+            "(the native kernels run affine packing only)"
+        )
+    return "; ".join([*parts, *tail])
 
 
 def check_compute_dtype(value: str | None, *, asked: str = "compute_dtype") -> None:
@@ -272,6 +317,10 @@ def apply_cpu_path(model: nn.Module, path: CpuPath) -> None:
     the whole model.
     """
     dtype = path.dtype
+    if dtype is not None:
+        for _, mod in model.named_modules():
+            if isinstance(mod, MicroscalingEmbedding):
+                mod.lookup_dtype = dtype  # its rows, not only its (uint8) scales
     if path.kernel_set not in NATIVE_KERNEL_SETS:
         if dtype is not None:
             model.set_dtype(dtype, predicate=lambda d: mx.issubdtype(d, mx.floating))

@@ -12,11 +12,11 @@ registers the three :func:`expert_kernels` under its own kernel name):
   ``gather_qmm``, tokens sorted by expert at >= 64 pairs). MLX's Metal gather
   kernels handle every dtype.
 * ``cpu`` and ``cuda``: :func:`switch_glu`, plain MLX ops that run on every
-  backend. fp32 and affine-quantized experts take the same gather graph (bit-
-  equal to mlx-lm); bf16/fp16 dense experts take :func:`grouped_switch_glu`,
-  because ``mx.gather_mm`` is fp32-only on the CPU (MLX 0.32: "[GatherMM::eval]
-  Currently only supports float32.", which is why mlx-lm cannot run bf16 MoE
-  models there).
+  backend. fp32 and quantized experts (any mode: affine, mxfp4, nvfp4,
+  mxfp8) take the same gather graph (bit-equal to mlx-lm); bf16/fp16 dense
+  experts take :func:`grouped_switch_glu`, because ``mx.gather_mm`` is
+  fp32-only on the CPU (MLX 0.32: "[GatherMM::eval] Currently only supports
+  float32.", which is why mlx-lm cannot run bf16 MoE models there).
 
 The one bf16-on-CPU strategy, and why (measured with
 ``benchmarks/moe_bf16_cpu.py``: 64 experts, hidden 1024, expert width 512,
@@ -131,8 +131,9 @@ class SwitchLinear(nn.Module):
         return y + self["bias"][expert] if "bias" in self else y
 
     def to_quantized(
-        self, group_size: int = 64, bits: int = 4, mode: str = "affine"
+        self, group_size: int | None = None, bits: int | None = None, mode: str = "affine"
     ) -> QuantizedSwitchLinear:
+        """The packed form of this stack, in any of MLX's modes (``None``: the mode's default)."""
         E, out_dims, in_dims = self.weight.shape
         q = QuantizedSwitchLinear(
             in_dims,
@@ -143,18 +144,25 @@ class SwitchLinear(nn.Module):
             mode=mode,
             bias="bias" in self,
         )
-        q.weight, q.scales, q.biases = mx.quantize(self.weight, group_size, bits, mode=mode)
+        q.weight, q.scales, *biases = mx.quantize(self.weight, q.group_size, q.bits, mode=mode)
+        if biases:
+            q.biases = biases[0]
         if "bias" in self:
             q.bias = self.bias
         return q
 
 
-class QuantizedSwitchLinear(nn.Module):
-    """Affine-quantized :class:`SwitchLinear`: ``weight`` uint32, ``scales``, ``biases``
-    (and the unquantized per-expert ``bias`` where the dense one had it).
+#: MLX's default ``(group_size, bits)`` per mode (``mx.quantize``'s table).
+_MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 
-    ``mx.gather_qmm`` runs on every backend in every activation dtype, so a
-    quantized expert stack always takes the gather graph.
+
+class QuantizedSwitchLinear(nn.Module):
+    """Quantized :class:`SwitchLinear`: ``weight`` uint32 and ``scales``, plus ``biases``
+    in affine mode (the microscaling modes mxfp4/nvfp4/mxfp8 store uint8 scales alone),
+    and the dense per-expert ``bias`` where the stack had one.
+
+    ``mx.gather_qmm`` runs on every backend in every activation dtype and
+    every mode, so a quantized expert stack always takes the gather graph.
     """
 
     is_quantized = True
@@ -165,16 +173,23 @@ class QuantizedSwitchLinear(nn.Module):
         out_dims: int,
         n_experts: int,
         *,
-        group_size: int,
-        bits: int,
+        group_size: int | None = None,
+        bits: int | None = None,
         mode: str = "affine",
         bias: bool = False,
     ) -> None:
         super().__init__()
-        self.group_size, self.bits, self.mode = group_size, bits, mode
-        self.weight = mx.zeros((n_experts, out_dims, in_dims * bits // 32), dtype=mx.uint32)
-        self.scales = mx.zeros((n_experts, out_dims, in_dims // group_size))
-        self.biases = mx.zeros((n_experts, out_dims, in_dims // group_size))
+        default_group, default_bits = _MODE_DEFAULTS[mode]
+        self.group_size = group_size or default_group
+        self.bits = bits or default_bits
+        self.mode = mode
+        groups = (n_experts, out_dims, in_dims // self.group_size)
+        self.weight = mx.zeros((n_experts, out_dims, in_dims * self.bits // 32), dtype=mx.uint32)
+        if mode == "affine":
+            self.scales = mx.zeros(groups)
+            self.biases = mx.zeros(groups)
+        else:
+            self.scales = mx.zeros(groups, dtype=mx.uint8)
         if bias:
             self.bias = mx.zeros((n_experts, out_dims))
         self.freeze()
@@ -184,7 +199,7 @@ class QuantizedSwitchLinear(nn.Module):
             x,
             self["weight"],
             self["scales"],
-            self["biases"],
+            self.get("biases"),
             rhs_indices=indices,
             transpose=True,
             group_size=self.group_size,

@@ -54,6 +54,7 @@ from mlx_loom.artifacts import (
     ArtifactConfig,
     ExpectedTensor,
     QuantizationConfig,
+    QuantSpec,
     TextLayout,
     apply_quantization,
     load_weights,
@@ -89,9 +90,10 @@ class Matrix:
     """A quantizable weight at a module path: ``weight`` of ``shape`` (``[..., out, in]``).
 
     Linear layers, embeddings and stacked experts (``[experts, out, in]``).
-    ``bias`` adds ``bias [..., out]``. Quantized (MLX affine), ``weight`` is
-    ``uint32 [..., out, in * bits / 32]`` and ``scales``/``biases`` have one
-    column per group, in the checkpoint's float dtype.
+    ``bias`` adds ``bias [..., out]``. Quantized, ``weight`` is ``uint32
+    [..., out, in * bits / 32]`` and ``scales`` has one column per group: in
+    the checkpoint's float dtype with ``biases`` beside it (affine), or uint8
+    with no ``biases`` (the microscaling modes mxfp4, nvfp4, mxfp8).
     """
 
     shape: tuple[int, ...]
@@ -198,12 +200,19 @@ def _check_layer_count(
         )
 
 
-def _quantized(path: str, entry: Matrix, spec, dtype) -> Iterator[tuple[str, ExpectedTensor]]:
+def _quantized(
+    path: str, entry: Matrix, spec: QuantSpec, dtype: str | frozenset[str]
+) -> Iterator[tuple[str, ExpectedTensor]]:
+    """The packed tensors of one quantized matrix: affine scales and biases in a
+    float dtype; a microscaling mode's uint8 scales alone."""
     *lead, rows, cols = entry.shape
-    groups = cols // spec.group_size
+    groups = (*lead, rows, cols // spec.group_size)
     yield f"{path}.weight", ((*lead, rows, cols * spec.bits // 32), "U32")
-    yield f"{path}.scales", ((*lead, rows, groups), dtype)
-    yield f"{path}.biases", ((*lead, rows, groups), dtype)
+    if spec.has_biases:
+        yield f"{path}.scales", (groups, dtype)
+        yield f"{path}.biases", (groups, dtype)
+    else:
+        yield f"{path}.scales", (groups, "U8")
 
 
 def expected_tensors(
@@ -244,7 +253,7 @@ def expected_tensors(
             )
         elif not has_scales and declared is not None:
             problems.append(
-                f"{name}: the config declares {declared.bits}-bit group {declared.group_size} "
+                f"{name}: the config declares {declared.describe()} "
                 "but the checkpoint has no scales for it"
             )
         if has_scales and spec is not None:

@@ -1048,6 +1048,14 @@ def _too_many_connections(limit: int, *, per_client: bool = False) -> bytes:
     return (head + "\r\n").encode() + body
 
 
+def _summed(field: dataclasses.Field[Any], values: Iterable[int | None]) -> int | None:
+    """The sum over engines; an optional figure no engine sets (a budget) stays unset."""
+    present = [v for v in values if v is not None]
+    if not present and field.default is None:
+        return None
+    return sum(present)
+
+
 class LoomServer(ThreadingHTTPServer):
     """An HTTP server bound to ``(host, port)`` serving one :class:`ServeApp`.
 
@@ -1136,8 +1144,8 @@ class LoomServer(ThreadingHTTPServer):
         """Every resident model's engine figures, summed (what ``/metrics`` reports)."""
         snapshots = [app.worker.stats() for app in self.pool.residents()]
         engine = EngineStats(
-            **{
-                f.name: _total([getattr(s.engine, f.name) for s in snapshots])
+            **{  # type: ignore[arg-type]  # each field keeps its own type (see _summed)
+                f.name: _summed(f, (getattr(s.engine, f.name) for s in snapshots))
                 for f in dataclasses.fields(EngineStats)
             }
         )
@@ -1517,9 +1525,3 @@ def make_server(
     except BaseException:
         pool.close()
         raise
-
-
-def _total(values: list[Any]) -> Any:
-    """The models' figures summed; a bound that is ``None`` (unbounded) on any model stays
-    ``None`` (``max_kv_bytes``)."""
-    return None if any(v is None for v in values) else sum(values)
