@@ -109,8 +109,18 @@ def write_tiny(
     seed: int = 0,
     **overrides: Any,
 ) -> Path:
-    """The tiny checkpoint in ``layout`` ("hf" or "mlx"; ``bits``: mlx-lm-quantized, MLX layout)."""
+    """The tiny checkpoint in ``layout``: "hf", "mlx" (``bits``: mlx-lm-quantized, affine)
+    or "mlx-mxfp4" (``mlx_lm.convert --q-mode mxfp4``: experts and attention in MXFP4,
+    the router at 8-bit affine by the model's recipe)."""
     cfg = TINY | overrides
+    if layout == "mlx-mxfp4":
+        from mlx_lm.utils import quantize_model, save_config, save_model
+
+        model = parity.oracle_model(cfg, dtype=dtype, seed=seed)
+        model, cfg = quantize_model(model, dict(cfg), 32, 4, mode="mxfp4")
+        save_model(directory, model)
+        save_config(cfg, directory / "config.json")
+        return directory
     if layout == "hf":
         return parity.write_hf_checkpoint(directory, cfg, dtype=dtype, seed=seed, to_hf=hf_layout)
     return parity.write_mlx_checkpoint(

@@ -25,6 +25,7 @@ CHECKPOINTS = {
     "hf-fp32": {"layout": "hf"},
     "mlx-fp32": {"layout": "mlx"},
     "mlx-q4": {"layout": "mlx", "bits": 4},  # mlx-lm's recipe: 8-bit router, 4-bit rest
+    "mlx-mxfp4": {"layout": "mlx-mxfp4"},  # MXFP4 experts (with their bias), 8-bit router
 }
 
 
@@ -43,9 +44,10 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("kind", list(CHECKPOINTS))
 def test_greedy_decode_matches_mlx_lm_bit_for_bit(checkpoint, kind):
     path = checkpoint(kind)
-    if kind == "mlx-q4":
+    if kind in ("mlx-q4", "mlx-mxfp4"):
         layer = load_ours(path).module.model.layers[0].mlp
         assert layer.router.bits == 8 and layer.experts.down_proj.bits == 4
+        assert layer.experts.down_proj.mode == ("mxfp4" if kind == "mlx-mxfp4" else "affine")
         assert "bias" in layer.experts.down_proj  # the experts' bias survives quantization
     compare_with_mlx_lm(path, steps=24)
 
