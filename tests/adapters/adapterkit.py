@@ -25,7 +25,7 @@ TRAINER_NOISE = {"model": "base", "data": "data", "learning_rate": 1e-5, "iters"
 
 
 #: Every model type mlx-lm can also load (it has no ``qwen3_5_text`` model).
-FAMILIES = ["llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4"]
+FAMILIES = ["llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4", "gpt_oss"]
 
 
 def tiny_checkpoint(path: Path, model_type: str, *, dtype: str = "F32", **overrides: Any) -> Path:

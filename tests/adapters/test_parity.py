@@ -26,6 +26,7 @@ DORA_KEYS = {
     "qwen3_5": ["self_attn.v_proj", "linear_attn.in_proj_qkv", "linear_attn.in_proj_z"],
     "gemma4_text": ["self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj", "router.proj"],
     "gemma4": ["self_attn.q_proj", "mlp.up_proj", "per_layer_input_gate"],
+    "gpt_oss": ["self_attn.q_proj", "self_attn.v_proj", "mlp.router"],
 }
 
 
@@ -57,12 +58,12 @@ def test_dora_matches_mlx_lm(base, tmp_path, model_type, kind):
     assert ours.adapter.kind == "dora"
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "gemma4_text"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "gemma4_text", "gpt_oss"])
 def test_routed_expert_projections_carry_lora(base, tmp_path, model_type):
     path = base(model_type, "q4")
     adapter = kit.write_adapter(path, tmp_path / "lora", num_layers=-1)
     ours, theirs = _both(path, adapter)
-    experts = [p for p in ours.adapter.modules if ".switch_" in p]
+    experts = [p for p in ours.adapter.modules if ".switch_" in p or ".experts." in p]
     assert experts, ours.adapter.modules
     kit.assert_same_run(ours, theirs)
 

@@ -26,6 +26,7 @@ DENSE_KEYS = {
     "qwen3_5": ["self_attn.v_proj", "linear_attn.in_proj_qkv", "mlp.down_proj"],
     "gemma4_text": ["self_attn.q_proj", "mlp.down_proj", "router.proj"],
     "gemma4": ["self_attn.o_proj", "mlp.up_proj", "per_layer_input_gate"],
+    "gpt_oss": ["self_attn.q_proj", "self_attn.o_proj", "mlp.router"],
 }
 
 

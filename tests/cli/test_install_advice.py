@@ -121,7 +121,7 @@ def test_the_not_installed_refusal_names_the_command_for_this_installation(tmp_p
     """The real CLI with the core installed as it is here, and no family plugin."""
     site = tmp_path / "site"
     site.mkdir()
-    families = ("mlx_loom_minicpm5", "mlx_loom_qwen3_next", "mlx_loom_gemma4")
+    families = ("mlx_loom_minicpm5", "mlx_loom_qwen3_next", "mlx_loom_gemma4", "mlx_loom_gpt_oss")
     for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
         name = entry.name.lower().replace("-", "_")
         if not any(family in name for family in families):  # keep the core, drop the families

@@ -10,7 +10,7 @@ import pytest
 
 from mlx_loom.testing import run_conformance
 
-FAMILIES = ("minicpm5", "qwen3_next", "gemma4", "qwen3")
+FAMILIES = ("minicpm5", "qwen3_next", "gemma4", "qwen3", "gpt_oss")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

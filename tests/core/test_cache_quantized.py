@@ -87,12 +87,24 @@ def test_quantized_attention_equals_mlx_lm_with_grouped_heads_and_masks(bits):
         theirs.update_and_fetch(*kv(step, L))
 
 
-def test_quantized_attention_refuses_sinks():
-    cache = QuantizedKVCache(group_size=32, bits=4)
-    view = cache.append(*kv(0, 3))
-    q = mx.zeros((1, H, 3, D))
-    with pytest.raises(CapabilityRefused, match="sinks"):
-        view.attend(q, scale=1.0, mask=None, sinks=mx.zeros(H))
+@pytest.mark.parametrize("groups", [1, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_quantized_attention_with_sinks_is_the_fused_kernel_over_the_dequantized_cache(
+    groups, causal
+):
+    # gpt-oss's learned per-head sink logits: the same softmax as the fused
+    # kernel's, over keys/values that are the quantized cache's own.
+    cache = QuantizedKVCache(group_size=32, bits=8)
+    view = cache.append(*kv(0, 5))
+    q = mx.random.normal((1, groups * H, 5, D), key=mx.random.key(77))
+    sinks = mx.random.normal((groups * H,), key=mx.random.key(78)) * 2
+    mask = "causal" if causal else None
+    out = view.attend(q, scale=0.125, mask=mask, sinks=sinks)
+    keys, values = (mx.dequantize(*t, group_size=32, bits=8) for t in (view.keys, view.values))
+    ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask, sinks=sinks)
+    assert out.shape == ref.shape and mx.allclose(out, ref, atol=1e-5).item()
+    # The sinks take a share of the attention: without them the output differs.
+    assert not mx.allclose(out, view.attend(q, scale=0.125, mask=mask), atol=1e-3).item()
 
 
 @pytest.mark.parametrize("keep", [0, 2])

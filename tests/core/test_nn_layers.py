@@ -170,3 +170,50 @@ def test_gated_mlp_with_geglu_gates_through_tanh_gelu():
     x = mx.random.normal((1, 3, D), key=mx.random.key(4))
     want = mlp.down_proj(nn.gelu_approx(mlp.gate_proj(x)) * mlp.up_proj(x))
     assert mx.allclose(mlp(x), want, atol=1e-6)
+
+
+def _biased(glu, seed=7):
+    """Give each projection of ``glu`` a per-expert bias (gpt-oss's experts carry one)."""
+    keys = mx.random.split(mx.random.key(seed), 3)
+    for key, name in zip(keys, ("gate_proj", "up_proj", "down_proj"), strict=True):
+        layer = getattr(glu, name)
+        rows = layer.weight.shape[1]
+        layer.bias = (mx.random.normal((E, rows), key=key) * 0.2).astype(layer.weight.dtype)
+    return glu
+
+
+@pytest.mark.parametrize("tokens", [1, 40], ids=["unsorted", "sorted"])
+def test_biased_fp32_experts_are_mlx_lms_bit_for_bit(tokens):
+    ours = _biased(SwitchGLU(D, H, E, kernel=switch_glu, bias=True))
+    ours.gate_proj.weight, ours.up_proj.weight, ours.down_proj.weight = _weights()
+    theirs = _biased(switch_layers.SwitchGLU(D, H, E, bias=True))
+    theirs.gate_proj.weight, theirs.up_proj.weight, theirs.down_proj.weight = _weights()
+    x, idx = _route(tokens)
+    assert mx.array_equal(ours(x, idx), theirs(x, idx))
+    names = ("gate_proj", "up_proj", "down_proj")
+    ours.update_modules({n: getattr(ours, n).to_quantized(32, 4) for n in names})
+    theirs.update_modules({n: getattr(theirs, n).to_quantized(32, 4) for n in names})
+    assert "bias" in ours.down_proj and isinstance(ours.down_proj, QuantizedSwitchLinear)
+    assert mx.array_equal(ours(x, idx), theirs(x, idx))
+
+
+def test_biased_bf16_grouped_experts_add_the_bias_after_the_rounded_product():
+    glu = _biased(_ours(mx.bfloat16))
+    x, idx = _route(5)
+    x = x.astype(mx.bfloat16)
+    parts = (glu.gate_proj, glu.up_proj, glu.down_proj, swiglu)
+    got = grouped_switch_glu(x, idx, *parts)
+
+    class Biased:
+        is_quantized = False
+
+        def __init__(self, layer):
+            self.layer = layer
+
+        def gather(self, h, inds, sort):
+            w = self.layer.weight.astype(mx.float32).swapaxes(-1, -2)
+            y = mx.gather_mm(h.astype(mx.float32), w, rhs_indices=inds, sorted_indices=sort)
+            return y.astype(h.dtype) + mx.expand_dims(self.layer.bias[inds], -2)
+
+    want = gather_switch_glu(x, idx, *(Biased(p) for p in parts[:3]), swiglu)
+    assert mx.array_equal(got, want)

@@ -13,8 +13,9 @@ def parse(name: str, text: str) -> list[ToolCall]:
     return PARSERS[name].parse(text)
 
 
-def test_the_six_formats_are_built_in():
+def test_the_seven_formats_are_built_in():
     assert set(PARSERS) == {
+        "harmony",
         "json_tools",
         "qwen3_coder",
         "gemma4",

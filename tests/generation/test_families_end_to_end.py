@@ -11,7 +11,7 @@ from mlx_loom.cli.main import main
 from mlx_loom.generation import PromptCache
 from mlx_loom.testing.checkpoints import write_checkpoint
 
-FAMILIES = ["llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4"]
+FAMILIES = ["llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4", "gpt_oss"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -20,7 +20,7 @@ from mlx_loom.cli.main import main
 from mlx_loom.generation import PromptCache
 from mlx_loom.testing.checkpoints import write_checkpoint
 
-FAMILIES = ["llama", "qwen3_next", "gemma4_text", "gemma4"]
+FAMILIES = ["llama", "qwen3_next", "gemma4_text", "gemma4", "gpt_oss"]
 CODECS = [("turboquant", 3), ("turboquant", 4), ("affine", 8)]
 
 

@@ -20,7 +20,7 @@ from mlx_loom.testing.checkpoints import write_checkpoint
 
 from ..server.conftest import serve
 
-FAMILIES = ["llama", "qwen3_next", "gemma4_text"]
+FAMILIES = ["llama", "qwen3_next", "gemma4_text", "gpt_oss"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -32,6 +32,7 @@ CALLS = {
     "minicpm5": '<function name="f"><param name="days">' + DIGITS + "</param></function>",
     "pythonic": '<|tool_call_start|>[f(days="' + DIGITS + '")]<|tool_call_end|>',
     "mistral": '[TOOL_CALLS]f[ARGS]{"days": "' + DIGITS + '"}',
+    "harmony": ' to=functions.f <|constrain|>json<|message|>{"days": "' + DIGITS + '"}<|call|>',
 }
 TOOL = {
     "type": "function",
@@ -63,7 +64,8 @@ def test_arguments_that_cannot_be_sent_as_json_make_the_call_content():
     assert events == [Content("<c>anything</c>")]
 
 
-@pytest.fixture(scope="module", params=sorted(CALLS))
+# Harmony's doors are served from a gpt-oss checkpoint (tests/server/test_harmony.py).
+@pytest.fixture(scope="module", params=sorted(set(CALLS) & set(FORMATS)))
 def served(request, tmp_path_factory):
     import mlx_loom
     from mlx_loom.serve import make_server

@@ -27,7 +27,7 @@ from mlx_loom.testing.checkpoints import write_checkpoint
 
 HERE = Path(__file__).parent
 #: Plain tiny checkpoints: every model type of the families (qwen3 dense is the llama plan).
-MODEL_TYPES = ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4", "qwen3_moe")
+MODEL_TYPES = ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4", "qwen3_moe", "gpt_oss")
 #: Quantized checkpoints (4-bit, groups of 32) need every split input slice to be
 #: whole groups at two ranks: these dims are the tiny configs' with that property.
 QUANTIZED = {

@@ -16,7 +16,7 @@ import mlx_loom
 from mlx_loom.errors import ImplementationFailed, ParallelRefused
 from mlx_loom.host import PluginHost
 from mlx_loom.loader import _build_split, _run_factory
-from mlx_loom.parallel import ParallelPlan, Resize, Split, Units, Vocab
+from mlx_loom.parallel import ParallelPlan, Reduce, Resize, Split, Units, Vocab
 from mlx_loom.parallel.build import RankView, prepare, split_model
 
 from ..core.toyfamily import ToyPlugin, write_toy_checkpoint
@@ -184,6 +184,33 @@ def test_a_partial_sum_with_a_bias_is_a_plugin_fault():
     )
     with pytest.raises(ImplementationFailed, match="has a bias that every rank would add"):
         split_model(Tiny(), plan, "tensor", RankView(0, 2), {}, what="m")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4, bias=True)
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.block = Block()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_biased_partial_sum_reduced_above_keeps_its_bias_on_rank_0_alone(rank):
+    # gpt-oss's experts: down_proj's partial products meet at the MoE block's output.
+    plan = ParallelPlan(
+        vocab=Vocab(embeddings=("embed",)),
+        tensor=(Split("block.proj", Units("x", 2), dim="in"), Reduce("block")),
+    )
+    model = Nested()
+    model.block.proj.bias = mx.ones((4,))
+    split_model(model, plan, "tensor", RankView(rank, 2), {}, what="m")
+    assert model.block.proj.weight.shape == (4, 2)
+    assert model.block.proj.bias.tolist() == ([1.0] * 4 if rank == 0 else [0.0] * 4)
 
 
 def test_a_mode_the_plan_lacks_is_refused():

@@ -34,7 +34,7 @@ from .support import free_ports, run_ranks
 pytestmark = pytest.mark.slow
 
 MODES = ("tensor", "pipeline")
-API_MODELS = ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4", "qwen3_moe")
+API_MODELS = ("llama", "qwen3_next", "qwen3_5", "gemma4_text", "gemma4", "qwen3_moe", "gpt_oss")
 QUANTIZED = ("llama-q4", "qwen3_next-q4", "gemma4_text-q4", "qwen3_moe-q4")
 DOOR_MODELS = ("llama", "qwen3_next", "qwen3_5", "gemma4_text")
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 64]  # token ids every tiny vocabulary holds

@@ -39,12 +39,20 @@ def quantized_scaled_dot_product_attention(
     mask: Mask,
     group_size: int = 64,
     bits: int = 8,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Softmax attention of ``queries`` ``[B, Hq, L, D]`` over affine-quantized keys/values.
 
     Grouped-query heads are handled by viewing queries as
     ``[B, Hkv, Hq/Hkv, L, D]`` and broadcasting the keys over the group axis,
     rather than repeating the quantized keys.
+
+    ``sinks`` (``[Hq]``, gpt-oss) are learned logits, one per query head, that
+    join every row's softmax as an extra key with no value: they take a share
+    of the attention and are then dropped, as in
+    ``mx.fast.scaled_dot_product_attention(..., sinks=)``. (mlx-lm refuses
+    sinks with a quantized cache; this is the same arithmetic as the plain
+    kernel up to the keys' quantization, tested against it.)
     """
     q_keys = _check_triple(q_keys, "keys")
     q_values = _check_triple(q_values, "values")
@@ -76,7 +84,14 @@ def quantized_scaled_dot_product_attention(
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
+    if sinks is not None:
+        heads = (n_kv_heads, n_repeats) if n_repeats > 1 else (n_q_heads,)
+        sink = mx.reshape(sinks.astype(scores.dtype), (*heads, 1, 1))
+        sink = mx.broadcast_to(sink, (*scores.shape[:-1], 1))
+        scores = mx.concatenate([sink, scores], axis=-1)
     scores = mx.softmax(scores, axis=-1, precise=True)
+    if sinks is not None:
+        scores = scores[..., 1:]
     out = mx.quantized_matmul(scores, *q_values, transpose=False, group_size=group_size, bits=bits)
     if n_repeats > 1:
         out = mx.reshape(out, (B, n_q_heads, L, -1))

@@ -34,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 
 from mlx_loom.cache.attention import quantized_scaled_dot_product_attention
-from mlx_loom.errors import CacheError, CapabilityRefused
+from mlx_loom.errors import CacheError
 from mlx_loom.forward_hooks import current_attention
 
 __all__ = [
@@ -90,11 +90,6 @@ class AffineView:
     def attend(
         self, queries: mx.array, *, scale: float, mask: Any, sinks: mx.array | None = None
     ) -> mx.array:
-        if sinks is not None:
-            raise CapabilityRefused(
-                "attention sinks are not supported with an affine-quantized KV cache",
-                fix="run this model without affine KV quantization, or with kv_codec='turboquant'",
-            )
         return quantized_scaled_dot_product_attention(
             queries,
             self.keys,
@@ -103,6 +98,7 @@ class AffineView:
             mask=single_mask(mask),
             group_size=self.group_size,
             bits=self.bits,
+            sinks=sinks,
         )
 
 

@@ -94,34 +94,61 @@ ExpertKernel = Callable[
 ]
 
 
+def _add_bias(module: nn.Module, x: mx.array, indices: mx.array) -> mx.array:
+    """``x`` plus each pair's expert bias, when the projection has one (as mlx-lm adds it:
+    after the gathered product, broadcast over the row axis)."""
+    if "bias" not in module:
+        return x
+    return x + mx.expand_dims(module["bias"][indices], -2)
+
+
 class SwitchLinear(nn.Module):
-    """One projection of every expert: ``weight [experts, out, in]`` (no bias)."""
+    """One projection of every expert: ``weight [experts, out, in]``, optional ``bias``.
+
+    ``bias [experts, out]`` is per expert (gpt-oss's experts carry one); it is
+    added after the gathered product, the op order mlx-lm's ``SwitchLinear`` uses.
+    """
 
     is_quantized = False
 
-    def __init__(self, in_dims: int, out_dims: int, n_experts: int) -> None:
+    def __init__(self, in_dims: int, out_dims: int, n_experts: int, *, bias: bool = False) -> None:
         super().__init__()
         self.weight = mx.zeros((n_experts, out_dims, in_dims))
+        if bias:
+            self.bias = mx.zeros((n_experts, out_dims))
 
     def gather(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
-        """``x @ weight[indices].T`` per (token, expert) pair, as mlx-lm's ``SwitchLinear``."""
-        return mx.gather_mm(
+        """``x @ weight[indices].T (+ bias[indices])`` per (token, expert) pair, as mlx-lm's
+        ``SwitchLinear``."""
+        x = mx.gather_mm(
             x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
         )
+        return _add_bias(self, x, indices)
 
     def expert_matmul(self, x: mx.array, expert: int) -> mx.array:
-        """``x @ weight[expert].T``: one expert over the tokens routed to it."""
-        return x @ self["weight"][expert].T
+        """``x @ weight[expert].T (+ bias[expert])``: one expert over the tokens routed to it."""
+        y = x @ self["weight"][expert].T
+        return y + self["bias"][expert] if "bias" in self else y
 
     def to_quantized(
         self, group_size: int | None = None, bits: int | None = None, mode: str = "affine"
     ) -> QuantizedSwitchLinear:
         """The packed form of this stack, in any of MLX's modes (``None``: the mode's default)."""
         E, out_dims, in_dims = self.weight.shape
-        q = QuantizedSwitchLinear(in_dims, out_dims, E, group_size=group_size, bits=bits, mode=mode)
+        q = QuantizedSwitchLinear(
+            in_dims,
+            out_dims,
+            E,
+            group_size=group_size,
+            bits=bits,
+            mode=mode,
+            bias="bias" in self,
+        )
         q.weight, q.scales, *biases = mx.quantize(self.weight, q.group_size, q.bits, mode=mode)
         if biases:
             q.biases = biases[0]
+        if "bias" in self:
+            q.bias = self.bias
         return q
 
 
@@ -131,7 +158,8 @@ _MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8"
 
 class QuantizedSwitchLinear(nn.Module):
     """Quantized :class:`SwitchLinear`: ``weight`` uint32 and ``scales``, plus ``biases``
-    in affine mode (the microscaling modes mxfp4/nvfp4/mxfp8 store uint8 scales alone).
+    in affine mode (the microscaling modes mxfp4/nvfp4/mxfp8 store uint8 scales alone),
+    and the dense per-expert ``bias`` where the stack had one.
 
     ``mx.gather_qmm`` runs on every backend in every activation dtype and
     every mode, so a quantized expert stack always takes the gather graph.
@@ -148,6 +176,7 @@ class QuantizedSwitchLinear(nn.Module):
         group_size: int | None = None,
         bits: int | None = None,
         mode: str = "affine",
+        bias: bool = False,
     ) -> None:
         super().__init__()
         default_group, default_bits = _MODE_DEFAULTS[mode]
@@ -161,10 +190,12 @@ class QuantizedSwitchLinear(nn.Module):
             self.biases = mx.zeros(groups)
         else:
             self.scales = mx.zeros(groups, dtype=mx.uint8)
+        if bias:
+            self.bias = mx.zeros((n_experts, out_dims))
         self.freeze()
 
     def gather(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
-        return mx.gather_qmm(
+        x = mx.gather_qmm(
             x,
             self["weight"],
             self["scales"],
@@ -176,6 +207,7 @@ class QuantizedSwitchLinear(nn.Module):
             mode=self.mode,
             sorted_indices=sorted_indices,
         )
+        return _add_bias(self, x, indices)
 
 
 def _sort_by_expert(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -263,7 +295,8 @@ class SwitchGLU(nn.Module):
     """Every expert's GLU, computed by the per-backend ``kernel`` the core resolved.
 
     Parameter names follow mlx-lm's converted layout (``gate_proj``,
-    ``up_proj``, ``down_proj``, each ``[experts, out, in]``).
+    ``up_proj``, ``down_proj``, each ``[experts, out, in]``, with ``bias
+    [experts, out]`` when ``bias``).
     """
 
     def __init__(
@@ -274,11 +307,12 @@ class SwitchGLU(nn.Module):
         *,
         kernel: ExpertKernel,
         activation: Activation = swiglu,
+        bias: bool = False,
     ) -> None:
         super().__init__()
-        self.gate_proj = SwitchLinear(dims, hidden, n_experts)
-        self.up_proj = SwitchLinear(dims, hidden, n_experts)
-        self.down_proj = SwitchLinear(hidden, dims, n_experts)
+        self.gate_proj = SwitchLinear(dims, hidden, n_experts, bias=bias)
+        self.up_proj = SwitchLinear(dims, hidden, n_experts, bias=bias)
+        self.down_proj = SwitchLinear(hidden, dims, n_experts, bias=bias)
         self._kernel = kernel
         self._activation = activation
 

@@ -139,12 +139,17 @@ def _resolve(model: nn.Module, rules: tuple[Rule, ...]):
                 splits.append(_Target(rule, path, (param,), value.shape[param.axis]))
             else:
                 params, extent = _linear_params(path, target, rule.dim)
-                if rule.dim == "in" and not rule.reduce and "bias" in target:
+                if (
+                    rule.dim == "in"
+                    and not rule.reduce
+                    and "bias" in target
+                    and not _reduced_above(path, rules)
+                ):
                     raise PlanFault(
                         f"the parallel plan leaves {path!r} a partial sum, but it has a bias "
-                        "that every rank would add",
+                        "that every rank would add, and no Reduce above it sums the ranks",
                         fix="This is a fault in the plugin's parallel plan: reduce at this "
-                        "linear (reduce=True) instead.",
+                        "linear (reduce=True), or Reduce the module that contains it.",
                     )
                 splits.append(_Target(rule, path, params, extent))
         elif isinstance(rule, Reduce):
@@ -160,6 +165,16 @@ def _resolve(model: nn.Module, rules: tuple[Rule, ...]):
                 fix=PLAN_FAULT_FIX,
             )
     return splits, reduces, resizes
+
+
+def _reduced_above(path: str, rules: tuple[Rule, ...]) -> bool:
+    """Whether a :class:`Reduce` sums the output of a module that contains ``path``."""
+    parts = path.split(".")
+    return any(
+        isinstance(rule, Reduce) and matches(rule.path, ".".join(parts[:n]))
+        for rule in rules
+        for n in range(1, len(parts))
+    )
 
 
 def _feature_ranges(target: _Target, rank: int, size: int) -> list[tuple[int, int]]:
@@ -264,8 +279,8 @@ def shard_tensor(
 ) -> list[Wrap]:
     """Replace every matched parameter by this rank's slice; return where the sums go.
 
-    A linear that sums its partial products keeps its bias on rank 0 alone
-    (zeros elsewhere), so the sum adds it once.
+    A linear whose partial products are summed (at it, or by a Reduce above
+    it) keeps its bias on rank 0 alone (zeros elsewhere), so the sum adds it once.
     """
     rank, size = group.rank(), group.size()
     splits, reduces, resizes = _resolve(model, rules)
@@ -280,10 +295,15 @@ def shard_tensor(
                 param.name,
                 reader.take(param.full_name, value, param.axis, ranges),
             )
-        if target.rule.reduce:
+        if target.rule.dim == "in" and target.rule.axis is None:
+            # An input split's partial products are summed — here (reduce=True)
+            # or by a Reduce above (stacked experts' down_proj, whose per-expert
+            # bias is weighted by the router before the sum) — so rank 0 alone
+            # keeps the bias and the sum adds it once.
             module = _module(model, target.path)
             if "bias" in module and rank:
                 module.bias = mx.zeros_like(module["bias"])
+        if target.rule.reduce:
             wraps.append((target.path, partial(row_parallel, group=group)))
     for rule, path, module in resizes:
         for attr, units in rule.attrs.items():

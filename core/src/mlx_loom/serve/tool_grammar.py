@@ -7,8 +7,10 @@ rest of the call, in the format the model was trained on, written so that
 the format's own parser (:mod:`mlx_loom.text.tool_calls`) reads it and the
 arguments, once coerced to the schema's types, validate. One call per reply.
 
-* JSON formats — ``json_tools`` (Hermes, Qwen) and ``mistral`` (either
-  spelling) — hold the arguments with llguidance's JSON-schema compiler.
+* JSON formats — ``json_tools`` (Hermes, Qwen), ``mistral`` (either
+  spelling) and ``harmony`` (gpt-oss; the call's role header is in the
+  prompt, the JSON arguments end the reply) — hold the arguments with
+  llguidance's JSON-schema compiler.
 * Text formats — ``qwen3_coder`` and ``minicpm5`` (XML parameters),
   ``gemma4`` (``key:<|"|>text<|"|>``) and ``pythonic`` (``f(key="text")``) —
   write each parameter in the format's own notation, typed by its schema:
@@ -177,6 +179,7 @@ _JSON_CHAR = (
 _JSON_STYLES = {
     "json_tools": _Style("json_tools", _JSON_CHAR, ("</tool_call>",), quote='"', json=True),
     "mistral": _Style("mistral", _JSON_CHAR, ("[TOOL_CALLS]",), quote='"', json=True),
+    "harmony": _Style("harmony", _JSON_CHAR, ("<|call|>",), quote='"', json=True),
 }
 
 
@@ -542,9 +545,29 @@ def _mistral(tools: dict[str, dict[str, Any]], named: str | None, template: str)
     return g.text(f"{_lit('[')} ({' | '.join(alts)}) {end}")
 
 
+# --- harmony: <|start|>assistant to=functions.f<|channel|>commentary json<|message|>{...} -----
+
+#: What follows the function name in the role-header form of a call.
+_HARMONY_HEAD = "<|channel|>commentary json<|message|>"
+
+
+def _harmony(tools: dict[str, dict[str, Any]], named: str | None, template: str) -> str:
+    g = _Grammar()
+    for name in tools if named is None else [named]:
+        _writable_name(name, name, "harmony", bool(re.fullmatch(r"[^\s<]+", name)), "function")
+    if named is not None:  # the prompt ends with the whole header; the arguments end the reply
+        return g.text(_json_arguments(g, "harmony", named, tools[named]))
+    alts = [
+        f"({_lit(name + _HARMONY_HEAD)} {_json_arguments(g, 'harmony', name, params)})"
+        for name, params in tools.items()
+    ]
+    return g.text(" | ".join(alts))
+
+
 _BUILDERS: dict[str, Callable[[dict[str, dict[str, Any]], str | None, str], str]] = {
     "json_tools": _json_tools,
     "mistral": _mistral,
+    "harmony": _harmony,
     **{fmt: _text_format(fmt) for fmt in _STYLES},
 }
 
@@ -557,6 +580,7 @@ _LITERALS: dict[str, tuple[str, ...]] = {
     "gemma4": ("call:", '{a:<|"|>', '<|"|>,', "}<tool_call|>"),
     "pythonic": ("[", '(a="', '", ', ")]<|tool_call_end|>"),
     "mistral": ('[{"name":', '"arguments":', "}]"),  # ("[ARGS]" in the newer spelling)
+    "harmony": (_HARMONY_HEAD, "{", "}"),
 }
 
 

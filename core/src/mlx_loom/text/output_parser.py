@@ -17,6 +17,10 @@ needs:
   says why. A parser (or the coercion after it) that raises anything is
   treated the same way, so no model output can fail a request.
 
+A reasoning format may also list *layout* markers (Harmony's message
+headers, ``<|start|>assistant<|channel|>final<|message|>``): in the answer
+they are dropped, as separators.
+
 Whitespace that only separates a section from a marker (the newline after
 ``<think>``, the blank line between ``</think>`` and the answer, the newline
 between two calls) is dropped; all other text is passed through unchanged,
@@ -81,6 +85,12 @@ class OutputParser:
         self._tool = tool_parser
         self._schemas = tool_schemas(tools)
         self._reasoning = reasoning
+        # Markers that open a call or a thinking section are not layout, even
+        # where a format lists a prefix of them.
+        self._layout = frozenset(reasoning.layout if reasoning is not None else ()) - {
+            tool_parser.start if tool_parser is not None else "",
+            reasoning.start if reasoning is not None else "",
+        }
         self._buffer = forced_call or ""
         self._scanned = 0  # how much of a call's text has been searched for its end marker
         if forced_call is not None:
@@ -120,6 +130,7 @@ class OutputParser:
             markers.append(self._tool.start)
         if self._reasoning is not None:
             markers.append(self._reasoning.start)
+            markers.extend(self._reasoning.layout)
         return markers
 
     def _drain(self, *, final: bool) -> list[Event]:
@@ -151,6 +162,8 @@ class OutputParser:
 
     def _enter(self, marker: str) -> None:
         self._fresh = True
+        if self._state == CONTENT and marker in self._layout:
+            return  # a message header between sections: dropped, the answer goes on
         if self._tool is not None and marker == self._tool.start and self._state == CONTENT:
             self._state = TOOL
             self._scanned = 0

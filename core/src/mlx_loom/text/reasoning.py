@@ -2,7 +2,9 @@
 
 Reasoning models write their chain of thought between markers before the
 answer — ``<think>...</think>`` (Qwen3, MiniCPM, DeepSeek-R1 and most
-others) or Gemma 4's ``<|channel>thought ...<channel|>``. The server returns
+others), Gemma 4's ``<|channel>thought ...<channel|>`` or gpt-oss's Harmony
+``<|channel|>analysis<|message|>...<|end|>`` (whose message headers around
+the answer are layout, dropped). The server returns
 that text as ``reasoning_content`` and only the rest as ``content``.
 
 A format is recognised, as mlx-lm does, when the chat template mentions both
@@ -35,6 +37,9 @@ class ReasoningFormat:
     start: str
     end: str
     tokens: tuple[str, ...] = ()
+    #: Markup between sections that carries no text of its own (Harmony's
+    #: message headers): dropped wherever it appears in the answer.
+    layout: tuple[str, ...] = ()
     description: str = ""
     provider: Provider | None = field(default=None, compare=False)
 
@@ -65,7 +70,29 @@ GEMMA4_CHANNEL = ReasoningFormat(
     description="<|channel>thought ...<channel|> (Gemma 4)",
 )
 
-BUILTIN_REASONING_FORMATS: tuple[ReasoningFormat, ...] = (GEMMA4_CHANNEL, THINK)
+# gpt-oss writes every message with a header: reasoning is the ``analysis``
+# channel, the answer the ``final`` channel, tool calls and their preambles the
+# ``commentary`` channel. The headers are layout; the analysis message is the
+# thinking section.
+HARMONY = ReasoningFormat(
+    name="harmony",
+    start="<|channel|>analysis<|message|>",
+    end="<|end|>",
+    tokens=("<|channel|>", "<|message|>"),
+    layout=(
+        "<|start|>assistant",
+        "<|channel|>final",
+        "<|channel|>commentary",
+        "<|constrain|>json",
+        "<|message|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+    ),
+    description="<|channel|>analysis<|message|>...<|end|> then <|channel|>final (gpt-oss Harmony)",
+)
+
+BUILTIN_REASONING_FORMATS: tuple[ReasoningFormat, ...] = (GEMMA4_CHANNEL, HARMONY, THINK)
 
 
 def infer_reasoning(

@@ -13,6 +13,7 @@ names are mlx-lm's, so ``tool_parser_type`` in a converted checkpoint's
 ``minicpm5``    ``<function name="f"><param name="p">v</param></function>``
 ``pythonic``    ``<|tool_call_start|>[f(p="v")]<|tool_call_end|>``
 ``mistral``     ``[TOOL_CALLS]f[ARGS]{...}`` or ``[TOOL_CALLS][{...}]``
+``harmony``     ``<|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>``
 =============== ==========================================================
 
 Plugins add formats through the ``loom_tool_parsers`` hook.

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ...errors import RegistrationError, ToolParserUnavailable
-from . import gemma4, json_tools, minicpm5, mistral, pythonic, qwen3_coder
+from . import gemma4, harmony, json_tools, minicpm5, mistral, pythonic, qwen3_coder
 from .base import ToolParser
 
 #: The core's parsers, in the order template inference tries them: a format
@@ -28,6 +28,7 @@ from .base import ToolParser
 #: ``<tool_call>``) comes first.
 BUILTIN_TOOL_PARSERS: tuple[ToolParser, ...] = (
     gemma4.PARSER,
+    harmony.PARSER,
     pythonic.PARSER,
     qwen3_coder.PARSER,
     minicpm5.PARSER,
