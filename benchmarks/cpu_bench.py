@@ -212,10 +212,10 @@ def family_shapes() -> dict[str, dict]:
 
 ROW_NAMES = {
     "qwen3_next": "qwen3-next-400m",
-    "gemma4_text": "gemma4-300m",
+    "gemma4_text": "gemma4-400m",
     "qwen3": "qwen3-0.6b",
-    "qwen3_moe": "qwen3-moe-400m",
-    "gemma3_text": "gemma3-300m",
+    "qwen3_moe": "qwen3-moe-550m",
+    "gemma3_text": "gemma3-350m",
     "mistral": "mistral-350m",
 }
 
@@ -530,7 +530,7 @@ def summarize(row: str, prompt_len: int, engines: list[Engine], step_bytes: int)
             "vs": {},
         }
         for peer, by_round in peers.items():
-            if e.name == "mlx-lm" and peer == "mlx-lm" or _is_llama_cpp(e.name):
+            if (e.name == "mlx-lm" and peer == "mlx-lm") or _is_llama_cpp(e.name):
                 continue
             both = [r for r in e.samples if r in by_round]
             if not both:
