@@ -499,7 +499,8 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def summarize(row: str, prompt_len: int, engines: list[Engine], step_bytes: int) -> list[dict]:
     """One entry per engine: min / median / max speeds, every run's bandwidth
-    reading, and the per-round ratios against the peers ran in the same round."""
+    reading, and for mlx-loom's engines the per-round ratios against each peer
+    (mlx-lm in each dtype it ran, llama.cpp's better thread mode) in the same round."""
     peers: dict[str, dict[int, tuple[float, float]]] = {}
     cpp = [e for e in engines if _is_llama_cpp(e.name)]
     if cpp:
@@ -510,8 +511,8 @@ def summarize(row: str, prompt_len: int, engines: list[Engine], step_bytes: int)
                 best[r] = (max(old[0], p), max(old[1], d))
         peers["llama.cpp best of " + "/".join(e.name.split()[-1] for e in cpp)] = best
     for e in engines:
-        if e.name == "mlx-lm":
-            peers["mlx-lm"] = {r: (p, d) for r, (p, d, _) in e.samples.items()}
+        if e.name.startswith("mlx-lm"):
+            peers[e.name] = {r: (p, d) for r, (p, d, _) in e.samples.items()}
     out = []
     for e in engines:
         runs = sorted(e.samples.items())
@@ -530,7 +531,7 @@ def summarize(row: str, prompt_len: int, engines: list[Engine], step_bytes: int)
             "vs": {},
         }
         for peer, by_round in peers.items():
-            if (e.name == "mlx-lm" and peer == "mlx-lm") or _is_llama_cpp(e.name):
+            if not e.name.startswith("loom"):  # ratios of mlx-loom's engines only
                 continue
             both = [r for r in e.samples if r in by_round]
             if not both:

@@ -80,11 +80,14 @@ def test_ratio_peer_is_the_better_llama_cpp_mode_of_each_round(cpu_bench):
     loom = Engine("loom native f32", None, 2, {0: (100.0, 10.0, 1.0), 1: (100.0, 10.0, 1.0)})
     one = Engine("llama.cpp 1t", None, 1, {0: (50.0, 20.0, 1.0), 1: (50.0, 5.0, 1.0)})
     two = Engine("llama.cpp 2t", None, 2, {0: (200.0, 2.0, 1.0), 1: (25.0, 8.0, 1.0)})
-    results = cpu_bench.summarize("r", 32, [loom, one, two], step_bytes=10**9)
+    f32 = Engine("mlx-lm f32", None, 2, {1: (10.0, 1.0, 1.0)})
+    results = cpu_bench.summarize("r", 32, [loom, one, two, f32], step_bytes=10**9)
     vs = results[0]["vs"]
-    assert list(vs) == ["llama.cpp best of 1t/2t"]
+    assert list(vs) == ["llama.cpp best of 1t/2t", "mlx-lm f32"]
+    assert vs["mlx-lm f32"]["rounds"] == 1  # only the rounds both engines ran
+    assert vs["mlx-lm f32"]["decode"] == {"min": 10.0, "median": 10.0, "max": 10.0}
     # round 0: peer decode 20 (1t), round 1: 8 (2t); prefill 200 (2t), 50 (1t)
     assert vs["llama.cpp best of 1t/2t"]["decode"] == {"min": 0.5, "median": 0.875, "max": 1.25}
     assert vs["llama.cpp best of 1t/2t"]["prefill"] == {"min": 0.5, "median": 1.25, "max": 2.0}
-    assert results[1]["vs"] == {} and results[2]["vs"] == {}
+    assert all(r["vs"] == {} for r in results[1:])  # peers get no ratios
     assert results[1]["decode_tps"] == {"min": 5.0, "median": 12.5, "max": 20.0}
