@@ -50,8 +50,9 @@ printed as min / median / max of those per-round ratios.
 The bandwidth limit is the read bandwidth (numpy sums over 1 GB, split
 over as many threads as the engine uses) divided by the bytes of weights a
 decode step reads (every stored tensor except the embedding table, of
-which it reads one row; for a mixture of experts this counts every expert,
-so it is a bound, not a rate). On a shared machine that bandwidth moves
+which it reads one row; for a mixture of experts this counts every expert
+though a token reads only its top-k, so there the percentage overstates and
+can pass 100 %). On a shared machine that bandwidth moves
 with the neighbours' load, so it is read right before every run and
 printed with the run; an engine's "% of bandwidth limit" is the median
 over its runs of that run's decode speed against the reading before it.
