@@ -107,9 +107,9 @@ def _scale_gemma4(c: dict) -> dict:
     return c
 
 
-def build(row: Row) -> Path:
-    """Write (once) the checkpoint for ``row`` and return its directory."""
-    path = CACHE_DIR / row.name
+def build(row: Row, root: Path = CACHE_DIR) -> Path:
+    """Write (once) the checkpoint for ``row`` under ``root`` and return its directory."""
+    path = root / row.name
     if (path / "config.json").exists():
         return path
     registry = mlx_loom.default_host().registry
@@ -121,7 +121,7 @@ def build(row: Row) -> Path:
     if row.bits is None:
         write_checkpoint(path, row.config, tensors, seed=0)
         return path
-    source = CACHE_DIR / f"{row.name}-source"
+    source = root / f"{row.name}-source"
     write_checkpoint(source, row.config, tensors, seed=0)
     from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
