@@ -276,11 +276,37 @@ def test_native_attention_lengths_read_only_the_first_keys():
         nat.attention(q, k, v, 0.25, False, None, mx.array([1, 2, 3], dtype=mx.int32))
 
 
-def test_a_kernel_that_reads_the_host_runs_eager_and_says_why(tmp_path_factory, compiled_on):
-    # In bf16, dense experts run the grouped expert GLU, which reads the
-    # router's choice on the host: MLX refuses that in a trace.
+def test_bf16_experts_compile_on_the_native_sets(tmp_path_factory, compiled_on):
+    # bf16 dense experts run the native gathered products, which read nothing on
+    # the host, so the MoE step compiles (it used to refuse) and equals eager.
     path = checkpoint(tmp_path_factory, "gemma4_text")
     model, _ = mlx_loom.load(path, compute_dtype="bfloat16", cpu_kernels="cpu-native")
+    step = model.compiled_step
+    assert step is not None
+    compiled = decode(model, [3, 1, 4, 1, 5], 4)
+    assert not step.refused
+    model.compiled_step = None
+    eager = decode(model, [3, 1, 4, 1, 5], 4)
+    assert compiled[0] == eager[0]
+    assert mx.array_equal(compiled[1], eager[1])
+
+
+def test_a_kernel_that_reads_the_host_runs_eager_and_says_why(
+    tmp_path_factory, compiled_on, monkeypatch
+):
+    # A kernel that reads an array on the host (a plugin's, say) cannot run in a
+    # trace: MLX refuses, and that layout runs eager with the reason recorded.
+    from mlx_loom.cpu.experts import NativeSwitchGLU
+
+    native = NativeSwitchGLU.__call__
+
+    def reads_the_host(self, x, indices):
+        int(indices.max().item())  # fine eagerly; refused inside a trace
+        return native(self, x, indices)
+
+    monkeypatch.setattr(NativeSwitchGLU, "__call__", reads_the_host)
+    path = checkpoint(tmp_path_factory, "gemma4_text")
+    model, _ = mlx_loom.load(path, cpu_kernels="cpu-native")
     step = model.compiled_step
     assert step is not None
     compiled = decode(model, [3, 1, 4, 1, 5], 4)

@@ -44,8 +44,9 @@ family declares ``compiled-step``, unless ``MLX_LOOM_COMPILED_STEP=0``.
 What stays eager, and why:
 
 * a trace that asks for a mask or attention sinks (above), or whose kernels
-  read an array on the host — the grouped expert GLU that bf16/fp16 dense
-  experts run reads the router's choice, which MLX refuses in a trace. The
+  read an array on the host, which MLX refuses in a trace (none of the
+  core's on the native sets, where routed experts are native gathered
+  products; a plugin's kernel might). The
   step keeps the reason in :attr:`CompiledStep.refused`, logs it once
   (``mlx_loom.cpu``, info) and runs that layout of caches eager;
 
@@ -322,9 +323,8 @@ class CompiledStep:
         except ValueError as e:
             if _HOST_READ not in str(e):
                 raise
-            # A kernel read an array on the host (e.g. the grouped expert GLU
-            # of bf16 dense experts reads the router's choice): it cannot run
-            # in a trace, so this layout runs eager.
+            # A kernel read an array on the host (a plugin's, say): it cannot
+            # run in a trace, so this layout runs eager.
             return self._refuse(shape, f"a kernel reads an array on the host ({e})", inputs, cache)
         for c, (a, b) in zip(cache, states, strict=True):
             if isinstance(c, RecurrentCache):

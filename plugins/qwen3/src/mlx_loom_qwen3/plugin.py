@@ -37,11 +37,11 @@ from .parallel import plan
 
 # Full caches trim exactly, so prompt caching and speculation are sound.
 CAPABILITIES = frozenset({GENERATE, BATCH, PROMPT_CACHE, KV_QUANTIZATION, SPECULATIVE, ADAPTERS})
-# The dense graph touches its caches only through offset, make_mask and
-# append, so the core may compile its one-token forward. The MoE graph may
-# not: bf16 experts on the CPU read the router's choice on the host (one sync
-# per layer), which a traced function cannot do.
-DENSE_CAPABILITIES = CAPABILITIES | {COMPILED_STEP}
+# Both graphs touch their caches only through offset, make_mask and append, so
+# the core may compile their one-token forward (the routed experts run as
+# native gathered products on the native CPU kernel sets, which read nothing
+# on the host; a kernel that did would make the step run eager, with the reason).
+COMPILED_CAPABILITIES = CAPABILITIES | {COMPILED_STEP}
 
 # Small but complete configs: what the conformance kit builds tiny checkpoints from.
 TINY_CONFIG = {
@@ -98,7 +98,7 @@ FAMILY = Family(
             "qwen3.dense",
             factory=build,
             model_types=frozenset({"qwen3"}),
-            capabilities=DENSE_CAPABILITIES,
+            capabilities=COMPILED_CAPABILITIES,
             parallel=plan,
             description="Qwen3 graph on MLX fused ops (attention, RoPE, RMSNorm); any backend",
         ),
@@ -107,13 +107,14 @@ FAMILY = Family(
             factory=build,
             model_types=frozenset({"qwen3_moe"}),
             kernels=(SWITCH_GLU,),
+            capabilities=COMPILED_CAPABILITIES,
             parallel=plan,
             description="Qwen3 graph with routed experts (SwitchGLU) on the layers the config "
             "picks",
         ),
     ),
     loader="qwen3.hf-or-mlx",
-    capabilities=CAPABILITIES,
+    capabilities=COMPILED_CAPABILITIES,
     kernels=tuple(expert_kernels(SWITCH_GLU)),
     checkpoint_tensors=checkpoint_tensors,
 )
