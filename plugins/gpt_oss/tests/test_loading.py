@@ -35,13 +35,22 @@ def test_the_mlx_layout_is_left_as_it_is(params):
     assert sanitize(params).keys() == params.keys()
 
 
-def test_a_hugging_face_mxfp4_export_is_refused_by_name(params, tmp_path):
-    # The core reads MXFP4 from MLX's quantization block (mlx_lm.convert --q-mode
-    # mxfp4, parity-tested); Hugging Face's quant_method export is refused by name.
-    path = write(tmp_path / "mxfp4", {**TINY, "quantization_config": {"quant_method": "mxfp4"}},
-                 mxfp4_layout(params))
-    with pytest.raises(ConfigError, match="mxfp4"):
-        load_ours(path)
+def test_a_hugging_face_mxfp4_export_loads_as_mlx_lm_reads_it(params, tmp_path):
+    """OpenAI's layout: MXFP4 ``*_blocks``/``*_scales`` experts under ``quant_method: mxfp4``
+    (with the list of modules left dense), bit-equal to mlx-lm over a greedy run."""
+    from mlx_loom.testing.parity import compare_with_mlx_lm
+
+    config = {
+        **TINY,
+        "quantization_config": {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
+        },
+    }
+    path = write(tmp_path / "mxfp4", config, mxfp4_layout(params))
+    experts = load_ours(path).module.model.layers[0].mlp.experts
+    assert experts.down_proj.mode == "mxfp4" and "bias" in experts.down_proj
+    compare_with_mlx_lm(path, steps=12)
 
 
 def test_transformers_transposed_experts_are_refused_naming_the_tensors(params, tmp_path):

@@ -9,8 +9,12 @@ copies it to ``"quantization_config"`` for the Hub's model tree)::
 
 A key that is a module path overrides the global spec for that module; ``false``
 leaves it unquantized. Hugging Face style ``quantization_config`` is accepted
-when it describes an MLX scheme; other methods (AWQ, GPTQ, FP8, bitnet, a
-Hugging Face ``quant_method: mxfp4`` export) are refused by name rather than
+when it describes an MLX scheme, and so is a Hugging Face ``quant_method:
+mxfp4`` or ``mxfp8`` export (OpenAI publishes gpt-oss so): MLX's mode of the
+same name packs those weights bit for bit (group 32; the family's ``sanitize``
+maps the tensor names), so it is read as that mode, as mlx-lm reads it, and —
+the rule for every mode — a module is quantized exactly where its scales are
+stored. Other methods (AWQ, GPTQ, FP8, bitnet) are refused by name rather than
 approximated.
 
 **Modes.** MLX packs a weight one of four ways (``mx.quantize``'s ``mode``),
@@ -179,6 +183,10 @@ def _fixed_spec(data: Mapping[str, Any], mode: str, *, where: str, source: Path)
     return QuantSpec(group_size=group_size, bits=bits, mode=mode)  # type: ignore[arg-type]
 
 
+#: Hugging Face ``quant_method`` values that are one of MLX's modes, bit for bit.
+_HF_MICROSCALING = {"mxfp4": "mxfp4", "mxfp8": "mxfp8"}
+
+
 def parse_quantization(config: Mapping[str, Any], *, source: Path) -> QuantizationConfig | None:
     """Parse the quantization a ``config.json`` declares, or ``None`` if it declares none.
 
@@ -202,10 +210,18 @@ def parse_quantization(config: Mapping[str, Any], *, source: Path) -> Quantizati
             fix=f"make {key} an object with group_size and bits; {_CONVERT_FIX}",
         )
     method = data.get("quant_method")
+    if method in _HF_MICROSCALING:
+        # One mode for every module; its ``modules_to_not_convert`` list is what the
+        # absent scales already say.
+        mode = _HF_MICROSCALING[method]
+        group_size, bits = MODE_PACKING[mode]
+        spec = QuantSpec(group_size=group_size, bits=bits, mode=mode)  # type: ignore[arg-type]
+        return QuantizationConfig(default=spec, overrides={}, source_key=key)
     if method is not None and method != "mlx":
         raise ConfigError(
             f"{source}: {key}.quant_method = {method!r} is an unsupported quantization method "
-            "(supported: mlx, the quantization MLX converters write)",
+            "(supported: mlx, the quantization MLX converters write, and Hugging Face's "
+            "mxfp4 and mxfp8 exports)",
             fix=_CONVERT_FIX,
         )
 
