@@ -97,6 +97,26 @@ def test_a_model_in_use_is_never_unloaded_and_the_waiting_load_follows_its_relea
         pool.close()
 
 
+def test_a_model_loaded_for_a_waiting_caller_is_theirs_before_another_load_may_evict_it():
+    # The moment after b's load and before its caller takes the lease (a busy
+    # machine may schedule another load thread first): a load of a must neither
+    # unload b nor drain it, or the two loads evict each other's model unserved.
+    log: list[str] = []
+    pool = fakes(log, {"a": 1, "b": 1}, max_loaded=1)
+    try:
+        pool.load("b")
+        slot_a, slot_b = pool._slots["a"], pool._slots["b"]  # noqa: SLF001 (the rule itself)
+        with pool._cond:  # noqa: SLF001
+            slot_b.fresh, slot_b.waiting = True, 1
+            assert not pool._make_room(slot_a)  # noqa: SLF001
+            assert slot_b.state == "loaded" and not slot_b.draining
+            slot_b.waiting = 0  # its caller took the lease and is done
+            assert pool._make_room(slot_a)  # noqa: SLF001
+        assert log == ["load b", "unload b"]
+    finally:
+        pool.close()
+
+
 def test_rows_in_an_engine_keep_its_model_resident():
     log: list[str] = []
     pool = fakes(log, {"a": 1, "b": 1}, max_loaded=1)

@@ -185,6 +185,10 @@ class _Slot(Generic[R]):
         self.error: ModelUnavailable | None = None
         #: Picked to make room: no new leases until it is unloaded.
         self.draining = False
+        #: Just loaded for callers that have not taken their lease yet: not to be
+        #: unloaded (nor drained) before they do, or two loads could evict each
+        #: other's model before either caller is served.
+        self.fresh = False
         self.load_queued = False
         self.loads = 0
 
@@ -192,10 +196,15 @@ class _Slot(Generic[R]):
         self.used_at = time.monotonic()
         self.used_wall = time.time()
 
+    def awaited(self) -> bool:
+        """Loaded for callers still on their way to their lease."""
+        return self.fresh and self.waiting > 0
+
     def idle(self) -> bool:
         return (
             self.state == "loaded"
             and self.leases == 0
+            and not self.awaited()
             and self.resident is not None
             and not self.resident.busy()
         )
@@ -385,6 +394,7 @@ class ModelPool(Generic[R]):
                         and slot.resident is not None
                     ):
                         slot.leases += 1
+                        slot.fresh = False
                         slot.touch()
                         return Lease(self, slot, slot.resident)
                     if slot.state == "unloaded" and not slot.load_queued:
@@ -402,6 +412,9 @@ class ModelPool(Generic[R]):
                         check()
             finally:
                 slot.waiting -= 1
+                if slot.fresh and slot.waiting == 0:  # its callers gave up
+                    slot.fresh = False
+                    self._cond.notify_all()
 
     def load(self, model_id: str) -> R:
         """Load ``model_id`` now (if it is not resident) and return its resident."""
@@ -490,8 +503,11 @@ class ModelPool(Generic[R]):
                 finally:
                     self._cond.acquire()
                 continue
-            if loaded and not any(s.draining for s in loaded):
-                min(loaded, key=lambda s: s.used_at).draining = True
+            # Drain the least recently used model in use; one loaded for callers
+            # not yet served is theirs first (it becomes idle once they are done).
+            held = [s for s in loaded if not s.awaited()]
+            if held and not any(s.draining for s in loaded):
+                min(held, key=lambda s: s.used_at).draining = True
             return False
         for s in self._slots.values():
             s.draining = False
@@ -541,6 +557,7 @@ class ModelPool(Generic[R]):
             slot.resident = resident
             slot.loads += 1
             slot.state = "loaded"
+            slot.fresh = True
             slot.load_queued = False
             slot.touch()
             self._cond.notify_all()
@@ -583,6 +600,7 @@ class ModelPool(Generic[R]):
             with self._cond:
                 slot.resident = None
                 slot.state = "unloaded"
+                slot.fresh = False
                 slot.draining = False
                 slot.load_queued = False
                 self._cond.notify_all()
