@@ -64,6 +64,7 @@ import argparse
 import faulthandler
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -82,7 +83,8 @@ from mlx_loom.artifacts import read_manifest
 from mlx_loom.generation.loop import generate_tokens
 
 HERE = Path(__file__).resolve().parent
-LLAMA_VENV = HERE / ".llama-venv"
+# Where benchmarks/setup_llama_cpp.sh put llama.cpp (its LLAMA_VENV, read here too).
+LLAMA_VENV = Path(os.environ.get("LLAMA_VENV", HERE / ".llama-venv"))
 PROMPTS = (32, 512, 2048)
 QUICK_PROMPTS = (8, 24)
 # The families whose tiny plugin configs make the --quick rows.
@@ -134,9 +136,10 @@ def family_shapes() -> dict[str, dict]:
             full_attention_interval=4,
         ),
         # Gemma 4: sliding and full attention 4:1, a wider global head, per-layer
-        # inputs, shared KV in the last layers, a routed-expert block.
+        # inputs, shared KV in the last 5 layers, a routed-expert block.
         "gemma4_text": _family(
             "gemma4_text",
+            architectures=["Gemma4ForCausalLM"],  # how llama.cpp's converter knows it
             hidden_size=1024,
             num_hidden_layers=10,
             intermediate_size=2048,
@@ -149,7 +152,9 @@ def family_shapes() -> dict[str, dict]:
             hidden_size_per_layer_input=128,
             sliding_window=512,
             layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
-            num_kv_shared_layers=4,
+            # The unshared layers end on a full-attention layer, as in Gemma 4's
+            # checkpoints (llama.cpp picks the donors by that rule).
+            num_kv_shared_layers=5,
             num_experts=16,
             top_k_experts=4,
             moe_intermediate_size=384,
@@ -185,6 +190,7 @@ def family_shapes() -> dict[str, dict]:
         # Gemma 3 (1B's heads: 4 query, 1 KV, head 256; 5 sliding : 1 global).
         "gemma3_text": _family(
             "gemma3_text",
+            architectures=["Gemma3ForCausalLM"],
             hidden_size=1152,
             intermediate_size=6912,
             num_hidden_layers=12,

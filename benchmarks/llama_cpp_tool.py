@@ -20,6 +20,7 @@ import argparse
 import json
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,12 +39,17 @@ def convert(args: argparse.Namespace) -> dict:
             return "default"
 
     base.TextModel.get_vocab_base_pre = tolerant
+    _tolerate_byte_level_vocab()
     import convert_hf_to_gguf
 
     out = Path(args.out)
     bf16 = out if args.outtype == "bf16" else out.with_suffix(".bf16.gguf")
-    sys.argv = ["convert_hf_to_gguf.py", args.hf_dir, "--outfile", str(bf16), "--outtype", "bf16"]
-    convert_hf_to_gguf.main()
+    with tempfile.TemporaryDirectory() as scratch:
+        hf_dir = _with_full_vocabulary(Path(args.hf_dir), Path(scratch))
+        sys.argv = ["convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(bf16), "--outtype", "bf16"]
+        if _needs_no_mtp(hf_dir, convert_hf_to_gguf):
+            sys.argv.append("--no-mtp")
+        convert_hf_to_gguf.main()
     if args.outtype == "q4_0":
         import llama_cpp
 
@@ -55,6 +61,79 @@ def convert(args: argparse.Namespace) -> dict:
             raise SystemExit(f"llama_model_quantize failed with {rc}")
         bf16.unlink()
     return {"gguf": str(out), "bytes": out.stat().st_size}
+
+
+def _with_full_vocabulary(hf_dir: Path, scratch: Path) -> Path:
+    """``hf_dir``, or a copy of it in ``scratch`` whose tokenizer names every
+    embedding row. The benchmark's test vocabulary is smaller than the
+    config's vocabulary size, and Gemma's converter cuts the embedding to the
+    tokenizer's length; padding the vocabulary with unused names keeps the
+    model's shape (the weights are linked, not copied)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    if not size or len(vocab) >= size:
+        return hf_dir
+    for item in hf_dir.iterdir():
+        (scratch / item.name).symlink_to(item.resolve())
+    taken = set(vocab.values()) | {t["id"] for t in tokenizer.get("added_tokens", [])}
+    for i in range(size):
+        if i not in taken:
+            vocab[f"<unused{i}>"] = i
+    (scratch / "tokenizer.json").unlink()
+    (scratch / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return scratch
+
+
+def _tolerate_byte_level_vocab() -> None:
+    """Gemma 4's converter reads the vocabulary as a SentencePiece-style BPE
+    (byte fallback); the benchmark's test vocabulary is byte-level BPE, which
+    it refuses. Where it refuses, the tokens are written in id order with
+    zero scores, which is all a benchmark fed token ids needs."""
+    import gguf
+
+    strict = gguf.LlamaHfVocab
+
+    class Tolerant:
+        def __init__(self, base_path: Path) -> None:
+            self.strict = None
+            try:
+                self.strict = strict(base_path)
+            except FileNotFoundError:
+                vocab = json.loads((base_path / "tokenizer.json").read_text())["model"]["vocab"]
+                self.tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+                self.vocab_size = len(self.tokens)
+            else:
+                self.vocab_size = self.strict.vocab_size
+
+        def all_tokens(self):
+            if self.strict is not None:
+                yield from self.strict.all_tokens()
+                return
+            for text in self.tokens:
+                yield text.encode(), 0.0, gguf.TokenType.NORMAL
+
+    gguf.LlamaHfVocab = Tolerant
+
+
+def _needs_no_mtp(hf_dir: Path, converter) -> bool:
+    """Whether to tell the converter the checkpoint has no multi-token-prediction
+    layers: its Qwen3-Next class otherwise assumes they are there (and fails
+    on an assertion), but only classes that can export them take the flag."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    if config.get("mtp_num_hidden_layers") or config.get("num_nextn_predict_layers"):
+        return False
+    names: list[str] = []
+    for shard in hf_dir.glob("*.safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(str(shard), "np") as f:
+            names.extend(f.keys())
+    if any(n.startswith("mtp.") or ".mtp." in n for n in names):
+        return False
+    architecture = converter.get_model_architecture(config, converter.ModelType.TEXT)
+    return bool(getattr(converter.get_model_class(architecture), "supports_mtp_export", False))
 
 
 def run(args: argparse.Namespace) -> dict:
