@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "cpu_features.h"
 #include "kernels.h"
 #include "native_common.h"
 #include "ops.h"
@@ -85,7 +86,8 @@ const float* f32_x(const Product& p, const void* x_raw, int x_dtype) {
   return buf;
 }
 
-// The activations of a matrix-vector product (at most kSmallRows rows) as
+// The activations of a matrix-vector product (at most kSmallRows rows; any
+// number with int8 activations) as
 // its kernel reads them, prepared once per call -- and once for both
 // products of a gated pair, which share x, K, bits and group size.
 struct VectorInput {
@@ -198,7 +200,7 @@ void run_products(
   if (rows == 0) {
     return;
   }
-  if (ps[0].M > kSmallRows) {
+  if (ps[0].M > kSmallRows && !int8_x) {
     gemm_all(ps, count);
     return;
   }
@@ -235,7 +237,7 @@ void run_gated(Product g, Product u, const float* x, bool int8_x, float* out) {
   g.out = out;
   u.out = up;
   g.out_dtype = u.out_dtype = kF32;
-  if (M > kSmallRows) {
+  if (M > kSmallRows && !int8_x) {
     const Product pair[2] = {g, u};
     gemm_all(pair, 2);
     const RowChunks c = row_chunks(M, static_cast<long long>(count) * 8);
@@ -283,6 +285,9 @@ int check_affine(
         "[loom native kernels] int8 activations are implemented for 4-bit weights only, got " +
         std::to_string(bits) + "-bit.");
   });
+  if (int8_activations) {
+    active_isa();  // a bad MLX_LOOM_CPU_ISA is an error here, not in a worker
+  }
   require(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8, [&] {
     return std::string("[loom native kernels] affine bits must be 2, 3, 4, 5, 6 or 8, got " +
         std::to_string(bits) + ".");
@@ -570,9 +575,10 @@ void NativeMatmul::eval_cpu(
   for (auto& o : outputs) {
     encoder.set_output_array(o);
   }
-  // int8 activations serve the matrix-vector sizes; larger products
-  // (prefill) run the fp32 GEMM either way.
-  const bool int8_x = int8_x_ && p.M <= kSmallRows;
+  // int8 activations serve every size: up to kSmallRows rows as decode's
+  // matrix-vector passes, above it (prefill) the same kernel over blocks of
+  // weight rows, so a row's result never depends on the rows beside it.
+  const bool int8_x = int8_x_;
   if (gated_) {
     encoder.dispatch([g = p, u = product_at(1 + per_weight), x_raw = x.data<float>(),
                       y = out.data<float>(), int8_x]() { run_gated(g, u, x_raw, int8_x, y); });
