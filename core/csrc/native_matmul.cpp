@@ -108,7 +108,27 @@ VectorInput prepare_vector(const Product& p, bool int8_x) {
   if (int8_x) {
     auto* xq = reinterpret_cast<int8_t*>(int8_scratch.get(int8_x_bytes(p.M, p.K) / 4 + 8));
     float* steps = step_scratch.get(int8_x_steps(p.M, p.K) + 8);
-    prepare_int8_x(p, xq, steps, sums);
+    if (p.M <= kSmallRows) {
+      prepare_int8_x(p, xq, steps, sums);
+    } else {
+      // A prefill chunk's rows are quantized on every thread (each row on
+      // its own, so the split changes no value).
+      const int groups = p.K / p.group_size;
+      const int tasks = std::min(pool_threads() * 4, p.M / 8);
+      const int chunk = (p.M + tasks - 1) / tasks;
+      parallel_for(tasks, [&](int t) {
+        const int m0 = t * chunk;
+        const int m1 = std::min(p.M, m0 + chunk);
+        if (m0 >= m1) {
+          return;
+        }
+        Product q = p;
+        q.x = p.x + static_cast<size_t>(m0) * p.K;
+        q.M = m1 - m0;
+        prepare_int8_x(q, xq + int8_x_bytes(m0, p.K), steps + int8_x_steps(m0, p.K),
+                       sums + static_cast<size_t>(m0) * groups);
+      });
+    }
     v.xq = xq;
     v.steps = steps;
     return v;
