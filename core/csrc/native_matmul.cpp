@@ -6,7 +6,6 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "cpu_features.h"
 #include "kernels.h"
 #include "native_common.h"
 #include "ops.h"
@@ -305,9 +304,6 @@ int check_affine(
         "[loom native kernels] int8 activations are implemented for 4-bit weights only, got " +
         std::to_string(bits) + "-bit.");
   });
-  if (int8_activations) {
-    active_isa();  // a bad MLX_LOOM_CPU_ISA is an error here, not in a worker
-  }
   require(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8, [&] {
     return std::string("[loom native kernels] affine bits must be 2, 3, 4, 5, 6 or 8, got " +
         std::to_string(bits) + ".");
