@@ -9,7 +9,12 @@
 // one scaled add), and a decode step becomes a read of the weights.
 //
 // Compiled like kernels_avx2.cpp (-mavx2 -mfma -mf16c, no library header
-// with inline code, internal linkage; see cpu_features.cpp).
+// with inline code, internal linkage; see cpu_features.cpp), plus
+// -ffp-contract=off: the fp32 order below is a contract that the AVX-512
+// VNNI kernel (kernels_int8_avx512.cpp) repeats bit for bit, and
+// gemv4_int8_rows hands the work to that kernel where the CPU has it.
+// Many activation rows (prefill) take the same per-row arithmetic over
+// blocks of weight rows, so a row's result never depends on its neighbours.
 //
 // Layout of the prepared activations, per row of K columns (K % 32 == 0):
 // per chunk of 64 columns starting at k, bytes [k, k + 32) hold the int8
