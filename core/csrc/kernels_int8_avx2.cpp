@@ -289,8 +289,10 @@ void avx2_passes(
 }
 
 // Weight rows per block when many activation rows pass over them: a block
-// (16 rows of K / 2 bytes) stays in cache while every pass reads it.
-constexpr int kBlockRows = 16;
+// (64 rows of K / 2 bytes) stays in cache while every pass reads it, and the
+// activations are streamed once per block (350M-shaped products, 512 rows,
+// two threads, CPU time: 16 rows 76-77 ms, 64 rows 73-77 ms).
+constexpr int kBlockRows = 64;
 
 }  // namespace
 

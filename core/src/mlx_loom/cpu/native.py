@@ -115,6 +115,18 @@ def cpu_isa() -> str | None:
     return str(mod.cpu_isa()) if mod is not None else None
 
 
+def describe_available() -> str:
+    """``loom explain``'s line for a loadable extension: the instruction sets its kernels use."""
+    try:
+        isa = cpu_isa()
+    except ValueError as err:
+        return f"available (AVX2/FMA/F16C); int8 products: {err}"
+    return (
+        f"available: AVX2/FMA/F16C, int8 products on {isa} "
+        f"(MLX_LOOM_CPU_ISA={'|'.join(CPU_ISA_CHOICES)})"
+    )
+
+
 def threads() -> int | None:
     """Threads one native product runs on (``MLX_LOOM_CPU_THREADS``, else every usable CPU)."""
     mod, _ = _load()
