@@ -32,6 +32,17 @@ NB_MODULE(_native, m) {
       "missing_instructions",
       &loom_cpu::missing_instructions,
       "The instruction sets the kernels need that this CPU lacks ('' when none).");
+  m.def(
+      "cpu_isa",
+      []() { return loom_cpu::isa_name(loom_cpu::active_isa()); },
+      "The instruction set the int8-activation kernels use: 'avx512-vnni' or 'avx2' "
+      "(MLX_LOOM_CPU_ISA=auto|avx2|avx512 chooses; ValueError for a bad value).");
+  m.def(
+      "set_cpu_isa",
+      &loom_cpu::set_isa,
+      "name"_a,
+      "Switch the int8 kernels' instruction set ('auto', 'avx2' or 'avx512'; both give "
+      "bit-identical results) and return the one in use.");
   m.def("threads", &loom_cpu::pool_threads, "Threads one product runs on.");
   m.attr("SMALL_ROWS") = loom_cpu::kSmallRows;
   m.attr("MAX_PARTS") = loom_cpu::kMaxParts;

@@ -80,8 +80,19 @@ void prepare_int8_x(const Product& p, int8_t* xq, float* steps, float* xsum);
 // Rows [n0, n1) of a 4-bit affine product against the prepared activations.
 // Each output is a fixed-order sum per activation row, so a row of a call
 // with M rows is bit-identical to the same row computed alone.
+// Any number of rows M: with many rows (prefill) the weight rows are taken in
+// blocks that every activation row reads from cache. Runs the AVX-512 VNNI
+// kernel (kernels_int8_avx512.cpp) when int8_isa_avx512() says so, else
+// AVX2; the two give bit-identical results.
 void gemv4_int8_rows(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
+void gemv4_int8_rows_avx512(
+    const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
+
+// Whether the int8 kernels run on AVX-512 VNNI now (cpu_features.cpp: the
+// CPU has it and MLX_LOOM_CPU_ISA does not ask for avx2). Throws
+// std::invalid_argument for a bad MLX_LOOM_CPU_ISA.
+bool int8_isa_avx512();
 
 // Activations to fp32: rows [m0, m1) of a row-major [M, K] array.
 void to_f32(const void* src, int dtype, float* dst, size_t count);

@@ -52,6 +52,9 @@ void check_runnable() {
         "[loom native kernels] this CPU lacks " + missing +
         ", which the native CPU kernels need.");
   }
+  // A bad MLX_LOOM_CPU_ISA is an error here, when the graph is built, and
+  // never in a worker thread running a kernel.
+  active_isa();
 }
 
 mx::Stream cpu_stream(mx::StreamOrDevice s) {

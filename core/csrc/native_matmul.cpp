@@ -85,7 +85,8 @@ const float* f32_x(const Product& p, const void* x_raw, int x_dtype) {
   return buf;
 }
 
-// The activations of a matrix-vector product (at most kSmallRows rows) as
+// The activations of a matrix-vector product (at most kSmallRows rows; any
+// number with int8 activations) as
 // its kernel reads them, prepared once per call -- and once for both
 // products of a gated pair, which share x, K, bits and group size.
 struct VectorInput {
@@ -106,7 +107,27 @@ VectorInput prepare_vector(const Product& p, bool int8_x) {
   if (int8_x) {
     auto* xq = reinterpret_cast<int8_t*>(int8_scratch.get(int8_x_bytes(p.M, p.K) / 4 + 8));
     float* steps = step_scratch.get(int8_x_steps(p.M, p.K) + 8);
-    prepare_int8_x(p, xq, steps, sums);
+    if (p.M <= kSmallRows) {
+      prepare_int8_x(p, xq, steps, sums);
+    } else {
+      // A prefill chunk's rows are quantized on every thread (each row on
+      // its own, so the split changes no value).
+      const int groups = p.K / p.group_size;
+      const int tasks = std::min(pool_threads() * 4, p.M / 8);
+      const int chunk = (p.M + tasks - 1) / tasks;
+      parallel_for(tasks, [&](int t) {
+        const int m0 = t * chunk;
+        const int m1 = std::min(p.M, m0 + chunk);
+        if (m0 >= m1) {
+          return;
+        }
+        Product q = p;
+        q.x = p.x + static_cast<size_t>(m0) * p.K;
+        q.M = m1 - m0;
+        prepare_int8_x(q, xq + int8_x_bytes(m0, p.K), steps + int8_x_steps(m0, p.K),
+                       sums + static_cast<size_t>(m0) * groups);
+      });
+    }
     v.xq = xq;
     v.steps = steps;
     return v;
@@ -198,7 +219,7 @@ void run_products(
   if (rows == 0) {
     return;
   }
-  if (ps[0].M > kSmallRows) {
+  if (ps[0].M > kSmallRows && !int8_x) {
     gemm_all(ps, count);
     return;
   }
@@ -235,7 +256,7 @@ void run_gated(Product g, Product u, const float* x, bool int8_x, float* out) {
   g.out = out;
   u.out = up;
   g.out_dtype = u.out_dtype = kF32;
-  if (M > kSmallRows) {
+  if (M > kSmallRows && !int8_x) {
     const Product pair[2] = {g, u};
     gemm_all(pair, 2);
     const RowChunks c = row_chunks(M, static_cast<long long>(count) * 8);
@@ -570,9 +591,10 @@ void NativeMatmul::eval_cpu(
   for (auto& o : outputs) {
     encoder.set_output_array(o);
   }
-  // int8 activations serve the matrix-vector sizes; larger products
-  // (prefill) run the fp32 GEMM either way.
-  const bool int8_x = int8_x_ && p.M <= kSmallRows;
+  // int8 activations serve every size: up to kSmallRows rows as decode's
+  // matrix-vector passes, above it (prefill) the same kernel over blocks of
+  // weight rows, so a row's result never depends on the rows beside it.
+  const bool int8_x = int8_x_;
   if (gated_) {
     encoder.dispatch([g = p, u = product_at(1 + per_weight), x_raw = x.data<float>(),
                       y = out.data<float>(), int8_x]() { run_gated(g, u, x_raw, int8_x, y); });

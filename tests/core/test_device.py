@@ -156,6 +156,9 @@ def test_loom_explain_names_the_backend_device_memory_and_native_kernels(capsys)
     assert "device                 cpu: " in out
     assert "(system memory)" in out
     assert "native cpu kernels     " in out
+    line = next(row for row in out.splitlines() if row.startswith("native cpu kernels"))
+    if native.unavailable_reason() is None:  # the instruction sets its kernels use
+        assert line.endswith(native.describe_available()) and "int8 products on " in line
     assert main(["explain", "tiny", "--json"]) == 0
     mlx = json.loads(capsys.readouterr().out)["mlx"]
     assert mlx["backend"] == "cpu" and mlx["problem"] is None

@@ -11,7 +11,11 @@ What is claimed (``core/csrc/kernels.h``), and tested here:
   is off by at most ``sum_k |w_k| d_k / 2`` plus the same fp32 rounding;
 * the engine's properties: rows of a batch equal the rows alone bit for bit,
   repeated products are bit-identical, and products over more than
-  ``SMALL_ROWS`` rows (prefill) are the fp32 GEMM's, unchanged;
+  ``SMALL_ROWS`` rows (prefill) take int8 activations too, each row still
+  equal to the row alone;
+* the instruction sets: the AVX-512 VNNI kernel (where this CPU has it) gives
+  the AVX2 kernel's results bit for bit, for the linears, the gated pair and
+  the routed experts, and ``MLX_LOOM_CPU_ISA`` picks the set or is refused;
 * per family (Llama, Qwen3-Next, Gemma 4, 4-bit checkpoints): the model on
   this set computes what its forward with that activation rounding put in
   front of every 4-bit product computes (the same graph with the rounding
@@ -19,6 +23,10 @@ What is claimed (``core/csrc/kernels.h``), and tested here:
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -72,7 +80,7 @@ SHAPES = [(1024, 64), (1024, 32), (1024, 128), (96, 32), (160, 32), (2816, 64)]
 
 
 @pytest.mark.parametrize("K,group_size", SHAPES)
-@pytest.mark.parametrize("M", [1, 3, nat.SMALL_ROWS])
+@pytest.mark.parametrize("M", [1, 3, nat.SMALL_ROWS, nat.SMALL_ROWS + 9])
 def test_the_kernel_computes_the_stated_arithmetic(M, K, group_size):
     wq, s, b = quantized(67, K, group_size)
     x = rand((M, K), seed=M + K)
@@ -119,10 +127,18 @@ def test_batch_rows_equal_the_rows_alone_bit_for_bit():
     assert mx.array_equal(batch, product(x, wq, s, b, 64))
 
 
-def test_products_over_more_rows_than_the_matrix_vector_kernel_serves_are_unchanged():
-    wq, s, b = quantized(40, 256, 64)
-    x = rand((nat.SMALL_ROWS + 1, 256), seed=5)
-    assert mx.array_equal(product(x, wq, s, b, 64), product(x, wq, s, b, 64, int8=False))
+def test_prefill_sized_products_take_int8_activations_row_by_row():
+    # Above SMALL_ROWS the same kernel runs over blocks of weight rows (a
+    # prefill chunk): every row still equals the row alone, so chunked
+    # prefill and batched rows reproduce one-row products bit for bit.
+    wq, s, b = quantized(41, 256, 64, mx.bfloat16)
+    M = 2 * nat.SMALL_ROWS + 3
+    x = rand((M, 256), seed=5)
+    batch = product(x, wq, s, b, 64)
+    for m in (0, 1, nat.SMALL_ROWS, M - 1):
+        assert mx.array_equal(batch[m : m + 1], product(x[m : m + 1], wq, s, b, 64))
+    assert mx.array_equal(batch[:7], product(x[:7], wq, s, b, 64))
+    assert not mx.array_equal(batch, product(x, wq, s, b, 64, int8=False))
 
 
 def test_other_widths_are_refused_by_name():
@@ -141,6 +157,8 @@ def test_the_set_is_resolved_by_name_and_never_by_default():
     assert path.kernel_set == "cpu-native-int8-act"
     assert path.threads == native.threads()
     assert "cpu-native-int8-act, " in path.describe_kernels()
+    assert path.isa == native.cpu_isa()
+    assert f"int8 products on {path.isa}" in path.describe_kernels()
 
 
 def test_only_4bit_modules_are_marked():
@@ -173,8 +191,7 @@ def _rounding_in_front_of_every_4bit_product(monkeypatch) -> None:
         q = mx.clip(mx.round(blocks * inv), -127, 127)
         return (q * (amax / 127.0)).reshape(x.shape).astype(x.dtype)
 
-    def rounded(x: mx.array) -> mx.array:
-        return x if x.size // x.shape[-1] > nat.SMALL_ROWS else every_row_rounded(x)
+    rounded = every_row_rounded  # every size: decode and prefill alike
 
     # The fp32 kernel on the rounded input: what the int8 kernel states it computes.
     linear = layers.NativeQuantizedLinear.__call__
@@ -241,3 +258,107 @@ def test_a_verify_window_equals_one_token_steps_bit_for_bit(checkpoints, family)
     together = model(mx.array([window]), cache=windowed)[0]
     for i, logits in enumerate(steps):
         assert mx.array_equal(together[i], logits), f"position {i}"
+
+
+# --- the instruction sets --------------------------------------------------
+
+AVX512 = dict(nat.cpu_features()).get("avx512vnni", False) and dict(nat.cpu_features()).get(
+    "avx512bw", False
+)
+needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU lacks AVX-512 VNNI")
+
+
+@pytest.fixture
+def isa():
+    """Switch the int8 kernels' instruction set; restores the one in use after."""
+    before = nat.cpu_isa()
+    yield nat.set_cpu_isa
+    nat.set_cpu_isa("avx512" if before == "avx512-vnni" else "avx2")
+
+
+def _both(isa, fn):
+    isa("avx2")
+    a = fn()
+    mx.eval(a)
+    isa("avx512")
+    b = fn()
+    mx.eval(b)
+    return a, b
+
+
+@needs_avx512
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.bfloat16, mx.float16], ids=str)
+def test_avx512_vnni_gives_the_avx2_results_bit_for_bit(isa, group_size, scale_dtype):
+    rng = np.random.default_rng(group_size)
+    for trial in range(8):
+        # Widths with a last odd group of 32 (group size 32), odd and even
+        # weight rows, every row count from decode (1) to a prefill chunk.
+        K = group_size * int(rng.integers(1, 5)) + (32 if group_size == 32 and trial % 2 else 0)
+        N = int(rng.integers(1, 24)) if trial % 3 else 131  # odd, past a block of 64 rows
+        M = [1, 2, 3, 4, 5, 7, 8, 13, 31, nat.SMALL_ROWS, nat.SMALL_ROWS + 1, 77][
+            (trial + group_size) % 12
+        ]
+        wq, s, b = quantized(N, K, group_size, scale_dtype, seed=trial)
+        x = rand((M, K), seed=100 + trial)
+        bias = rand((N,), seed=3)
+        a, v = _both(isa, lambda: nat.affine_matmul(x, wq, s, b, 4, group_size, bias, True))
+        assert mx.array_equal(a, v), (M, N, K)
+        # every row of the many-row call equals that row alone, on both sets
+        row = M // 2
+        alone = nat.affine_matmul(x[row : row + 1], wq, s, b, 4, group_size, bias, True)
+        assert mx.array_equal(v[row : row + 1], alone)
+
+
+@needs_avx512
+@pytest.mark.parametrize("M", [1, 9, nat.SMALL_ROWS + 5])
+def test_the_fused_nodes_and_routed_experts_reach_the_avx512_kernel_alike(isa, M):
+    K, N, E = 128, 48, 4
+    x = rand((M, K), seed=9)
+    g, gs, gb = quantized(N, K, 32, seed=2)
+    u, us, ub = quantized(N, K, 32, seed=3)
+    gated = _both(isa, lambda: nat.gated_affine_matmul(x, g, gs, gb, u, us, ub, 4, 32, True))
+    assert mx.array_equal(*gated)
+    multi = _both(
+        isa, lambda: mx.stack(nat.multi_affine_matmul(x, [g, u], [gs, us], [gb, ub], 4, 32, True))
+    )
+    assert mx.array_equal(*multi)
+    wq, s, b = mx.quantize(rand((E, N, K), seed=4, scale=0.05), group_size=32, bits=4)
+    idx = mx.array(np.random.default_rng(M).integers(0, E, (M, 2)).astype(np.int32))
+    routed = _both(isa, lambda: nat.gather_affine_matmul(x, idx, [wq], [s], [b], 4, 32, True)[0])
+    assert mx.array_equal(*routed)
+    assert not mx.array_equal(
+        routed[0], nat.gather_affine_matmul(x, idx, [wq], [s], [b], 4, 32, False)[0]
+    )
+
+
+def test_the_instruction_set_is_switched_by_name_and_refused_otherwise(isa):
+    assert isa("avx2") == "avx2" and nat.cpu_isa() == "avx2"
+    assert isa("auto") == ("avx512-vnni" if AVX512 else "avx2")
+    with pytest.raises(ValueError, match="must be auto, avx2 or avx512"):
+        isa("sse2")
+    if not AVX512:
+        with pytest.raises(ValueError, match="lacks AVX-512"):
+            isa("avx512")
+
+
+@pytest.mark.parametrize("value,expected", [("avx2", "avx2"), ("avx9", None)])
+def test_the_environment_variable_picks_the_set_or_is_refused(value, expected):
+    # A fresh process: the variable is read once, at first use.
+    code = (
+        "from mlx_loom.cpu.path import resolve_cpu_path\n"
+        "from mlx_loom.errors import KernelUnavailable\n"
+        "try:\n"
+        "    p = resolve_cpu_path('cpu', cpu_kernels='cpu-native-int8-act')\n"
+        "    print('isa', p.isa, p.describe_kernels())\n"
+        "except KernelUnavailable as e:\n"
+        "    print('refused', e)\n"
+    )
+    env = dict(os.environ, MLX_LOOM_CPU_ISA=value)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    if expected is None:
+        assert out.startswith("refused") and "MLX_LOOM_CPU_ISA" in out and "avx9" in out
+    else:
+        assert out.startswith(f"isa {expected} ") and f"int8 products on {expected}" in out

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         ("mlx backend", _backend(device)),
         ("device", device.device),
         ("memory", _memory(device)),
-        ("native cpu kernels", native_why or "available"),
+        ("native cpu kernels", native_why or native.describe_available()),
         ("config fingerprint", summary.config_fingerprint),
         ("artifact fingerprint", summary.artifact_fingerprint),
     ]

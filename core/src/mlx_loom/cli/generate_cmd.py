@@ -127,7 +127,7 @@ def add_cpu_path_options(parser: argparse.ArgumentParser) -> None:
         "--cpu-kernels",
         choices=["cpu-native", "cpu-native-int8-act", "cpu-ops"],
         help="kernel set for the matrix products on the CPU (default: cpu-native where it "
-        "runs; cpu-native-int8-act: 4-bit decode products on int8 activations, bounded error)",
+        "runs; cpu-native-int8-act: 4-bit products on int8 activations, bounded error)",
     )
 
 

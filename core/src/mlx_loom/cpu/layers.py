@@ -14,8 +14,9 @@ subclasses: a subclass may compute something else), and only affine
 quantization: a layer in one of MLX's microscaling modes (mxfp4, nvfp4,
 mxfp8) keeps MLX's own ``quantized_matmul``, which ``loom explain`` states
 (:func:`mlx_loom.cpu.path.describe_quantized_products`). On ``cpu-native-int8-act``
-the 4-bit quantized ones are marked ``int8_activations``: their products of
-at most 32 rows run against int8 activations (the kernel's stated bound).
+the 4-bit quantized ones are marked ``int8_activations``: their products
+(decode and prefill alike) run against int8 activations (the kernel's
+stated bound).
 The same pass swaps the norm and RoPE modules, and the core's gated MLP, for
 their one-node versions (:mod:`mlx_loom.cpu.ops`), and the routed-expert
 layer and its stacked projections for theirs (:mod:`mlx_loom.cpu.experts`).

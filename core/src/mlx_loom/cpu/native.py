@@ -97,6 +97,36 @@ def unavailable_reason(features: dict[str, bool] | None = None) -> str | None:
     return None
 
 
+#: ``MLX_LOOM_CPU_ISA`` values: the instruction set of the int8-activation
+#: kernels (``auto``: AVX-512 VNNI where the CPU and OS have it, else AVX2).
+CPU_ISA_CHOICES = ("auto", "avx2", "avx512")
+
+
+def cpu_isa() -> str | None:
+    """The instruction set the int8-activation kernels run on (``None`` without the extension).
+
+    ``avx512-vnni`` where the CPU has AVX-512 F/BW/VL with VNNI and the OS
+    saves the zmm state (detected by the extension at run time), else
+    ``avx2``; ``MLX_LOOM_CPU_ISA=avx2`` forces the baseline. Both give
+    bit-identical results. Raises ``ValueError`` for a ``MLX_LOOM_CPU_ISA``
+    that is not one of :data:`CPU_ISA_CHOICES` or names a set this CPU lacks.
+    """
+    mod, _ = _load()
+    return str(mod.cpu_isa()) if mod is not None else None
+
+
+def describe_available() -> str:
+    """``loom explain``'s line for a loadable extension: the instruction sets its kernels use."""
+    try:
+        isa = cpu_isa()
+    except ValueError as err:
+        return f"available (AVX2/FMA/F16C); int8 products: {err}"
+    return (
+        f"available: AVX2/FMA/F16C, int8 products on {isa} "
+        f"(MLX_LOOM_CPU_ISA={'|'.join(CPU_ISA_CHOICES)})"
+    )
+
+
 def threads() -> int | None:
     """Threads one native product runs on (``MLX_LOOM_CPU_THREADS``, else every usable CPU)."""
     mod, _ = _load()

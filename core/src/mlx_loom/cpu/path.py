@@ -28,10 +28,12 @@ arithmetic: with the same compute dtype, logits equal mlx-lm's bit for bit);
 ``cpu-native`` runs ``Linear``/``QuantizedLinear``/``Embedding`` products on
 the compiled AVX2 kernels (multithreaded; fp32 accumulation; bounded, not
 bit-equal, difference from MLX's sums); ``cpu-native-int8-act`` is
-``cpu-native`` except that 4-bit matrix-vector products (decode, batched
-decode, verification windows up to 32 rows) quantize their activations to
+``cpu-native`` except that 4-bit products (decode, batched decode,
+verification windows and prefill chunks) quantize their activations to
 int8 per 32 columns and multiply in integers, as llama.cpp pairs Q4 weights
-with Q8 activations: ~2x the products' speed for an error stated and tested
+with Q8 activations (on AVX-512 VNNI where the CPU has it, detected at run
+time, else AVX2; ``MLX_LOOM_CPU_ISA=avx2`` forces the baseline and both give
+bit-identical results): ~2x the products' speed for an error stated and tested
 (at most ``sum_k |w_k| step_k / 2`` per output over the dequantized weights
 ``w``; docs/cpu.md). The default is ``cpu-native`` where it can run and
 ``cpu-ops`` where it cannot — ``loom explain`` says which and why; the int8
@@ -135,8 +137,9 @@ def cpu_kernel_sets() -> dict[str, KernelSet]:
         ),
         "cpu-native-int8-act": KernelSet(
             "cpu-native-int8-act",
-            "cpu-native, with 4-bit matrix-vector products (up to 32 rows) against activations "
-            "quantized to int8 per 32 columns: integer multiply-adds, bounded error",
+            "cpu-native, with 4-bit products (decode and prefill) against activations "
+            "quantized to int8 per 32 columns: integer multiply-adds (AVX-512 VNNI where the "
+            "CPU has it, else AVX2; bit-identical), bounded error",
             _native_kernels(
                 "mlx_loom.cpu._native affine_matmul(int8_activations=True) for 4-bit weights, "
                 "dense_matmul / affine_matmul otherwise (projections of one activation through "
@@ -160,6 +163,8 @@ class CpuPath(BaseModel):
     kernel_set_reason: str
     kernel_sets: tuple[str, ...] = KERNEL_SETS
     threads: int | None = None
+    #: The instruction set of the int8-activation kernels (native sets only).
+    isa: str | None = None
 
     @property
     def dtype(self) -> mx.Dtype | None:
@@ -169,7 +174,11 @@ class CpuPath(BaseModel):
     def describe_kernels(self) -> str:
         if self.kernel_set is None:
             return f"n/a ({self.kernel_set_reason})"
-        extra = f", {self.threads} threads" if self.kernel_set in NATIVE_KERNEL_SETS else ""
+        extra = ""
+        if self.kernel_set in NATIVE_KERNEL_SETS:
+            extra = f", {self.threads} threads"
+            if self.kernel_set == "cpu-native-int8-act" and self.isa is not None:
+                extra += f", int8 products on {self.isa}"
         kernels = ", ".join(cpu_kernel_sets()[self.kernel_set].kernels)
         return f"{self.kernel_set}{extra}: {kernels}  ({self.kernel_set_reason})"
 
@@ -295,6 +304,7 @@ def resolve_cpu_path(
             fix="Use the 'cpu-ops' kernel set (--cpu-kernels cpu-ops, cpu_kernels='cpu-ops'), "
             "which runs the same model with MLX operations.",
         )
+    isa = _native_isa() if kernel_set in NATIVE_KERNEL_SETS else None
     return CpuPath(
         backend=backend,
         compute_dtype=dtype,  # type: ignore[arg-type]
@@ -302,7 +312,20 @@ def resolve_cpu_path(
         kernel_set=kernel_set,  # type: ignore[arg-type]
         kernel_set_reason=kernel_reason,
         threads=native.threads() if kernel_set in NATIVE_KERNEL_SETS else None,
+        isa=isa,
     )
+
+
+def _native_isa() -> str | None:
+    """The int8 kernels' instruction set, or a refusal for a bad ``MLX_LOOM_CPU_ISA``."""
+    try:
+        return native.cpu_isa()
+    except ValueError as err:
+        raise KernelUnavailable(
+            f"The native CPU kernels cannot use the instruction set asked for: {err}",
+            fix=f"Unset MLX_LOOM_CPU_ISA, or set it to one of {', '.join(native.CPU_ISA_CHOICES)} "
+            "(avx512 only where the CPU has AVX-512 VNNI).",
+        ) from err
 
 
 def _is_float(a: mx.array) -> bool:

@@ -1,0 +1,383 @@
+// 4-bit affine products against int8 activations on AVX-512 VNNI
+// (vpdpbusd: unsigned bytes times signed bytes, four products summed into
+// each 32-bit lane). The 4-bit codes (0..15) are the unsigned operand and
+// the int8 activations the signed one, so no offset is needed.
+//
+// Why a second kernel: the AVX2 kernel (kernels_int8_avx2.cpp) spends two
+// byte multiply-adds, a 16-bit add and a widening multiply-add per 64 codes
+// and activation row; vpdpbusd does the same exact integer sums in two
+// instructions, for two weight rows at once in a 512-bit register. Prefill
+// products (many activation rows) are bound by that arithmetic.
+//
+// Bit-identical to the AVX2 kernel: both compute, per weight row, activation
+// row and chunk of 64 codes, the same eight exact integer lane sums (lane j
+// holds the products of weight bytes 4j..4j+3, low nibbles against the even
+// columns and high nibbles against the odd ones), and then the same fp32
+// operations in the same order, lane by lane: convert, times the block's
+// step, summed over a group's chunks by fused multiply-adds, times the
+// group's scale into the running total, then the same horizontal sum, tail
+// and bias terms (the order is spelled out at int8_row in the AVX2 file). Here
+// the low eight lanes of a 512-bit register carry weight row n and the high
+// eight row n + 1; each lane meets exactly the operations its AVX2 lane
+// meets. Both files are built with -ffp-contract=off so that no compiler
+// contracts a multiply and an add into one rounding in one file and not in
+// the other.
+//
+// Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni (plus AVX2,
+// FMA and F16C), and called only when cpu_features.cpp found them and the
+// OS saves the zmm state. No library header with inline code is included,
+// and every helper has internal linkage.
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+
+#include "avx2_common.h"
+#include "kernels.h"
+
+namespace loom_cpu {
+namespace {
+
+// Activation rows per pass (eight: 8 totals and 8 partial sums of 512 bits
+// fit the 32 registers with the codes and broadcasts; one thread, 2048x2048,
+// 128 rows: 9.3 ms with four, 8.4 with eight), and weight rows per block of
+// the blocked path (codes unpacked once per block, K bytes a row, then read
+// by every activation row; 350M-shaped products, 512 rows, two threads,
+// CPU time: 16 rows 61-63 ms, 64 rows 58 ms).
+constexpr int kMaxMT = 8;
+constexpr int kBlockRows = 64;
+// From this many activation rows on, a block's codes are unpacked once into
+// scratch; below it each pass unpacks them from the packed rows.
+constexpr int kUnpackRows = 8;
+
+// The codes of one chunk of 64 columns of two weight rows: low nibbles of
+// row n in the low 256 bits and of row n + 1 in the high ones, likewise for
+// the high nibbles.
+struct Codes {
+  __m512i lo;
+  __m512i hi;
+};
+
+LOOM_HOT Codes unpack(const uint8_t* r0, const uint8_t* r1, int k) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + k / 2));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + k / 2));
+  const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  return {_mm512_and_si512(v, nib), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib)};
+}
+
+// Where a pass reads the codes: the packed rows, or a block unpacked once
+// (per pair of rows and chunk of 64 columns: 64 bytes of low nibbles, then
+// 64 of high ones, laid out as Codes).
+struct PackedCodes {
+  const uint8_t* r0;
+  const uint8_t* r1;
+  LOOM_HOT Codes at(int k) const { return unpack(r0, r1, k); }
+};
+
+struct UnpackedCodes {
+  const uint8_t* pair;  // 2 * K bytes for the 64-column chunks of the pair
+  LOOM_HOT Codes at(int k) const {
+    const uint8_t* c = pair + static_cast<size_t>(k) * 2;
+    return {_mm512_loadu_si512(c), _mm512_loadu_si512(c + 64)};
+  }
+};
+
+LOOM_HOT __m512i bcast256(const void* p) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+}
+
+LOOM_HOT __m512 bcast256f(const float* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(reinterpret_cast<const double*>(p))));
+}
+
+// Two 8-lane vectors as one (AVX-512F only: no DQ insert).
+LOOM_HOT __m512 join(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
+// The exact integer sum of the 32 codes from column k (a last, odd 32-code
+// group) against the prepared int8 values (16 even, then 16 odd).
+LOOM_HOT int tail_sum(const uint8_t* wrow, const int8_t* xq, int k) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + k / 2));
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(v, nib);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
+  __m128i s = _mm_dpbusd_epi32(_mm_setzero_si128(), lo, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + k)));
+  s = _mm_dpbusd_epi32(s, hi, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + k + 16)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// Two weight rows (n, n1; n1 == n for a last odd row) against MT prepared
+// activation rows: res[m][0] and res[m][1].
+template <int MT, int SD, class Source>
+LOOM_HOT void pair_rows(
+    const Source& codes,
+    const int8_t* const* xq,
+    const float* const* steps,
+    const float* const* xsums,
+    const uint8_t* w0,
+    const uint8_t* w1,
+    const void* s0,
+    const void* s1,
+    const void* b0,
+    const void* b1,
+    int K,
+    int group_size,
+    float (*res)[2]) {
+  __m512 tot[MT];
+  for (int m = 0; m < MT; ++m) {
+    tot[m] = _mm512_setzero_ps();
+  }
+  const int groups = K / group_size;
+  // One chunk of 64 codes: per activation row, both weight rows' eight
+  // lanes, converted and times the block steps (acc: fused into part).
+  auto chunk = [&](int k, __m512* part, bool acc) __attribute__((always_inline)) {
+    const Codes c = codes.at(k);
+    for (int m = 0; m < MT; ++m) {
+      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c.lo, bcast256(xq[m] + k));
+      s = _mm512_dpbusd_epi32(s, c.hi, bcast256(xq[m] + k + 32));
+      const __m512 sums = _mm512_cvtepi32_ps(s);
+      const __m512 st = bcast256f(steps[m] + k / 8);
+      part[m] = acc ? _mm512_fmadd_ps(sums, st, part[m]) : _mm512_mul_ps(sums, st);
+    }
+  };
+  __m512 part[MT];
+  float tail[MT][2];
+  for (int m = 0; m < MT; ++m) {
+    tail[m][0] = tail[m][1] = 0.0f;
+  }
+  if (group_size >= 64) {
+    for (int g = 0; g < groups; ++g) {
+      const int k0 = g * group_size;
+      chunk(k0, part, false);
+      for (int k = k0 + 64; k < k0 + group_size; k += 64) {
+        chunk(k, part, true);
+      }
+      const __m512 sv = join(
+          _mm256_set1_ps(load_scalar(s0, SD, g)), _mm256_set1_ps(load_scalar(s1, SD, g)));
+      for (int m = 0; m < MT; ++m) {
+        tot[m] = _mm512_fmadd_ps(sv, part[m], tot[m]);
+      }
+    }
+  } else {
+    const int K64 = K & ~63;
+    for (int k = 0; k < K64; k += 64) {
+      chunk(k, part, false);
+      const int g = k / 32;
+      const __m256 sv0 = _mm256_set_m128(
+          _mm_set1_ps(load_scalar(s0, SD, g + 1)), _mm_set1_ps(load_scalar(s0, SD, g)));
+      const __m256 sv1 = _mm256_set_m128(
+          _mm_set1_ps(load_scalar(s1, SD, g + 1)), _mm_set1_ps(load_scalar(s1, SD, g)));
+      const __m512 sv = join(sv0, sv1);
+      for (int m = 0; m < MT; ++m) {
+        tot[m] = _mm512_fmadd_ps(sv, part[m], tot[m]);
+      }
+    }
+    if (K64 < K) {
+      const float t0 = load_scalar(s0, SD, groups - 1);
+      const float t1 = load_scalar(s1, SD, groups - 1);
+      for (int m = 0; m < MT; ++m) {
+        const float st = steps[m][K64 / 8];
+        const float sum0 = static_cast<float>(tail_sum(w0, xq[m], K64)) * st;
+        const float sum1 = static_cast<float>(tail_sum(w1, xq[m], K64)) * st;
+        tail[m][0] = t0 * sum0;
+        tail[m][1] = t1 * sum1;
+      }
+    }
+  }
+  float bsum0[MT], bsum1[MT];
+  bias_terms<MT, SD>(xsums, b0, groups, bsum0);
+  bias_terms<MT, SD>(xsums, b1, groups, bsum1);
+  for (int m = 0; m < MT; ++m) {
+    const __m256 lo = _mm512_castps512_ps256(tot[m]);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(tot[m]), 1));
+    res[m][0] = (hsum(lo) + tail[m][0]) + bsum0[m];
+    res[m][1] = (hsum(hi) + tail[m][1]) + bsum1[m];
+  }
+}
+
+// The rows' addresses of one product.
+struct Rows {
+  const Product& p;
+  size_t row_bytes;
+  size_t sb_bytes;
+  const uint8_t* w(int n) const {
+    return static_cast<const uint8_t*>(p.w) + static_cast<size_t>(n) * row_bytes;
+  }
+  const void* s(int n) const {
+    return static_cast<const char*>(p.scales) + static_cast<size_t>(n) * sb_bytes;
+  }
+  const void* b(int n) const {
+    return static_cast<const char*>(p.biases) + static_cast<size_t>(n) * sb_bytes;
+  }
+};
+
+// Activation rows [m0, m0 + MT) against weight rows [n0, n1); `unpacked`
+// (or null: read the packed rows) holds the block's codes from row n0.
+template <int MT, int SD>
+void pass(
+    const Rows& r,
+    const int8_t* xq,
+    const float* steps,
+    const float* xsum,
+    int m0,
+    int n0,
+    int n1,
+    const uint8_t* unpacked) {
+  const Product& p = r.p;
+  const int K = p.K;
+  const int groups = K / p.group_size;
+  const int8_t* xs[MT];
+  const float* st[MT];
+  const float* xsums[MT];
+  for (int m = 0; m < MT; ++m) {
+    xs[m] = xq + static_cast<size_t>(m0 + m) * K;
+    st[m] = steps + static_cast<size_t>(m0 + m) * (K / 8);
+    xsums[m] = xsum + static_cast<size_t>(m0 + m) * groups;
+  }
+  float res[MT][2];
+  for (int n = n0; n < n1; n += 2) {
+    const int n1r = n + 1 < n1 ? n + 1 : n;
+    const uint8_t* w0 = r.w(n);
+    const uint8_t* w1 = r.w(n1r);
+    if (unpacked != nullptr) {
+      const UnpackedCodes c{unpacked + static_cast<size_t>(n - n0) * K};
+      pair_rows<MT, SD>(c, xs, st, xsums, w0, w1, r.s(n), r.s(n1r), r.b(n), r.b(n1r), K,
+                        p.group_size, res);
+    } else {
+      if (n + static_cast<int>(kAheadRows) + 1 < n1) {
+        prefetch_ahead(w0, r.row_bytes, r.s(n), r.b(n), r.sb_bytes);
+        prefetch_ahead(w1, r.row_bytes, r.s(n1r), r.b(n1r), r.sb_bytes);
+      }
+      const PackedCodes c{w0, w1};
+      pair_rows<MT, SD>(c, xs, st, xsums, w0, w1, r.s(n), r.s(n1r), r.b(n), r.b(n1r), K,
+                        p.group_size, res);
+    }
+    for (int m = 0; m < MT; ++m) {
+      finish(p, m0 + m, n, res[m][0]);
+      if (n1r != n) {
+        finish(p, m0 + m, n1r, res[m][1]);
+      }
+    }
+  }
+}
+
+template <int SD>
+void passes(
+    const Rows& r,
+    const int8_t* xq,
+    const float* steps,
+    const float* xsum,
+    int n0,
+    int n1,
+    const uint8_t* unpacked) {
+  const int M = r.p.M;
+  int m = 0;
+  for (; m + kMaxMT <= M; m += kMaxMT) {
+    pass<kMaxMT, SD>(r, xq, steps, xsum, m, n0, n1, unpacked);
+  }
+  switch (M - m) {
+    case 7:
+      pass<7, SD>(r, xq, steps, xsum, m, n0, n1, unpacked);
+      break;
+    case 6:
+      pass<6, SD>(r, xq, steps, xsum, m, n0, n1, unpacked);
+      break;
+    case 5:
+      pass<5, SD>(r, xq, steps, xsum, m, n0, n1, unpacked);
+      break;
+    case 4:
+      pass<4, SD>(r, xq, steps, xsum, m, n0, n1, unpacked);
+      break;
+    case 3:
+      pass<3, SD>(r, xq, steps, xsum, m, n0, n1, unpacked);
+      break;
+    case 2:
+      pass<2, SD>(r, xq, steps, xsum, m, n0, n1, unpacked);
+      break;
+    case 1:
+      pass<1, SD>(r, xq, steps, xsum, m, n0, n1, unpacked);
+      break;
+    default:
+      break;
+  }
+}
+
+// Unpack weight rows [n0, n1) into `dst` (pairs of rows, a last odd row
+// paired with itself), the layout UnpackedCodes reads. The 64-column chunks
+// only: a last 32-code group is read from the packed row.
+void unpack_block(const Rows& r, int n0, int n1, uint8_t* dst) {
+  const int K64 = r.p.K & ~63;
+  for (int n = n0; n < n1; n += 2) {
+    const uint8_t* w0 = r.w(n);
+    const uint8_t* w1 = r.w(n + 1 < n1 ? n + 1 : n);
+    uint8_t* out = dst + static_cast<size_t>(n - n0) * r.p.K;
+    for (int k = 0; k < K64; k += 64) {
+      const Codes c = unpack(w0, w1, k);
+      _mm512_storeu_si512(out + static_cast<size_t>(k) * 2, c.lo);
+      _mm512_storeu_si512(out + static_cast<size_t>(k) * 2 + 64, c.hi);
+    }
+  }
+}
+
+// A thread's buffer for one unpacked block (kept between calls).
+thread_local uint8_t* block_buf = nullptr;
+thread_local size_t block_size = 0;
+
+uint8_t* block_scratch(size_t bytes) {
+  if (bytes > block_size) {
+    std::free(block_buf);
+    block_buf = static_cast<uint8_t*>(std::malloc(bytes));
+    if (block_buf == nullptr) {
+      block_size = 0;
+      return nullptr;
+    }
+    block_size = bytes;
+  }
+  return block_buf;
+}
+
+template <int SD>
+void rows_for(const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1) {
+  const int groups = p.K / p.group_size;
+  const Rows r{p, static_cast<size_t>(p.K) / 2,
+               static_cast<size_t>(groups) * (p.s_dtype == kF32 ? 4 : 2)};
+  if (p.M < kUnpackRows) {
+    passes<SD>(r, xq, steps, xsum, n0, n1, nullptr);
+    return;
+  }
+  // Blocked: each block of weight rows is unpacked once and then read by
+  // every activation row from cache.
+  uint8_t* buf = block_scratch(static_cast<size_t>(kBlockRows + 1) * p.K + 64);
+  for (int b0 = n0; b0 < n1; b0 += kBlockRows) {
+    const int b1 = b0 + kBlockRows < n1 ? b0 + kBlockRows : n1;
+    if (buf != nullptr) {
+      unpack_block(r, b0, b1, buf);
+    }
+    passes<SD>(r, xq, steps, xsum, b0, b1, buf);
+  }
+}
+
+}  // namespace
+
+void gemv4_int8_rows_avx512(
+    const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1) {
+  switch (p.s_dtype) {
+    case kBF16:
+      rows_for<kBF16>(p, xq, steps, xsum, n0, n1);
+      break;
+    case kF16:
+      rows_for<kF16>(p, xq, steps, xsum, n0, n1);
+      break;
+    default:
+      rows_for<kF32>(p, xq, steps, xsum, n0, n1);
+  }
+}
+
+}  // namespace loom_cpu
