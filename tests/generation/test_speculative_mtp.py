@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 
+import anthropic
 import openai
 import pytest
 
@@ -116,7 +117,7 @@ def test_loom_generate_refuses_draft_mtp_for_a_model_without_a_head(llama, capsy
 # --- the server ---------------------------------------------------------------------------
 
 
-def test_loom_serve_drafts_with_mtp_per_request_and_by_default(loaded):
+def test_loom_serve_drafts_with_mtp_per_request_and_by_default_for_both_clients(loaded):
     model, tokenizer = loaded
     kwargs = dict(model="m", messages=[{"role": "user", "content": "tell me more"}])
     kwargs.update(max_tokens=10, temperature=0)
@@ -135,6 +136,14 @@ def test_loom_serve_drafts_with_mtp_per_request_and_by_default(loaded):
         assert ask(client) == ask(client, stream=True) == plain  # the server's default: mtp
         assert ask(client, draft="mtp", num_draft_tokens=1) == plain
         assert ask(client, draft="ngram") == plain
+        # The anthropic client's requests get the server's default drafter.
+        messages = anthropic.Anthropic(base_url=served.server.url, api_key="x", max_retries=0)
+        before = model.engine.stats().engine.draft_tokens
+        message = messages.messages.create(
+            model="m", max_tokens=10, messages=kwargs["messages"], extra_body={"temperature": 0}
+        )
+        assert message.content[0].text == plain
+        assert model.engine.stats().engine.draft_tokens > before
 
 
 def test_loom_serve_refuses_mtp_for_a_model_without_a_head(llama):
