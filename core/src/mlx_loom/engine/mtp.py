@@ -109,10 +109,10 @@ class MtpDrafter:
         dists = []
         for _ in range(k):
             logits, out = self.model.mtp_forward(hidden, tokens, self.caches)
-            logprobs = log_probs(self.model, logits[:, -1, :])
-            if self.sampler is None:
-                token = host_int(mx.argmax(logprobs, axis=-1))
+            if self.sampler is None:  # the argmax of the logits is that of their log-softmax
+                token = host_int(mx.argmax(logits[:, -1, :], axis=-1))
             else:
+                logprobs = log_probs(self.model, logits[:, -1, :])
                 dists.append(mx.softmax(self.sampler.sampling_logits(logprobs), axis=-1)[0])
                 token = host_int(self.sampler(logprobs))
             drafts.append(token)
