@@ -36,6 +36,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 
@@ -95,7 +96,7 @@ def build(family: str, seed: int, *, agree: bool = False) -> Path:
     write_checkpoint(path, config, tensors, seed=seed)
     if agree:  # the head's final gain is stored zero-centred: -1 makes it 0
         weights = path / "model.safetensors"
-        stored = mx.load(str(weights))
+        stored = cast("dict[str, mx.array]", mx.load(str(weights)))
         stored["mtp.norm.weight"] = mx.full(stored["mtp.norm.weight"].shape, -1.0)
         mx.save_safetensors(str(weights), stored, metadata={"format": "mlx"})
     return path

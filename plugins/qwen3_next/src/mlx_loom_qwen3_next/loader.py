@@ -9,8 +9,8 @@ Checkpoints come in two layouts, told apart by the convolution weight:
   (``mtp.*``) ride along. :func:`sanitize` stacks the experts, moves the conv
   axes to MLX's ``(C, K, 1)`` and adds 1.0 to the zero-centred gains — the
   same mapping mlx-lm's ``sanitize`` applies — and keeps ``mtp.*`` (mapped
-  the same way) only when the graph has an MTP head (mlx-lm always drops it). :func:`checkpoint_tensors`
-  is the inverse for the conformance kit: the graph's own tensors (read from
+  the same way) only when the graph has an MTP head (mlx-lm always drops it).
+  :func:`checkpoint_tensors` is the inverse for the conformance kit: the graph's own tensors (read from
   the lazily built graph) written back in this layout.
 * **MLX** (already converted, possibly affine-quantized): nothing changes.
 
@@ -157,9 +157,10 @@ def mtp_missing(weights: Mapping[str, Any], cfg: HybridConfig) -> str | None:
     if not any(k.startswith("mtp.") for k in weights):
         return NO_MTP_WEIGHTS
     n = cfg.mtp_layers
-    field = "num_nextn_predict_layers" if isinstance(cfg, Qwen3NextConfig) else "mtp_num_hidden_layers"
+    qwen3_next = isinstance(cfg, Qwen3NextConfig)
+    field = "num_nextn_predict_layers" if qwen3_next else "mtp_num_hidden_layers"
     if n == 0:
-        return f"config.json declares no MTP layers ({field} is 0 or absent), so mtp.* is not loaded"
+        return f"config.json declares no MTP layers ({field} is 0 or absent): mtp.* is not loaded"
     if n > 1:
         return f"config.json declares {n} MTP layers ({field}); drafting supports exactly one"
     return None
