@@ -10,8 +10,9 @@ Checkpoints come in two layouts, told apart by the convolution weight:
   axes to MLX's ``(C, K, 1)`` and adds 1.0 to the zero-centred gains — the
   same mapping mlx-lm's ``sanitize`` applies — and keeps ``mtp.*`` (mapped
   the same way) only when the graph has an MTP head (mlx-lm always drops it).
-  :func:`checkpoint_tensors` is the inverse for the conformance kit: the graph's own tensors (read from
-  the lazily built graph) written back in this layout.
+  :func:`checkpoint_tensors` is the inverse for the conformance kit: the
+  graph's own tensors (read from the lazily built graph) written back in
+  this layout.
 * **MLX** (already converted, possibly affine-quantized): nothing changes.
 
 The MTP head is built, and its tensors loaded, whenever the checkpoint holds
