@@ -162,3 +162,19 @@ def test_loom_serve_refuses_mtp_for_a_model_without_a_head(llama):
                 )
     finally:
         model.close_engine()
+
+
+def test_loom_convert_keeps_the_head_quantized_and_it_still_drafts_the_plain_text(
+    checkpoint, tmp_path, capsys
+):
+    q4 = tmp_path / "q4"
+    code, _, err = cli(capsys, "convert", "--hf-path", str(checkpoint), "--mlx-path", str(q4), "-q")
+    assert code == 0, err
+    model, tokenizer = mlx_loom.load(q4)
+    try:
+        assert model.mtp_refusal() is None
+        assert hasattr(model.module.mtp.fc, "scales")  # quantized with the rest
+        plain = mlx_loom.generate(model, tokenizer, TEXT, max_tokens=10)
+        assert mlx_loom.generate(model, tokenizer, TEXT, max_tokens=10, draft="mtp") == plain
+    finally:
+        model.close_engine()
