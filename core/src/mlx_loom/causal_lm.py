@@ -41,7 +41,9 @@ class MultiTokenPredictor(Protocol):
     states ``[B, L, D]`` the head reads, with the same logits. ``mtp_forward``
     takes hidden states ``[B, L, D]`` and tokens ``[B, L]`` (the token after
     each state), appends them to the head's caches (``make_mtp_cache()``,
-    trimmable) and returns its logits and its own hidden states.
+    trimmable) and returns the logits of the last position ``[B, V]`` (only
+    they draft: the vocabulary projection is the head's largest product) and
+    its own hidden states ``[B, L, D]``.
     """
 
     def mtp_refusal(self) -> str | None: ...

@@ -290,7 +290,7 @@ class Model:
     def mtp_forward(
         self, hidden: mx.array, tokens: mx.array, cache: list[Any]
     ) -> tuple[mx.array, mx.array]:
-        """The MTP head's logits and hidden states (see :class:`MultiTokenPredictor`)."""
+        """The MTP head's last logits and hidden states (see :class:`MultiTokenPredictor`)."""
         assert isinstance(self.module, MultiTokenPredictor)
         with self.native_kernels():
             return self.module.mtp_forward(hidden, tokens, cache)

@@ -110,9 +110,9 @@ class MtpDrafter:
         for _ in range(k):
             logits, out = self.model.mtp_forward(hidden, tokens, self.caches)
             if self.sampler is None:  # the argmax of the logits is that of their log-softmax
-                token = host_int(mx.argmax(logits[:, -1, :], axis=-1))
+                token = host_int(mx.argmax(logits, axis=-1))
             else:
-                logprobs = log_probs(self.model, logits[:, -1, :])
+                logprobs = log_probs(self.model, logits)
                 dists.append(mx.softmax(self.sampler.sampling_logits(logprobs), axis=-1)[0])
                 token = host_int(self.sampler(logprobs))
             drafts.append(token)

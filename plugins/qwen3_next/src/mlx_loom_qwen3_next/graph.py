@@ -429,8 +429,9 @@ class Model(nn.Module):
     def mtp_forward(
         self, hidden: mx.array, tokens: mx.array, cache: list[Any]
     ) -> tuple[mx.array, mx.array]:
+        """The head's logits at the last position and its hidden states."""
         h = self.mtp(hidden, self.model.embed_tokens(tokens), cache)
-        return self._logits(h), h
+        return self._logits(h[:, -1, :]), h
 
     @property
     def layers(self) -> list[DecoderLayer]:
