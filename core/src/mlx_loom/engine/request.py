@@ -542,8 +542,8 @@ def _check_speculation(
         if why is not None:
             raise CapabilityRefused(
                 f"draft='mtp' drafts with the model's multi-token-prediction head, but {why}.",
-                fix="Use a checkpoint that ships its mtp.* weights (as published, before "
-                "conversion), or draft with 'ngram' or a draft model instead.",
+                fix="Use a checkpoint that ships its mtp.* weights (as published, or converted "
+                "with loom convert), or draft with 'ngram' or a draft model instead.",
             )
     if spec.draft is not None:
         spec.draft.require(SPECULATIVE, asked="speculative decoding (draft model)")
