@@ -13,7 +13,13 @@ For each family (random-weight checkpoints from the plugins' manifests, as in
   case; the draft costs as much as the target);
 * ``other`` — a draft of the same shape with other weights: drafts are
   almost never accepted (the worst case);
-* ``ngram`` — prompt lookup on a prompt whose continuation repeats it.
+* ``ngram`` — prompt lookup on a prompt whose continuation repeats it;
+* ``mtp`` — the checkpoint's own multi-token-prediction head (Qwen3-Next's
+  checkpoint here ships one): random weights, so its drafts are almost never
+  accepted — this row is the head's cost, the worst case;
+* ``mtp-agree`` beside ``plain-bias`` — the best case: a head whose final
+  gain is zero drafts token 0 every step, and a logit bias makes the target
+  emit token 0 too, so every draft is accepted (both rows carry the bias).
 
 mlx-loom runs through ``stream_generate`` (the engine); mlx-lm through its
 ``speculative_generate_step`` / ``generate_step``. Each speculative run's
@@ -30,6 +36,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 
@@ -68,17 +75,30 @@ def family_config(family: str) -> dict:
     return config
 
 
-def build(family: str, seed: int) -> Path:
-    path = CACHE_DIR / f"spec-{family}-{seed}"
+#: Families whose benchmark checkpoint ships a multi-token-prediction head.
+MTP_FAMILIES = {"qwen3_next": "num_nextn_predict_layers"}
+
+
+def build(family: str, seed: int, *, agree: bool = False) -> Path:
+    """The family's random checkpoint; ``agree``: its MTP head always drafts token 0."""
+    mtp = family in MTP_FAMILIES
+    path = CACHE_DIR / f"spec-{family}{'-mtp' if mtp else ''}{'-agree' if agree else ''}-{seed}"
     if (path / "config.json").exists():
         return path
     claim = mlx_loom.default_host().registry.model_types[family]
     config = family_config(family)
+    if mtp:
+        config[MTP_FAMILIES[family]] = 1
     tensors = {
         name: (shape, "F32" if dtype in ("F32", "BF16", "F16") else dtype)
         for name, (shape, dtype) in claim.checkpoint_tensors(config).items()
     }
     write_checkpoint(path, config, tensors, seed=seed)
+    if agree:  # the head's final gain is stored zero-centred: -1 makes it 0
+        weights = path / "model.safetensors"
+        stored = cast("dict[str, mx.array]", mx.load(str(weights)))
+        stored["mtp.norm.weight"] = mx.full(stored["mtp.norm.weight"].shape, -1.0)
+        mx.save_safetensors(str(weights), stored, metadata={"format": "mlx"})
     return path
 
 
@@ -92,8 +112,8 @@ def timed(tokens) -> tuple[list[int], float]:
     return out, (len(out) - 1) / max(end - (first or end), 1e-9)
 
 
-def loom_run(model, prompt, gen, drafter, k):
-    options = {} if drafter is None else {"num_draft_tokens": k}
+def loom_run(model, prompt, gen, drafter, k, **extra):
+    options = dict(extra) if drafter is None else {"num_draft_tokens": k, **extra}
     if isinstance(drafter, str):
         options["draft"] = drafter
     elif drafter is not None:
@@ -161,9 +181,22 @@ def main(argv: list[str] | None = None) -> int:
         loom_run(model, prompt, 4, None, k)  # warm up
         plain, tps, _ = best(loom_run, (model, prompt, gen, None, k), reps)
         print(row("mlx-loom", family, "plain", plain, tps, plain, None), flush=True)
-        for case, drafter in (("self", model), ("other", other), ("ngram", "ngram")):
+        cases = [("self", model), ("other", other), ("ngram", "ngram")]
+        if model.mtp_refusal() is None:
+            cases.append(("mtp", "mtp"))
+        for case, drafter in cases:
             tokens, tps, acc = best(loom_run, (model, prompt, gen, drafter, k), reps)
             print(row("mlx-loom", family, case, tokens, tps, plain, acc), flush=True)
+        if model.mtp_refusal() is None:
+            agree, _ = mlx_loom.load(build(family, 0, agree=True))
+            bias = {"logit_bias": {0: 100.0}}
+            base = best(lambda *a: loom_run(*a, **bias), (agree, prompt, gen, None, k), reps)
+            print(row("mlx-loom", family, "plain-bias", base[0], base[1], base[0], None))
+            tokens, tps, acc = best(
+                lambda *a: loom_run(*a, **bias), (agree, prompt, gen, "mtp", k), reps
+            )
+            print(row("mlx-loom", family, "mtp-agree", tokens, tps, base[0], acc), flush=True)
+            agree.close_engine()
         if args.skip_mlx_lm:
             continue
         from mlx_lm.utils import load_model

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 
-from .causal_lm import CausalLM
+from .causal_lm import CausalLM, MultiTokenPredictor
 from .cpu.compiled_step import CompiledStep, not_compiled_because
 from .cpu.ops import forward_kernels
 from .errors import AdapterError, CapabilityRefused, RequestError
@@ -270,6 +270,34 @@ class Model:
 
     def make_cache(self) -> list[Any]:
         return self.module.make_cache()
+
+    # --- multi-token prediction: drafting with the model's own head ---
+
+    def mtp_refusal(self) -> str | None:
+        """Why this model cannot draft with an MTP head (``None``: it can)."""
+        module = self.module
+        if not isinstance(module, MultiTokenPredictor):
+            return f"the {self.model_type} family's graph has no multi-token-prediction head"
+        return module.mtp_refusal()
+
+    def forward_hidden(self, inputs: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        """:meth:`forward`'s logits and the hidden states the MTP head reads
+        (an eager forward: the compiled step returns logits only)."""
+        assert isinstance(self.module, MultiTokenPredictor)
+        with self.native_kernels():
+            return self.module.forward_hidden(inputs, cache)
+
+    def mtp_forward(
+        self, hidden: mx.array, tokens: mx.array, cache: list[Any]
+    ) -> tuple[mx.array, mx.array]:
+        """The MTP head's last logits and hidden states (see :class:`MultiTokenPredictor`)."""
+        assert isinstance(self.module, MultiTokenPredictor)
+        with self.native_kernels():
+            return self.module.mtp_forward(hidden, tokens, cache)
+
+    def make_mtp_cache(self) -> list[Any]:
+        assert isinstance(self.module, MultiTokenPredictor)
+        return self.module.make_mtp_cache()
 
     @property
     def profile(self) -> Profile:

@@ -53,7 +53,7 @@ from .artifacts.fields import (
     UnitFloat,
     derived,
 )
-from .causal_lm import CausalLM
+from .causal_lm import CausalLM, MultiTokenPredictor
 from .errors import (
     CacheError,
     CapabilityRefused,
@@ -112,6 +112,7 @@ __all__ = [
     "LayerCount",
     "MalformedToolCall",
     "ModelType",
+    "MultiTokenPredictor",
     "PositiveFloat",
     "Profile",
     "RequestError",

@@ -61,8 +61,9 @@ QWEN3_5_CONFIG: dict[str, Any] = {
 }
 
 
-def _hf_tensors(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
-    """Random weights named and shaped as a Hugging Face checkpoint stores them."""
+def _hf_tensors(cfg: dict[str, Any], seed: int, mtp: bool = False) -> dict[str, np.ndarray]:
+    """Random weights named and shaped as a Hugging Face checkpoint stores them;
+    ``mtp``: with a whole multi-token-prediction head (else one stray ``mtp.`` tensor)."""
     t = cfg.get("text_config", cfg)
     rng = np.random.default_rng(seed)
     D, V = t["hidden_size"], t["vocab_size"]
@@ -93,11 +94,11 @@ def _hf_tensors(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
         out["lm_head.weight"] = w(V, D)
     interval = t["full_attention_interval"]
     n_exp = t.get("num_experts", 0)
-    for i in range(t["num_hidden_layers"]):
-        p = f"{prefix}layers.{i}."
+
+    def layer(p: str, i: int, attention: bool) -> None:
         out[p + "input_layernorm.weight"] = zero_centred(D)
         out[p + "post_attention_layernorm.weight"] = zero_centred(D)
-        if (i + 1) % interval:
+        if not attention:
             la = p + "linear_attn."
             if split:
                 out[la + "in_proj_qkv.weight"] = w(conv, D)
@@ -143,10 +144,26 @@ def _hf_tensors(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
             out[m + "gate_proj.weight"] = w(dense, D)
             out[m + "up_proj.weight"] = w(dense, D)
             out[m + "down_proj.weight"] = w(D, dense)
-    out["mtp.fc.weight"] = w(D, 2 * D)  # multi-token-prediction head: dropped on load
+
+    for i in range(t["num_hidden_layers"]):
+        layer(f"{prefix}layers.{i}.", i, attention=(i + 1) % interval == 0)
+    if not mtp:
+        out["mtp.fc.weight"] = w(D, 2 * D)  # a stray MTP tensor: dropped on load
+    else:  # the whole multi-token-prediction head: one attention layer with layer 0's MLP
+        out["mtp.fc.weight"] = w(D, 2 * D)
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            out[f"mtp.{name}.weight"] = zero_centred(D)
+        layer("mtp.layers.0.", 0, attention=True)
     if split:
         out["model.visual.patch_embed.weight"] = w(8, 8)  # vision tower: dropped on load
     return out
+
+
+def with_mtp(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` declaring one MTP layer, under each model type's own field name."""
+    if "text_config" in cfg:
+        return {**cfg, "text_config": {**cfg["text_config"], "mtp_num_hidden_layers": 1}}
+    return {**cfg, "num_nextn_predict_layers": 1}
 
 
 def write_checkpoint(
@@ -157,11 +174,15 @@ def write_checkpoint(
     dtype: mx.Dtype = mx.float32,
     round_to: mx.Dtype | None = None,
     drop: tuple[str, ...] = (),
+    mtp: bool = False,
 ) -> Path:
-    """Write ``cfg`` and random HF-layout tensors; ``round_to`` first rounds them to that dtype."""
+    """Write ``cfg`` and random HF-layout tensors; ``round_to`` first rounds them to that dtype;
+    ``mtp``: with a multi-token-prediction head (and the config field that declares it)."""
     path.mkdir(parents=True, exist_ok=True)
+    if mtp:
+        cfg = with_mtp(cfg)
     tensors = {}
-    for k, v in _hf_tensors(cfg, seed).items():
+    for k, v in _hf_tensors(cfg, seed, mtp).items():
         if k in drop:
             continue
         a = mx.array(v)
@@ -200,13 +221,16 @@ def quantize_checkpoint(src: Path, dst: Path, *, group_size: int = 32, bits: int
 
 @pytest.fixture(scope="session")
 def ckpt_dir(tmp_path_factory) -> Callable[..., Path]:
-    """``ckpt_dir(kind)`` -> a cached checkpoint dir: qwen3_next / qwen3_5, fp32 / q4 / bf16."""
+    """``ckpt_dir(kind)`` -> a cached checkpoint dir: qwen3_next / qwen3_5, fp32 / q4 / bf16;
+    a family suffixed ``_mtp`` (``qwen3_next_mtp-fp32``) ships a multi-token-prediction head."""
     cache: dict[str, Path] = {}
     root = tmp_path_factory.mktemp("qwen3_next_ckpts")
 
     def get(kind: str) -> Path:
         if kind not in cache:
             family, _, fmt = kind.partition("-")
+            mtp = family.endswith("_mtp")  # with a multi-token-prediction head
+            family = family.removesuffix("_mtp")
             cfg = {
                 "qwen3_next": QWEN3_NEXT_CONFIG,
                 "qwen3_5": QWEN3_5_CONFIG,
@@ -214,7 +238,7 @@ def ckpt_dir(tmp_path_factory) -> Callable[..., Path]:
                 "qwen3_next_hd32": {**QWEN3_NEXT_CONFIG, "head_dim": 32},
             }[family]
             if fmt in ("", "fp32"):
-                cache[kind] = write_checkpoint(root / kind, cfg, seed=1)
+                cache[kind] = write_checkpoint(root / kind, cfg, seed=1, mtp=mtp)
             elif fmt == "bf16":
                 cache[kind] = write_checkpoint(root / kind, cfg, seed=1, dtype=mx.bfloat16)
             elif fmt == "bf16weights-fp32":  # the bf16 checkpoint's values, stored in fp32
@@ -251,6 +275,7 @@ def qn():
         QWEN3_NEXT_CONFIG=QWEN3_NEXT_CONFIG,
         QWEN3_5_CONFIG=QWEN3_5_CONFIG,
         write_checkpoint=write_checkpoint,
+        with_mtp=with_mtp,
         load_ours=load_ours,
         load_reference=load_reference,
         quantize_checkpoint=quantize_checkpoint,

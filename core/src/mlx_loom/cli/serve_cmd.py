@@ -612,7 +612,10 @@ def decoding_line(app: ServeApp, draft_model: str | None) -> str:
     if spec is None:
         draft = "none"
     else:
-        who = "ngram (prompt lookup)" if spec.draft is None else f"{draft_model} (draft model)"
+        if spec.draft is not None:
+            who = f"{draft_model} (draft model)"
+        else:
+            who = "mtp (the model's own head)" if spec.mtp else "ngram (prompt lookup)"
         draft = f"{who}, {spec.num_draft} tokens a step"
         if app.adapters is not None:
             draft += "; adapter requests do not draft"

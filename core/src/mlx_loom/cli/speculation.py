@@ -2,7 +2,9 @@
 
 ``--draft-model MODEL`` drafts with a second, smaller model (mlx-lm's flag);
 ``--draft ngram`` drafts by prompt lookup, with no second model (vLLM's
-``ngram`` method); ``--num-draft-tokens N`` sets how many tokens a draft
+``ngram`` method); ``--draft mtp`` drafts with the model's own
+multi-token-prediction head (checkpoints that ship ``mtp.*`` weights);
+``--num-draft-tokens N`` sets how many tokens a draft
 proposes per step. ``loom generate``, ``loom chat`` and ``loom serve`` read
 them the same way.
 """
@@ -28,7 +30,9 @@ def add_speculation_options(parser: argparse.ArgumentParser) -> None:
         "--draft",
         choices=DRAFT_MODES,
         help="draft without a second model: 'ngram' proposes the tokens that followed the "
-        "latest earlier occurrence of the text's last few tokens (prompt lookup)",
+        "latest earlier occurrence of the text's last few tokens (prompt lookup); 'mtp' "
+        "drafts with the model's own multi-token-prediction head (checkpoints that ship "
+        "mtp.* weights)",
     )
     group.add_argument(
         "--num-draft-tokens",
@@ -45,7 +49,7 @@ def speculation_from_args(args: argparse.Namespace) -> Speculation | None:
         raise flags.usage_error(
             "--draft",
             "--draft and --draft-model were both given; a generation has one drafter",
-            "pass --draft-model MODEL to draft with a model, or --draft ngram, not both",
+            "pass --draft-model MODEL to draft with a model, or --draft ngram|mtp, not both",
         )
     if args.draft_model:
         # The draft runs on the same backend, compute dtype and CPU kernels as the model.
@@ -57,7 +61,7 @@ def speculation_from_args(args: argparse.Namespace) -> Speculation | None:
         )
         return Speculation(draft, args.num_draft_tokens)
     if args.draft:
-        return Speculation(None, args.num_draft_tokens)
+        return Speculation(None, args.num_draft_tokens, mtp=args.draft == "mtp")
     return None
 
 

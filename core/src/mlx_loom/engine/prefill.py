@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from mlx_loom.engine.mtp import MtpDrafter, uses_mtp
 from mlx_loom.engine.row import Row, adapter_batch_key, row_adapters
 from mlx_loom.errors import CapabilityRefused
 
@@ -40,11 +41,23 @@ MAX_PADDING_RATIO = 1.5
 
 
 def prefill_alone(model: Model, row: Row, step: int) -> None:
-    """Feed ``row``'s next chunk through its own caches (then the KV-quantization check)."""
+    """Feed ``row``'s next chunk through its own caches (then the KV-quantization check).
+
+    A row drafting with the model's MTP head hands the chunk's hidden states,
+    each with the prompt token after it, to its head (:mod:`mlx_loom.engine.mtp`).
+    """
+    start = row.cursor
     chunk = row.next_chunk(step)
     caches = row.caches
     assert caches is not None  # given when the row was admitted
-    model.forward(mx.array(chunk, mx.uint32)[None], caches, adapters=row_adapters([row]))
+    inputs = mx.array(chunk, mx.uint32)[None]
+    if uses_mtp(row):
+        _, hidden = model.forward_hidden(inputs, caches)
+        if row.mtp is None:
+            row.mtp = MtpDrafter(model, row)
+        row.mtp.prefill(hidden[0], row.to_feed[start + 1 : start + 1 + len(chunk)])
+    else:
+        model.forward(inputs, caches, adapters=row_adapters([row]))
     row.request.kv.apply(caches)
     mx.eval([c.state for c in caches])
 
@@ -53,7 +66,8 @@ def can_share(row: Row) -> bool:
     """Whether ``row``'s next chunk may be prefilled with other rows' (fresh caches only)."""
     request = row.request
     return (
-        row.cursor == 0
+        not uses_mtp(row)  # its head needs the hidden states: it prefills alone
+        and row.cursor == 0
         and row.cached == 0
         and request.cache is None
         and request.kv.bits is None

@@ -32,7 +32,7 @@ from mlx_loom.engine.caches import fresh_caches
 from mlx_loom.engine.constraints import Constraint, check_constraint
 from mlx_loom.engine.kv_groups import kv_group_size_for
 from mlx_loom.engine.params import MAX_INT_OPTION, SamplingParams
-from mlx_loom.errors import AdapterError, ParallelRefused, RequestError
+from mlx_loom.errors import AdapterError, CapabilityRefused, ParallelRefused, RequestError
 from mlx_loom.text import StopStrings
 
 if TYPE_CHECKING:
@@ -92,27 +92,32 @@ class KVQuantization:
 
 
 #: The drafting modes a request may ask for by name.
-DRAFT_MODES = ("ngram",)
+DRAFT_MODES = ("ngram", "mtp")
 
 
 @dataclass(frozen=True)
 class Speculation:
     """Speculative decoding for one request: who drafts, and how far ahead.
 
-    ``draft`` is a draft model sharing the target's tokenizer, or ``None``
-    for prompt lookup: drafts are the tokens that followed the latest earlier
-    occurrence of the sequence's last ``ngram_max`` .. ``ngram_min`` tokens
-    (vLLM's ``ngram`` method; no second model needed).
+    ``draft`` is a draft model sharing the target's tokenizer; with ``mtp``
+    the model drafts with its own multi-token-prediction head
+    (:mod:`mlx_loom.engine.mtp`); with neither, prompt lookup: drafts are the
+    tokens that followed the latest earlier occurrence of the sequence's last
+    ``ngram_max`` .. ``ngram_min`` tokens (vLLM's ``ngram`` method; no second
+    model needed).
     """
 
     draft: Model | None = None
     num_draft: int = 3
     ngram_max: int = 3
     ngram_min: int = 1
+    mtp: bool = False
 
     @property
     def mode(self) -> str:
-        return "model" if self.draft is not None else "ngram"
+        if self.draft is not None:
+            return "model"
+        return "mtp" if self.mtp else "ngram"
 
 
 def speculation(draft_model: Model | str | None, num_draft_tokens: int = 3) -> Speculation | None:
@@ -127,10 +132,11 @@ def speculation(draft_model: Model | str | None, num_draft_tokens: int = 3) -> S
         if draft_model not in DRAFT_MODES:
             raise RequestError(
                 f"draft={draft_model!r} is not a drafting mode (known: {', '.join(DRAFT_MODES)}).",
-                fix="Pass draft='ngram' for prompt-lookup drafting, or a loaded draft model.",
+                fix="Pass draft='ngram' for prompt-lookup drafting, draft='mtp' for the "
+                "model's own multi-token-prediction head, or a loaded draft model.",
                 param="draft",
             )
-        return Speculation(None, num_draft_tokens)
+        return Speculation(None, num_draft_tokens, mtp=draft_model == "mtp")
     return Speculation(draft_model, num_draft_tokens)
 
 
@@ -525,6 +531,20 @@ def _check_speculation(
             fix="Drop the draft (draft_model / --draft-model / --draft), or run the model in "
             "one process.",
         )
+    if spec.mtp:
+        if spec.draft is not None:
+            raise RequestError(
+                "A request drafts with a draft model or with the model's MTP head, not both.",
+                fix="Pass draft='mtp' without a draft model, or the draft model alone.",
+                param="draft",
+            )
+        why = model.mtp_refusal()
+        if why is not None:
+            raise CapabilityRefused(
+                f"draft='mtp' drafts with the model's multi-token-prediction head, but {why}.",
+                fix="Use a checkpoint that ships its mtp.* weights (as published, or converted "
+                "with loom convert), or draft with 'ngram' or a draft model instead.",
+            )
     if spec.draft is not None:
         spec.draft.require(SPECULATIVE, asked="speculative decoding (draft model)")
         if model.vocab_size != spec.draft.vocab_size:

@@ -53,6 +53,9 @@ class Row:
         self.checkpoints: list[Any] = []
         #: A speculative row's drafter and token sequence (set when it starts decoding).
         self.speculation: Any = None
+        #: The MTP head's drafter of a row drafting with it, fed while prefilling
+        #: (:mod:`mlx_loom.engine.mtp`).
+        self.mtp: Any = None
         self.produced = 0
         self.finished = False
         #: Bytes this row reserves against the KV budget while it runs

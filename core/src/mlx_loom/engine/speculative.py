@@ -5,7 +5,9 @@ A speculative row's decode step is the plain step grown to a window
 
 1. a drafter proposes up to ``k`` tokens after the row's current token ``y``
    — a draft model (:class:`ModelDrafter`, its own caches, rolled back like
-   the target's) or prompt lookup (:func:`ngram_draft`: the tokens that
+   the target's), the model's own multi-token-prediction head
+   (:class:`~mlx_loom.engine.mtp.MtpDrafter`, fed the hidden states of the
+   verify forward) or prompt lookup (:func:`ngram_draft`: the tokens that
    followed the latest earlier occurrence of the sequence's last n-gram);
    a row with a grammar keeps only the drafts' legal prefix
    (:mod:`mlx_loom.engine.constraints`);
@@ -44,10 +46,11 @@ from mlx_loom.cache.protocol import SpeculativeRounds
 from mlx_loom.engine.caches import layout, quantization_pending, stackable
 from mlx_loom.engine.constraints import mask_logits
 from mlx_loom.engine.group import DecodeGroup, Left, StepResult
+from mlx_loom.engine.mtp import MtpDrafter, draft_sampler
 from mlx_loom.engine.next_token import host_float, host_floats, host_int, host_ints, log_probs
 from mlx_loom.engine.row import Row
 from mlx_loom.errors import CacheNotTrimmable
-from mlx_loom.engine.sampling import Sampler, logprobs_top_k, make_sampler
+from mlx_loom.engine.sampling import Sampler, logprobs_top_k
 from mlx_loom.host import VERIFY_POLICIES
 from mlx_loom.nn.attention_geometry import attention_geometries
 
@@ -120,12 +123,7 @@ class ModelDrafter:
         self._fed = 0
         self._k = 0
         self._proposed: list[int] = []
-        self.sampler: Sampler | None = None
-        picker = row.picker
-        if not picker.greedy:
-            seed = picker.sampler.seed if isinstance(picker.sampler, Sampler) else None
-            key = mx.random.key(((seed or 0) ^ 0x5DEECE66D) & (2**63 - 1))
-            self.sampler = make_sampler(row.request.params, key=key)
+        self.sampler = draft_sampler(row)
 
     def prefill(self, tokens: Sequence[int], step: int) -> None:
         for start in range(0, len(tokens), step):
@@ -174,13 +172,19 @@ class RowSpeculation:
         self.spec = spec
         self.sequence: list[int] = [*row.request.history, *row.request.prompt]
         self.drafter: ModelDrafter | None = None
+        #: The MTP head's drafter, fed during prefill (``None`` for other drafters).
+        self.mtp: MtpDrafter | None = None
         if spec.draft is not None:
             self.drafter = ModelDrafter(spec.draft, row)
             self.drafter.prefill(self.sequence[:-1], prefill_step)
+        elif spec.mtp:
+            self.mtp = row.mtp if row.mtp is not None else MtpDrafter(model, row)
 
     def propose(self, k: int) -> tuple[list[int], mx.array | None]:
         if k < 1:
             return [], None
+        if self.mtp is not None:
+            return self.mtp.propose(k)
         if self.drafter is not None:
             return self.drafter.propose(self.sequence[-1], k)
         s = self.spec
@@ -250,7 +254,12 @@ class SpeculativeGroup(DecodeGroup):
             inputs.append(window + [window[-1]] * (N - len(window)))
         if N > 1:
             begin_rounds(self.caches)
-        logits = self.model.forward(mx.array(inputs, mx.uint32), self.caches)
+        hidden: mx.array | None = None
+        if any(row.speculation.mtp is not None for row in rows):
+            # The MTP head reads the hidden states of the positions each row keeps.
+            logits, hidden = self.model.forward_hidden(mx.array(inputs, mx.uint32), self.caches)
+        else:
+            logits = self.model.forward(mx.array(inputs, mx.uint32), self.caches)
         choices: list[tuple[mx.array, list[int], int] | None] = []
         for j, (row, (drafts, q)) in enumerate(zip(rows, plans, strict=True)):
             width = 1 + len(drafts)
@@ -282,6 +291,9 @@ class SpeculativeGroup(DecodeGroup):
             row.picker.note(choice[1][:emitted])
             out.drafted += len(drafts)
             out.accepted += min(choice[2], emitted)
+            mtp = row.speculation.mtp
+            if mtp is not None and hidden is not None and not row.finished:
+                mtp.feed(hidden[j, :emitted], choice[1][:emitted])
             drafter = row.speculation.drafter
             if drafter is not None and not row.finished:
                 if drafts:

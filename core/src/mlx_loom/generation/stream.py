@@ -111,7 +111,9 @@ def stream_generate(
     sliding window of that many tokens. Pass a :class:`PromptCache` to reuse
     the longest usable prefix of an earlier call's caches (one generation at
     a time per cache). ``draft_model`` (a loaded model sharing the tokenizer)
-    or ``draft="ngram"`` (prompt lookup, no second model) turns on speculative
+    or ``draft="ngram"`` (prompt lookup, no second model) or ``draft="mtp"``
+    (the model's own multi-token-prediction head, where the checkpoint ships
+    one) turns on speculative
     decoding with ``num_draft_tokens`` proposals per step; it combines with
     every other option but ``adapter``, and greedy output is the same as
     without it. ``adapter`` names one of the adapters registered on the model

@@ -28,7 +28,7 @@ from ..engine import EngineSettings, Speculation
 from ..engine.defaults import check_defaults, generation_defaults
 from ..engine.params import SamplingParams
 from ..engine.request import encode_prompt, kv_quantization, make_request
-from ..errors import LoomError, RequestError, TemplateBudgetExceeded
+from ..errors import CapabilityRefused, LoomError, RequestError, TemplateBudgetExceeded
 from ..generation.stream import DEFAULT_MAX_TOKENS
 from ..host import GENERATE, Registry
 from ..model import Model
@@ -265,6 +265,13 @@ class ServeApp:
             if model.adapter_set is not None
             else None
         )
+        why = model.mtp_refusal() if speculation is not None and speculation.mtp else None
+        if why is not None:  # refused at start, not on every request
+            raise CapabilityRefused(
+                f"--draft mtp drafts with the model's multi-token-prediction head, but {why}.",
+                fix="Serve a checkpoint that ships its mtp.* weights, or use --draft ngram or "
+                "--draft-model.",
+            )
         self.worker = GenerationWorker(model, tokenizer, engine or server_engine_settings())
         #: Every request's speculation unless it asks otherwise (``draft`` field).
         self.speculation = speculation
@@ -729,7 +736,7 @@ class ServeApp:
         for drafting is refused naming the field.
         """
         default = self.speculation
-        if adapter is not None and draft in (None, "none", "ngram", "model"):
+        if adapter is not None and draft in (None, "none", "ngram", "mtp", "model"):
             return self._adapter_speculation(draft, count, adapter)
         if count is not None:
             n = count
@@ -747,11 +754,11 @@ class ServeApp:
                         code="invalid_parameter",
                     )
                 return None
-            return Speculation(default.draft, n)
+            return Speculation(default.draft, n, mtp=default.mtp)
         if draft == "none":
             return None
-        if draft == "ngram":
-            return Speculation(None, n)
+        if draft in ("ngram", "mtp"):
+            return Speculation(None, n, mtp=draft == "mtp")
         if draft == "model":
             if default is None or default.draft is None:
                 raise HttpError(
@@ -764,9 +771,9 @@ class ServeApp:
             return Speculation(default.draft, n)
         raise HttpError(
             400,
-            f"Invalid parameter draft={draft!r}: it must be 'ngram', 'model' or 'none'.",
-            fix='send "draft": "ngram" for prompt lookup, "model" for the server\'s draft '
-            'model, or "none"',
+            f"Invalid parameter draft={draft!r}: it must be 'ngram', 'mtp', 'model' or 'none'.",
+            fix='send "draft": "ngram" for prompt lookup, "mtp" for the model\'s own '
+            'multi-token-prediction head, "model" for the server\'s draft model, or "none"',
             param="draft",
             code="invalid_parameter",
         )

@@ -194,8 +194,9 @@ class _GenerationRequest(_Strict):
     penalty_context_size: Any = None
     xtc_probability: Any = None
     xtc_threshold: Any = None
-    # Speculative decoding (an extension): "ngram", "model" (the server's
-    # --draft-model) or "none"; absent: the server's default.
+    # Speculative decoding (an extension): "ngram", "mtp" (the model's own
+    # head), "model" (the server's --draft-model) or "none"; absent: the
+    # server's default.
     draft: StrictStr | None = None
     num_draft_tokens: StrictInt | None = None
     # Structured output (mlx_loom.serve.structured reads them): OpenAI's,

@@ -124,6 +124,11 @@ class HybridConfig(FamilyConfig):
     norm_topk_prob: Flag = False
     mlp_only_layers: tuple[Count, ...] = ()
 
+    @property
+    def mtp_layers(self) -> int:
+        """Multi-token-prediction layers the config declares (each model type names them)."""
+        return 0
+
     @field_validator("rope_scaling", mode="before")
     @classmethod
     def _rope_scaling(cls, v: Any, info: ValidationInfo) -> Any:
@@ -240,6 +245,12 @@ class Qwen3NextConfig(HybridConfig):
 
     model_type: Literal["qwen3_next"] = "qwen3_next"
     max_position_embeddings: Size
+    #: Multi-token-prediction layers the checkpoint ships (``mtp.*``); 0: none.
+    num_nextn_predict_layers: Count = 0
+
+    @property
+    def mtp_layers(self) -> int:
+        return self.num_nextn_predict_layers
 
 
 class Qwen3_5Config(HybridConfig):
@@ -269,6 +280,12 @@ class Qwen3_5Config(HybridConfig):
     rope_theta: PositiveFloat = derived()
     partial_rotary_factor: UnitFloat = derived()
     norm_topk_prob: Flag = True
+    #: Multi-token-prediction layers the checkpoint ships (``mtp.*``); 0: none.
+    mtp_num_hidden_layers: Count = 0
+
+    @property
+    def mtp_layers(self) -> int:
+        return self.mtp_num_hidden_layers
 
     @model_validator(mode="before")
     @classmethod

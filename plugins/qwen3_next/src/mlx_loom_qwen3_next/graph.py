@@ -31,7 +31,7 @@ from mlx_loom_qwen3_next.kernels import (
     SWITCH_GLU,
 )
 
-__all__ = ["Kernels", "Model"]
+__all__ = ["NO_MTP_WEIGHTS", "Kernels", "Model", "MtpHead"]
 
 
 @dataclass(frozen=True)
@@ -288,9 +288,11 @@ class SparseMoe(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: HybridConfig, i: int, kernels: Kernels, fused: bool) -> None:
+    def __init__(
+        self, cfg: HybridConfig, i: int, kernels: Kernels, fused: bool, *, attention: bool = False
+    ) -> None:
         super().__init__()
-        self.is_linear = cfg.layer_kind(i) == "linear"
+        self.is_linear = not attention and cfg.layer_kind(i) == "linear"
         if self.is_linear:
             delta_net = FusedGatedDeltaNet if fused else SplitGatedDeltaNet
             self.linear_attn = delta_net(cfg, kernels)
@@ -340,21 +342,96 @@ class HybridModel(nn.Module):
         return self.norm(self.stage.leave(h))
 
 
-class Model(nn.Module):
-    """The whole causal LM; satisfies :class:`mlx_loom.plugin.CausalLM`."""
+class MtpHead(nn.Module):
+    """The multi-token-prediction head (``mtp.*``): from the model's hidden state at
+    position t and the embedding of token t+1, a hidden state that predicts token t+2.
 
-    def __init__(self, cfg: HybridConfig, kernels: Kernels, *, fused: bool) -> None:
+    Each input gets its own zero-centred RMSNorm, the two are concatenated
+    (embedding first, as Qwen3-Next's reference implementations do), ``fc``
+    projects them back to ``hidden_size``, one full-attention decoder layer
+    with the MLP of layer 0 runs over them with its own KV cache, and a final
+    norm gives the state the shared ``lm_head`` reads — and the hidden state
+    the next drafting step takes in place of the model's.
+    """
+
+    def __init__(self, cfg: HybridConfig, kernels: Kernels, fused: bool) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.pre_fc_norm_embedding = nn.RMSNorm(d, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(d, eps=eps)
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.layers = [DecoderLayer(cfg, 0, kernels, fused, attention=True)]
+        self.norm = nn.RMSNorm(d, eps=eps)
+
+    def __call__(self, hidden: mx.array, embeddings: mx.array, cache: list[Any]) -> mx.array:
+        x = mx.concatenate(
+            [self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1
+        )
+        x = self.fc(x)
+        mask = create_attention_mask(x, cache[0])
+        for layer, c in zip(self.layers, cache, strict=True):
+            x = layer(x, mask, c)
+        return self.norm(x)
+
+
+#: Why a graph built without ``mtp_missing`` has no MTP head.
+NO_MTP_WEIGHTS = "the checkpoint holds no mtp.* tensors"
+
+
+class Model(nn.Module):
+    """The whole causal LM; satisfies :class:`mlx_loom.plugin.CausalLM`, and
+    :class:`mlx_loom.plugin.MultiTokenPredictor` (drafting with its ``mtp.*`` head) when
+    the checkpoint ships one.
+
+    ``mtp_missing`` is why the graph has no MTP head (``None``: it has one).
+    """
+
+    def __init__(
+        self,
+        cfg: HybridConfig,
+        kernels: Kernels,
+        *,
+        fused: bool,
+        mtp_missing: str | None = NO_MTP_WEIGHTS,
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.model = HybridModel(cfg, kernels, fused)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._mtp_missing = mtp_missing
+        if mtp_missing is None:
+            self.mtp = MtpHead(cfg, kernels, fused)
 
-    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
-        h = self.model(inputs, cache)
+    def _logits(self, h: mx.array) -> mx.array:
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        return self._logits(self.model(inputs, cache))
+
+    # --- multi-token prediction (mlx_loom.plugin.MultiTokenPredictor) ---
+
+    def mtp_refusal(self) -> str | None:
+        return self._mtp_missing
+
+    def forward_hidden(
+        self, inputs: mx.array, cache: list[Any] | None = None
+    ) -> tuple[mx.array, mx.array]:
+        """Logits and the final-normed hidden states the MTP head reads."""
+        h = self.model(inputs, cache)
+        return self._logits(h), h
+
+    def make_mtp_cache(self) -> list[Any]:
+        return [KVCache() for _ in self.mtp.layers]
+
+    def mtp_forward(
+        self, hidden: mx.array, tokens: mx.array, cache: list[Any]
+    ) -> tuple[mx.array, mx.array]:
+        """The head's logits at the last position and its hidden states."""
+        h = self.mtp(hidden, self.model.embed_tokens(tokens), cache)
+        return self._logits(h[:, -1, :]), h
 
     @property
     def layers(self) -> list[DecoderLayer]:

@@ -7,12 +7,23 @@ Checkpoints come in two layouts, told apart by the convolution weight:
   and ``experts.down_proj`` per layer (Qwen3.5-MoE), RMSNorm gains are zero-centred (stored as ``w - 1``) except
   the delta net's gated ``linear_attn.norm``, and multi-token-prediction heads
   (``mtp.*``) ride along. :func:`sanitize` stacks the experts, moves the conv
-  axes to MLX's ``(C, K, 1)``, adds 1.0 to the zero-centred gains and drops
-  ``mtp.*`` — the same mapping mlx-lm's ``sanitize`` applies. :func:`checkpoint_tensors`
-  is the inverse for the conformance kit: the graph's own tensors (read from
-  the lazily built graph) written back in this layout.
+  axes to MLX's ``(C, K, 1)`` and adds 1.0 to the zero-centred gains — the
+  same mapping mlx-lm's ``sanitize`` applies — and keeps ``mtp.*`` (mapped
+  the same way) only when the graph has an MTP head (mlx-lm always drops it).
+  :func:`checkpoint_tensors` is the inverse for the conformance kit: the
+  graph's own tensors (read from the lazily built graph) written back in
+  this layout.
 * **MLX** (already converted, possibly affine-quantized): nothing changes.
 
+The MTP head is built, and its tensors loaded, whenever the checkpoint holds
+``mtp.*`` tensors and its config declares exactly one MTP layer
+(:func:`mtp_missing`): it costs one decoder layer and a ``2d x d`` projection
+of memory (about 1/``num_hidden_layers`` of the layers' weights) whether or
+not a request drafts with it. Loading it only when asked would need a second
+load, or weights left lazy until a request on the engine thread, where a
+graph built on the loading thread cannot be evaluated; one layer is the
+cheaper price. Otherwise ``mtp.*`` is dropped, as before, and drafting with
+MTP is refused naming why.
 Wrapper checkpoints (Qwen3.5's ``model.language_model.*``, mlx-lm's
 ``language_model.model.*``, a vision tower beside them) reach :func:`sanitize`
 already under the text model's names: the core's config view maps them. The
@@ -32,10 +43,10 @@ import mlx.core as mx
 from mlx_loom.nn import Entry, Matrix, Tensor, dense_tensors, graph_manifest, load_checkpoint
 from mlx_loom.plugin import BuildContext, WeightsError
 from mlx_loom_qwen3_next.config import HybridConfig, Qwen3_5Config, Qwen3NextConfig
-from mlx_loom_qwen3_next.graph import Kernels, Model
+from mlx_loom_qwen3_next.graph import NO_MTP_WEIGHTS, Kernels, Model
 from mlx_loom_qwen3_next.kernels import ops_kernels
 
-__all__ = ["build", "checkpoint_tensors", "is_hf_layout", "sanitize"]
+__all__ = ["build", "checkpoint_tensors", "is_hf_layout", "mtp_missing", "sanitize"]
 
 # Gains stored zero-centred by Hugging Face (the gated linear_attn.norm is not).
 _ZERO_CENTRED = (
@@ -44,11 +55,18 @@ _ZERO_CENTRED = (
     ".q_norm.weight",
     ".k_norm.weight",
 )
-_FINAL_NORM = "model.norm.weight"
-_EXPERT = re.compile(
-    r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+_FINAL_NORMS = (
+    "model.norm.weight",
+    "mtp.norm.weight",
+    "mtp.pre_fc_norm_hidden.weight",
+    "mtp.pre_fc_norm_embedding.weight",
 )
-_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
+_EXPERT = re.compile(
+    r"^((?:model|mtp)\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
+_FUSED_EXPERTS = re.compile(
+    r"^((?:model|mtp)\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$"
+)
 _SHOW = 10
 
 
@@ -135,9 +153,28 @@ def _split_fused_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def sanitize(weights: Mapping[str, mx.array], cfg: HybridConfig) -> dict[str, mx.array]:
-    """Map checkpoint tensors (either layout) to this plugin's names and layouts (lazily)."""
-    out = {k: v for k, v in weights.items() if "mtp." not in k}
+def mtp_missing(weights: Mapping[str, Any], cfg: HybridConfig) -> str | None:
+    """Why this checkpoint's graph gets no MTP head (``None``: it gets one)."""
+    if not any(k.startswith("mtp.") for k in weights):
+        return NO_MTP_WEIGHTS
+    n = cfg.mtp_layers
+    qwen3_next = isinstance(cfg, Qwen3NextConfig)
+    field = "num_nextn_predict_layers" if qwen3_next else "mtp_num_hidden_layers"
+    if n == 0:
+        return f"config.json declares no MTP layers ({field} is 0 or absent): mtp.* is not loaded"
+    if n > 1:
+        return f"config.json declares {n} MTP layers ({field}); drafting supports exactly one"
+    return None
+
+
+def sanitize(
+    weights: Mapping[str, mx.array], cfg: HybridConfig, *, mtp: bool = False
+) -> dict[str, mx.array]:
+    """Map checkpoint tensors (either layout) to this plugin's names and layouts (lazily).
+
+    ``mtp``: keep the ``mtp.*`` head (the graph has one); otherwise it is dropped.
+    """
+    out = {k: v for k, v in weights.items() if (mtp and k.startswith("mtp.")) or "mtp." not in k}
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     if not is_hf_layout(out):
@@ -146,7 +183,7 @@ def sanitize(weights: Mapping[str, mx.array], cfg: HybridConfig) -> dict[str, mx
     for name, value in out.items():
         if name.endswith("conv1d.weight") and value.shape[-1] != 1:
             out[name] = value.moveaxis(2, 1)
-        elif value.ndim == 1 and (name.endswith(_ZERO_CENTRED) or name == _FINAL_NORM):
+        elif value.ndim == 1 and (name.endswith(_ZERO_CENTRED) or name in _FINAL_NORMS):
             out[name] = value + 1.0
     return out
 
@@ -160,12 +197,21 @@ def build(ctx: BuildContext) -> Model:
     cfg = ctx.family_config
     assert isinstance(cfg, HybridConfig)
     kernels = Kernels.from_mapping(ctx.kernels)
+    # The core sanitizes before it builds: the names decide whether the graph has a head.
+    missing: list[str | None] = [NO_MTP_WEIGHTS]
+
+    def sanitize_names(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        missing[0] = mtp_missing(weights, cfg)
+        return sanitize(weights, cfg, mtp=missing[0] is None)
+
     return load_checkpoint(
         ctx.model_dir,
         ctx.config,
-        build=lambda: Model(cfg, kernels, fused=isinstance(cfg, Qwen3NextConfig)),
+        build=lambda: Model(
+            cfg, kernels, fused=isinstance(cfg, Qwen3NextConfig), mtp_missing=missing[0]
+        ),
         layers=("model.layers", cfg.num_hidden_layers),
-        sanitize=lambda weights: sanitize(weights, cfg),
+        sanitize=sanitize_names,
     )
 
 
@@ -199,7 +245,8 @@ def checkpoint_tensors(config: Mapping[str, Any], dtype: str = "F32") -> dict[st
     """``{hf_name: (shape, dtype)}`` of an unquantized Hugging Face checkpoint for ``config``.
 
     Any of the family's model types, flat or inside a ``text_config`` wrapper
-    (whose tensors then live under ``model.language_model.*``).
+    (whose tensors then live under ``model.language_model.*``); with the
+    ``mtp.*`` head when the config declares one MTP layer.
     """
     nested = isinstance(config.get("text_config"), Mapping)
     text = dict(config["text_config"] if nested else config)
@@ -207,7 +254,8 @@ def checkpoint_tensors(config: Mapping[str, Any], dtype: str = "F32") -> dict[st
     cfg = (Qwen3NextConfig if qwen3_next else Qwen3_5Config).model_validate(text)
     # Shapes only: the kernels are never called, so the MLX-ops set serves.
     ops = Kernels.from_mapping({k.name: k.fn for k in ops_kernels() if k.backend == "cpu"})
-    graph = Model(cfg, ops, fused=qwen3_next)
+    head = None if cfg.mtp_layers == 1 else NO_MTP_WEIGHTS
+    graph = Model(cfg, ops, fused=qwen3_next, mtp_missing=head)
     fused = str(config.get("model_type", "")).startswith("qwen3_5_moe")
     hf = dense_tensors(_hf_layout(graph_manifest(graph), fused), dtype)
     if not nested:
