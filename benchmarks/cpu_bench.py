@@ -597,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--engines",
         default="all",
-        help="'all', 'mlx', 'llama.cpp', or comma-separated MLX engine names",
+        help="'all', 'mlx', 'llama.cpp', or comma-separated engine names (MLX engines, and "
+        "'llama.cpp' for both of its thread modes)",
     )
     parser.add_argument(
         "--quick",
@@ -624,12 +625,14 @@ def main(argv: list[str] | None = None) -> int:
         mlx_engines = [] if args.engines == "llama.cpp" else list(MLX_ENGINES)
         if args.quick and args.engines == "all":
             mlx_engines = list(QUICK_ENGINES)
+        want_cpp = args.engines in ("all", "llama.cpp")
     else:
-        mlx_engines = args.engines.split(",")
+        names = args.engines.split(",")
+        want_cpp = "llama.cpp" in names
+        mlx_engines = [n for n in names if n != "llama.cpp"]
         unknown = set(mlx_engines) - set(MLX_ENGINES)
         if unknown:
             parser.error(f"unknown engines {sorted(unknown)}; choose from {list(MLX_ENGINES)}")
-    want_cpp = args.engines in ("all", "llama.cpp")
     prompts = (
         [int(x) for x in args.prompts.split(",")]
         if args.prompts
