@@ -143,14 +143,18 @@ class Result:
     long: bool = False
 
 
-def one_request(port: int, prompt: str, max_tokens: int, eos: list[int], out: list) -> None:
+def one_request(
+    port: int, prompt: str, max_tokens: int, eos: list[int], out: list, long: bool = False
+) -> None:
     try:
-        _one_request(port, prompt, max_tokens, eos, out)
+        _one_request(port, prompt, max_tokens, eos, out, long)
     except OSError as err:  # a server that drops a connection under load: count it
         out.append(err)
 
 
-def _one_request(port: int, prompt: str, max_tokens: int, eos: list[int], out: list) -> None:
+def _one_request(
+    port: int, prompt: str, max_tokens: int, eos: list[int], out: list, long: bool
+) -> None:
     body = json.dumps(
         {
             "prompt": prompt,
@@ -189,11 +193,7 @@ def _one_request(port: int, prompt: str, max_tokens: int, eos: list[int], out: l
                     first = time.perf_counter()
     end = time.perf_counter()
     conn.close()
-    out.append(Result((first or end) - start, end - start, chunks, len(prompt) > LONG_CHARS))
-
-
-#: A prompt longer than this many characters counts as long in the TTFT split.
-LONG_CHARS = 2000
+    out.append(Result((first or end) - start, end - start, chunks, long))
 
 
 @dataclass
@@ -217,16 +217,20 @@ def run_round(
 ) -> Round:
     mix = mix or Mix()
 
-    def words(i: int) -> int:
-        return mix.words if mix.every and i % mix.every == mix.every - 1 else 40
+    def is_long(i: int) -> bool:
+        return bool(mix.every) and i % mix.every == mix.every - 1
 
-    prompts = [
-        " ".join(WORDS[(seed + 7 * i + j) % len(WORDS)] for j in range(words(i))) for i in range(n)
-    ]
+    def prompt(i: int) -> str:
+        count = mix.words if is_long(i) else 40
+        return " ".join(WORDS[(seed + 7 * i + j) % len(WORDS)] for j in range(count))
+
+    prompts = [prompt(i) for i in range(n)]
     results: list[Result] = []
     threads = [
-        threading.Thread(target=one_request, args=(server.port, p, max_tokens, eos, results))
-        for p in prompts
+        threading.Thread(
+            target=one_request, args=(server.port, p, max_tokens, eos, results, is_long(i))
+        )
+        for i, p in enumerate(prompts)
     ]
     start = time.perf_counter()
     for t in threads:
