@@ -18,6 +18,12 @@ Time to first token is the time to the first streamed chunk with text.
 For each concurrency ``N`` a round reports the aggregate generation rate
 (all generated tokens / the round's wall time) and each request's time to
 first token (TTFT: from sending the request to its first streamed token).
+``--long-every K`` makes every K-th request's prompt long (``--long-words``
+words; the others keep 40): a mix where long prefills meet running streams,
+with TTFT percentiles given for the short and the long requests apart.
+``--loom-variant "ARGS"`` (repeatable) adds a ``loom serve`` with those extra
+flags to the same interleaved rounds (e.g. ``--prefill-token-budget 0``, the
+scheduling without a prefill budget), and ``--no-mlx-lm`` leaves mlx-lm out.
 Rounds are interleaved — for every repeat, every concurrency, both servers,
 the order alternating — and the table gives medians over repeats (TTFT
 percentiles over every request of every repeat). ``vs serial`` is the
@@ -108,19 +114,25 @@ class Server:
                 self.proc.kill()
 
 
-def servers(path: Path, env: dict[str, str] | None = None) -> list[Server]:
+def servers(
+    path: Path,
+    env: dict[str, str] | None = None,
+    variants: list[str] | None = None,
+    mlx_lm: bool = True,
+) -> list[Server]:
     loom = str(Path(sys.executable).parent / "loom")
-    a, b = free_port(), free_port()
     env = env or {}
-    return [
-        Server("mlx-loom", [loom, "serve", "--model", str(path), "--port", str(a)], a, env=env),
-        Server(
-            "mlx-lm",
-            [sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port", str(b)],
-            b,
-            env=env,
-        ),
-    ]
+    out = []
+    for extra in ["", *(variants or [])]:
+        port = free_port()
+        name = f"mlx-loom {extra}".strip()
+        command = [loom, "serve", "--model", str(path), "--port", str(port), *extra.split()]
+        out.append(Server(name, command, port, env=env))
+    if mlx_lm:
+        port = free_port()
+        command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(path)]
+        out.append(Server("mlx-lm", [*command, "--port", str(port)], port, env=env))
+    return out
 
 
 @dataclass
@@ -128,16 +140,21 @@ class Result:
     ttft: float
     seconds: float
     tokens: int
+    long: bool = False
 
 
-def one_request(port: int, prompt: str, max_tokens: int, eos: list[int], out: list) -> None:
+def one_request(
+    port: int, prompt: str, max_tokens: int, eos: list[int], out: list, long: bool = False
+) -> None:
     try:
-        _one_request(port, prompt, max_tokens, eos, out)
+        _one_request(port, prompt, max_tokens, eos, out, long)
     except OSError as err:  # a server that drops a connection under load: count it
         out.append(err)
 
 
-def _one_request(port: int, prompt: str, max_tokens: int, eos: list[int], out: list) -> None:
+def _one_request(
+    port: int, prompt: str, max_tokens: int, eos: list[int], out: list, long: bool
+) -> None:
     body = json.dumps(
         {
             "prompt": prompt,
@@ -176,7 +193,15 @@ def _one_request(port: int, prompt: str, max_tokens: int, eos: list[int], out: l
                     first = time.perf_counter()
     end = time.perf_counter()
     conn.close()
-    out.append(Result((first or end) - start, end - start, chunks))
+    out.append(Result((first or end) - start, end - start, chunks, long))
+
+
+@dataclass
+class Mix:
+    """Which requests of a round get a long prompt, and how long."""
+
+    every: int = 0  # 0: none
+    words: int = 1500
 
 
 @dataclass
@@ -184,16 +209,28 @@ class Round:
     tps: float
     ttfts: list[float] = field(default_factory=list)
     failed: int = 0
+    long_ttfts: list[float] = field(default_factory=list)
 
 
-def run_round(server: Server, n: int, max_tokens: int, eos: list[int], seed: int) -> Round:
-    prompts = [
-        " ".join(WORDS[(seed + 7 * i + j) % len(WORDS)] for j in range(40)) for i in range(n)
-    ]
+def run_round(
+    server: Server, n: int, max_tokens: int, eos: list[int], seed: int, mix: Mix | None = None
+) -> Round:
+    mix = mix or Mix()
+
+    def is_long(i: int) -> bool:
+        return bool(mix.every) and i % mix.every == mix.every - 1
+
+    def prompt(i: int) -> str:
+        count = mix.words if is_long(i) else 40
+        return " ".join(WORDS[(seed + 7 * i + j) % len(WORDS)] for j in range(count))
+
+    prompts = [prompt(i) for i in range(n)]
     results: list[Result] = []
     threads = [
-        threading.Thread(target=one_request, args=(server.port, p, max_tokens, eos, results))
-        for p in prompts
+        threading.Thread(
+            target=one_request, args=(server.port, p, max_tokens, eos, results, is_long(i))
+        )
+        for i, p in enumerate(prompts)
     ]
     start = time.perf_counter()
     for t in threads:
@@ -203,7 +240,12 @@ def run_round(server: Server, n: int, max_tokens: int, eos: list[int], seed: int
     wall = time.perf_counter() - start
     assert len(results) == n
     done = [r for r in results if isinstance(r, Result)]
-    return Round(len(done) * max_tokens / wall, [r.ttft for r in done], n - len(done))
+    return Round(
+        len(done) * max_tokens / wall,
+        [r.ttft for r in done if not r.long],
+        n - len(done),
+        [r.ttft for r in done if r.long],
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -213,7 +255,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def bench_row(
-    row: Row, levels: list[int], repeats: int, max_tokens: int, env: dict[str, str]
+    row: Row,
+    levels: list[int],
+    repeats: int,
+    max_tokens: int,
+    env: dict[str, str],
+    mix: Mix,
+    variants: list[str],
+    mlx_lm: bool,
 ) -> dict:
     from mlx_loom.text import Tokenizer
 
@@ -221,7 +270,7 @@ def bench_row(
     tokenizer = Tokenizer.from_dir(path)
     assert tokenizer.vocab_size == row.config["vocab_size"], "every id must decode to text"
     eos = sorted(tokenizer.eos_token_ids)
-    pair = servers(path, env)
+    pair = servers(path, env, variants, mlx_lm)
     for s in pair:
         s.start()
     rounds: dict[tuple[str, int], list[Round]] = {}
@@ -233,7 +282,7 @@ def bench_row(
                 order = pair if (r + n) % 2 == 0 else pair[::-1]
                 for s in order:
                     rounds.setdefault((s.name, n), []).append(
-                        run_round(s, n, max_tokens, eos, seed=r)
+                        run_round(s, n, max_tokens, eos, seed=r, mix=mix)
                     )
                     last = rounds[(s.name, n)][-1]
                     failed = f" ({last.failed} requests failed)" if last.failed else ""
@@ -249,34 +298,42 @@ def bench_row(
     for (name, n), rs in rounds.items():
         tps = [x.tps for x in rs]
         ttfts = [t for x in rs for t in x.ttfts]
+        longs = [t for x in rs for t in x.long_ttfts]
         table[f"{name}/{n}"] = {
             "tps_median": statistics.median(tps),
             "tps_min": min(tps),
             "tps_max": max(tps),
-            "ttft_p50": percentile(ttfts, 0.5),
-            "ttft_p95": percentile(ttfts, 0.95),
+            "ttft_p50": percentile(ttfts, 0.5) if ttfts else None,
+            "ttft_p95": percentile(ttfts, 0.95) if ttfts else None,
+            "long_ttft_p50": percentile(longs, 0.5) if longs else None,
+            "long_ttft_p95": percentile(longs, 0.95) if longs else None,
             "failed_requests": sum(x.failed for x in rs),
         }
     return table
 
 
+def _pair(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{a:.3f} / {b:.3f}"
+
+
 def print_table(row: Row, table: dict, levels: list[int]) -> None:
     print(f"\n### {row.name}\n")
     print(
-        "| N | mlx-loom tok/s | mlx-lm tok/s | loom/mlx-lm | loom vs serial | "
-        "loom TTFT p50 / p95 (s) | mlx-lm TTFT p50 / p95 (s) | loom spread |"
+        "| server | N | tok/s (median, min-max) | vs its N=1 | TTFT p50 / p95 (s) | "
+        "long-prompt TTFT p50 / p95 (s) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    serial = table["mlx-loom/1"]["tps_median"]
-    for n in levels:
-        a, b = table[f"mlx-loom/{n}"], table[f"mlx-lm/{n}"]
-        spread = f"{a['tps_min']:.1f}-{a['tps_max']:.1f}"
-        print(
-            f"| {n} | {a['tps_median']:.1f} | {b['tps_median']:.1f} | "
-            f"{a['tps_median'] / b['tps_median']:.2f} | {a['tps_median'] / serial:.2f} | "
-            f"{a['ttft_p50']:.3f} / {a['ttft_p95']:.3f} | "
-            f"{b['ttft_p50']:.3f} / {b['ttft_p95']:.3f} | {spread} |"
-        )
+    print("|---|---|---|---|---|---|")
+    names = sorted({key.split("/")[0] for key in table})
+    for name in names:
+        serial = table.get(f"{name}/1", {}).get("tps_median")
+        for n in levels:
+            a = table[f"{name}/{n}"]
+            vs = f"{a['tps_median'] / serial:.2f}" if serial else "-"
+            print(
+                f"| {name} | {n} | {a['tps_median']:.1f} ({a['tps_min']:.1f}-{a['tps_max']:.1f}) "
+                f"| {vs} | {_pair(a['ttft_p50'], a['ttft_p95'])} | "
+                f"{_pair(a['long_ttft_p50'], a['long_ttft_p95'])} |"
+            )
 
 
 def main() -> int:
@@ -287,7 +344,14 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--openblas", help="preload this OpenBLAS library into both servers")
+    parser.add_argument("--long-every", type=int, default=0, help="every K-th prompt is long")
+    parser.add_argument("--long-words", type=int, default=1500, help="words of a long prompt")
+    parser.add_argument(
+        "--loom-variant", action="append", default=[], help="another loom serve with these flags"
+    )
+    parser.add_argument("--no-mlx-lm", action="store_true", help="run loom serve only")
     args = parser.parse_args()
+    mix = Mix(args.long_every, args.long_words)
     levels = [int(x) for x in args.concurrency.split(",")]
     env = {}
     if args.openblas:
@@ -296,7 +360,16 @@ def main() -> int:
     for key in args.rows.split(","):
         row = ROWS[key]
         print(f"{row.name}: {levels} concurrent streams x {args.max_tokens} tokens", flush=True)
-        results[row.name] = bench_row(row, levels, args.repeats, args.max_tokens, env)
+        results[row.name] = bench_row(
+            row,
+            levels,
+            args.repeats,
+            args.max_tokens,
+            env,
+            mix,
+            args.loom_variant,
+            not args.no_mlx_lm,
+        )
         print_table(row, results[row.name], levels)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

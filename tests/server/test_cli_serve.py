@@ -88,6 +88,7 @@ def test_serve_batching_flags_default_to_mlx_lm_servers_values():
     settings = engine_settings(build_parser().parse_args(["serve"]))
     assert (settings.decode_concurrency, settings.prompt_concurrency) == (32, 8)
     assert (settings.prefill_step_size, settings.prompt_cache_size) == (2048, 10)
+    assert settings.prefill_token_budget == 2048
     assert settings.prompt_cache_bytes is None and settings.max_queued == 64
     assert settings.idle_seconds is None  # the server keeps its engine thread
 
@@ -104,6 +105,8 @@ def test_serve_batching_flags_are_read_with_sizes_in_units():
             "2",
             "--prefill-step-size",
             "256",
+            "--prefill-token-budget",
+            "512",
             "--prompt-cache-size",
             "0",
             "--prompt-cache-bytes",
@@ -115,13 +118,18 @@ def test_serve_batching_flags_are_read_with_sizes_in_units():
     settings = engine_settings(args)
     assert (settings.decode_concurrency, settings.prompt_concurrency) == (4, 2)
     assert (settings.prefill_step_size, settings.prompt_cache_size) == (256, 0)
+    assert settings.prefill_token_budget == 512
     assert settings.prompt_cache_bytes == 1_500_000_000 and settings.max_queued == 3
 
 
 def test_an_out_of_range_batching_flag_is_a_usage_error(capsys):
     import pytest
 
-    for argv in (["--decode-concurrency", "0"], ["--prompt-cache-bytes", "lots"]):
+    for argv in (
+        ["--decode-concurrency", "0"],
+        ["--prompt-cache-bytes", "lots"],
+        ["--prefill-token-budget", "-1"],
+    ):
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args(["serve", *argv])
         assert exit_info.value.code == 2

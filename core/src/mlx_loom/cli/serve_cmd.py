@@ -22,6 +22,7 @@ from ..engine import EngineSettings
 from ..engine.settings import (
     DEFAULT_DECODE_CONCURRENCY,
     DEFAULT_PREFILL_STEP,
+    DEFAULT_PREFILL_TOKEN_BUDGET,
     DEFAULT_PROMPT_CACHE_SIZE,
     DEFAULT_PROMPT_CONCURRENCY,
 )
@@ -297,6 +298,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_PREFILL_STEP})",
     )
     group.add_argument(
+        "--prefill-token-budget",
+        type=_count("--prefill-token-budget", 0, "prompt tokens per step while decoding", 512),
+        default=DEFAULT_PREFILL_TOKEN_BUDGET,
+        metavar="N",
+        help="while streams decode, most prompt tokens prefilled between two of their tokens "
+        "(whole chunks, first come first served, at least one; 0: no bound) "
+        f"(default: {DEFAULT_PREFILL_TOKEN_BUDGET})",
+    )
+    group.add_argument(
         "--prompt-cache-size",
         type=_count("--prompt-cache-size", 0, "prompt caches kept; 0 keeps none", 10),
         default=DEFAULT_PROMPT_CACHE_SIZE,
@@ -350,6 +360,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         decode_concurrency=args.decode_concurrency,
         prompt_concurrency=args.prompt_concurrency,
         prefill_step_size=args.prefill_step_size,
+        prefill_token_budget=args.prefill_token_budget,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
         prompt_cache_dir=args.prompt_cache_dir,

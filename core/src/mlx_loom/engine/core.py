@@ -18,6 +18,9 @@ requests, :meth:`Engine.remove` takes them out (cancellation), and each
    prefilled (:mod:`mlx_loom.engine.prefill`), so a long prompt arriving
    delays the running streams by one chunk per step, never by its whole
    prefill, and its caches come out exactly as a lone prefill makes them;
+   while rows decode, only as many chunks as fit ``prefill_token_budget``
+   tokens (first come, first served; at least one), so that a burst of long
+   prompts does not put all their chunks between two tokens of a stream;
 4. regrouping: a row whose prompt is done joins the decode group its caches
    can be stacked with.
 
@@ -359,6 +362,9 @@ class Engine:
         if not rows:
             return
         steps = [self._step(r.request) for r in rows]
+        budget = self.settings.prefill_token_budget
+        if budget and self._groups:
+            rows, steps = within_budget(rows, steps, budget)
         failed = prefill_step(self.model, rows, steps, self._batchable)
         for row, step in zip(rows, steps, strict=True):
             if row.uid in failed:
@@ -459,6 +465,24 @@ class Engine:
             fed=tuple(row.fed),
             checkpoints=taken,
         )
+
+
+def within_budget(rows: list[Row], steps: list[int], budget: int) -> tuple[list[Row], list[int]]:
+    """The rows (and their steps) whose next chunks this step prefills while rows decode.
+
+    In order of arrival, each row whose whole next chunk still fits the
+    ``budget`` of prompt tokens; the first row always, so that a chunk larger
+    than the budget still advances. Chunks are never cut: a prompt's chunk
+    grid is what makes its caches equal a lone prefill's.
+    """
+    chosen, taken, used = [rows[0]], [steps[0]], rows[0].chunk_len(steps[0])
+    for row, step in zip(rows[1:], steps[1:], strict=True):
+        n = row.chunk_len(step)
+        if used + n <= budget:
+            chosen.append(row)
+            taken.append(step)
+            used += n
+    return chosen, taken
 
 
 def _typed(err: BaseException) -> BaseException:

@@ -21,6 +21,8 @@ from mlx_loom.errors import RequestError
 DEFAULT_DECODE_CONCURRENCY = 32
 DEFAULT_PROMPT_CONCURRENCY = 8
 DEFAULT_PREFILL_STEP = 2048
+#: Prompt tokens one engine step prefills while rows decode (one default chunk).
+DEFAULT_PREFILL_TOKEN_BUDGET = 2048
 DEFAULT_PROMPT_CACHE_SIZE = 10
 
 
@@ -34,6 +36,14 @@ class EngineSettings(BaseModel):
     * ``prefill_step_size``: tokens per prefill chunk for requests that do
       not set their own. Smaller chunks bound how long a new prompt stalls
       the running streams; larger ones prefill faster.
+    * ``prefill_token_budget``: while any row decodes, most prompt tokens
+      one step prefills between two decode steps (``0``: no bound, every
+      prefilling prompt advances by a chunk each step). Prompts take the
+      budget first come, first served; a chunk is never cut (the chunk grid
+      is what makes a prompt's caches equal a lone prefill's), so the first
+      prompt always advances by one chunk even when that chunk alone is
+      larger. Without it, eight long prompts arriving at once put eight
+      chunks between two tokens of every running stream.
     * ``prompt_cache_size`` / ``prompt_cache_bytes``: bounds of the shared
       prefix store (``0`` entries disables it; ``None`` bytes means no byte
       bound). The Python API's default engine keeps no store, so a plain
@@ -67,6 +77,7 @@ class EngineSettings(BaseModel):
     decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY
     prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY
     prefill_step_size: int = DEFAULT_PREFILL_STEP
+    prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET
     prompt_cache_size: int = 0
     prompt_cache_bytes: int | None = None
     checkpoint_chunks: int = 4
@@ -100,6 +111,13 @@ class EngineSettings(BaseModel):
     def _count(cls, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError("it must be an int >= 0 (0 disables the prefix store)")
+        return value
+
+    @field_validator("prefill_token_budget", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError("it must be an int >= 0 (0: no bound)")
         return value
 
     @field_validator("checkpoint_chunks", mode="before")
