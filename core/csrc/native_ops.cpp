@@ -165,8 +165,11 @@ mx::array attention(
     return std::string("[loom native kernels] attention takes q, k and v as [B, H, L, D].");
   });
   require_float(q, "attention's q");
-  require(k.dtype() == q.dtype() && v.dtype() == q.dtype(), [&] {
-    return std::string("[loom native kernels] attention's q, k and v must share one dtype.");
+  require(is_float(k.dtype()) && v.dtype() == k.dtype(), [&] {
+    return std::string(
+        "[loom native kernels] attention's k and v must share one float dtype (float32, "
+        "bfloat16 or float16; q's may differ), got " + dtype_str(k.dtype()) + " and " +
+        dtype_str(v.dtype()) + ".");
   });
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
   const int Hkv = k.shape(1), S = k.shape(2), Dv = v.shape(3);
@@ -237,8 +240,12 @@ void NativeOp::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::array
     // Attention reads its keys and values through their strides (a cache
     // window is a view of a larger buffer); only a last axis that is not
     // contiguous needs a copy.
+    // The mask (input 3 when given) is read through any strides: a mask
+    // broadcast over batch and heads stays the [L, S] array it was built as.
     const bool kv = kind_ == kAttention && (i == 1 || i == 2);
-    const bool ok = kv ? raw[i].strides().back() == 1 : raw[i].flags().row_contiguous;
+    const bool strided_mask = kind_ == kAttention && i == 3 && (iparam_ & 1) != 0;
+    const bool ok = strided_mask ||
+        (kv ? raw[i].strides().back() == 1 : raw[i].flags().row_contiguous);
     in.push_back(ok ? raw[i] : row_contiguous(raw[i], s));
   }
   auto& encoder = mx::cpu::get_command_encoder(s);
@@ -316,6 +323,7 @@ void NativeOp::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::array
   job.k = k.data<void>();
   job.v = v.data<void>();
   job.dtype = code_of(q.dtype());
+  job.kv_dtype = code_of(k.dtype());
   job.out = out.data<void>();
   job.out_dtype = code_of(out.dtype());
   job.B = q.shape(0);
@@ -333,7 +341,11 @@ void NativeOp::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::array
   job.causal = flag_;
   size_t next = 3;
   if ((iparam_ & 1) != 0) {
-    job.mask = in[next++].data<float>();
+    const mx::array& mask = in[next++];
+    job.mask = mask.data<float>();
+    for (int i = 0; i < 4; ++i) {
+      job.m_strides[i] = static_cast<size_t>(mask.strides()[i]);
+    }
   }
   if ((iparam_ & 2) != 0) {
     job.lengths = in[next].data<int32_t>();

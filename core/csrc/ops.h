@@ -63,13 +63,17 @@ void rope_rows(const RopeJob& job, int r0, int r1);
 // v [B, Hkv, S, Dv] (query head h reads key/value head h / (Hq / Hkv)).
 // k and v may be strided on their first three axes (cache windows are views
 // of larger buffers); their last axis is contiguous. `causal`: query l sees
-// keys 0 .. S - L + l. `mask`: optional additive fp32 [B, Hq, L, S]. Scores,
-// the softmax and the weighted sum are fp32; the output is rounded once.
+// keys 0 .. S - L + l. `mask`: optional additive fp32 [B, Hq, L, S], read
+// through its strides (a broadcast mask is never expanded). Scores, the
+// softmax and the weighted sum are fp32; the output is rounded once. k and v
+// share a dtype that may differ from q's (a half-precision KV cache read by
+// fp32 queries): each element becomes fp32 exactly.
 struct AttentionJob {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
-  int dtype = 0;  // q, k and v share it
+  int dtype = 0;     // q's
+  int kv_dtype = 0;  // k's and v's
   void* out = nullptr;
   int out_dtype = 0;
   int B = 0;
@@ -84,6 +88,7 @@ struct AttentionJob {
   float scale = 1.0f;
   bool causal = false;
   const float* mask = nullptr;
+  size_t m_strides[4] = {0, 0, 0, 0};  // in elements; 0 on broadcast axes
   // Optional: batch row b attends over its first lengths[b] keys only
   // (lengths[0] for every row when n_lengths is 1), clamped to [0, S]: a
   // compiled decode step passes its whole key buffer and the valid length.

@@ -150,11 +150,192 @@ void rope_rows(const RopeJob& job, int r0, int r1) {
   }
 }
 
+// Attention is tiled: a block of query rows (kQueryBlock) walks the keys in
+// blocks (kKeyBlock), so each key and value row is read (and converted from
+// half precision) once per query block instead of once per query row, and
+// four query rows share each key row's loads. Every row's arithmetic is
+// still exactly the one-row algorithm: its scores (the same dot product,
+// lane for lane), their maximum, then exp(score - max) summed and
+// accumulated over the keys in ascending order, divided once. The maximum is
+// found in a first sweep over the key blocks; the second sweep recomputes
+// the scores (bit-identical) unless the block's scores fit kKeepScores
+// floats, when the first sweep keeps them. So a row's output does not
+// depend on L, on the query block it falls in, on how a prompt was chunked,
+// on the batch or on the thread count, and decode (L == 1) is the algorithm
+// it always was; scratch is bounded by the blocks, never L * S.
+constexpr int kQueryBlock = 8;
+constexpr int kKeyBlock = 64;
+constexpr int kKeepScores = 16384;
+
 size_t attention_scratch_floats(const AttentionJob& job) {
-  // One query row, its scores, the output accumulator, and one key and one
-  // value row converted from half precision.
-  return static_cast<size_t>(job.D) + job.S + job.Dv + job.D + job.Dv + 32;
+  const size_t qb = kQueryBlock;
+  if (job.L == 1) {
+    // One query row, its scores, the accumulator, one converted key and value.
+    return 2 * static_cast<size_t>(job.D + job.Dv) + job.S + 32;
+  }
+  return qb * job.D + qb * job.Dv + static_cast<size_t>(kKeepScores) +
+      static_cast<size_t>(kKeyBlock) * (job.D + job.Dv) + 64;
 }
+
+namespace {
+
+// A score as the kernel always computed it: scaled (one rounding), then the
+// additive mask added (another). The empty asm keeps the product a rounded
+// float, so the compiler cannot contract the two into one fused multiply-add
+// in one path and not the other (it did: the blocked and one-row paths
+// differed by that rounding before this was spelled out).
+inline float masked_score(float dot_qk, float scale, const float* mrow, int s, size_t stride) {
+  float sc = dot_qk * scale;
+  if (mrow == nullptr) {
+    return sc;
+  }
+  __asm__("" : "+x"(sc));
+  return sc + mrow[s * stride];
+}
+
+// Scores of query rows q[0..n) (row stride D) against one key row, each
+// exactly dot(q_i, k, D): the same lanes, the same fused multiply-adds in
+// the same order, the same horizontal sum and tail; four rows share the
+// key's loads.
+inline void dot_rows(const float* q, int n, const float* k, int D, float* out, size_t out_stride) {
+  int i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float* q0 = q + static_cast<size_t>(i) * D;
+    const float* q1 = q0 + D;
+    const float* q2 = q1 + D;
+    const float* q3 = q2 + D;
+    __m256 a0 = _mm256_setzero_ps();
+    __m256 a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps();
+    __m256 a3 = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= D; j += 8) {
+      const __m256 kv = _mm256_loadu_ps(k + j);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + j), kv, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + j), kv, a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + j), kv, a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + j), kv, a3);
+    }
+    float s0 = hsum(a0);
+    float s1 = hsum(a1);
+    float s2 = hsum(a2);
+    float s3 = hsum(a3);
+    for (; j < D; ++j) {
+      s0 = __builtin_fmaf(q0[j], k[j], s0);
+      s1 = __builtin_fmaf(q1[j], k[j], s1);
+      s2 = __builtin_fmaf(q2[j], k[j], s2);
+      s3 = __builtin_fmaf(q3[j], k[j], s3);
+    }
+    out[(i + 0) * out_stride] = s0;
+    out[(i + 1) * out_stride] = s1;
+    out[(i + 2) * out_stride] = s2;
+    out[(i + 3) * out_stride] = s3;
+  }
+  for (; i < n; ++i) {
+    out[i * out_stride] = dot(q + static_cast<size_t>(i) * D, k, D);
+  }
+}
+
+// acc[0..Dv) += p[s] * v_s, for s = 0 .. n - 1 in that order: per element
+// exactly axpy(p[s], v_s, acc, Dv) called n times, with the accumulator held
+// in registers (up to 64 columns at a time) instead of reloaded for every key.
+template <int W>
+LOOM_HOT void accumulate_cols(
+    const float* p, int n, const float* const* vrows, int c, float* acc) {
+  __m256 a[W];
+  for (int j = 0; j < W; ++j) {
+    a[j] = _mm256_loadu_ps(acc + c + 8 * j);
+  }
+  for (int s = 0; s < n; ++s) {
+    const __m256 pv = _mm256_set1_ps(p[s]);
+    const float* v = vrows[s] + c;
+    for (int j = 0; j < W; ++j) {
+      a[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), a[j]);
+    }
+  }
+  for (int j = 0; j < W; ++j) {
+    _mm256_storeu_ps(acc + c + 8 * j, a[j]);
+  }
+}
+
+inline void accumulate(const float* p, int n, const float* const* vrows, float* acc, int Dv) {
+  // Eight (or four) independent accumulators keep the fused multiply-adds
+  // throughput-bound rather than waiting on one register's latency.
+  int c = 0;
+  for (; c + 64 <= Dv; c += 64) {
+    accumulate_cols<8>(p, n, vrows, c, acc);
+  }
+  for (; c + 32 <= Dv; c += 32) {
+    accumulate_cols<4>(p, n, vrows, c, acc);
+  }
+  for (; c + 8 <= Dv; c += 8) {
+    accumulate_cols<1>(p, n, vrows, c, acc);
+  }
+  for (; c < Dv; ++c) {
+    float a = acc[c];
+    for (int s = 0; s < n; ++s) {
+      a = __builtin_fmaf(p[s], vrows[s][c], a);
+    }
+    acc[c] = a;
+  }
+}
+
+// Decode's one query row, the blocks' arithmetic in one loop per sweep (the
+// scores kept, each exp overlapping the previous key's accumulation): the
+// blocked path computes exactly this for every row (tested), but with one
+// row its separate loops were measured ~25 % slower.
+void one_row(
+    const AttentionJob& job, int t, int b, int h, int keys, const char* kbase, const char* vbase,
+    size_t esize, float* scratch) {
+  const int D = job.D;
+  const int Dv = job.Dv;
+  float* qrow = scratch;
+  float* acc = qrow + D;
+  float* krow = acc + Dv;
+  float* vrow = krow + D;
+  float* scores = vrow + Dv;
+  const bool f32 = job.kv_dtype == kF32;
+  row_to_f32(job.q, job.dtype, static_cast<size_t>(t) * D, D, qrow);
+  const float* mrow = job.mask != nullptr
+      ? job.mask + b * job.m_strides[0] + h * job.m_strides[1]
+      : nullptr;
+  float top = -__builtin_inff();
+  for (int s = 0; s < keys; ++s) {
+    const char* kp = kbase + s * job.k_strides[2] * esize;
+    const float* kr = reinterpret_cast<const float*>(kp);
+    if (!f32) {
+      to_f32(kp, job.kv_dtype, krow, static_cast<size_t>(D));
+      kr = krow;
+    }
+    const float sc = masked_score(dot(qrow, kr, D), job.scale, mrow, s, job.m_strides[3]);
+    scores[s] = sc;
+    top = sc > top ? sc : top;
+  }
+  for (int i = 0; i < Dv; ++i) {
+    acc[i] = 0.0f;
+  }
+  float total = 0.0f;
+  if (top != -__builtin_inff()) {
+    for (int s = 0; s < keys; ++s) {
+      const float p = __builtin_expf(scores[s] - top);
+      total += p;
+      const char* vp = vbase + s * job.v_strides[2] * esize;
+      const float* vr = reinterpret_cast<const float*>(vp);
+      if (!f32) {
+        to_f32(vp, job.kv_dtype, vrow, static_cast<size_t>(Dv));
+        vr = vrow;
+      }
+      axpy(p, vr, acc, Dv);
+    }
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int i = 0; i < Dv; ++i) {
+    acc[i] *= inv;
+  }
+  row_store(job.out, job.out_dtype, static_cast<size_t>(t) * Dv, acc, Dv);
+}
+
+}  // namespace
 
 void attention_heads(const AttentionJob& job, int t0, int t1, float* scratch) {
   const int D = job.D;
@@ -162,13 +343,19 @@ void attention_heads(const AttentionJob& job, int t0, int t1, float* scratch) {
   const int S = job.S;
   const int L = job.L;
   const int rep = job.Hq / job.Hkv;
-  float* qrow = scratch;
-  float* scores = qrow + D;
-  float* acc = scores + S;
-  float* krow = acc + Dv;
-  float* vrow = krow + D;
-  const bool f32 = job.dtype == kF32;
-  const size_t esize = f32 ? 4 : 2;
+  float* qblk = scratch;                       // [kQueryBlock][D]
+  float* acc = qblk + kQueryBlock * D;         // [kQueryBlock][Dv]
+  float* scores = acc + kQueryBlock * Dv;      // kKeepScores
+  float* kblk = scores + kKeepScores;          // [kKeyBlock][D]
+  float* vblk = kblk + kKeyBlock * D;          // [kKeyBlock][Dv]
+  float top[kQueryBlock];
+  float total[kQueryBlock];
+  int visible[kQueryBlock];
+  float probs[kKeyBlock];
+  const float* vrows[kKeyBlock];
+  const float* mrow[kQueryBlock];
+  const bool kv_f32 = job.kv_dtype == kF32;
+  const size_t esize = kv_f32 ? 4 : 2;
   for (int t = t0; t < t1; ++t) {
     const int b = t / job.Hq;
     const int h = t % job.Hq;
@@ -182,52 +369,113 @@ void attention_heads(const AttentionJob& job, int t0, int t1, float* scratch) {
       const int32_t n = job.lengths[job.n_lengths == 1 ? 0 : b];
       keys = n < 0 ? 0 : (n > S ? S : n);
     }
-    for (int l = 0; l < L; ++l) {
-      const size_t qfirst = (static_cast<size_t>(t) * L + l) * D;
-      row_to_f32(job.q, job.dtype, qfirst, D, qrow);
-      int visible = job.causal ? (keys - L + l + 1) : keys;
-      visible = visible < 0 ? 0 : visible;
-      const float* mrow =
-          job.mask != nullptr ? job.mask + (static_cast<size_t>(t) * L + l) * S : nullptr;
-      float top = -__builtin_inff();
-      for (int s = 0; s < visible; ++s) {
-        const char* kp = kbase + s * job.k_strides[2] * esize;
-        const float* kr = reinterpret_cast<const float*>(kp);
-        if (!f32) {
-          to_f32(kp, job.dtype, krow, static_cast<size_t>(D));
-          kr = krow;
-        }
-        float sc = dot(qrow, kr, D) * job.scale;
-        if (mrow != nullptr) {
-          sc += mrow[s];
-        }
-        scores[s] = sc;
-        top = sc > top ? sc : top;
+    // Key row s of this head as fp32: in place when stored so, else
+    // converted into the block buffer (row s - s0).
+    auto key_row = [&](int s, int s0) -> const float* {
+      const char* kp = kbase + s * job.k_strides[2] * esize;
+      if (kv_f32) {
+        return reinterpret_cast<const float*>(kp);
       }
-      for (int i = 0; i < Dv; ++i) {
+      float* dst = kblk + static_cast<size_t>(s - s0) * D;
+      to_f32(kp, job.kv_dtype, dst, static_cast<size_t>(D));
+      return dst;
+    };
+    auto value_row = [&](int s, int s0) -> const float* {
+      const char* vp = vbase + s * job.v_strides[2] * esize;
+      if (kv_f32) {
+        return reinterpret_cast<const float*>(vp);
+      }
+      float* dst = vblk + static_cast<size_t>(s - s0) * Dv;
+      to_f32(vp, job.kv_dtype, dst, static_cast<size_t>(Dv));
+      return dst;
+    };
+    if (L == 1) {
+      one_row(job, t, b, h, keys, kbase, vbase, esize, scratch);
+      continue;
+    }
+    for (int l0 = 0; l0 < L; l0 += kQueryBlock) {
+      const int nq = L - l0 < kQueryBlock ? L - l0 : kQueryBlock;
+      int span = 0;
+      for (int i = 0; i < nq; ++i) {
+        const int l = l0 + i;
+        row_to_f32(job.q, job.dtype, (static_cast<size_t>(t) * L + l) * D, D, qblk + i * D);
+        int vis = job.causal ? (keys - L + l + 1) : keys;
+        vis = vis < 0 ? 0 : vis;
+        visible[i] = vis;
+        span = vis > span ? vis : span;
+        mrow[i] = job.mask != nullptr
+            ? job.mask + b * job.m_strides[0] + h * job.m_strides[1] + l * job.m_strides[2]
+            : nullptr;
+        top[i] = -__builtin_inff();
+        total[i] = 0.0f;
+      }
+      // Kept: row i's score of key s at scores[i * span + s]; else the key
+      // block's, at scores[i * kKeyBlock + s - s0].
+      const bool keep = static_cast<long long>(nq) * span <= kKeepScores;
+      const size_t rs = keep ? static_cast<size_t>(span) : kKeyBlock;
+      // The scores of keys [s0, s1) for every row of the block (a row's
+      // entries past its visible keys are computed and never read), and
+      // each row's running maximum (order does not matter for a maximum).
+      auto block_scores = [&](int s0, int s1) {
+        const size_t c0 = keep ? s0 : 0;
+        for (int s = s0; s < s1; ++s) {
+          dot_rows(qblk, nq, key_row(s, s0), D, scores + c0 + (s - s0), rs);
+        }
+        for (int i = 0; i < nq; ++i) {
+          float* row = scores + i * rs + (static_cast<ptrdiff_t>(c0) - s0);
+          const float* mr = mrow[i];
+          const int end = visible[i] < s1 ? visible[i] : s1;
+          float m = top[i];
+          for (int s = s0; s < end; ++s) {
+            const float sc = masked_score(row[s], job.scale, mr, s, job.m_strides[3]);
+            row[s] = sc;
+            m = sc > m ? sc : m;
+          }
+          top[i] = m;
+        }
+      };
+      for (int s0 = 0; s0 < span; s0 += kKeyBlock) {
+        block_scores(s0, span - s0 < kKeyBlock ? span : s0 + kKeyBlock);
+      }
+      for (int i = 0; i < nq * Dv; ++i) {
         acc[i] = 0.0f;
       }
-      float total = 0.0f;
-      if (top != -__builtin_inff()) {
-        for (int s = 0; s < visible; ++s) {
-          const float p = __builtin_expf(scores[s] - top);
-          total += p;
-          const char* vp = vbase + s * job.v_strides[2] * esize;
-          const float* vr = reinterpret_cast<const float*>(vp);
-          if (!f32) {
-            to_f32(vp, job.dtype, vrow, static_cast<size_t>(Dv));
-            vr = vrow;
+      for (int s0 = 0; s0 < span; s0 += kKeyBlock) {
+        const int s1 = span - s0 < kKeyBlock ? span : s0 + kKeyBlock;
+        if (!keep) {
+          block_scores(s0, s1);
+        }
+        const size_t c0 = keep ? s0 : 0;
+        for (int s = s0; s < s1; ++s) {
+          vrows[s - s0] = value_row(s, s0);
+        }
+        for (int i = 0; i < nq; ++i) {
+          // A row that sees no key adds nothing (it comes out as zeros).
+          const float m = top[i];
+          const int end = visible[i] < s1 ? visible[i] : s1;
+          if (end <= s0 || m == -__builtin_inff()) {
+            continue;
           }
-          axpy(p, vr, acc, Dv);
+          const float* row = scores + i * rs + c0;
+          float sum = total[i];
+          for (int s = 0; s < end - s0; ++s) {
+            const float p = __builtin_expf(row[s] - m);
+            sum += p;
+            probs[s] = p;
+          }
+          total[i] = sum;
+          accumulate(probs, end - s0, vrows, acc + i * Dv, Dv);
         }
       }
-      // A row that sees no key (fully masked) comes out as zeros rather than
-      // NaN.
-      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-      for (int i = 0; i < Dv; ++i) {
-        acc[i] *= inv;
+      for (int i = 0; i < nq; ++i) {
+        // A fully masked row comes out as zeros rather than NaN.
+        const float inv = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
+        float* a = acc + i * Dv;
+        for (int j = 0; j < Dv; ++j) {
+          a[j] *= inv;
+        }
+        row_store(job.out, job.out_dtype, (static_cast<size_t>(t) * L + l0 + i) * Dv, a, Dv);
       }
-      row_store(job.out, job.out_dtype, (static_cast<size_t>(t) * L + l) * Dv, acc, Dv);
     }
   }
 }

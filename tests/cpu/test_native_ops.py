@@ -184,6 +184,80 @@ def test_a_fully_masked_row_comes_out_as_zeros_not_nan():
     assert mx.array_equal(y[0, 0, 1], mx.zeros((8,)))
 
 
+def window_mask(L: int, S: int, window: int) -> mx.array:
+    """Query l (at position S - L + l) sees the ``window`` keys up to its own."""
+    qpos = mx.arange(S - L, S)[:, None]
+    kpos = mx.arange(S)[None]
+    return (qpos >= kpos) & (qpos < kpos + window)
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "window", "additive"])
+@pytest.mark.parametrize(
+    "kv_dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["f32", "bf16", "f16"]
+)
+@pytest.mark.parametrize("L,S,D", [(37, 150, 64), (11, 2100, 8)])
+def test_prefill_rows_equal_decode_rows_however_the_prompt_is_chunked(mask_kind, kv_dtype, L, S, D):
+    """The tiled prefill computes each row exactly as decode does: whole, in
+    chunks cut anywhere, or one row at a time, the outputs are bit-equal (what
+    prefix reuse, chunked prefill and speculative verification rely on). S=2100
+    with 8-row query blocks takes the path that recomputes scores."""
+    q = rand((1, 4, L, D), seed=30)
+    k = rand((1, 2, S + 5, D), kv_dtype, 31)[:, :, 2 : S + 2]  # a strided window
+    v = rand((1, 2, S, D), kv_dtype, 32)
+    add = mx.array(np.random.default_rng(2).normal(size=(1, 4, L, S)).astype(np.float32))
+
+    def mask_for(l0: int, l1: int):
+        end = S - L + l1  # keys the chunk's last query sees
+        if mask_kind == "causal":
+            return "causal" if l1 - l0 > 1 else None
+        if mask_kind == "window":
+            return window_mask(l1 - l0, end, 40)
+        return add[:, :, l0:l1, :end]
+
+    def chunk(l0: int, l1: int) -> mx.array:
+        end = S - L + l1
+        m = mask_for(l0, l1)
+        if mask_kind == "additive":
+            return ops.attention(q[:, :, l0:l1], k, v, scale=0.3, mask=add[:, :, l0:l1])
+        return ops.attention(q[:, :, l0:l1], k[:, :, :end], v[:, :, :end], scale=0.3, mask=m)
+
+    whole = chunk(0, L)
+    cuts = [0, 3, L // 2, L // 2 + 1, L]
+    pieces = mx.concatenate([chunk(a, b) for a, b in zip(cuts, cuts[1:])], axis=2)
+    rows = mx.concatenate([chunk(i, i + 1) for i in range(L)], axis=2)
+    assert mx.array_equal(whole, pieces)
+    assert mx.array_equal(whole, rows)
+
+
+@pytest.mark.parametrize("kv_dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("L", [1, 9])
+def test_half_precision_keys_are_read_exactly_by_float32_queries(kv_dtype, L):
+    """A half-precision KV cache under float32 queries: the kernel widens each
+    element exactly, so the output equals attending over the widened copy."""
+    q = rand((2, 4, L, 64), seed=33)
+    k, v = rand((2, 2, 20, 64), kv_dtype, 34), rand((2, 2, 20, 64), kv_dtype, 35)
+    got = ops.attention(q, k, v, scale=0.125, mask="causal" if L > 1 else None)
+    wide = ops.attention(
+        q, k.astype(mx.float32), v.astype(mx.float32), scale=0.125,
+        mask="causal" if L > 1 else None,
+    )
+    assert got.dtype == mx.float32 and mx.array_equal(got, wide)
+
+
+def test_a_mask_broadcast_over_heads_is_read_in_place_not_expanded():
+    L = S = 512
+    q = rand((1, 16, L, 32), seed=36)
+    k, v = rand((1, 4, S, 32), seed=37), rand((1, 4, S, 32), seed=38)
+    mask = mx.where(window_mask(L, S, 100), 0.0, -mx.inf).astype(mx.float32)
+    mx.eval(q, k, v, mask)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    out = ops.attention(q, k, v, scale=0.2, mask=mask)
+    mx.eval(out)
+    expanded = 16 * L * S * 4  # the [B, Hq, L, S] fp32 copy a contiguous mask would need
+    assert mx.get_peak_memory() - base < out.nbytes + expanded // 4
+
+
 def test_the_ops_run_inside_compiled_functions():
     x, w = rand((2, 64), seed=18), rand((64,), seed=19)
     inv = mx.ones((16,))

@@ -87,6 +87,7 @@ def test_loom_serve_picks_a_kv_group_size_that_divides_the_heads(checkpoint, mon
             ["--kv-codec", "turboquant", "--quantized-kv-start", "16"],
             "loom: draft: none; KV cache: turboquant 4-bit, from token 16",
         ),
+        (["--kv-dtype", "bfloat16"], "loom: draft: none; KV cache: plain, stored in bfloat16"),
     ],
 )
 def test_loom_serves_banner_names_the_draft_and_kv_cache_in_force(

@@ -74,3 +74,30 @@ def using(native: NativeForward | None) -> Iterator[None]:
         yield
     finally:
         _NATIVE.reset(token)
+
+
+_KV_DTYPE: contextvars.ContextVar[Any | None] = contextvars.ContextVar(
+    "mlx_loom_kv_storage_dtype", default=None
+)
+
+
+def current_kv_dtype() -> Any | None:
+    """The dtype the forward being built stores new keys/values in (``None``: as computed).
+
+    Set by :meth:`mlx_loom.Model.forward` for a model loaded with
+    ``kv_dtype=`` and read by :func:`mlx_loom.cache.append_kv`, which every
+    family's attention calls: one cast there stores every attention cache
+    kind (full, windows, KV-shared donors, batches) in that dtype without
+    family code.
+    """
+    return _KV_DTYPE.get()
+
+
+@contextlib.contextmanager
+def storing_kv(dtype: Any | None) -> Iterator[None]:
+    """Store the enclosed forward's new keys/values in ``dtype`` (``None``: as computed)."""
+    token = _KV_DTYPE.set(dtype)
+    try:
+        yield
+    finally:
+        _KV_DTYPE.reset(token)

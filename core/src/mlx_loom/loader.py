@@ -30,6 +30,7 @@ from .artifacts.fingerprint import weights_identity
 from .artifacts.finite import named_list, non_finite
 from .artifacts.weights import recording_sources
 from .backends import Backend
+from .cache.codecs import resolve_kv_dtype
 from .causal_lm import CausalLM
 from .cpu.path import apply_cpu_path
 from .errors import ImplementationFailed, LoomError, ParallelRefused, WeightsError
@@ -226,6 +227,7 @@ def load(
     kernel_backend: Backend | None = None,
     compute_dtype: str | None = None,
     cpu_kernels: str | None = None,
+    kv_dtype: str | None = None,
     lazy: bool = False,
     adapter_path: str | os.PathLike[str] | None = None,
     parallel: str | None = None,
@@ -239,13 +241,17 @@ def load(
     cannot run here). ``compute_dtype`` (``"checkpoint"``, ``"float32"``,
     ``"bfloat16"``, ``"float16"``) and ``cpu_kernels`` (``"cpu-native"``,
     ``"cpu-ops"``) choose the CPU compute path; the defaults and their
-    reasons are in :mod:`mlx_loom.cpu`. ``parallel="tensor"`` or
+    reasons are in :mod:`mlx_loom.cpu`. ``kv_dtype`` (``"float16"``,
+    ``"bfloat16"``) stores every attention cache's keys and values in that
+    dtype — half the bytes of the CPU's float32 — instead of the compute
+    dtype (recurrent state is left alone; see ``docs/cpu.md``). ``parallel="tensor"`` or
     ``"pipeline"`` splits the model across ``group`` (default
     ``mx.distributed.init()``: the processes ``mlx.launch`` started); every
     rank calls ``load`` alike (:mod:`mlx_loom.parallel`).
     ``adapter_path`` applies an mlx-lm LoRA/DoRA adapter
     directory on top of the built graph (:mod:`mlx_loom.adapters`).
     """
+    storage = resolve_kv_dtype(kv_dtype)  # refused before anything loads
     resolved = resolve_model(
         model_ref,
         policy=policy,
@@ -256,6 +262,7 @@ def load(
         cpu_kernels=cpu_kernels,
     )
     model = build_model(resolved, lazy=lazy, parallel=parallel, group=group)
+    model.kv_dtype = storage
     if adapter_path is not None:
         load_adapter(model, adapter_path)
     tokenizer = Tokenizer.from_dir(resolved.model_dir, config_eos=resolved.config.eos_token_id)

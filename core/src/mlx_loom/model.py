@@ -22,6 +22,7 @@ from .causal_lm import CausalLM, MultiTokenPredictor
 from .cpu.compiled_step import CompiledStep, not_compiled_because
 from .cpu.ops import forward_kernels
 from .errors import AdapterError, CapabilityRefused, RequestError
+from .forward_hooks import storing_kv
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -154,6 +155,9 @@ class Model:
         #: Adapters chosen per batch row, if registered
         #: (:class:`mlx_loom.adapters.AdapterSet`).
         self.adapter_set: Any = None
+        #: The dtype attention caches store keys/values in (``load(kv_dtype=)``;
+        #: ``None``: the compute dtype they are computed in).
+        self.kv_dtype: mx.Dtype | None = None
         mx.eval(_arrays(module, constants_only=True))
         #: The compiled one-token forward, where the family allows it and the
         #: model runs on the native CPU kernels (``None`` otherwise).
@@ -246,7 +250,7 @@ class Model:
         inputs here would read back each step's tokens before the next step
         is queued, undoing the overlap of compute and bookkeeping.
         """
-        with self.native_kernels():
+        with self.native_kernels(), storing_kv(self.kv_dtype):
             step = self.compiled_step
             if (
                 step is not None
@@ -355,5 +359,6 @@ class Model:
                 if self.cpu_path is not None
                 else ""
             )
+            + (f", kv_dtype={self.kv_dtype}" if self.kv_dtype is not None else "")
             + f"{split})"
         )

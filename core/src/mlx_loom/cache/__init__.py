@@ -18,7 +18,13 @@ from mlx_loom.cache.attention import quantized_scaled_dot_product_attention
 from mlx_loom.cache._buffers import AffineCodec, PlainCodec
 from mlx_loom.cache.batch import BatchKVCache, BatchRotatingKVCache, dynamic_roll
 from mlx_loom.cache.checkpoint import Checkpoint
-from mlx_loom.cache.codecs import KVCodec, codec_table, resolve_kv_codec
+from mlx_loom.cache.codecs import (
+    KV_DTYPES,
+    KVCodec,
+    codec_table,
+    resolve_kv_codec,
+    resolve_kv_dtype,
+)
 from mlx_loom.cache.convert import maybe_quantize_kv_cache, validate_kv_quantization
 from mlx_loom.cache.forms import (
     BatchQuantizedKVCache,
@@ -80,6 +86,7 @@ CACHE_KINDS: Mapping[str, type] = kind_table(
 __all__ = [
     "CACHE_KINDS",
     "CODECS",
+    "KV_DTYPES",
     "STANDARD_KINDS",
     "TURBOQUANT_BITS",
     "AffineCodec",
@@ -126,6 +133,7 @@ __all__ = [
     "maybe_quantize_kv_cache",
     "quantized_scaled_dot_product_attention",
     "resolve_kv_codec",
+    "resolve_kv_dtype",
     "save_prompt_cache",
     "validate_kv_quantization",
 ]

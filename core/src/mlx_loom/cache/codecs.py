@@ -36,10 +36,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+
 from mlx_loom.cache.storage import CODECS
 from mlx_loom.errors import CapabilityRefused, RequestError
 
-__all__ = ["KVCodec", "codec_table", "resolve_kv_codec"]
+__all__ = ["KV_DTYPES", "KVCodec", "codec_table", "resolve_kv_codec", "resolve_kv_dtype"]
 
 #: The codec ``kv_bits`` alone selects (mlx-lm's meaning of ``kv_bits``).
 DEFAULT_CODEC = "affine"
@@ -162,3 +164,31 @@ def resolve_kv_codec(
             fix=f"use kv_bits in {list(codec.bits)} with kv_codec={kv_codec!r}",
         )
     return codec, bits
+
+
+#: The dtypes a KV cache may be stored in instead of the one it is computed in
+#: (``kv_dtype=`` / ``--kv-dtype``): half the bytes of the CPU's float32 default.
+KV_DTYPES: dict[str, Any] = {"float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def resolve_kv_dtype(kv_dtype: Any) -> Any | None:
+    """The MLX dtype ``kv_dtype`` names (``None``: keys/values stay in the compute dtype).
+
+    Raises :class:`~mlx_loom.errors.RequestError` for anything else.
+    """
+    if kv_dtype is None:
+        return None
+    if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
+        raise RequestError(
+            f"kv_dtype={kv_dtype!r} is not a KV storage dtype "
+            f"(choose from {', '.join(KV_DTYPES)})",
+            fix=f"pass kv_dtype in {list(KV_DTYPES)}, or omit it to store keys and values "
+            "in the compute dtype",
+            param="kv_dtype",
+        )
+    return KV_DTYPES[kv_dtype]
+
+
+def kv_dtype_name(dtype: Any) -> str:
+    """``"float16"`` for ``mx.float16``: the name ``kv_dtype=`` takes."""
+    return next(name for name, d in KV_DTYPES.items() if d == dtype)

@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from mlx_loom.cache.attention import quantized_scaled_dot_product_attention
 from mlx_loom.errors import CacheError
-from mlx_loom.forward_hooks import current_attention
+from mlx_loom.forward_hooks import current_attention, current_kv_dtype
 
 __all__ = [
     "AffineView",
@@ -73,8 +73,13 @@ class PlainView:
         kernel = current_attention()
         if kernel is not None and sinks is None:
             return kernel(queries, self.keys, self.values, scale=scale, mask=single_mask(mask))
+        keys, values = self.keys, self.values
+        if keys.dtype != queries.dtype:
+            # Keys stored in another precision (``kv_dtype``) attend in the
+            # queries' dtype on MLX's kernel, as they are read by the native one.
+            keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
         return mx.fast.scaled_dot_product_attention(
-            queries, self.keys, self.values, scale=scale, mask=single_mask(mask), sinks=sinks
+            queries, keys, values, scale=scale, mask=single_mask(mask), sinks=sinks
         )
 
 
@@ -196,10 +201,16 @@ def append_kv(cache: Any, keys: mx.array, values: mx.array) -> KVView:
     """Append ``keys``/``values`` to ``cache`` and return its view; no cache: the arrays alone.
 
     The one call graphs make per attention layer: it never tests what kind
-    of cache it has.
+    of cache it has. A model loaded with ``kv_dtype=`` stores its keys and
+    values in that dtype (:func:`mlx_loom.forward_hooks.current_kv_dtype`):
+    they are cast here, before the cache sees them, so the step's own keys
+    are attended in the stored precision too (a cache holds nothing else).
     """
     if cache is None:
         return PlainView(keys, values)
+    dtype = current_kv_dtype()
+    if dtype is not None and keys.dtype != dtype and mx.issubdtype(keys.dtype, mx.floating):
+        keys, values = keys.astype(dtype), values.astype(dtype)
     append = getattr(cache, "append", None)
     if not callable(append):
         raise CacheError(

@@ -252,6 +252,7 @@ API_FLAGS: dict[str, str] = {
     "kv_bits": "--kv-bits",
     "kv_group_size": "--kv-group-size",
     "kv_codec": "--kv-codec",
+    "kv_dtype": "--kv-dtype",
     "quantized_kv_start": "--quantized-kv-start",
     "prefill_step_size": "--prefill-step-size",
     "draft_model": "--draft-model",

@@ -102,6 +102,12 @@ def add_kv_cache_options(group: Any, *, whose: str) -> None:
         "or a codec a plugin registers",
     )
     group.add_argument(
+        "--kv-dtype",
+        choices=["float16", "bfloat16"],
+        help=f"store {whose} in this dtype: half the bytes of the CPU's float32 "
+        "(default: the compute dtype; not with --kv-bits / --kv-codec; see docs/cpu.md)",
+    )
+    group.add_argument(
         "--kv-group-size",
         type=flags.KV_GROUP_SIZE,
         metavar="{32,64,128}",
@@ -239,6 +245,7 @@ def load_from_args(args: argparse.Namespace):
         adapter_path=args.adapter_path,
         compute_dtype=args.compute_dtype,
         cpu_kernels=args.cpu_kernels,
+        kv_dtype=getattr(args, "kv_dtype", None),
         parallel=args.parallel,
     )
     doors.silence_followers(model)

@@ -18,6 +18,7 @@ from ..adapters import AdapterSet
 from ..assets import BUNDLED_MODEL_ALIAS, BUNDLED_MODEL_NAME
 from ..bounded_json import REQUEST_JSON, parse_json
 from ..cache import resolve_kv_codec
+from ..cache.codecs import kv_dtype_name
 from ..engine import EngineSettings
 from ..engine.settings import (
     DEFAULT_DECODE_CONCURRENCY,
@@ -632,8 +633,9 @@ def decoding_line(app: ServeApp, draft_model: str | None) -> str:
             draft += "; adapter requests do not draft"
     kv, kinds = app.kv, app.model.binding.cache_kinds
     codec, bits = resolve_kv_codec(kv["kv_codec"], kv["kv_bits"], kinds=kinds)
+    kv_dtype = getattr(app.model, "kv_dtype", None)
     if codec is None:
-        cache = "plain"
+        cache = "plain" if kv_dtype is None else f"plain, stored in {kv_dtype_name(kv_dtype)}"
     else:
         group = f", group {kv['kv_group_size']}" if codec.name == "affine" else ""
         cache = f"{codec.name} {bits}-bit{group}, from token {kv['quantized_kv_start']}"

@@ -52,12 +52,14 @@ def speculation_from_args(args: argparse.Namespace) -> Speculation | None:
             "pass --draft-model MODEL to draft with a model, or --draft ngram|mtp, not both",
         )
     if args.draft_model:
-        # The draft runs on the same backend, compute dtype and CPU kernels as the model.
+        # The draft runs on the same backend, compute dtype, CPU kernels and KV
+        # storage dtype as the model.
         draft, _ = load(
             args.draft_model,
             kernel_backend=args.kernel_backend,
             compute_dtype=args.compute_dtype,
             cpu_kernels=args.cpu_kernels,
+            kv_dtype=getattr(args, "kv_dtype", None),
         )
         return Speculation(draft, args.num_draft_tokens)
     if args.draft:

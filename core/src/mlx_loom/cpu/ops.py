@@ -206,8 +206,19 @@ def attention(
     (int32 ``[1]`` or ``[B]``): batch row ``b`` attends over its first
     ``lengths[b]`` keys only — what a compiled step that passes its whole
     key buffer needs, without reading (or masking) the slots past the end.
+
+    Keys and values stored in half precision (``kv_dtype``) are read as they
+    are by float32 queries: the kernel widens each element exactly, which is
+    what ``astype(float32)`` would give, without a float32 copy of the cache
+    per forward. Half-precision queries keep their dtype's keys, as before.
+
+    Prefill (more than one query) is tiled: a block of queries walks the keys
+    block by block, each row's arithmetic exactly decode's, so no score
+    matrix (nor a broadcast mask) is ever materialised; see ``docs/cpu.md``.
     """
-    if keys.dtype != queries.dtype:
+    if values.dtype != keys.dtype or (
+        keys.dtype != queries.dtype and queries.dtype != mx.float32
+    ):
         keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
     causal = isinstance(mask, str) and mask == "causal"
     additive = None

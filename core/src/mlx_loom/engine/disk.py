@@ -62,9 +62,13 @@ _FIX = "the file is skipped; delete it, or let the disk tier's byte bound remove
 
 def model_identity(model: Model) -> str:
     """What ties a file to these weights: implementation, directory, and each weight file's
-    size and modification time (a replaced or rewritten shard changes it)."""
+    size and modification time (a replaced or rewritten shard changes it), and the
+    KV storage dtype when the model was loaded with one."""
     root = Path(model.model_dir).resolve()
     parts = [model.implementation.id, str(root)]
+    if getattr(model, "kv_dtype", None) is not None:
+        # A cache stored in another precision continues differently.
+        parts.append(f"kv_dtype:{model.kv_dtype}")
     for shard in sorted(root.glob("*.safetensors")):
         st = shard.stat()
         parts.append(f"{shard.name}:{st.st_size}:{st.st_mtime_ns}")

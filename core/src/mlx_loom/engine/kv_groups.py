@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mlx_loom.cache._buffers import KV_GROUP_SIZES
+from mlx_loom.cache.codecs import kv_dtype_name
 from mlx_loom.errors import RequestError
 
 if TYPE_CHECKING:
@@ -48,8 +49,18 @@ def kv_group_size_for(
     Only affine storage groups values; for another codec (or no KV
     quantization) the size is returned unchecked (``None``: the preferred one).
     Raises :class:`RequestError` for a given size that does not divide a head
-    size, or when no size divides them.
+    size, or when no size divides them, and for any KV quantization of a model
+    loaded with ``kv_dtype`` (the two are different storages of one cache).
     """
+    kv_dtype = getattr(model, "kv_dtype", None)
+    if kv_dtype is not None and (kv_bits is not None or kv_codec is not None):
+        raise RequestError(
+            f"kv_bits / kv_codec quantize the KV cache, but this model stores it in "
+            f"{kv_dtype_name(kv_dtype)} (it was loaded with kv_dtype)",
+            fix="drop kv_bits and kv_codec, or load the model without kv_dtype to quantize "
+            "its KV cache",
+            param="kv_bits" if kv_bits is not None else "kv_codec",
+        )
     if kv_group_size is not None and (
         isinstance(kv_group_size, bool) or kv_group_size not in KV_GROUP_SIZES
     ):
