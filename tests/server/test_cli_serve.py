@@ -87,7 +87,8 @@ def test_serve_batching_flags_default_to_mlx_lm_servers_values():
 
     settings = engine_settings(build_parser().parse_args(["serve"]))
     assert (settings.decode_concurrency, settings.prompt_concurrency) == (32, 8)
-    assert (settings.prefill_step_size, settings.prompt_cache_size) == (2048, 10)
+    # No chunk set: the engine takes the model's (prefill_step_for its kernels).
+    assert (settings.prefill_step_size, settings.prompt_cache_size) == (None, 10)
     assert settings.prefill_token_budget == 2048
     assert settings.prompt_cache_bytes is None and settings.max_queued == 64
     assert settings.idle_seconds is None  # the server keeps its engine thread

@@ -191,9 +191,10 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     cache.add_argument(
         "--prefill-step-size",
         type=flags.PREFILL_STEP_SIZE,
-        default=2048,
+        default=None,
         metavar="N",
-        help="prompt tokens per prefill forward (default: 2048)",
+        help="prompt tokens per prefill forward (default: 512 on the native CPU kernels, "
+        "else 2048)",
     )
 
 

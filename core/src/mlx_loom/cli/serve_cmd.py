@@ -26,6 +26,7 @@ from ..engine.settings import (
     DEFAULT_PREFILL_TOKEN_BUDGET,
     DEFAULT_PROMPT_CACHE_SIZE,
     DEFAULT_PROMPT_CONCURRENCY,
+    NATIVE_CPU_PREFILL_STEP,
 )
 from ..engine.pool import checkpoint_bytes
 from ..errors import AdapterError, RequestError
@@ -293,10 +294,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--prefill-step-size",
         type=_count("--prefill-step-size", 1, "prompt tokens per prefill chunk", 2048),
-        default=DEFAULT_PREFILL_STEP,
+        default=None,
         metavar="N",
         help="prompt tokens per prefill chunk; smaller chunks stall running streams less "
-        f"(default: {DEFAULT_PREFILL_STEP})",
+        f"(default: {NATIVE_CPU_PREFILL_STEP} on the native CPU kernels, else "
+        f"{DEFAULT_PREFILL_STEP})",
     )
     group.add_argument(
         "--prefill-token-budget",

@@ -53,7 +53,7 @@ from mlx_loom.engine.prefill import prefill_step
 from mlx_loom.engine.prefix import MAX_CHECKPOINTS_PER_ENTRY, PrefixStore, take_checkpoint
 from mlx_loom.engine.request import Request
 from mlx_loom.engine.row import Row
-from mlx_loom.engine.settings import EngineSettings
+from mlx_loom.engine.settings import EngineSettings, prefill_step_for
 from mlx_loom.engine.splits import ends_chunk, takes_checkpoint
 from mlx_loom.engine.speculative import SpeculativeGroup
 from mlx_loom.errors import CapabilityRefused, LoomError, RequestError
@@ -350,12 +350,17 @@ class Engine:
         """The decode group a row whose prompt is in its caches starts in."""
         assert row.caches is not None
         if row.request.speculation is not None:
-            step = row.request.prefill_step_size or self.settings.prefill_step_size
-            return SpeculativeGroup(self.model, row, row.caches, step)
+            return SpeculativeGroup(self.model, row, row.caches, self._step(row.request))
         return DecodeGroup(self.model, row, row.caches)
 
     def _step(self, request: Request) -> int:
-        return request.prefill_step_size or self.settings.prefill_step_size
+        """The request's prefill chunk: its own, else the engine's, else the model's default."""
+        kernels = self.model.cpu_path.kernel_set if self.model.cpu_path is not None else None
+        return (
+            request.prefill_step_size
+            or self.settings.prefill_step_size
+            or prefill_step_for(kernels)
+        )
 
     def _prefill(self, events: list[Event]) -> None:
         rows = self._prefilling[: self.settings.prompt_concurrency]

@@ -24,7 +24,7 @@ from ..engine.request import make_request
 from ..errors import RequestError
 from ..model import Model
 from ..text import Tokenizer
-from .stream import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_STEP, sampling_params, speculation_for
+from .stream import DEFAULT_MAX_TOKENS, sampling_params, speculation_for
 
 __all__ = ["BatchResponse", "BatchResult", "BatchStats", "batch_generate", "batch_generate_tokens"]
 
@@ -150,7 +150,7 @@ def batch_generate_tokens(
     *,
     max_tokens: int | Sequence[int] = DEFAULT_MAX_TOKENS,
     eos: frozenset[int] = frozenset(),
-    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    prefill_step_size: int | None = None,
     params: SamplingParams | None = None,
 ) -> list[tuple[list[int], str]]:
     """Token-level ``batch_generate``: each row's tokens and finish reason.
@@ -179,7 +179,7 @@ def batch_generate(
     *,
     max_tokens: int | Sequence[int] = DEFAULT_MAX_TOKENS,
     stop: Sequence[str] = (),
-    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    prefill_step_size: int | None = None,
     kv_bits: int | None = None,
     kv_group_size: int | None = None,
     quantized_kv_start: int = 0,

@@ -44,7 +44,7 @@ def generate_tokens(
     params: SamplingParams | None = None,
     history: Sequence[int] = (),
     max_tokens: int = 256,
-    prefill_step_size: int = 2048,
+    prefill_step_size: int | None = None,
     kv: KVQuantization | None = None,
     max_kv_size: int | None = None,
     log: StepLog | None = None,

@@ -29,11 +29,9 @@ from ..text import Tokenizer
 from .prompt_cache import PromptCache
 
 DEFAULT_MAX_TOKENS = 256
-DEFAULT_PREFILL_STEP = 2048
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
-    "DEFAULT_PREFILL_STEP",
     "GenerationResponse",
     "encode_prompt",
     "generate",
@@ -84,7 +82,7 @@ def stream_generate(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     stop: Sequence[str] = (),
     prompt_cache: PromptCache | None = None,
-    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    prefill_step_size: int | None = None,
     kv_bits: int | None = None,
     kv_group_size: int | None = None,
     quantized_kv_start: int = 0,
