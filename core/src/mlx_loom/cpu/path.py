@@ -144,7 +144,7 @@ def cpu_kernel_sets() -> dict[str, KernelSet]:
                 "mlx_loom.cpu._native affine_matmul(int8_activations=True) for 4-bit weights, "
                 "dense_matmul / affine_matmul otherwise (projections of one activation through "
                 "mlx_loom.nn.project: one multi-output node)",
-                _EXPERTS + "; 4-bit experts with int8 activations up to 32 rows per expert",
+                _EXPERTS + "; 4-bit experts with int8 activations at every row count",
             ),
             lambda: native.unavailable_reason(),
         ),
