@@ -85,6 +85,9 @@ def _native_kernels(matmul: str, experts: str) -> dict[str, str]:
         "log_softmax": "mlx_loom.cpu._native log_softmax: the engine's float32 "
         "log-probabilities, bit-equal to MLX's logsumexp",
         "experts": experts,
+        "family": "modules that define use_native_cpu_kernels take the extension's "
+        "kernels for their own ops (Qwen3-Next/3.5: gated_delta, the recurrence over a "
+        "prompt as one node)",
     }
 
 
@@ -352,6 +355,13 @@ def apply_cpu_path(model: nn.Module, path: CpuPath) -> None:
     for _, mod in model.named_modules():
         if layers.swappable(mod):
             layers.swap_in(mod, dtype, int8_activations=int8)
+    # A family's own module with a native counterpart on the extension (the
+    # Qwen3-Next recurrence) takes it here: the hook is the family's, the
+    # extension the core's.
+    for _, mod in model.named_modules():
+        hook = getattr(mod, "use_native_cpu_kernels", None)
+        if callable(hook):
+            hook(native.module())
     if dtype is None:
         return
     for _, mod in model.named_modules():
