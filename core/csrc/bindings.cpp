@@ -228,6 +228,16 @@ NB_MODULE(_native, m) {
       "[B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv], state [B, Hv, Dv, Dk]; mask "
       "(bool [B, T]) keeps the state at its false steps (y is 0 there).");
   m.def(
+      "conv_silu",
+      [](const mlx::core::array& x, const mlx::core::array& weight) {
+        return loom_cpu::conv_silu(x, weight);
+      },
+      "x"_a,
+      "weight"_a,
+      "silu of the depthwise causal convolution, float32: x [B, S + K - 1, C] (the K - 1 "
+      "inputs before the chunk, then the chunk), weight [C, K] -> [B, S, C], taps summed in "
+      "order.");
+  m.def(
       "rms_norm",
       [](const mlx::core::array& x, const std::optional<mlx::core::array>& w, float eps) {
         return loom_cpu::rms_norm(x, w, eps);

@@ -5,6 +5,8 @@
 // a replay equals the forward's state over the same steps.
 #include <immintrin.h>
 
+#include <cmath>
+
 #include "native_delta.h"
 
 namespace loom_cpu {
@@ -68,6 +70,24 @@ void gated_delta_head(const DeltaHead& h) {
         o += s[j] * q[j];
       }
       y[i] = o;
+    }
+  }
+}
+
+void conv_silu_rows(const float* x, const float* w, float* y, int C, int K, int t0, int t1) {
+  for (int t = t0; t < t1; ++t) {
+    float* out = y + static_cast<long>(t) * C;
+    for (int c = 0; c < C; ++c) {
+      out[c] = 0.0f;
+    }
+    for (int j = 0; j < K; ++j) {
+      const float* in = x + static_cast<long>(t + j) * C;
+      for (int c = 0; c < C; ++c) {
+        out[c] += in[c] * w[static_cast<long>(c) * K + j];
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      out[c] = out[c] / (1.0f + std::exp(-out[c]));
     }
   }
 }

@@ -125,6 +125,71 @@ void NativeGatedDelta::eval_cpu(
   });
 }
 
+mx::array conv_silu(const mx::array& x, const mx::array& weight, mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  require(x.dtype() == mx::float32 && weight.dtype() == mx::float32, [&] {
+    return std::string("[loom native kernels] conv_silu takes float32 x and weight, got " +
+        dtype_str(x.dtype()) + " and " + dtype_str(weight.dtype()) + ".");
+  });
+  require(x.ndim() == 3 && weight.ndim() == 2 && weight.shape(0) == x.shape(2) &&
+              weight.shape(1) >= 1 && x.shape(1) >= weight.shape(1) - 1,
+          [&] {
+            return std::string("[loom native kernels] conv_silu shapes do not fit: x " +
+                shape_str(x) + ", weight " + shape_str(weight) +
+                " (want x [B, S + K - 1, C], weight [C, K]).");
+          });
+  const int K = weight.shape(1);
+  mx::Shape out = {x.shape(0), x.shape(1) - (K - 1), x.shape(2)};
+  return mx::array(
+      std::move(out), mx::float32, std::make_shared<NativeConvSilu>(stream), {x, weight});
+}
+
+void NativeConvSilu::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  std::vector<mx::array> in;
+  for (const auto& a : raw) {
+    in.push_back(row_contiguous(a, stream()));
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : in) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  const int B = out.shape(0), S = out.shape(1), C = out.shape(2), K = in[1].shape(1);
+  const float* x = in[0].data<float>();
+  const float* w = in[1].data<float>();
+  float* y = out.data<float>();
+  encoder.dispatch([x, w, y, B, S, C, K]() {
+    // Tasks of 16 output rows; each row depends on its own inputs only.
+    constexpr int kRows = 16;
+    const int per_row = (S + kRows - 1) / kRows;
+    const int tasks = B * per_row;
+    auto one = [&](int task) {
+      const int b = task / per_row, t0 = (task % per_row) * kRows;
+      conv_silu_rows(x + static_cast<long>(b) * (S + K - 1) * C, w,
+                     y + static_cast<long>(b) * S * C, C, K, t0, std::min(S, t0 + kRows));
+    };
+    if (tasks <= 1 || static_cast<long long>(S) * B * C * K < (1LL << 15)) {
+      for (int t = 0; t < tasks; ++t) {
+        one(t);
+      }
+      return;
+    }
+    parallel_for(tasks, one);
+  });
+}
+
+void NativeConvSilu::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[loom native kernels] have no GPU implementation.");
+}
+
+std::vector<mx::Shape> NativeConvSilu::output_shapes(const std::vector<mx::array>& inputs) {
+  const int K = inputs[1].shape(1);
+  return {{inputs[0].shape(0), inputs[0].shape(1) - (K - 1), inputs[0].shape(2)}};
+}
+
 void NativeGatedDelta::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[loom native kernels] have no GPU implementation.");
 }

@@ -45,6 +45,31 @@ struct DeltaHead {
 };
 void gated_delta_head(const DeltaHead& h);
 
+// silu(depthwise causal convolution) of Qwen3-Next's delta nets, float32:
+// x [B, S + K - 1, C] (the K - 1 inputs before the chunk, then the chunk),
+// weight [C, K]; y [B, S, C] with y[b, t, c] = silu(sum_j x[b, t + j, c] w[c, j]),
+// the taps summed in order from 0.
+mx::array conv_silu(const mx::array& x, const mx::array& weight, mx::StreamOrDevice s = {});
+
+// Rows [t0, t1) of one batch row (kernels: delta_avx2.cpp).
+void conv_silu_rows(const float* x, const float* w, float* y, int C, int K, int t0, int t1);
+
+class NativeConvSilu : public mx::Primitive {
+ public:
+  explicit NativeConvSilu(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "LoomConvSilu";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return dynamic_cast<const NativeConvSilu*>(&other) != nullptr;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+};
+
 class NativeGatedDelta : public mx::Primitive {
  public:
   NativeGatedDelta(mx::Stream stream, bool masked) : mx::Primitive(stream), masked_(masked) {}

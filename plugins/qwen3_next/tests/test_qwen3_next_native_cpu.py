@@ -1,11 +1,13 @@
-"""The gated delta recurrence on the core's native CPU kernel sets.
+"""The gated delta recurrence and the causal conv on the core's native CPU kernel sets.
 
-``native.gated_delta`` replaces ``mx.fast.gated_delta_update`` under
+``native.gated_delta`` and ``native.conv_silu`` replace
+``mx.fast.gated_delta_update`` and ``mx.conv1d`` + ``nn.silu`` under
 ``cpu-native`` / ``cpu-native-int8-act`` (``cpu-ops`` keeps mlx-lm's bits,
-tested in the parity tests). Claims: within fp32 rounding of the MLX op; a
+tested in the parity tests). Claims: within fp32 rounding of the MLX ops; a
 padded row equals the row alone and a replay equals the forward's state over
-the kept steps, bit for bit; the model runs it as one node per layer and a
-speculative commit still equals a fresh forward.
+the kept steps, bit for bit; a conv over chunks equals the conv over the
+whole; the model runs them as one node each per layer and a speculative
+commit still equals a fresh forward.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from mlx_loom.cache.recurrent import RecurrentCache
 from mlx_loom.cpu import native
 from mlx_loom.host import resolve_model
 from mlx_loom.loader import build_model
-from mlx_loom_qwen3_next.kernels import native_delta_kernels
+from mlx_loom_qwen3_next.kernels import causal_conv_silu_ops, native_cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     native.unavailable_reason() is not None, reason=str(native.unavailable_reason())
@@ -52,7 +54,7 @@ def test_the_native_recurrence_is_within_fp32_rounding_of_mlx(T, Dk, Dv):
 
 
 def test_a_padded_row_equals_the_row_alone_and_a_replay_the_forward():
-    kn = native_delta_kernels(native.module())
+    kn = native_cpu_kernels(native.module())
     q, k, v, g, beta, state = inputs(2, 9, 2, 4, 64, 32, seed=3)
     mask = mx.array([[True] * 9, [True] * 6 + [False] * 3])
     y, s = kn["gated_delta_masked"](q, k, v, g, beta, state, mask)
@@ -73,6 +75,22 @@ def test_a_padded_row_equals_the_row_alone_and_a_replay_the_forward():
         assert mx.array_equal(replayed[b], one[0])
 
 
+def test_the_native_conv_is_within_rounding_of_mlx_and_chunks_agree():
+    kn = native_cpu_kernels(native.module())
+    C, K = 40, 4
+    x = mx.random.normal((2, 23, C), key=mx.random.key(1))
+    weight = mx.random.normal((C, K, 1), key=mx.random.key(2)) * 0.5
+    tail = mx.random.normal((2, K - 1, C), key=mx.random.key(3))
+    y, new_tail = kn["causal_conv"](x, tail, weight)
+    want, want_tail = causal_conv_silu_ops(x, tail, weight)
+    assert mx.abs(y - want).max().item() <= 1e-5 * mx.abs(want).max().item()
+    assert mx.array_equal(new_tail, want_tail)
+    first, mid = kn["causal_conv"](x[:, :10], tail, weight)
+    second, end = kn["causal_conv"](x[:, 10:], mid, weight)
+    assert mx.array_equal(mx.concatenate([first, second], axis=1), y)
+    assert mx.array_equal(end, new_tail)
+
+
 def test_bad_inputs_are_refused_with_what_was_wrong():
     q, k, v, g, beta, state = inputs(1, 3, 2, 4, 16, 8)
     nat = native.module()
@@ -82,6 +100,8 @@ def test_bad_inputs_are_refused_with_what_was_wrong():
         nat.gated_delta(q, k, v, g, beta, state[:, :2])
     with pytest.raises(ValueError, match=r"mask must be bool \[B, T\]"):
         nat.gated_delta(q, k, v, g, beta, state, mx.ones((1, 2), dtype=mx.bool_))
+    with pytest.raises(ValueError, match="conv_silu shapes do not fit"):
+        nat.conv_silu(mx.zeros((1, 5, 8)), mx.zeros((6, 4)))
 
 
 @pytest.mark.parametrize("kernels", ["cpu-native", "cpu-ops"])
@@ -97,6 +117,7 @@ def test_the_model_runs_the_recurrence_natively_only_on_the_native_sets(
     mx.export_to_dot(str(dot), logits)
     nodes = re.findall(r'label ="([A-Za-z_0-9]+)', dot.read_text())
     assert ("LoomDeltaRule" in nodes) == (kernels == "cpu-native"), nodes
+    assert ("LoomConvSilu" in nodes) == (kernels == "cpu-native"), nodes
     # A speculative round on the native recurrence: commit == a fresh forward.
     for c in spec:
         if isinstance(c, RecurrentCache):

@@ -87,7 +87,7 @@ def _native_kernels(matmul: str, experts: str) -> dict[str, str]:
         "experts": experts,
         "family": "modules that define use_native_cpu_kernels take the extension's "
         "kernels for their own ops (Qwen3-Next/3.5: gated_delta, the recurrence over a "
-        "prompt as one node)",
+        "prompt as one node, and conv_silu, the causal convolution)",
     }
 
 

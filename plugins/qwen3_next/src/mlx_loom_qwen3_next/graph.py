@@ -30,7 +30,7 @@ from mlx_loom_qwen3_next.kernels import (
     GATED_DELTA_MASKED,
     GATED_DELTA_REPLAY,
     SWITCH_GLU,
-    native_delta_kernels,
+    native_cpu_kernels,
 )
 
 __all__ = ["Kernels", "Model"]
@@ -176,13 +176,13 @@ class GatedDeltaNet(nn.Module):
         raise NotImplementedError
 
     def use_native_cpu_kernels(self, native: ModuleType) -> None:
-        """On the core's native CPU kernel sets: the recurrence as one native node.
+        """On the core's native CPU kernel sets: the recurrence and the conv as native nodes.
 
         Called by the core after it swaps its own layers; the forward, the
         padded forward and the replay change together, so they keep one
-        arithmetic (:func:`~mlx_loom_qwen3_next.kernels.native_delta_kernels`).
+        arithmetic (:func:`~mlx_loom_qwen3_next.kernels.native_cpu_kernels`).
         """
-        self._kernels = replace(self._kernels, **native_delta_kernels(native))
+        self._kernels = replace(self._kernels, **native_cpu_kernels(native))
 
     def _recurrence_inputs(self, conv_out: mx.array, a: mx.array, b: mx.array):
         B, S, _ = conv_out.shape
