@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu_features.h"
+#include "native_delta.h"
 #include "native_experts.h"
 #include "native_matmul.h"
 #include "native_ops.h"
@@ -204,6 +205,38 @@ NB_MODULE(_native, m) {
       "gather_dense_matmul for stacked MLX affine weights [experts, N, words] with scales and "
       "biases [experts, N, K / group_size]; each output equals affine_matmul of the expert's "
       "rows bit for bit.");
+  m.def(
+      "gated_delta",
+      [](const mlx::core::array& q,
+         const mlx::core::array& k,
+         const mlx::core::array& v,
+         const mlx::core::array& g,
+         const mlx::core::array& beta,
+         const mlx::core::array& state,
+         const std::optional<mlx::core::array>& mask) {
+        auto out = loom_cpu::gated_delta(q, k, v, g, beta, state, mask);
+        return nb::make_tuple(out[0], out[1]);
+      },
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a,
+      "mask"_a = nb::none(),
+      "(y, state) of the gated delta rule over T steps as one node, all float32: q, k "
+      "[B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv], state [B, Hv, Dv, Dk]; mask "
+      "(bool [B, T]) keeps the state at its false steps (y is 0 there).");
+  m.def(
+      "conv_silu",
+      [](const mlx::core::array& x, const mlx::core::array& weight) {
+        return loom_cpu::conv_silu(x, weight);
+      },
+      "x"_a,
+      "weight"_a,
+      "silu of the depthwise causal convolution, float32: x [B, S + K - 1, C] (the K - 1 "
+      "inputs before the chunk, then the chunk), weight [C, K] -> [B, S, C], taps summed in "
+      "order.");
   m.def(
       "rms_norm",
       [](const mlx::core::array& x, const std::optional<mlx::core::array>& w, float eps) {

@@ -94,7 +94,8 @@ size_t floats_for_bytes(size_t bytes) {
 // expert's matrix of each part, into outs[i] ([P, N] in out_dtype, grouped
 // rows). gated: two parts, and outs[0] becomes silu(outs[0]) * outs[1].
 // Each group is one call of the linears' kernels on the expert's rows: the
-// matrix-vector kernel up to kSmallRows rows, the GEMM above.
+// matrix-vector kernel up to kSmallRows rows, the GEMM above (int8
+// activations: the int8 kernel at every row count, as the linears).
 void run_stage(
     const Stacked* parts,
     int count,
@@ -112,7 +113,7 @@ void run_stage(
   std::vector<Prepared> prep(groups.size());
   size_t perm_n = 0, sum_n = 0, q_n = 0, step_n = 0;
   for (const Group& g : groups) {
-    if (g.m > kSmallRows || bits == 0) {
+    if ((g.m > kSmallRows && !int8_x) || bits == 0) {
       continue;
     }
     sum_n += static_cast<size_t>(g.m) * (K / first.group_size);
@@ -133,7 +134,7 @@ void run_stage(
     Prepared& pr = prep[i];
     macs += static_cast<long long>(g.m) * N * K * count;
     pr.x = x + static_cast<size_t>(g.start) * K;
-    if (g.m > kSmallRows) {
+    if (g.m > kSmallRows && !int8_x) {
       pr.gemm = true;
       continue;
     }

@@ -91,7 +91,9 @@ def test_without_avx2_asking_for_the_native_set_is_refused_with_a_fix(no_avx2):
 
 def test_the_kernel_sets_are_registered_by_the_core():
     assert set(cpu_kernel_sets()) == {"cpu-ops", "cpu-native", "cpu-native-int8-act"}
-    native_kernels = ["matmul", "rms_norm", "rope", "attention", "swiglu", "log_softmax", "experts"]
+    native_kernels = [
+        "matmul", "rms_norm", "rope", "attention", "swiglu", "log_softmax", "experts", "family"
+    ]
     names = {
         "cpu-ops": ["matmul"],
         "cpu-native": native_kernels,
@@ -187,7 +189,7 @@ def test_loom_explain_shows_which_cpu_path_runs(llama, capsys):
     out = capsys.readouterr().out
     assert "compute dtype          float32  (the CPU default" in out
     assert "cpu kernels            cpu-native, " in out
-    assert "threads: matmul, rms_norm, rope, attention, swiglu, log_softmax, experts  (" in out
+    assert "threads: matmul, rms_norm, rope, attention, swiglu, log_softmax, experts, family  (" in out
     assert main(["explain", str(llama), "--cpu-kernels", "cpu-ops", "--json"]) == 0
     cpu = json.loads(capsys.readouterr().out)["cpu"]
     assert cpu["kernel_set"] == "cpu-ops" and cpu["compute_dtype"] == "float32"

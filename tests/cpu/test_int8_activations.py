@@ -212,9 +212,8 @@ def _rounding_in_front_of_every_4bit_product(monkeypatch) -> None:
     monkeypatch.setattr(ops.NativeGatedMLP, "_gated", lambda self, x: None)
     monkeypatch.setattr(projections, "_joint", None)
     # Routed experts: each projection's gather on its own (the one-node layer
-    # equals them: test_native_experts.py). The int8 rule is per expert (at
-    # most SMALL_ROWS rows each), and no expert meets more than the 12-token
-    # prompt's rows here, so every row of a 4-bit expert product is rounded.
+    # equals them: test_native_experts.py). Every row of a 4-bit expert
+    # product takes int8 activations, whatever the rows per expert.
     gather = experts.NativeQuantizedSwitchLinear.gather
     monkeypatch.setattr(experts.NativeSwitchGLU, "_native", lambda self, x, indices: None)
     monkeypatch.setattr(

@@ -5,7 +5,8 @@ expert's rows through the native linears' kernels, so the claims are:
 
 * bit-equal to ``dense_matmul`` / ``affine_matmul`` (and the gated product)
   of each expert's rows — sorted or unsorted indices, batches, prefill
-  lengths where an expert gets more than ``SMALL_ROWS`` rows (the GEMM);
+  lengths where an expert gets more than ``SMALL_ROWS`` rows (the GEMM;
+  with int8 activations the int8 kernel at every row count);
 * within the native products' fp32 bound of MLX's ``gather_mm`` /
   ``gather_qmm`` (what the native linears hold against ``quantized_matmul``);
 * the SwiGLU layer as one node equals the unfused native products and gate;
@@ -104,6 +105,27 @@ def test_gathered_product_equals_the_native_product_of_each_experts_rows(kind, T
     yp = gathered(kind, xp, idx.astype(mx.int32), weights)
     ref = per_expert(xp.reshape(-1, K), np.arange(T * k), np.asarray(idx), N, product)
     assert mx.array_equal(yp, ref)
+
+
+def test_int8_experts_take_the_int8_kernel_at_every_row_count():
+    # A prefill chunk: 64 tokens x 4 experts over 6, so some expert meets more
+    # than SMALL_ROWS rows. Each expert's rows equal affine_matmul with int8
+    # activations on them (the int8 kernel at any row count, as the linears),
+    # not the fp32 GEMM.
+    T, k = 64, 4
+    (wq, s, b), _ = stack("affine-4")
+    x = rand((T, K), seed=5)
+    idx = routes(T, k, seed=5)
+    assert np.bincount(np.asarray(idx).reshape(-1)).max() > nat.SMALL_ROWS
+    y = nat.gather_affine_matmul(x, idx, [wq], [s], [b], 4, 64, int8_activations=True)[0]
+
+    def int8_product(xr, e):
+        return nat.affine_matmul(xr, wq[e], s[e], b[e], 4, 64, None, True)
+
+    token_of_pair = np.repeat(np.arange(T), k)
+    assert mx.array_equal(y, per_expert(x, token_of_pair, np.asarray(idx), N, int8_product))
+    fp32 = nat.gather_affine_matmul(x, idx, [wq], [s], [b], 4, 64)[0]
+    assert not mx.array_equal(y, fp32)
 
 
 @pytest.mark.parametrize("sort", [False, True], ids=["unsorted", "sorted"])

@@ -27,7 +27,7 @@ products' stated fp32 bound (docs/cpu.md), not bit-equality — the same
 relation the native linears have with ``quantized_matmul``. A decode batch
 (at most 32 tokens, so at most 32 rows per expert) reproduces each row
 alone bit for bit. On ``cpu-native-int8-act`` 4-bit experts take int8
-activations under the linears' rule (matrix-vector sizes, per expert).
+activations under the linears' rule (every row count: decode and prefill).
 
 What stays on MLX: non-affine modes (mxfp4, mxfp8, nvfp4) — those modules
 are not swapped; projections an adapter wraps (their own ``gather``, which

@@ -85,6 +85,9 @@ def _native_kernels(matmul: str, experts: str) -> dict[str, str]:
         "log_softmax": "mlx_loom.cpu._native log_softmax: the engine's float32 "
         "log-probabilities, bit-equal to MLX's logsumexp",
         "experts": experts,
+        "family": "modules that define use_native_cpu_kernels take the extension's "
+        "kernels for their own ops (Qwen3-Next/3.5: gated_delta, the recurrence over a "
+        "prompt as one node, and conv_silu, the causal convolution)",
     }
 
 
@@ -144,7 +147,7 @@ def cpu_kernel_sets() -> dict[str, KernelSet]:
                 "mlx_loom.cpu._native affine_matmul(int8_activations=True) for 4-bit weights, "
                 "dense_matmul / affine_matmul otherwise (projections of one activation through "
                 "mlx_loom.nn.project: one multi-output node)",
-                _EXPERTS + "; 4-bit experts with int8 activations up to 32 rows per expert",
+                _EXPERTS + "; 4-bit experts with int8 activations at every row count",
             ),
             lambda: native.unavailable_reason(),
         ),
@@ -352,6 +355,13 @@ def apply_cpu_path(model: nn.Module, path: CpuPath) -> None:
     for _, mod in model.named_modules():
         if layers.swappable(mod):
             layers.swap_in(mod, dtype, int8_activations=int8)
+    # A family's own module with a native counterpart on the extension (the
+    # Qwen3-Next recurrence) takes it here: the hook is the family's, the
+    # extension the core's.
+    for _, mod in model.named_modules():
+        hook = getattr(mod, "use_native_cpu_kernels", None)
+        if callable(hook):
+            hook(native.module())
     if dtype is None:
         return
     for _, mod in model.named_modules():

@@ -11,8 +11,9 @@ causal convolution and the expert GLU go through the per-backend kernels in
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -29,6 +30,7 @@ from mlx_loom_qwen3_next.kernels import (
     GATED_DELTA_MASKED,
     GATED_DELTA_REPLAY,
     SWITCH_GLU,
+    native_cpu_kernels,
 )
 
 __all__ = ["NO_MTP_WEIGHTS", "Kernels", "Model", "MtpHead"]
@@ -172,6 +174,15 @@ class GatedDeltaNet(nn.Module):
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         raise NotImplementedError
+
+    def use_native_cpu_kernels(self, native: ModuleType) -> None:
+        """On the core's native CPU kernel sets: the recurrence and the conv as native nodes.
+
+        Called by the core after it swaps its own layers; the forward, the
+        padded forward and the replay change together, so they keep one
+        arithmetic (:func:`~mlx_loom_qwen3_next.kernels.native_cpu_kernels`).
+        """
+        self._kernels = replace(self._kernels, **native_cpu_kernels(native))
 
     def _recurrence_inputs(self, conv_out: mx.array, a: mx.array, b: mx.array):
         B, S, _ = conv_out.shape

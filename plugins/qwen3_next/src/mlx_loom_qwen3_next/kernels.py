@@ -59,6 +59,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -81,6 +83,7 @@ __all__ = [
     "gated_delta_steps",
     "kernels",
     "metal_kernels",
+    "native_cpu_kernels",
     "ops_kernels",
 ]
 
@@ -182,6 +185,64 @@ def ops_kernels() -> list[Kernel]:
         for backend in ("cpu", "cuda")
     ]
     return out + [k for k in expert_kernels(SWITCH_GLU) if k.backend in ("cpu", "cuda")]
+
+
+# --- the core's native CPU kernel sets -------------------------------------------
+
+
+def native_cpu_kernels(native: ModuleType) -> dict[str, Callable[..., Any]]:
+    """The recurrence and the causal conv on the core's native CPU extension
+    (:class:`~.graph.Kernels` fields).
+
+    What the native kernel sets (``cpu-native``, ``cpu-native-int8-act``) run
+    instead of ``mx.fast.gated_delta_update``, whose CPU form is ~10 MLX
+    operations per token (about a third of a 512-token prefill's CPU time on
+    the Qwen3-Next-shaped benchmark row). ``native.gated_delta`` is one node
+    for all ``T`` steps, fp32 throughout (the state is fp32 either way): the
+    same statements per step, each dot product summed in eight fixed lanes,
+    so not mlx-lm's bits but within fp32 rounding of them (tested). Every
+    (row, head) is computed on its own and masked steps leave the state as
+    it was, so a padded row equals the row alone and the replay below
+    equals the forward's state over the kept steps, bit for bit (tested).
+    """
+
+    def f32(a: mx.array) -> mx.array:
+        return a if a.dtype == mx.float32 else a.astype(mx.float32)
+
+    def run(q, k, v, g, beta, state, mask):
+        y, new = native.gated_delta(
+            f32(q), f32(k), f32(v), f32(g), f32(beta), f32(state), mask
+        )
+        return y.astype(q.dtype) if q.dtype != mx.float32 else y, new.astype(state.dtype)
+
+    def forward(q, k, v, g, beta, state):
+        return run(q, k, v, g, beta, state, None)
+
+    def masked(q, k, v, g, beta, state, mask):
+        return run(q, k, v, g, beta, state, mask)
+
+    def replay(q, k, v, g, beta, state, mask=None, lengths=None):
+        if lengths is not None:
+            kept = mx.arange(q.shape[1])[None] < lengths[:, None]
+            mask = kept if mask is None else mask & kept
+        return run(q, k, v, g, beta, state, mask)[1]
+
+    def causal_conv(x, tail, weight, ends=None):
+        # MLX's depthwise conv1d on the CPU costs ~170 ms per layer at 2048
+        # tokens of 2048 channels; the native node sums the same taps in the
+        # same order, then SiLU in fp32 (not nn.silu's rounding: ~1 ulp).
+        # Half-precision activations keep MLX's ops and their rounding points.
+        if x.dtype != mx.float32 or weight.dtype != mx.float32:
+            return causal_conv_silu_ops(x, tail, weight, ends)
+        conv_input, new_tail = _conv_input(x, tail, ends)
+        return native.conv_silu(conv_input, weight.reshape(weight.shape[0], -1)), new_tail
+
+    return {
+        "gated_delta": forward,
+        "gated_delta_masked": masked,
+        "gated_delta_replay": replay,
+        "causal_conv": causal_conv,
+    }
 
 
 # --- the ops recurrence mlx-lm runs where it has no kernel ------------------------
