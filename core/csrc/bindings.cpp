@@ -7,7 +7,9 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu_features.h"
+#include "native_activations.h"
 #include "native_experts.h"
+#include "native_recurrent.h"
 #include "native_matmul.h"
 #include "native_ops.h"
 #include "threadpool.h"
@@ -147,19 +149,22 @@ NB_MODULE(_native, m) {
          const mlx::core::array& indices,
          const std::vector<mlx::core::array>& weights,
          bool gated,
-         const std::optional<mlx::core::array>& down) {
-        return loom_cpu::gather_dense_matmul(x, indices, weights, gated, down);
+         const std::optional<mlx::core::array>& down,
+         bool gelu) {
+        return loom_cpu::gather_dense_matmul(x, indices, weights, gated, gelu, down);
       },
       "x"_a,
       "indices"_a,
       "weights"_a,
       "gated"_a = false,
       "down"_a = nb::none(),
+      "gelu"_a = false,
       "Routed experts: for each (token, expert) pair of indices [..., k], x's row (one per "
       "token or per pair) @ w[expert].T for each stacked weight [experts, N, K]; outputs "
       "indices.shape + [N]. gated: silu(gate) * up as one output (float32 x); down: that "
-      "hidden row @ down[expert].T in the same node. Each output equals dense_matmul of the "
-      "expert's rows bit for bit.");
+      "hidden row @ down[expert].T in the same node; gelu (with gated): gelu_tanh(gate) * up "
+      "instead (gelu_mul's arithmetic). Each product equals dense_matmul of the expert's rows "
+      "bit for bit.");
   m.def(
       "gather_affine_matmul",
       [](const mlx::core::array& x,
@@ -173,10 +178,11 @@ NB_MODULE(_native, m) {
          bool gated,
          const std::optional<mlx::core::array>& down,
          const std::optional<mlx::core::array>& down_scales,
-         const std::optional<mlx::core::array>& down_biases) {
+         const std::optional<mlx::core::array>& down_biases,
+         bool gelu) {
         return loom_cpu::gather_affine_matmul(
-            x, indices, weights, scales, biases, bits, group_size, int8_activations, gated, down,
-            down_scales, down_biases);
+            x, indices, weights, scales, biases, bits, group_size, int8_activations, gated, gelu,
+            down, down_scales, down_biases);
       },
       "x"_a,
       "indices"_a,
@@ -190,6 +196,7 @@ NB_MODULE(_native, m) {
       "down"_a = nb::none(),
       "down_scales"_a = nb::none(),
       "down_biases"_a = nb::none(),
+      "gelu"_a = false,
       "gather_dense_matmul for stacked MLX affine weights [experts, N, words] with scales and "
       "biases [experts, N, K / group_size]; each output equals affine_matmul of the expert's "
       "rows bit for bit.");
@@ -229,6 +236,35 @@ NB_MODULE(_native, m) {
       "up"_a,
       "silu(gate) * up for float32 arrays of one shape, as one node; equals MLX's own "
       "(compiled) evaluation bit for bit.");
+  m.def(
+      "gelu_mul",
+      [](const mlx::core::array& gate, const mlx::core::array& up) {
+        return loom_cpu::gelu_mul(gate, up);
+      },
+      "gate"_a,
+      "up"_a,
+      "gelu_approx(gate) * up (GeGLU) for float32 arrays of one shape, as one node; the tanh "
+      "eight lanes at a time, within 2^-21 |gate * up| of MLX's evaluation.");
+  m.def(
+      "gated_delta",
+      [](const mlx::core::array& q,
+         const mlx::core::array& k,
+         const mlx::core::array& v,
+         const mlx::core::array& g,
+         const mlx::core::array& beta,
+         const mlx::core::array& state) {
+        auto out = loom_cpu::gated_delta(q, k, v, g, beta, state);
+        return nb::make_tuple(out[0], out[1]);
+      },
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a,
+      "mx.fast.gated_delta_update(q, k, v, g, beta, state) without a mask, float32, one decay "
+      "per head, as one node: (y [B, T, Hv, Dv], state [B, Hv, Dv, Dk]); the dot products "
+      "summed eight lanes at a time (not bit-equal to MLX's graph).");
   m.def(
       "log_softmax",
       [](const mlx::core::array& x) { return loom_cpu::log_softmax(x); },

@@ -11,8 +11,9 @@ model's CPU kernel set runs on the native extension (``cpu-native``,
 (:meth:`mlx_loom.Model.native_kernels`) around the log-probabilities it
 computes from a model's logits. Graph code that is a function rather than a
 module reads it instead of being swapped: the core's plain KV view (its
-attention), the core's :func:`~mlx_loom.nn.swiglu` (used by every family's
-gated MLP and expert layers) and
+attention), the core's :func:`~mlx_loom.nn.swiglu` and
+:func:`~mlx_loom.nn.geglu` (used by every family's gated MLP and expert
+layers) and
 :func:`~mlx_loom.engine.sampling.logprobs_from_logits`. A context variable, not a
 global: two models in one process, or two threads building graphs, never see
 each other's choice. Imports nothing, so that the cache, the model and
@@ -30,6 +31,8 @@ from typing import Any
 AttentionKernel = Callable[..., Any]
 SiluMulKernel = Callable[[Any, Any], Any]
 LogSoftmaxKernel = Callable[[Any], Any]
+GeluMulKernel = Callable[[Any, Any], Any]
+GatedDeltaKernel = Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,11 @@ class NativeForward:
     silu_mul: SiluMulKernel
     #: ``x - logsumexp(x, -1)`` for float32 x (bit-equal to MLX's own).
     log_softmax: LogSoftmaxKernel
+    #: ``gelu_approx(gate) * up`` for float32 operands (within a stated bound of MLX's).
+    gelu_mul: GeluMulKernel
+    #: ``mx.fast.gated_delta_update`` without a mask, float32, one decay per head
+    #: (within a stated bound of MLX's); ``(q, k, v, g, beta, state) -> (y, state)``.
+    gated_delta: GatedDeltaKernel
 
 
 _NATIVE: contextvars.ContextVar[NativeForward | None] = contextvars.ContextVar(
@@ -58,6 +66,19 @@ def current_silu_mul() -> SiluMulKernel | None:
     """The SwiGLU gate kernel of the forward being built on this thread, if any."""
     native = _NATIVE.get()
     return native.silu_mul if native is not None else None
+
+
+def current_gelu_mul() -> GeluMulKernel | None:
+    """The GeGLU gate kernel of the forward being built on this thread, if any."""
+    native = _NATIVE.get()
+    return native.gelu_mul if native is not None else None
+
+
+def current_gated_delta() -> GatedDeltaKernel | None:
+    """The gated delta recurrence of the forward being built on this thread, if any
+    (a family's linear-attention graph reads it: Qwen3-Next, Qwen3.5)."""
+    native = _NATIVE.get()
+    return native.gated_delta if native is not None else None
 
 
 def current_log_softmax() -> LogSoftmaxKernel | None:

@@ -28,7 +28,15 @@ from mlx_loom.cache import (
     append_kv,
     create_attention_mask,
 )
-from mlx_loom.nn import AttentionGeometry, GatedMLP, SwitchGLU, geglu, make_rope, project
+from mlx_loom.nn import (
+    AttentionGeometry,
+    GatedMLP,
+    SwitchGLU,
+    gelu_approx_mul,
+    geglu,
+    make_rope,
+    project,
+)
 from mlx_loom.nn.experts import ExpertKernel
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_gemma4.config import FULL, SLIDING, Gemma4TextConfig
@@ -228,8 +236,9 @@ class DecoderLayer(nn.Module):
         h = x + self.post_attention_layernorm(attn)
         h = h + self.post_feedforward_layernorm(self._feed_forward(h))
         if self.per_layer and per_layer_input is not None:
-            gate = nn.gelu_approx(self.per_layer_input_gate(h))
-            gate = self.per_layer_projection(mx.multiply(gate, per_layer_input))
+            # mlx-lm's two operations (one native node in a native float32 forward).
+            gate = gelu_approx_mul(self.per_layer_input_gate(h), per_layer_input)
+            gate = self.per_layer_projection(gate)
             h = h + self.post_per_layer_input_norm(gate)
         return h * self.layer_scalar, share
 

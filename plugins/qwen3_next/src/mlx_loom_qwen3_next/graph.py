@@ -20,7 +20,14 @@ import mlx.nn as nn
 
 from mlx_loom.cache import KVCache, append_kv, create_attention_mask
 from mlx_loom.cache.recurrent import RecurrentCache
-from mlx_loom.nn import AttentionGeometry, GatedMLP, SwitchGLU, make_rope, project
+from mlx_loom.nn import (
+    AttentionGeometry,
+    GatedMLP,
+    SwitchGLU,
+    make_rope,
+    native_gated_delta,
+    project,
+)
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_qwen3_next.config import HybridConfig, Qwen3_5Config
 from mlx_loom_qwen3_next.kernels import (
@@ -205,7 +212,11 @@ class GatedDeltaNet(nn.Module):
             cache.record(
                 conv_input=qkv, inputs=(q, k, v, g, beta), mask=mask, replay=kn.gated_delta_replay
             )
-        if mask is None:
+        fused = native_gated_delta(q, k, v, g, beta, state) if mask is None else None
+        if fused is not None:
+            # A native CPU forward: the whole recurrence is one node.
+            out, state = fused
+        elif mask is None:
             out, state = kn.gated_delta(q, k, v, g, beta, state)
         else:
             out, state = kn.gated_delta_masked(q, k, v, g, beta, state, mask)
