@@ -33,6 +33,7 @@ SiluMulKernel = Callable[[Any, Any], Any]
 LogSoftmaxKernel = Callable[[Any], Any]
 GeluMulKernel = Callable[[Any, Any], Any]
 GatedDeltaKernel = Callable[..., Any]
+RmsNormKernel = Callable[[Any, Any, float], Any]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class NativeForward:
     #: ``mx.fast.gated_delta_update`` without a mask, float32, one decay per head
     #: (within a stated bound of MLX's); ``(q, k, v, g, beta, state) -> (y, state)``.
     gated_delta: GatedDeltaKernel
+    #: ``mx.fast.rms_norm(x, weight, eps)`` as one node (the swapped norm modules'
+    #: kernel, within its stated bound), for graphs that call the function.
+    rms_norm: RmsNormKernel
 
 
 _NATIVE: contextvars.ContextVar[NativeForward | None] = contextvars.ContextVar(
@@ -79,6 +83,12 @@ def current_gated_delta() -> GatedDeltaKernel | None:
     (a family's linear-attention graph reads it: Qwen3-Next, Qwen3.5)."""
     native = _NATIVE.get()
     return native.gated_delta if native is not None else None
+
+
+def current_rms_norm() -> RmsNormKernel | None:
+    """The RMS norm kernel of the forward being built on this thread, if any."""
+    native = _NATIVE.get()
+    return native.rms_norm if native is not None else None
 
 
 def current_log_softmax() -> LogSoftmaxKernel | None:

@@ -30,12 +30,17 @@ They reach the model the way the matrix kernels do, without family code:
   a time, their sum in MLX's order): ~0.9 ms a token over a 32000-word
   vocabulary with MLX's element-at-a-time evaluation, ~0.1 ms here.
 
+Two more hold a stated bound rather than bit-equality (docs/cpu.md): the
+core's :func:`~mlx_loom.nn.geglu` on float32 operands runs :func:`gelu_mul`
+(MLX's ``tanh`` is the C library's ``tanhf``, one element at a time, which
+eight lanes cannot repeat; a GeGLU :class:`NativeGatedMLP` is one node), and
+a family's unmasked gated delta recurrence runs :func:`gated_delta`.
+
 What stays on MLX's operations, by design: attention with sinks, quantized
 KV views (their own products), families' direct ``mx.fast.rms_norm`` calls
-and modules of their own classes, SwiGLU in bfloat16/float16 (MLX rounds its
-intermediates in that dtype) and GeGLU (its ``tanh`` is the C library's, not
-reproducible lane for lane), and graphs called around the model
-(``model.module(...)`` directly).
+and modules of their own classes, SwiGLU and GeGLU in bfloat16/float16 (MLX
+rounds their intermediates in that dtype), and graphs called around the
+model (``model.module(...)`` directly).
 """
 
 from __future__ import annotations
@@ -315,6 +320,18 @@ def gated_delta(
     return y, new_state
 
 
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """``mx.fast.rms_norm(x, weight, eps)`` as one native node where the kernel takes it
+    (a last axis of at most MAX_NORM_WIDTH, a 1-D gain of that width or none), else MLX's."""
+    width = x.shape[-1] if x.ndim else 0
+    fits = 0 < width <= MAX_NORM_WIDTH and (
+        weight is None or (weight.ndim == 1 and weight.shape[0] == width)
+    )
+    if not fits or not mx.issubdtype(x.dtype, mx.floating):
+        return mx.fast.rms_norm(x, weight, eps)
+    return native.module().rms_norm(x, weight, eps)
+
+
 def log_softmax(x: mx.array) -> mx.array:
     """``x - logsumexp(x, axis=-1, keepdims=True)`` for float32 x, as one native node."""
     return native.module().log_softmax(x)
@@ -332,5 +349,6 @@ def forward_kernels(kernel_set: str | None) -> AbstractContextManager[None]:
             log_softmax=log_softmax,
             gelu_mul=gelu_mul,
             gated_delta=gated_delta,
+            rms_norm=rms_norm,
         )
     )

@@ -9,6 +9,8 @@ is solved once, one way, so three families do not carry three versions.
   activation (one node on the native CPU kernels);
 * :mod:`.experts` — stacked expert projections, :class:`SwitchGLU`, and the
   per-backend expert kernels (one bf16-on-CPU strategy, measured);
+* :mod:`.norm` — :func:`rms_norm`, ``mx.fast.rms_norm`` that a native
+  forward runs natively;
 * :mod:`.recurrence` — :func:`native_gated_delta`, the native CPU kernel
   set's gated delta recurrence where the forward has one;
 * :mod:`.rope` — every RoPE kind the families read, validated and built;
@@ -44,6 +46,7 @@ from .loading import (
     load_checkpoint,
 )
 from .mlp import GatedMLP
+from .norm import rms_norm
 from .projections import project
 from .recurrence import native_gated_delta
 from .rope import (
@@ -93,6 +96,7 @@ __all__ = [
     "parse_rope_scaling",
     "native_gated_delta",
     "project",
+    "rms_norm",
     "swiglu",
     "switch_glu",
 ]

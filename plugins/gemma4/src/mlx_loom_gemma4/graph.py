@@ -36,6 +36,7 @@ from mlx_loom.nn import (
     geglu,
     make_rope,
     project,
+    rms_norm,
 )
 from mlx_loom.nn.experts import ExpertKernel
 from mlx_loom.parallel import SINGLE_STAGE, Stage
@@ -51,14 +52,15 @@ def logit_softcap(softcap: float, x: mx.array) -> mx.array:
 
 
 class WeightlessRMSNorm(nn.Module):
-    """RMSNorm with no gain (Gemma 4's value norm): ``rms_norm(x, None, eps)``."""
+    """RMSNorm with no gain (Gemma 4's value norm): ``rms_norm(x, None, eps)`` (native
+    in a native forward: :func:`mlx_loom.nn.rms_norm`)."""
 
     def __init__(self, eps: float) -> None:
         super().__init__()
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, None, self.eps)
+        return rms_norm(x, None, self.eps)
 
 
 # --- attention ------------------------------------------------------------------
@@ -159,7 +161,7 @@ class Router(nn.Module):
         self._root_size = cfg.hidden_size**-0.5
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        x = mx.fast.rms_norm(x, self.scale * self._root_size, self.eps)
+        x = rms_norm(x, self.scale * self._root_size, self.eps)
         scores = self.proj(x)
         k = self.top_k
         indices = mx.stop_gradient(mx.argpartition(scores, kth=-k, axis=-1)[..., -k:])
