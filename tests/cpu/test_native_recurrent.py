@@ -24,7 +24,7 @@ import pytest
 
 from mlx_loom.cpu import native, ops
 from mlx_loom.cpu.ops import forward_kernels
-from mlx_loom.nn import native_gated_delta
+from mlx_loom.nn import native_gated_delta, native_gated_delta_replay
 
 nat = native.module()
 U = 2.0**-24
@@ -115,3 +115,25 @@ def test_the_graph_takes_it_only_in_a_native_float32_forward():
 def test_bad_operands_are_refused_with_what_was_wrong(change, match):
     with pytest.raises(ValueError, match=match):
         nat.gated_delta(*change(operands(seed=4)))
+
+
+def test_the_rollback_replay_gives_the_forwards_state_at_each_rows_kept_length():
+    # A speculative round's commit replays the kept tokens after the forward's
+    # hook is gone: the replay keeps the native kernel, so the state is the
+    # forward's at that token bit for bit (MLX's replay would round otherwise).
+    q, k, v, g, beta, state = operands(B=3, T=5, seed=6)
+    assert native_gated_delta_replay(lambda *a: None) is None
+    with forward_kernels("cpu-native"):
+        replay = native_gated_delta_replay(lambda *a: "fallback")
+    assert replay is not None
+    whole = nat.gated_delta(q, k, v, g, beta, state)[1]
+    assert mx.array_equal(replay(q, k, v, g, beta, state), whole)
+    lengths = mx.array([2, 0, 5], dtype=mx.int32)
+    got = replay(q, k, v, g, beta, state, None, lengths)
+    for b, n in enumerate((2, 0, 5)):
+        row = slice(b, b + 1)
+        want = state[row] if n == 0 else nat.gated_delta(
+            *(a[row, :n] for a in (q, k, v, g, beta)), state[row]
+        )[1]
+        assert mx.array_equal(got[row], want), b
+    assert replay(q, k, v, g, beta, state, mx.ones((3, 5), mx.bool_), None) == "fallback"

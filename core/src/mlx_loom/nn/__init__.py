@@ -48,7 +48,7 @@ from .loading import (
 from .mlp import GatedMLP
 from .norm import rms_norm
 from .projections import project
-from .recurrence import native_gated_delta
+from .recurrence import native_gated_delta, native_gated_delta_replay
 from .rope import (
     ROPE_KINDS,
     DynamicScaling,
@@ -95,6 +95,7 @@ __all__ = [
     "make_rope",
     "parse_rope_scaling",
     "native_gated_delta",
+    "native_gated_delta_replay",
     "project",
     "rms_norm",
     "swiglu",

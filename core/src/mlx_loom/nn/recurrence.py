@@ -7,16 +7,26 @@ native CPU kernel set (:mod:`mlx_loom.forward_hooks`) the unmasked float32
 update is one native node instead (:func:`mlx_loom.cpu.ops.gated_delta`: each
 state row read and written once per token, within a stated bound of MLX's
 sums); a graph asks :func:`native_gated_delta` first and runs its own kernel
-when it answers None.
+when it answers None. A speculative round's rollback replays the kept tokens
+with the arithmetic the forward used: :func:`native_gated_delta_replay` gives
+the replay to record beside a native forward (the hook is gone by the time
+the round commits, so it keeps the kernel).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
 
 import mlx.core as mx
 
 from ..forward_hooks import current_gated_delta
 
-__all__ = ["native_gated_delta"]
+__all__ = ["native_gated_delta", "native_gated_delta_replay"]
+
+#: ``replay(q, k, v, g, beta, state, mask=None, lengths=None) -> state`` (the
+#: recurrent cache's state-only replay kernel).
+Replay = Callable[..., Any]
 
 
 def native_gated_delta(
@@ -29,3 +39,50 @@ def native_gated_delta(
         return None
     out: tuple[mx.array, mx.array] | None = kernel(q, k, v, g, beta, state)
     return out
+
+
+def native_gated_delta_replay(fallback: Replay) -> Replay | None:
+    """The state-only replay matching this forward's native recurrence, or None (no
+    native kernel in this forward).
+
+    Unmasked (the only forward the native node runs): the kept prefix through
+    the native node, each row alone over its own kept length when they
+    differ (rows are independent in the node, and a chunk equals its tokens
+    one at a time, so this is the forward's state at that token bit for bit).
+    A mask goes to ``fallback`` (the family's replay), as its forward did.
+    """
+    kernel = current_gated_delta()
+    if kernel is None:
+        return None
+
+    def replay(
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        g: mx.array,
+        beta: mx.array,
+        state: mx.array,
+        mask: mx.array | None = None,
+        lengths: mx.array | None = None,
+    ) -> mx.array:
+        if mask is not None:
+            return cast(mx.array, fallback(q, k, v, g, beta, state, mask, lengths))
+        if lengths is None:
+            out = kernel(q, k, v, g, beta, state)
+            if out is None:
+                return cast(mx.array, fallback(q, k, v, g, beta, state, mask, lengths))
+            return cast(mx.array, out[1])
+        rows = []
+        for b, n in enumerate(cast(list[int], lengths.tolist())):
+            row = slice(b, b + 1)
+            if n == 0:
+                rows.append(state[row])
+                continue
+            kept = [a[row, :n] for a in (q, k, v, g, beta)]
+            out = kernel(*kept, state[row])
+            if out is None:
+                return cast(mx.array, fallback(q, k, v, g, beta, state, mask, lengths))
+            rows.append(out[1])
+        return mx.concatenate(rows, axis=0)
+
+    return replay

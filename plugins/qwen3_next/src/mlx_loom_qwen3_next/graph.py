@@ -26,6 +26,7 @@ from mlx_loom.nn import (
     SwitchGLU,
     make_rope,
     native_gated_delta,
+    native_gated_delta_replay,
     project,
     rms_norm,
 )
@@ -209,11 +210,18 @@ class GatedDeltaNet(nn.Module):
         state = cache.recurrent_state if cache is not None else None
         if state is None:
             state = mx.zeros((B, self.n_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
-        if cache is not None:
-            cache.record(
-                conv_input=qkv, inputs=(q, k, v, g, beta), mask=mask, replay=kn.gated_delta_replay
-            )
         fused = native_gated_delta(q, k, v, g, beta, state) if mask is None else None
+        if cache is not None:
+            # A rollback replays the kept tokens as this forward ran them.
+            native_replay = (
+                native_gated_delta_replay(kn.gated_delta_replay) if fused is not None else None
+            )
+            cache.record(
+                conv_input=qkv,
+                inputs=(q, k, v, g, beta),
+                mask=mask,
+                replay=native_replay or kn.gated_delta_replay,
+            )
         if fused is not None:
             # A native CPU forward: the whole recurrence is one node.
             out, state = fused
