@@ -252,8 +252,9 @@ NB_MODULE(_native, m) {
          const mlx::core::array& v,
          const mlx::core::array& g,
          const mlx::core::array& beta,
-         const mlx::core::array& state) {
-        auto out = loom_cpu::gated_delta(q, k, v, g, beta, state);
+         const mlx::core::array& state,
+         const std::optional<mlx::core::array>& mask) {
+        auto out = loom_cpu::gated_delta(q, k, v, g, beta, state, mask);
         return nb::make_tuple(out[0], out[1]);
       },
       "q"_a,
@@ -262,9 +263,11 @@ NB_MODULE(_native, m) {
       "g"_a,
       "beta"_a,
       "state"_a,
-      "mx.fast.gated_delta_update(q, k, v, g, beta, state) without a mask, float32, one decay "
-      "per head, as one node: (y [B, T, Hv, Dv], state [B, Hv, Dv, Dk]); the dot products "
-      "summed eight lanes at a time (not bit-equal to MLX's graph).");
+      "mask"_a = nb::none(),
+      "mx.fast.gated_delta_update(q, k, v, g, beta, state, mask) in float32, one decay per "
+      "head, as one node: (y [B, T, Hv, Dv], state [B, Hv, Dv, Dk]); mask (bool [B, T]) keeps "
+      "the state over its false steps; the dot products summed eight lanes at a time (not "
+      "bit-equal to MLX's graph).");
   m.def(
       "log_softmax",
       [](const mlx::core::array& x) { return loom_cpu::log_softmax(x); },

@@ -19,6 +19,8 @@ const char* kTag = "[loom native kernels] gated_delta: ";
 // thread alone: a decode step of 16 heads of 64 x 64 does.
 constexpr long long kParallelWork = 1 << 18;
 
+thread_local Scratch masked_scratch;
+
 }  // namespace
 
 std::vector<mx::array> gated_delta(
@@ -28,6 +30,7 @@ std::vector<mx::array> gated_delta(
     const mx::array& g,
     const mx::array& beta,
     const mx::array& state,
+    const std::optional<mx::array>& mask,
     mx::StreamOrDevice s) {
   check_runnable();
   mx::Stream stream = cpu_stream(s);
@@ -56,11 +59,19 @@ std::vector<mx::array> gated_delta(
   require(state.shape() == states, [&] {
     return std::string(kTag) + "state must be [B, Hv, Dv, Dk], got " + shape_str(state) + ".";
   });
+  std::vector<mx::array> inputs = {q, k, v, g, beta, state};
+  if (mask) {
+    require(mask->dtype() == mx::bool_ && mask->shape() == mx::Shape{B, T}, [&] {
+      return std::string(kTag) + "mask must be bool [B, T], got " + shape_str(*mask) + " " +
+          dtype_str(mask->dtype()) + ".";
+    });
+    inputs.push_back(*mask);
+  }
   return mx::array::make_arrays(
       {v.shape(), state.shape()},
       {mx::float32, mx::float32},
       std::make_shared<NativeGatedDelta>(stream),
-      {q, k, v, g, beta, state});
+      std::move(inputs));
 }
 
 void NativeGatedDelta::eval_cpu(
@@ -91,6 +102,7 @@ void NativeGatedDelta::eval_cpu(
   const float* s0 = in[5].data<float>();
   float* yp = y.data<float>();
   float* sp = state.data<float>();
+  const bool* mp = in.size() > 6 ? in[6].data<bool>() : nullptr;
   encoder.dispatch([=]() {
     const size_t head = static_cast<size_t>(Dv) * Dk;
     const int groups = Hv / Hk;
@@ -103,8 +115,14 @@ void NativeGatedDelta::eval_cpu(
         const size_t bt = static_cast<size_t>(b) * T + t;
         const size_t qk = (bt * Hk + h / groups) * Dk;
         const size_t gh = bt * Hv + h;
+        float* rows = s;
+        if (mp != nullptr && !mp[bt]) {
+          // A masked step: y from an updated copy, the state kept.
+          rows = masked_scratch.get(head);
+          std::memcpy(rows, s, head * sizeof(float));
+        }
         gated_delta_head_step(
-            qp + qk, kp + qk, vp + gh * Dv, gp[gh], bp[gh], s, yp + gh * Dv, Dv, Dk);
+            qp + qk, kp + qk, vp + gh * Dv, gp[gh], bp[gh], rows, yp + gh * Dv, Dv, Dk);
       }
     };
     const int tasks = B * Hv;

@@ -2,6 +2,7 @@
 // a chunk for every head as one graph node (the recurrent state float32).
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "mlx/ops.h"
@@ -15,7 +16,11 @@ namespace mx = mlx::core;
 // float32 q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g and beta [B, T, Hv] (one
 // decay per head), state [B, Hv, Dv, Dk]; Hv a multiple of Hk (value head h
 // reads key head h / (Hv / Hk)). Returns y [B, T, Hv, Dv] and the state
-// after the last step (recurrent.h: the arithmetic).
+// after the last step (recurrent.h: the arithmetic). mask (bool [B, T],
+// optional): a step where it is false leaves the state as it was (its y is
+// still read from the updated rows), as MLX's masked update does; the other
+// steps' arithmetic is the unmasked one, so a padded batch row equals the
+// row alone.
 std::vector<mx::array> gated_delta(
     const mx::array& q,
     const mx::array& k,
@@ -23,6 +28,7 @@ std::vector<mx::array> gated_delta(
     const mx::array& g,
     const mx::array& beta,
     const mx::array& state,
+    const std::optional<mx::array>& mask,
     mx::StreamOrDevice s = {});
 
 class NativeGatedDelta : public mx::Primitive {

@@ -10,7 +10,9 @@ multiply-adds, so it is not bit-equal to MLX. The claims:
 * a chunk of T tokens equals T one-token calls bit for bit (the same
   arithmetic per step), on one thread or the pool;
 * value heads read their key head (``h // (Hv / Hk)``) as MLX repeats them;
-* the graph takes it only in a native float32 forward without a mask; whole
+* a padded (masked) batch row equals the row alone; a masked step keeps
+  the state;
+* the graph takes it only in a native float32 forward; whole
   Qwen3-Next models keep mlx-lm's greedy tokens on the native sets
   (tests/cpu/test_model_parity.py) and the compiled step equals the eager
   one (tests/cpu/test_compiled_step.py).
@@ -136,4 +138,19 @@ def test_the_rollback_replay_gives_the_forwards_state_at_each_rows_kept_length()
             *(a[row, :n] for a in (q, k, v, g, beta)), state[row]
         )[1]
         assert mx.array_equal(got[row], want), b
-    assert replay(q, k, v, g, beta, state, mx.ones((3, 5), mx.bool_), None) == "fallback"
+    assert replay(q, k, v, g, beta, state.astype(mx.bfloat16)) == "fallback"
+
+
+def test_a_padded_row_equals_the_row_alone_and_masked_steps_keep_the_state():
+    # Left padding, as the engine's batches have it: row 0 starts 2 steps late.
+    q, k, v, g, beta, state = operands(B=2, T=5, seed=8)
+    mask = mx.array([[False, False, True, True, True], [True] * 5])
+    y, final = nat.gated_delta(q, k, v, g, beta, state, mask)
+    alone_y, alone = nat.gated_delta(*(a[:1, 2:] for a in (q, k, v, g, beta)), state[:1])
+    assert mx.array_equal(final[:1], alone) and mx.array_equal(y[:1, 2:], alone_y)
+    unmasked_y, unmasked = nat.gated_delta(q, k, v, g, beta, state)
+    assert mx.array_equal(final[1:], unmasked[1:]) and mx.array_equal(y[1:], unmasked_y[1:])
+    with forward_kernels("cpu-native"):
+        assert native_gated_delta(q, k, v, g, beta, state, mask.astype(mx.int32)) is None
+    with pytest.raises(ValueError, match="mask must be"):
+        nat.gated_delta(q, k, v, g, beta, state, mask[:, :3])

@@ -47,8 +47,8 @@ class NativeForward:
     log_softmax: LogSoftmaxKernel
     #: ``gelu_approx(gate) * up`` for float32 operands (within a stated bound of MLX's).
     gelu_mul: GeluMulKernel
-    #: ``mx.fast.gated_delta_update`` without a mask, float32, one decay per head
-    #: (within a stated bound of MLX's); ``(q, k, v, g, beta, state) -> (y, state)``.
+    #: ``mx.fast.gated_delta_update``, float32, one decay per head (within a stated
+    #: bound of MLX's); ``(q, k, v, g, beta, state, mask=None) -> (y, state) | None``.
     gated_delta: GatedDeltaKernel
     #: ``mx.fast.rms_norm(x, weight, eps)`` as one node (the swapped norm modules'
     #: kernel, within its stated bound), for graphs that call the function.

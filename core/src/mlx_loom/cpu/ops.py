@@ -158,7 +158,10 @@ class NativeGatedMLP(GatedMLP):
 
     def _geglu(self, x: mx.array) -> mx.array | None:
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        if x.dtype != mx.float32 or not type(gate) is type(up) is type(down):
+        kind = type(gate)
+        if x.dtype != mx.float32 or kind not in (NativeLinear, NativeQuantizedLinear):
+            return None  # an adapter's wrapper, say: GatedMLP's own forward
+        if type(up) is not kind or type(down) is not kind:
             return None
         if any("bias" in p for p in (gate, up, down)):
             return None
@@ -301,10 +304,19 @@ def gelu_mul(gate: mx.array, up: mx.array) -> mx.array:
 
 
 def gated_delta(
-    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    mask: mx.array | None = None,
 ) -> tuple[mx.array, mx.array] | None:
-    """``mx.fast.gated_delta_update(q, k, v, g, beta, state)`` (no mask) as one native node,
-    or None where the node does not apply (not all float32, or a decay per key channel).
+    """``mx.fast.gated_delta_update(q, k, v, g, beta, state, mask)`` as one native node,
+    or None where the node does not apply (not all float32, a decay per key channel, a
+    mask that is not bool ``[B, T]``). A masked (padding) step keeps the state, and the
+    other steps compute what they compute unmasked: a padded batch row equals the row
+    alone.
 
     On MLX's CPU backend the update is a graph of a few element-wise and
     reduction nodes per token (the state, 16 heads of 64 x 64 floats in
@@ -316,7 +328,9 @@ def gated_delta(
     arrays = (q, k, v, g, beta, state)
     if any(a.dtype != mx.float32 for a in arrays) or g.ndim != 3 or q.ndim != 4:
         return None
-    y, new_state = native.module().gated_delta(q, k, v, g, beta, state)
+    if mask is not None and (mask.dtype != mx.bool_ or mask.shape != q.shape[:2]):
+        return None
+    y, new_state = native.module().gated_delta(q, k, v, g, beta, state, mask)
     return y, new_state
 
 

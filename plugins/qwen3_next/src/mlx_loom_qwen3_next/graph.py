@@ -210,7 +210,7 @@ class GatedDeltaNet(nn.Module):
         state = cache.recurrent_state if cache is not None else None
         if state is None:
             state = mx.zeros((B, self.n_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
-        fused = native_gated_delta(q, k, v, g, beta, state) if mask is None else None
+        fused = native_gated_delta(q, k, v, g, beta, state, mask)
         if cache is not None:
             # A rollback replays the kept tokens as this forward ran them.
             native_replay = (
