@@ -34,7 +34,7 @@ Two more hold a stated bound rather than bit-equality (docs/cpu.md): the
 core's :func:`~mlx_loom.nn.geglu` on float32 operands runs :func:`gelu_mul`
 (MLX's ``tanh`` is the C library's ``tanhf``, one element at a time, which
 eight lanes cannot repeat; a GeGLU :class:`NativeGatedMLP` is one node), and
-a family's unmasked gated delta recurrence runs :func:`gated_delta`.
+a family's gated delta recurrence runs :func:`gated_delta`.
 
 What stays on MLX's operations, by design: attention with sinks, quantized
 KV views (their own products), families' direct ``mx.fast.rms_norm`` calls
