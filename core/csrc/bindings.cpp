@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu_features.h"
+#include "native_activations.h"
 #include "native_delta.h"
 #include "native_experts.h"
 #include "native_matmul.h"
@@ -159,19 +160,22 @@ NB_MODULE(_native, m) {
          const mlx::core::array& indices,
          const std::vector<mlx::core::array>& weights,
          bool gated,
-         const std::optional<mlx::core::array>& down) {
-        return loom_cpu::gather_dense_matmul(x, indices, weights, gated, down);
+         const std::optional<mlx::core::array>& down,
+         bool gelu) {
+        return loom_cpu::gather_dense_matmul(x, indices, weights, gated, gelu, down);
       },
       "x"_a,
       "indices"_a,
       "weights"_a,
       "gated"_a = false,
       "down"_a = nb::none(),
+      "gelu"_a = false,
       "Routed experts: for each (token, expert) pair of indices [..., k], x's row (one per "
       "token or per pair) @ w[expert].T for each stacked weight [experts, N, K]; outputs "
       "indices.shape + [N]. gated: silu(gate) * up as one output (float32 x); down: that "
-      "hidden row @ down[expert].T in the same node. Each output equals dense_matmul of the "
-      "expert's rows bit for bit.");
+      "hidden row @ down[expert].T in the same node; gelu (with gated): gelu_tanh(gate) * up "
+      "instead (gelu_mul's arithmetic). Each product equals dense_matmul of the expert's rows "
+      "bit for bit.");
   m.def(
       "gather_affine_matmul",
       [](const mlx::core::array& x,
@@ -185,10 +189,11 @@ NB_MODULE(_native, m) {
          bool gated,
          const std::optional<mlx::core::array>& down,
          const std::optional<mlx::core::array>& down_scales,
-         const std::optional<mlx::core::array>& down_biases) {
+         const std::optional<mlx::core::array>& down_biases,
+         bool gelu) {
         return loom_cpu::gather_affine_matmul(
-            x, indices, weights, scales, biases, bits, group_size, int8_activations, gated, down,
-            down_scales, down_biases);
+            x, indices, weights, scales, biases, bits, group_size, int8_activations, gated, gelu,
+            down, down_scales, down_biases);
       },
       "x"_a,
       "indices"_a,
@@ -202,6 +207,7 @@ NB_MODULE(_native, m) {
       "down"_a = nb::none(),
       "down_scales"_a = nb::none(),
       "down_biases"_a = nb::none(),
+      "gelu"_a = false,
       "gather_dense_matmul for stacked MLX affine weights [experts, N, words] with scales and "
       "biases [experts, N, K / group_size]; each output equals affine_matmul of the expert's "
       "rows bit for bit.");
@@ -273,6 +279,15 @@ NB_MODULE(_native, m) {
       "up"_a,
       "silu(gate) * up for float32 arrays of one shape, as one node; equals MLX's own "
       "(compiled) evaluation bit for bit.");
+  m.def(
+      "gelu_mul",
+      [](const mlx::core::array& gate, const mlx::core::array& up) {
+        return loom_cpu::gelu_mul(gate, up);
+      },
+      "gate"_a,
+      "up"_a,
+      "gelu_approx(gate) * up (GeGLU) for float32 arrays of one shape, as one node; the tanh "
+      "eight lanes at a time, within 2^-21 |gate * up| of MLX's evaluation.");
   m.def(
       "log_softmax",
       [](const mlx::core::array& x) { return loom_cpu::log_softmax(x); },

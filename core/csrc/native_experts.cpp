@@ -6,6 +6,7 @@
 #include <limits>
 #include <stdexcept>
 
+#include "activations.h"
 #include "kernels.h"
 #include "native_common.h"
 #include "native_matmul.h"
@@ -92,7 +93,8 @@ size_t floats_for_bytes(size_t bytes) {
 
 // One stage: every group's rows of x (fp32 [P, K], grouped) against its
 // expert's matrix of each part, into outs[i] ([P, N] in out_dtype, grouped
-// rows). gated: two parts, and outs[0] becomes silu(outs[0]) * outs[1].
+// rows). gated: two parts, and outs[0] becomes silu(outs[0]) * outs[1]
+// (gelu: gelu_tanh(outs[0]) * outs[1], activations.h).
 // Each group is one call of the linears' kernels on the expert's rows: the
 // matrix-vector kernel up to kSmallRows rows, the GEMM above (int8
 // activations: the int8 kernel at every row count, as the linears).
@@ -104,6 +106,7 @@ void run_stage(
     void* const* outs,
     size_t out_item,
     bool gated,
+    bool gelu,
     bool int8_x) {
   const Product& first = parts[0].p;
   const int K = first.K;
@@ -203,7 +206,11 @@ void run_stage(
       const auto* up = static_cast<const float*>(ps[1].out);
       for (int m = 0; m < g.m; ++m) {
         const size_t row = static_cast<size_t>(m) * N;
-        silu_mul(gate + row, up + row, gate + row, task.n0, task.n1);
+        if (gelu) {
+          gelu_tanh_mul(gate + row, up + row, gate + row, task.n0, task.n1);
+        } else {
+          silu_mul(gate + row, up + row, gate + row, task.n0, task.n1);
+        }
       }
     }
   };
@@ -231,6 +238,7 @@ struct Job {
   Stacked parts[kMaxGatherParts];
   int count = 1;
   bool gated = false;
+  bool gelu = false;  // gated with gelu_tanh instead of silu
   bool has_down = false;
   Stacked down;
   bool int8_x = false;
@@ -302,13 +310,13 @@ void run_job(const Job& j) {
     for (int i = 0; i < j.count; ++i) {
       stage[i] = part_scratch[i].get(floats_for_bytes(static_cast<size_t>(valid) * N * stage_item));
     }
-    run_stage(j.parts, j.count, xg, groups, stage, stage_item, j.gated, j.int8_x);
+    run_stage(j.parts, j.count, xg, groups, stage, stage_item, j.gated, j.gelu, j.int8_x);
     const char* results[kMaxGatherParts] = {static_cast<const char*>(stage[0]),
                                             static_cast<const char*>(stage[1])};
     if (j.has_down) {
       void* y = down_scratch.get(floats_for_bytes(static_cast<size_t>(valid) * out_n * j.out_item));
       run_stage(&j.down, 1, static_cast<const float*>(stage[0]), groups, &y, j.out_item, false,
-                j.int8_x);
+                false, j.int8_x);
       results[0] = static_cast<const char*>(y);
     }
     const size_t row_bytes = static_cast<size_t>(out_n) * j.out_item;
@@ -421,7 +429,10 @@ int check_stacked_affine(
   return K;
 }
 
-void check_parts(size_t count, bool gated, const mx::array& x) {
+void check_parts(size_t count, bool gated, bool gelu, const mx::array& x) {
+  require(!gelu || gated, [&] {
+    return std::string(kTag) + "gelu names the gate of a gated gathered product (gated=True).";
+  });
   require(count >= 1 && count <= static_cast<size_t>(kMaxGatherParts), [&] {
     return std::string(kTag) + "a gathered product takes 1 to " +
         std::to_string(kMaxGatherParts) + " weights, got " + std::to_string(count) + ".";
@@ -468,6 +479,7 @@ std::vector<mx::array> finish(
     bool int8_x,
     int parts,
     bool gated,
+    bool gelu,
     bool down,
     mx::Stream stream) {
   std::vector<mx::Shape> shapes(outputs, out_shape(indices, n));
@@ -475,7 +487,8 @@ std::vector<mx::array> finish(
   return mx::array::make_arrays(
       std::move(shapes),
       dtypes,
-      std::make_shared<NativeGatherMatmul>(stream, bits, group_size, int8_x, parts, gated, down),
+      std::make_shared<NativeGatherMatmul>(
+          stream, bits, group_size, int8_x, parts, gated, gelu, down),
       std::move(inputs));
 }
 
@@ -486,12 +499,13 @@ std::vector<mx::array> gather_dense_matmul(
     const mx::array& indices,
     const std::vector<mx::array>& weights,
     bool gated,
+    bool gelu,
     const std::optional<mx::array>& down,
     mx::StreamOrDevice s) {
   check_runnable();
   mx::Stream stream = cpu_stream(s);
   check_indices(indices);
-  check_parts(weights.size(), gated, x);
+  check_parts(weights.size(), gated, gelu, x);
   check_stacked_dense(weights[0]);
   for (const auto& w : weights) {
     check_same(weights[0], w, "weights");
@@ -518,7 +532,7 @@ std::vector<mx::array> gather_dense_matmul(
   return finish(
       std::move(inputs), indices, n, one ? 1 : static_cast<int>(weights.size()),
       mx::promote_types(x.dtype(), weights[0].dtype()), 0, 0, false,
-      static_cast<int>(weights.size()), gated, down.has_value(), stream);
+      static_cast<int>(weights.size()), gated, gelu, down.has_value(), stream);
 }
 
 std::vector<mx::array> gather_affine_matmul(
@@ -531,6 +545,7 @@ std::vector<mx::array> gather_affine_matmul(
     int group_size,
     bool int8_activations,
     bool gated,
+    bool gelu,
     const std::optional<mx::array>& down,
     const std::optional<mx::array>& down_scales,
     const std::optional<mx::array>& down_biases,
@@ -538,7 +553,7 @@ std::vector<mx::array> gather_affine_matmul(
   check_runnable();
   mx::Stream stream = cpu_stream(s);
   check_indices(indices);
-  check_parts(weights.size(), gated, x);
+  check_parts(weights.size(), gated, gelu, x);
   require(scales.size() == weights.size() && biases.size() == weights.size(), [&] {
     return std::string(kTag) + "a gathered product needs one scales and one biases array per "
         "weight.";
@@ -579,7 +594,7 @@ std::vector<mx::array> gather_affine_matmul(
   return finish(
       std::move(inputs), indices, n, one ? 1 : static_cast<int>(weights.size()),
       mx::promote_types(x.dtype(), scales[0].dtype()), bits, group_size, int8_activations,
-      static_cast<int>(weights.size()), gated, has_down, stream);
+      static_cast<int>(weights.size()), gated, gelu, has_down, stream);
 }
 
 void NativeGatherMatmul::eval_cpu(
@@ -627,6 +642,7 @@ void NativeGatherMatmul::eval_cpu(
   j.E = inputs[2].shape(0);
   j.count = parts_;
   j.gated = gated_;
+  j.gelu = gelu_;
   j.has_down = down_;
   for (int i = 0; i < parts_; ++i) {
     j.parts[i] = stacked_at(2 + i * per_weight);
@@ -665,7 +681,8 @@ void NativeGatherMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx:
 bool NativeGatherMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto* o = dynamic_cast<const NativeGatherMatmul*>(&other);
   return o != nullptr && o->bits_ == bits_ && o->group_size_ == group_size_ &&
-      o->int8_x_ == int8_x_ && o->parts_ == parts_ && o->gated_ == gated_ && o->down_ == down_;
+      o->int8_x_ == int8_x_ && o->parts_ == parts_ && o->gated_ == gated_ && o->gelu_ == gelu_ &&
+      o->down_ == down_;
 }
 
 std::vector<mx::Shape> NativeGatherMatmul::output_shapes(const std::vector<mx::array>& inputs) {

@@ -31,6 +31,8 @@ constexpr int kMaxGatherParts = 2;
 //
 // gated (two weights, float32 x): one output, silu(x W0[e].T) * (x W1[e].T),
 // equal to gated_dense_matmul / gated_affine_matmul of the expert's rows.
+// gelu (gated only): gelu_tanh in place of silu, the two products as
+// above and the gate activations.h's (within its bound of MLX's GeGLU).
 // down (gated only): that hidden row then meets down[e] ([experts, D, N],
 // read the same way) in the same node -- a SwiGLU expert layer as one node.
 std::vector<mx::array> gather_dense_matmul(
@@ -38,6 +40,7 @@ std::vector<mx::array> gather_dense_matmul(
     const mx::array& indices,
     const std::vector<mx::array>& weights,
     bool gated,
+    bool gelu,
     const std::optional<mx::array>& down,
     mx::StreamOrDevice s = {});
 
@@ -51,6 +54,7 @@ std::vector<mx::array> gather_affine_matmul(
     int group_size,
     bool int8_activations,
     bool gated,
+    bool gelu,
     const std::optional<mx::array>& down,
     const std::optional<mx::array>& down_scales,
     const std::optional<mx::array>& down_biases,
@@ -59,13 +63,21 @@ std::vector<mx::array> gather_affine_matmul(
 class NativeGatherMatmul : public mx::Primitive {
  public:
   NativeGatherMatmul(
-      mx::Stream stream, int bits, int group_size, bool int8_x, int parts, bool gated, bool down)
+      mx::Stream stream,
+      int bits,
+      int group_size,
+      bool int8_x,
+      int parts,
+      bool gated,
+      bool gelu,
+      bool down)
       : mx::Primitive(stream),
         bits_(bits),
         group_size_(group_size),
         int8_x_(int8_x),
         parts_(parts),
         gated_(gated),
+        gelu_(gelu),
         down_(down) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -90,6 +102,7 @@ class NativeGatherMatmul : public mx::Primitive {
   bool int8_x_;
   int parts_;
   bool gated_;
+  bool gelu_;
   bool down_;
 };
 

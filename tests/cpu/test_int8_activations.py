@@ -35,7 +35,7 @@ import pytest
 
 from mlx_loom.cpu import experts, layers, native, ops
 from mlx_loom.cpu.path import resolve_cpu_path
-from mlx_loom.nn import projections
+from mlx_loom.nn import activations, norm, projections
 
 from .test_model_parity import FAMILIES, greedy, max_relative_gap, ours
 
@@ -210,6 +210,7 @@ def _rounding_in_front_of_every_4bit_product(monkeypatch) -> None:
     # through the patched call (the fused nodes are bit-equal to them:
     # test_native_gates.py, test_native_kernels.py).
     monkeypatch.setattr(ops.NativeGatedMLP, "_gated", lambda self, x: None)
+    monkeypatch.setattr(ops.NativeGatedMLP, "_geglu", lambda self, x: None)
     monkeypatch.setattr(projections, "_joint", None)
     # Routed experts: each projection's gather on its own (the one-node layer
     # equals them: test_native_experts.py). Every row of a 4-bit expert
@@ -226,6 +227,14 @@ def _rounding_in_front_of_every_4bit_product(monkeypatch) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_computes_its_forward_with_int8_activations(checkpoints, family, monkeypatch):
     path = checkpoints(family, "q4")
+    # The GeGLU gate stays MLX's in both runs (the native one is within a few
+    # ulps of it: test_native_geglu.py). The emulation matches the int8
+    # products to ~1e-7, not bit for bit, and the tiny random Gemma 4 turns
+    # any such difference that flips one int8 rounding downstream into another
+    # distribution: scaling MLX's gate by 1 - 1e-7 alone moves this gap from
+    # 1e-6 to 0.34. Holding the gate fixed keeps the test on the products.
+    monkeypatch.setattr(activations, "current_gelu_mul", lambda: None)
+    monkeypatch.setattr(norm, "current_rms_norm", lambda: None)
     model, make_cache = ours(path, "float32", "cpu-native-int8-act")
     marked = [m for _, m in model.module.named_modules() if getattr(m, "int8_activations", False)]
     assert marked, "no 4-bit module runs on int8 activations"

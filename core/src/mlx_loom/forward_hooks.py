@@ -11,8 +11,9 @@ model's CPU kernel set runs on the native extension (``cpu-native``,
 (:meth:`mlx_loom.Model.native_kernels`) around the log-probabilities it
 computes from a model's logits. Graph code that is a function rather than a
 module reads it instead of being swapped: the core's plain KV view (its
-attention), the core's :func:`~mlx_loom.nn.swiglu` (used by every family's
-gated MLP and expert layers) and
+attention), the core's :func:`~mlx_loom.nn.swiglu` and
+:func:`~mlx_loom.nn.geglu` (used by every family's gated MLP and expert
+layers) and
 :func:`~mlx_loom.engine.sampling.logprobs_from_logits`. A context variable, not a
 global: two models in one process, or two threads building graphs, never see
 each other's choice. Imports nothing, so that the cache, the model and
@@ -30,6 +31,8 @@ from typing import Any
 AttentionKernel = Callable[..., Any]
 SiluMulKernel = Callable[[Any, Any], Any]
 LogSoftmaxKernel = Callable[[Any], Any]
+GeluMulKernel = Callable[[Any, Any], Any]
+RmsNormKernel = Callable[[Any, Any, float], Any]
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,11 @@ class NativeForward:
     silu_mul: SiluMulKernel
     #: ``x - logsumexp(x, -1)`` for float32 x (bit-equal to MLX's own).
     log_softmax: LogSoftmaxKernel
+    #: ``gelu_approx(gate) * up`` for float32 operands (within a stated bound of MLX's).
+    gelu_mul: GeluMulKernel
+    #: ``mx.fast.rms_norm(x, weight, eps)`` as one node (the swapped norm modules'
+    #: kernel, within its stated bound), for graphs that call the function.
+    rms_norm: RmsNormKernel
 
 
 _NATIVE: contextvars.ContextVar[NativeForward | None] = contextvars.ContextVar(
@@ -58,6 +66,18 @@ def current_silu_mul() -> SiluMulKernel | None:
     """The SwiGLU gate kernel of the forward being built on this thread, if any."""
     native = _NATIVE.get()
     return native.silu_mul if native is not None else None
+
+
+def current_gelu_mul() -> GeluMulKernel | None:
+    """The GeGLU gate kernel of the forward being built on this thread, if any."""
+    native = _NATIVE.get()
+    return native.gelu_mul if native is not None else None
+
+
+def current_rms_norm() -> RmsNormKernel | None:
+    """The RMS norm kernel of the forward being built on this thread, if any."""
+    native = _NATIVE.get()
+    return native.rms_norm if native is not None else None
 
 
 def current_log_softmax() -> LogSoftmaxKernel | None:

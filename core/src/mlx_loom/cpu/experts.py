@@ -15,9 +15,12 @@ graph (no family code changes):
 * ``SwitchGLU`` for :class:`NativeSwitchGLU`: with SwiGLU on float32
   activations the gate and up products, the gate and the down product of
   every (token, expert) pair are **one node** (``gather_*_matmul(gated=True,
-  down=...)``); with another activation (Gemma's GeGLU, whose ``tanh`` is
-  the C library's) or half-precision activations, gate and up are one node,
-  the activation MLX's own, the down product one more node.
+  down=...)``); so are they with GeGLU (Gemma) on float32 activations, the
+  gate then the native GeGLU gate (``gelu=True``: within a stated bound of
+  MLX's, whose ``tanh`` is the C library's one element at a time; see
+  :func:`mlx_loom.cpu.ops.gelu_mul`); with another activation or
+  half-precision activations, gate and up are one node, the activation MLX's
+  own, the down product one more node.
 
 Inside the node the pairs are grouped by expert and each expert's rows run
 the native linears' kernels: every output equals ``dense_matmul`` /
@@ -40,7 +43,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..nn.activations import swiglu
+from ..nn.activations import geglu, swiglu
 from ..nn.experts import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 from . import native
 
@@ -148,8 +151,10 @@ class NativeSwitchGLU(SwitchGLU):
         if x.shape[:-1] != indices.shape[:-1]:
             return None
         # SwiGLU in float32: MLX's gate arithmetic is the native gate's (bit-
-        # equal), so gate, up, gate and down are one node.
-        fused = self._activation is swiglu and x.dtype == mx.float32
+        # equal), so gate, up, gate and down are one node; GeGLU too, its
+        # gate the native one (within its bound of MLX's).
+        gelu = self._activation is geglu
+        fused = (gelu or self._activation is swiglu) and x.dtype == mx.float32
         with_down = fused and _read_alike(gate, down)
         nat = native.module()
         dense = type(gate) is NativeSwitchLinear
@@ -159,6 +164,7 @@ class NativeSwitchGLU(SwitchGLU):
                 idx,
                 [gate["weight"], up["weight"]],
                 gated=fused,
+                gelu=gelu and fused,
                 down=down["weight"] if with_down else None,
             )
         else:
@@ -173,6 +179,7 @@ class NativeSwitchGLU(SwitchGLU):
                 gate.group_size,
                 gate.int8_activations,
                 gated=fused,
+                gelu=gelu and fused,
                 down=down["weight"] if with_down else None,
                 down_scales=down["scales"] if with_down else None,
                 down_biases=down["biases"] if with_down else None,

@@ -30,12 +30,18 @@ They reach the model the way the matrix kernels do, without family code:
   a time, their sum in MLX's order): ~0.9 ms a token over a 32000-word
   vocabulary with MLX's element-at-a-time evaluation, ~0.1 ms here.
 
+Two more hold a stated bound rather than bit-equality (docs/cpu.md): the
+core's :func:`~mlx_loom.nn.geglu` on float32 operands runs :func:`gelu_mul`
+(MLX's ``tanh`` is the C library's ``tanhf``, one element at a time, which
+eight lanes cannot repeat; a GeGLU :class:`NativeGatedMLP` is one node).
+Families' own recurrences take native nodes through their own hook
+(``use_native_cpu_kernels``: Qwen3-Next's gated delta and causal conv).
+
 What stays on MLX's operations, by design: attention with sinks, quantized
 KV views (their own products), families' direct ``mx.fast.rms_norm`` calls
-and modules of their own classes, SwiGLU in bfloat16/float16 (MLX rounds its
-intermediates in that dtype) and GeGLU (its ``tanh`` is the C library's, not
-reproducible lane for lane), and graphs called around the model
-(``model.module(...)`` directly).
+and modules of their own classes, SwiGLU and GeGLU in bfloat16/float16 (MLX
+rounds their intermediates in that dtype), and graphs called around the
+model (``model.module(...)`` directly).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..forward_hooks import NativeForward, using
-from ..nn.activations import swiglu
+from ..nn.activations import geglu, swiglu
 from ..nn.experts import SwitchGLU
 from ..nn.mlp import GatedMLP
 from ..nn.rope import FreqsRoPE
@@ -131,16 +137,77 @@ class NativeGatedMLP(GatedMLP):
     one product node computes both rows of each chunk and the gate between
     them (``gated_*_matmul``), bit-equal to the three nodes it replaces
     (tested), with x prepared once. A 350M Llama's decode step loses 48 of
-    its ~700 nodes. Anything else — other activations, adapters wrapped
-    around a projection, other dtypes — runs GatedMLP's own forward, on the
-    same kernels.
+    its ~700 nodes.
+
+    With GeGLU (Gemma) the whole MLP — gate and up, the native GeGLU gate,
+    down — is one node: the routed experts' node over a stack of one expert
+    (``gather_*_matmul(gated=True, gelu=True, down=...)``), whose products
+    equal the linears' bit for bit (tested), so the MLP equals its three
+    products and :func:`gelu_mul` exactly. Anything else — other
+    activations, adapters wrapped around a projection, other dtypes — runs
+    GatedMLP's own forward, on the same kernels.
     """
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self._activation is geglu:
+            y = self._geglu(x)
+            return y if y is not None else super().__call__(x)
         gated = self._gated(x)
         if gated is None:
             return super().__call__(x)
         return self.down_proj(gated)
+
+    def _geglu(self, x: mx.array) -> mx.array | None:
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        kind = type(gate)
+        if x.dtype != mx.float32 or kind not in (NativeLinear, NativeQuantizedLinear):
+            return None  # an adapter's wrapper, say: GatedMLP's own forward
+        if type(up) is not kind or type(down) is not kind:
+            return None
+        if any("bias" in p for p in (gate, up, down)):
+            return None
+        if gate["weight"].shape != up["weight"].shape:
+            return None
+        rows = x.reshape(-1, x.shape[-1])
+        # The expert index of every row (0) and the weights as stacks of one:
+        # a few view nodes, made per call (an array kept across calls would
+        # leak out of the compiled step's trace).
+        zero = mx.zeros((rows.shape[0], 1), dtype=mx.uint32)
+        nat = native.module()
+        if type(gate) is NativeLinear:
+            if not gate["weight"].dtype == up["weight"].dtype == down["weight"].dtype:
+                return None
+            gw, uw, dw = _stacks((gate, up, down), ("weight",))
+            y = nat.gather_dense_matmul(rows, zero, [gw, uw], gated=True, gelu=True, down=dw)[0]
+        elif type(gate) is NativeQuantizedLinear:
+            assert isinstance(up, NativeQuantizedLinear) and isinstance(down, NativeQuantizedLinear)
+            kind = (gate.bits, gate.group_size, gate.int8_activations, gate["scales"].dtype)
+            for o in (up, down):
+                if (o.bits, o.group_size, o.int8_activations, o["scales"].dtype) != kind:
+                    return None
+            if gate["scales"].shape != up["scales"].shape:
+                return None
+            gw, gs, gb, uw, us, ub, dw, ds, db = _stacks(
+                (gate, up, down), ("weight", "scales", "biases")
+            )
+            y = nat.gather_affine_matmul(
+                rows,
+                zero,
+                [gw, uw],
+                [gs, us],
+                [gb, ub],
+                gate.bits,
+                gate.group_size,
+                gate.int8_activations,
+                gated=True,
+                gelu=True,
+                down=dw,
+                down_scales=ds,
+                down_biases=db,
+            )[0]
+        else:
+            return None
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _gated(self, x: mx.array) -> mx.array | None:
         gate, up = self.gate_proj, self.up_proj
@@ -178,6 +245,11 @@ class NativeGatedMLP(GatedMLP):
                 gate.int8_activations,
             )
         return None
+
+
+def _stacks(modules: tuple[nn.Module, ...], names: tuple[str, ...]) -> list[mx.array]:
+    """Each module's parameters ``names`` as a stack of one expert ``[1, ...]``."""
+    return [mx.expand_dims(m[name], 0) for m in modules for name in names]
 
 
 def fits(module: nn.Module) -> bool:
@@ -237,6 +309,24 @@ def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     return native.module().silu_mul(gate, up)
 
 
+def gelu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """``gelu_approx(gate) * up`` for float32 operands of one shape, as one native node
+    (within ``2**-21 * |gate * up|`` of MLX's evaluation; docs/cpu.md)."""
+    return native.module().gelu_mul(gate, up)
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """``mx.fast.rms_norm(x, weight, eps)`` as one native node where the kernel takes it
+    (a last axis of at most MAX_NORM_WIDTH, a 1-D gain of that width or none), else MLX's."""
+    width = x.shape[-1] if x.ndim else 0
+    fits = 0 < width <= MAX_NORM_WIDTH and (
+        weight is None or (weight.ndim == 1 and weight.shape[0] == width)
+    )
+    if not fits or not mx.issubdtype(x.dtype, mx.floating):
+        return mx.fast.rms_norm(x, weight, eps)
+    return native.module().rms_norm(x, weight, eps)
+
+
 def log_softmax(x: mx.array) -> mx.array:
     """``x - logsumexp(x, axis=-1, keepdims=True)`` for float32 x, as one native node."""
     return native.module().log_softmax(x)
@@ -247,4 +337,12 @@ def forward_kernels(kernel_set: str | None) -> AbstractContextManager[None]:
     (the hook of :mod:`mlx_loom.forward_hooks`, set for the duration)."""
     if kernel_set not in NATIVE_KERNEL_SETS:
         return using(None)
-    return using(NativeForward(attention=attention, silu_mul=silu_mul, log_softmax=log_softmax))
+    return using(
+        NativeForward(
+            attention=attention,
+            silu_mul=silu_mul,
+            log_softmax=log_softmax,
+            gelu_mul=gelu_mul,
+            rms_norm=rms_norm,
+        )
+    )

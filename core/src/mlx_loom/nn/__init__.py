@@ -9,6 +9,8 @@ is solved once, one way, so three families do not carry three versions.
   activation (one node on the native CPU kernels);
 * :mod:`.experts` — stacked expert projections, :class:`SwitchGLU`, and the
   per-backend expert kernels (one bf16-on-CPU strategy, measured);
+* :mod:`.norm` — :func:`rms_norm`, ``mx.fast.rms_norm`` that a native
+  forward runs natively;
 * :mod:`.rope` — every RoPE kind the families read, validated and built;
 * :mod:`.attention_geometry` — what an attention layer declares about its
   shape, for the backends' kernel rules (speculative verify windows);
@@ -19,7 +21,7 @@ Linear layers stay standard ``mlx.nn`` modules, so quantization (and any
 later per-backend linear kernel) applies to them unchanged.
 """
 
-from .activations import Activation, geglu, swiglu
+from .activations import Activation, gelu_approx_mul, geglu, swiglu
 from .attention_geometry import AttentionGeometry, attention_geometries
 from .experts import (
     QuantizedSwitchLinear,
@@ -42,6 +44,7 @@ from .loading import (
     load_checkpoint,
 )
 from .mlp import GatedMLP
+from .norm import rms_norm
 from .projections import project
 from .rope import (
     ROPE_KINDS,
@@ -80,6 +83,7 @@ __all__ = [
     "expected_tensors",
     "expert_kernels",
     "gather_switch_glu",
+    "gelu_approx_mul",
     "geglu",
     "graph_checkpoint_tensors",
     "graph_manifest",
@@ -88,6 +92,7 @@ __all__ = [
     "make_rope",
     "parse_rope_scaling",
     "project",
+    "rms_norm",
     "swiglu",
     "switch_glu",
 ]

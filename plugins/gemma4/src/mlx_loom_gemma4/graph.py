@@ -28,7 +28,16 @@ from mlx_loom.cache import (
     append_kv,
     create_attention_mask,
 )
-from mlx_loom.nn import AttentionGeometry, GatedMLP, SwitchGLU, geglu, make_rope, project
+from mlx_loom.nn import (
+    AttentionGeometry,
+    GatedMLP,
+    SwitchGLU,
+    gelu_approx_mul,
+    geglu,
+    make_rope,
+    project,
+    rms_norm,
+)
 from mlx_loom.nn.experts import ExpertKernel
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_gemma4.config import FULL, SLIDING, Gemma4TextConfig
@@ -43,14 +52,15 @@ def logit_softcap(softcap: float, x: mx.array) -> mx.array:
 
 
 class WeightlessRMSNorm(nn.Module):
-    """RMSNorm with no gain (Gemma 4's value norm): ``rms_norm(x, None, eps)``."""
+    """RMSNorm with no gain (Gemma 4's value norm): ``rms_norm(x, None, eps)`` (native
+    in a native forward: :func:`mlx_loom.nn.rms_norm`)."""
 
     def __init__(self, eps: float) -> None:
         super().__init__()
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, None, self.eps)
+        return rms_norm(x, None, self.eps)
 
 
 # --- attention ------------------------------------------------------------------
@@ -151,7 +161,7 @@ class Router(nn.Module):
         self._root_size = cfg.hidden_size**-0.5
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        x = mx.fast.rms_norm(x, self.scale * self._root_size, self.eps)
+        x = rms_norm(x, self.scale * self._root_size, self.eps)
         scores = self.proj(x)
         k = self.top_k
         indices = mx.stop_gradient(mx.argpartition(scores, kth=-k, axis=-1)[..., -k:])
@@ -228,8 +238,9 @@ class DecoderLayer(nn.Module):
         h = x + self.post_attention_layernorm(attn)
         h = h + self.post_feedforward_layernorm(self._feed_forward(h))
         if self.per_layer and per_layer_input is not None:
-            gate = nn.gelu_approx(self.per_layer_input_gate(h))
-            gate = self.per_layer_projection(mx.multiply(gate, per_layer_input))
+            # mlx-lm's two operations (one native node in a native float32 forward).
+            gate = gelu_approx_mul(self.per_layer_input_gate(h), per_layer_input)
+            gate = self.per_layer_projection(gate)
             h = h + self.post_per_layer_input_norm(gate)
         return h * self.layer_scalar, share
 

@@ -21,7 +21,14 @@ import mlx.nn as nn
 
 from mlx_loom.cache import KVCache, append_kv, create_attention_mask
 from mlx_loom.cache.recurrent import RecurrentCache
-from mlx_loom.nn import AttentionGeometry, GatedMLP, SwitchGLU, make_rope, project
+from mlx_loom.nn import (
+    AttentionGeometry,
+    GatedMLP,
+    SwitchGLU,
+    make_rope,
+    project,
+    rms_norm,
+)
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_qwen3_next.config import HybridConfig, Qwen3_5Config
 from mlx_loom_qwen3_next.kernels import (
@@ -80,7 +87,7 @@ def _l2_normalise(q: mx.array, k: mx.array, head_k_dim: int) -> tuple[mx.array, 
     """
     inv = head_k_dim**-0.5
     eps = 1e-6 * inv**2
-    return (inv**2) * mx.fast.rms_norm(q, None, eps), inv * mx.fast.rms_norm(k, None, eps)
+    return (inv**2) * rms_norm(q, None, eps), inv * rms_norm(k, None, eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -92,7 +99,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = mx.ones(dims)
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        return _gate_normed(x, gate, mx.fast.rms_norm(x, self.weight, self.eps))
+        return _gate_normed(x, gate, rms_norm(x, self.weight, self.eps))
 
 
 # --- attention ----------------------------------------------------------------

@@ -1,0 +1,74 @@
+#include <immintrin.h>
+
+#include "activations.h"
+
+namespace loom_cpu {
+
+namespace {
+
+// exp(x) for x <= 0 (and NaN): 2^(x log2 e) split at the nearest integer, a
+// degree-6 polynomial in the fraction (Cephes constants, as MLX's CPU exp),
+// the integer shifted into the exponent; 0 below -88, NaN kept.
+inline __m256 exp_nonpositive(__m256 x_in) {
+  const __m256 x = _mm256_mul_ps(x_in, _mm256_set1_ps(1.442695f));
+  const __m256 ipart = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, ipart);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  // Clamp the integer part before the shift (a NaN or far-negative lane
+  // must not wrap the exponent); those lanes are replaced below.
+  const __m256 safe = _mm256_max_ps(ipart, _mm256_set1_ps(-127.0f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(safe), _mm256_set1_epi32(127)), 23);
+  __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(e), p);
+  r = _mm256_blendv_ps(
+      r, _mm256_setzero_ps(), _mm256_cmp_ps(x_in, _mm256_set1_ps(-88.0f), _CMP_LT_OQ));
+  return _mm256_blendv_ps(r, x_in, _mm256_cmp_ps(x_in, x_in, _CMP_UNORD_Q));
+}
+
+inline __m256 gelu_tanh_mul8(__m256 x, __m256 up) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  // MLX's order: sqrt(2/pi) * (x + 0.044715 * x^3).
+  const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+  const __m256 inner = _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(0.044715f), x3));
+  const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), inner);
+  // tanh(|u|) = (1 - e) / (1 + e), e = exp(-2|u|) in (0, 1]; the sign put back.
+  const __m256 au = _mm256_andnot_ps(sign, u);
+  const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_set1_ps(-2.0f), au));
+  const __m256 t_abs = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  const __m256 t = _mm256_or_ps(t_abs, _mm256_and_ps(sign, u));
+  const __m256 half_x = _mm256_mul_ps(_mm256_set1_ps(0.5f), x);
+  return _mm256_mul_ps(_mm256_mul_ps(half_x, _mm256_add_ps(one, t)), up);
+}
+
+}  // namespace
+
+void gelu_tanh_mul(const float* gate, const float* up, float* out, size_t i0, size_t i1) {
+  size_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    _mm256_storeu_ps(out + i, gelu_tanh_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+  }
+  if (i < i1) {
+    // The tail through the same lanes (padded with zeros, stored partially).
+    float g[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float u[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float r[8];
+    const size_t n = i1 - i;
+    for (size_t j = 0; j < n; ++j) {
+      g[j] = gate[i + j];
+      u[j] = up[i + j];
+    }
+    _mm256_storeu_ps(r, gelu_tanh_mul8(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
+    for (size_t j = 0; j < n; ++j) {
+      out[i + j] = r[j];
+    }
+  }
+}
+
+}  // namespace loom_cpu

@@ -1,0 +1,67 @@
+#include "native_activations.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "activations.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "native_common.h"
+#include "threadpool.h"
+
+namespace loom_cpu {
+
+namespace {
+
+// Elements per task, and below how many elements the gate runs on the
+// calling thread alone (a decode step's gates, a few thousand, do).
+constexpr size_t kBlock = 1024;
+constexpr size_t kParallelElements = size_t{1} << 14;
+
+}  // namespace
+
+mx::array gelu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  require(gate.dtype() == mx::float32 && up.dtype() == mx::float32, [&] {
+    return std::string("[loom native kernels] gelu_mul takes float32 gate and up, got " +
+        dtype_str(gate.dtype()) + " and " + dtype_str(up.dtype()) + ".");
+  });
+  require(gate.shape() == up.shape(), [&] {
+    return std::string("[loom native kernels] gelu_mul's gate and up must share one shape, got " +
+        shape_str(gate) + " and " + shape_str(up) + ".");
+  });
+  return mx::array(gate.shape(), mx::float32, std::make_shared<NativeGeluMul>(stream), {gate, up});
+}
+
+void NativeGeluMul::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const mx::array gate = row_contiguous(raw[0], stream());
+  const mx::array up = row_contiguous(raw[1], stream());
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(gate);
+  encoder.set_input_array(up);
+  encoder.set_output_array(out);
+  const float* g = gate.data<float>();
+  const float* u = up.data<float>();
+  float* y = out.data<float>();
+  const size_t n = out.size();
+  encoder.dispatch([g, u, y, n]() {
+    if (n < kParallelElements) {
+      gelu_tanh_mul(g, u, y, 0, n);
+      return;
+    }
+    const int blocks = static_cast<int>((n + kBlock - 1) / kBlock);
+    parallel_for(blocks, [&](int b) {
+      const size_t a = static_cast<size_t>(b) * kBlock;
+      gelu_tanh_mul(g, u, y, a, std::min(n, a + kBlock));
+    });
+  });
+}
+
+void NativeGeluMul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[loom native kernels] have no GPU implementation.");
+}
+
+}  // namespace loom_cpu
