@@ -53,8 +53,37 @@ def test_the_native_recurrence_is_within_fp32_rounding_of_mlx(T, Dk, Dv):
     assert not mx.array_equal(y, mx.zeros_like(y))
 
 
+def _unreached(*_args, **_kwargs):
+    raise AssertionError("float32 inputs took the ops kernels")
+
+
+UNREACHED = {
+    name: _unreached for name in ("gated_delta", "gated_delta_masked", "gated_delta_replay")
+}
+
+
+def test_half_precision_activations_keep_the_graphs_own_recurrence():
+    """bf16 compute keeps MLX's rounding points (the kernels the graph had), as the
+    conv does; float32 takes the native node."""
+    taken = []
+    ops = {
+        name: (lambda *a, _n=name, **kw: taken.append(_n) or "ops")
+        for name in ("gated_delta", "gated_delta_masked", "gated_delta_replay")
+    }
+    kn = native_cpu_kernels(native.module(), ops)
+    q, k, v, g, beta, state = inputs(1, 3, 2, 4, 16, 8)
+    half = [a.astype(mx.bfloat16) for a in (q, k, v, g, beta)]
+    mask = mx.array([[True, True, False]])
+    assert kn["gated_delta"](*half, state) == "ops"
+    assert kn["gated_delta_masked"](*half, state, mask) == "ops"
+    assert kn["gated_delta_replay"](*half, state, mask, mx.array([2])) == "ops"
+    assert taken == ["gated_delta", "gated_delta_masked", "gated_delta_replay"]
+    y, _ = kn["gated_delta"](q, k, v, g, beta, state)
+    assert y.dtype == mx.float32 and taken == ["gated_delta", "gated_delta_masked", "gated_delta_replay"]
+
+
 def test_a_padded_row_equals_the_row_alone_and_a_replay_the_forward():
-    kn = native_cpu_kernels(native.module())
+    kn = native_cpu_kernels(native.module(), UNREACHED)
     q, k, v, g, beta, state = inputs(2, 9, 2, 4, 64, 32, seed=3)
     mask = mx.array([[True] * 9, [True] * 6 + [False] * 3])
     y, s = kn["gated_delta_masked"](q, k, v, g, beta, state, mask)
@@ -76,7 +105,7 @@ def test_a_padded_row_equals_the_row_alone_and_a_replay_the_forward():
 
 
 def test_the_native_conv_is_within_rounding_of_mlx_and_chunks_agree():
-    kn = native_cpu_kernels(native.module())
+    kn = native_cpu_kernels(native.module(), UNREACHED)
     C, K = 40, 4
     x = mx.random.normal((2, 23, C), key=mx.random.key(1))
     weight = mx.random.normal((C, K, 1), key=mx.random.key(2)) * 0.5

@@ -189,7 +189,12 @@ class GatedDeltaNet(nn.Module):
         padded forward and the replay change together, so they keep one
         arithmetic (:func:`~mlx_loom_qwen3_next.kernels.native_cpu_kernels`).
         """
-        self._kernels = replace(self._kernels, **native_cpu_kernels(native))
+        current = {
+            "gated_delta": self._kernels.gated_delta,
+            "gated_delta_masked": self._kernels.gated_delta_masked,
+            "gated_delta_replay": self._kernels.gated_delta_replay,
+        }
+        self._kernels = replace(self._kernels, **native_cpu_kernels(native, current))
 
     def _recurrence_inputs(self, conv_out: mx.array, a: mx.array, b: mx.array):
         B, S, _ = conv_out.shape

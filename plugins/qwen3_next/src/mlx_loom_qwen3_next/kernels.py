@@ -190,7 +190,9 @@ def ops_kernels() -> list[Kernel]:
 # --- the core's native CPU kernel sets -------------------------------------------
 
 
-def native_cpu_kernels(native: ModuleType) -> dict[str, Callable[..., Any]]:
+def native_cpu_kernels(
+    native: ModuleType, ops: dict[str, Callable[..., Any]]
+) -> dict[str, Callable[..., Any]]:
     """The recurrence and the causal conv on the core's native CPU extension
     (:class:`~.graph.Kernels` fields).
 
@@ -204,24 +206,32 @@ def native_cpu_kernels(native: ModuleType) -> dict[str, Callable[..., Any]]:
     (row, head) is computed on its own and masked steps leave the state as
     it was, so a padded row equals the row alone and the replay below
     equals the forward's state over the kept steps, bit for bit (tested).
+    Half-precision activations (``compute_dtype="checkpoint"`` on a bf16
+    checkpoint) keep ``ops``, the kernels the graph had, as the conv does:
+    their rounding points are MLX's. The compute dtype is fixed per model,
+    so the forward, the padded forward and the replay always agree.
     """
 
-    def f32(a: mx.array) -> mx.array:
-        return a if a.dtype == mx.float32 else a.astype(mx.float32)
-
     def run(q, k, v, g, beta, state, mask):
-        y, new = native.gated_delta(
-            f32(q), f32(k), f32(v), f32(g), f32(beta), f32(state), mask
-        )
-        return y.astype(q.dtype) if q.dtype != mx.float32 else y, new.astype(state.dtype)
+        f32 = [a.astype(mx.float32) for a in (k, v, g, beta, state)]
+        return native.gated_delta(q, *f32, mask)
+
+    def native_fp32(q) -> bool:
+        return q.dtype == mx.float32
 
     def forward(q, k, v, g, beta, state):
+        if not native_fp32(q):
+            return ops["gated_delta"](q, k, v, g, beta, state)
         return run(q, k, v, g, beta, state, None)
 
     def masked(q, k, v, g, beta, state, mask):
+        if not native_fp32(q):
+            return ops["gated_delta_masked"](q, k, v, g, beta, state, mask)
         return run(q, k, v, g, beta, state, mask)
 
     def replay(q, k, v, g, beta, state, mask=None, lengths=None):
+        if not native_fp32(q):
+            return ops["gated_delta_replay"](q, k, v, g, beta, state, mask=mask, lengths=lengths)
         if lengths is not None:
             kept = mx.arange(q.shape[1])[None] < lengths[:, None]
             mask = kept if mask is None else mask & kept
