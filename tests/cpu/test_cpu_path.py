@@ -190,9 +190,12 @@ def test_loom_explain_shows_which_cpu_path_runs(llama, capsys):
     assert "compute dtype          float32  (the CPU default" in out
     assert "cpu kernels            cpu-native, " in out
     assert "threads: matmul, rms_norm, rope, attention, swiglu, log_softmax, experts, family  (" in out
+    assert "prefill chunk          512 tokens  (the native CPU kernels" in out
     assert main(["explain", str(llama), "--cpu-kernels", "cpu-ops", "--json"]) == 0
-    cpu = json.loads(capsys.readouterr().out)["cpu"]
+    payload = json.loads(capsys.readouterr().out)
+    cpu = payload["cpu"]
     assert cpu["kernel_set"] == "cpu-ops" and cpu["compute_dtype"] == "float32"
+    assert payload["prefill_step_size"] == 2048  # mlx-lm's, on MLX's operations
 
 
 def test_loom_explain_refuses_the_native_set_where_it_cannot_run(llama, capsys, no_avx2):

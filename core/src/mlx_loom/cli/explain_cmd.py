@@ -11,6 +11,7 @@ from ..cpu.compiled_step import describe as describe_step
 from ..cpu.path import describe_quantized_products
 from ..device import DeviceReport, report
 from ..engine.defaults import generation_defaults
+from ..engine.settings import DEFAULT_PREFILL_STEP, prefill_step_for
 from ..host import PluginHost, resolve_model
 from .generate_cmd import add_cpu_path_options
 from .models_cmd import human_bytes, human_count
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
                 summary.cpu, weights.quantization_modes
             ),
             "sampling_defaults": sampling,
+            "prefill_step_size": prefill_step_for(summary.cpu.kernel_set),
             "mlx": {
                 "backend": device.backend,
                 "packages": list(device.packages),
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             describe_quantized_products(summary.cpu, weights.quantization_modes) or "none",
         ),
         ("decode step", describe_step(summary.cpu.kernel_set, frozenset(summary.capabilities))),
+        ("prefill chunk", _prefill_chunk(summary.cpu.kernel_set)),
         ("capabilities", ", ".join(summary.capabilities) or "-"),
         (
             "sampling defaults",
@@ -115,6 +118,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("kernels: none needed")
     return 0
+
+
+def _prefill_chunk(kernel_set: str | None) -> str:
+    step = prefill_step_for(kernel_set)
+    why = (
+        "the native CPU kernels: rows independent, less peak memory"
+        if step != DEFAULT_PREFILL_STEP
+        else "mlx-lm's default"
+    )
+    return f"{step} tokens  ({why}; --prefill-step-size to change)"
 
 
 def _backend(device: DeviceReport) -> str:
