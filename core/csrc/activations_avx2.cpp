@@ -1,6 +1,7 @@
 #include <immintrin.h>
 
 #include "activations.h"
+#include "avx2_common.h"
 
 namespace loom_cpu {
 
@@ -50,25 +51,7 @@ inline __m256 gelu_tanh_mul8(__m256 x, __m256 up) {
 }  // namespace
 
 void gelu_tanh_mul(const float* gate, const float* up, float* out, size_t i0, size_t i1) {
-  size_t i = i0;
-  for (; i + 8 <= i1; i += 8) {
-    _mm256_storeu_ps(out + i, gelu_tanh_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
-  }
-  if (i < i1) {
-    // The tail through the same lanes (padded with zeros, stored partially).
-    float g[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    float u[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    float r[8];
-    const size_t n = i1 - i;
-    for (size_t j = 0; j < n; ++j) {
-      g[j] = gate[i + j];
-      u[j] = up[i + j];
-    }
-    _mm256_storeu_ps(r, gelu_tanh_mul8(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
-    for (size_t j = 0; j < n; ++j) {
-      out[i + j] = r[j];
-    }
-  }
+  map_lanes2(gate, up, out, i0, i1, gelu_tanh_mul8);
 }
 
 }  // namespace loom_cpu

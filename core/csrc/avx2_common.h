@@ -1,5 +1,5 @@
 // Scalar and 8-lane helpers shared by the AVX2 translation units
-// (kernels_avx2.cpp, kernels_int8_avx2.cpp, ops_avx2.cpp). Include it from
+// (kernels_avx2.cpp, kernels_int8_avx2.cpp, ops_avx2.cpp, activations_avx2.cpp). Include it from
 // those files only: every helper has internal linkage, so no AVX2 code can be merged into objects
 // built for baseline x86-64.
 #pragma once
@@ -23,6 +23,32 @@ namespace {
 
 // ---------------------------------------------------------------------------
 // Scalars and small vectors
+
+// out[i] = f(a[i], b[i]) for i in [i0, i1), `f` taking and giving eight lanes:
+// the element-wise gates (SwiGLU, GeGLU). The tail runs through the same
+// lanes (padded with zeros, stored partially), so every element meets the
+// same operations wherever it falls.
+template <class F>
+LOOM_HOT void map_lanes2(const float* a, const float* b, float* out, size_t i0, size_t i1, F f) {
+  size_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    _mm256_storeu_ps(out + i, f(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  }
+  if (i < i1) {
+    float av[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float bv[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float r[8];
+    const size_t n = i1 - i;
+    for (size_t j = 0; j < n; ++j) {
+      av[j] = a[i + j];
+      bv[j] = b[i + j];
+    }
+    _mm256_storeu_ps(r, f(_mm256_loadu_ps(av), _mm256_loadu_ps(bv)));
+    for (size_t j = 0; j < n; ++j) {
+      out[i + j] = r[j];
+    }
+  }
+}
 
 inline float bf16_to_f32(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;

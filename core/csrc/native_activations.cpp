@@ -35,14 +35,11 @@ mx::array gelu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevic
 }
 
 void NativeGeluMul::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::array>& outputs) {
+  const std::vector<mx::array> in = begin_eval(raw, outputs, stream());
+  const mx::array& gate = in[0];
+  const mx::array& up = in[1];
   mx::array& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  const mx::array gate = row_contiguous(raw[0], stream());
-  const mx::array up = row_contiguous(raw[1], stream());
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(gate);
-  encoder.set_input_array(up);
-  encoder.set_output_array(out);
   const float* g = gate.data<float>();
   const float* u = up.data<float>();
   float* y = out.data<float>();

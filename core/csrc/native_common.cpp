@@ -97,6 +97,26 @@ void strided_copy(
 
 }  // namespace
 
+std::vector<mx::array> begin_eval(
+    const std::vector<mx::array>& raw, std::vector<mx::array>& outputs, mx::Stream stream) {
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+  }
+  std::vector<mx::array> inputs;
+  inputs.reserve(raw.size());
+  for (const auto& a : raw) {
+    inputs.push_back(row_contiguous(a, stream));
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  for (auto& o : outputs) {
+    encoder.set_output_array(o);
+  }
+  return inputs;
+}
+
 mx::array row_contiguous(const mx::array& a, mx::Stream stream) {
   if (a.flags().row_contiguous) {
     return a;

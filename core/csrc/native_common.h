@@ -38,6 +38,12 @@ mx::Stream cpu_stream(mx::StreamOrDevice s);
 // evaluation rather than as a graph node: most activations are contiguous
 // already, and a decode step then builds no extra node per product.
 mx::array row_contiguous(const mx::array& a, mx::Stream stream);
+// The start of a primitive's evaluation: its outputs allocated, its inputs
+// made row-contiguous (row_contiguous), and both registered with the
+// stream's encoder, so the kernels may read and write them. Returns the
+// inputs to read.
+std::vector<mx::array> begin_eval(
+    const std::vector<mx::array>& raw, std::vector<mx::array>& outputs, mx::Stream stream);
 
 // Per-thread fp32 scratch, reused across calls (64-byte aligned).
 struct Scratch {

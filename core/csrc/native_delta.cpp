@@ -64,20 +64,8 @@ std::vector<mx::array> gated_delta(
 
 void NativeGatedDelta::eval_cpu(
     const std::vector<mx::array>& raw, std::vector<mx::array>& outputs) {
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-  }
-  std::vector<mx::array> in;
-  for (const auto& a : raw) {
-    in.push_back(row_contiguous(a, stream()));
-  }
+  const std::vector<mx::array> in = begin_eval(raw, outputs, stream());
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : in) {
-    encoder.set_input_array(a);
-  }
-  for (auto& o : outputs) {
-    encoder.set_output_array(o);
-  }
   const int B = in[0].shape(0), T = in[0].shape(1), Hk = in[0].shape(2), Dk = in[0].shape(3);
   const int Hv = in[2].shape(2), Dv = in[2].shape(3);
   DeltaHead base{};
@@ -146,17 +134,9 @@ mx::array conv_silu(const mx::array& x, const mx::array& weight, mx::StreamOrDev
 }
 
 void NativeConvSilu::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::array>& outputs) {
+  const std::vector<mx::array> in = begin_eval(raw, outputs, stream());
   mx::array& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  std::vector<mx::array> in;
-  for (const auto& a : raw) {
-    in.push_back(row_contiguous(a, stream()));
-  }
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : in) {
-    encoder.set_input_array(a);
-  }
-  encoder.set_output_array(out);
   const int B = out.shape(0), S = out.shape(1), C = out.shape(2), K = in[1].shape(1);
   const float* x = in[0].data<float>();
   const float* w = in[1].data<float>();

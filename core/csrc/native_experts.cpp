@@ -600,13 +600,7 @@ std::vector<mx::array> gather_affine_matmul(
 void NativeGatherMatmul::eval_cpu(
     const std::vector<mx::array>& raw_inputs,
     std::vector<mx::array>& outputs) {
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-  }
-  std::vector<mx::array> inputs;
-  for (const auto& a : raw_inputs) {
-    inputs.push_back(row_contiguous(a, stream()));
-  }
+  const std::vector<mx::array> inputs = begin_eval(raw_inputs, outputs, stream());
   const mx::array& x = inputs[0];
   const mx::array& indices = inputs[1];
   const size_t per_weight = bits_ == 0 ? 1 : 3;
@@ -665,12 +659,6 @@ void NativeGatherMatmul::eval_cpu(
     j.outs[i] = outputs[i].data<void>();
   }
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  for (auto& o : outputs) {
-    encoder.set_output_array(o);
-  }
   encoder.dispatch([j]() { run_job(j); });
 }
 

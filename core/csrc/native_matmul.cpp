@@ -544,15 +544,9 @@ std::vector<mx::array> multi_affine_matmul(
 void NativeMatmul::eval_cpu(
     const std::vector<mx::array>& raw_inputs,
     std::vector<mx::array>& outputs) {
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-  }
-  mx::array& out = outputs[0];
   // The kernels read row-contiguous memory (weights always are).
-  std::vector<mx::array> inputs;
-  for (const auto& a : raw_inputs) {
-    inputs.push_back(row_contiguous(a, stream()));
-  }
+  const std::vector<mx::array> inputs = begin_eval(raw_inputs, outputs, stream());
+  mx::array& out = outputs[0];
   const mx::array& x = inputs[0];
   // The product of the weight starting at inputs[first] (dense: the weight;
   // affine: weight, scales, biases).
@@ -585,12 +579,6 @@ void NativeMatmul::eval_cpu(
   }
 
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  for (auto& o : outputs) {
-    encoder.set_output_array(o);
-  }
   // int8 activations serve every size: up to kSmallRows rows as decode's
   // matrix-vector passes, above it (prefill) the same kernel over blocks of
   // weight rows, so a row's result never depends on the rows beside it.

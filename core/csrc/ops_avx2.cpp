@@ -524,28 +524,9 @@ inline __m256 mlx_sigmoid(__m256 x) {
 }  // namespace
 
 void silu_mul(const float* gate, const float* up, float* out, size_t i0, size_t i1) {
-  size_t i = i0;
-  for (; i + 8 <= i1; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 silu = _mm256_mul_ps(g, mlx_sigmoid(g));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-  }
-  if (i < i1) {
-    // The tail through the same lanes (padded with zeros, stored partially).
-    float g[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    float u[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    float r[8];
-    const size_t n = i1 - i;
-    for (size_t j = 0; j < n; ++j) {
-      g[j] = gate[i + j];
-      u[j] = up[i + j];
-    }
-    const __m256 gv = _mm256_loadu_ps(g);
-    _mm256_storeu_ps(r, _mm256_mul_ps(_mm256_mul_ps(gv, mlx_sigmoid(gv)), _mm256_loadu_ps(u)));
-    for (size_t j = 0; j < n; ++j) {
-      out[i + j] = r[j];
-    }
-  }
+  map_lanes2(gate, up, out, i0, i1, [](__m256 g, __m256 u) {
+    return _mm256_mul_ps(_mm256_mul_ps(g, mlx_sigmoid(g)), u);
+  });
 }
 
 void log_softmax_rows(const float* x, float* out, int V, int r0, int r1) {
