@@ -4,9 +4,6 @@ CPU kernels run, mlx-lm's 2048 on MLX's own operations — decided in one place
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import mlx.core as mx
 import pytest
 
@@ -18,6 +15,7 @@ from mlx_loom.engine.settings import (
     prefill_step_for,
 )
 from mlx_loom.generation.loop import generate_tokens
+from mlx_loom.testing.checkpoints import write_checkpoint
 
 from .conftest import ids, request
 
@@ -47,16 +45,32 @@ def test_a_request_without_a_chunk_gets_the_models_and_one_that_sets_it_keeps_it
     assert pinned._step(request(model, prompt=ids(4, 0))) == 300
 
 
-def test_the_native_default_chunk_gives_the_tokens_of_one_whole_chunk(checkpoints, tmp_path):
-    """A prompt longer than 512 tokens, prefilled in the default 512-token
-    chunks and in one 2048-token chunk: the same greedy tokens and the same
-    log-probabilities bit for bit (the native products and attention compute
-    every row on its own)."""
-    longer = tmp_path / "llama"  # the tiny checkpoint with room for the prompt
-    shutil.copytree(checkpoints("llama"), longer)
-    config = json.loads((longer / "config.json").read_text())
-    (longer / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-    model, _ = mlx_loom.load(longer, cpu_kernels="cpu-native")
+@pytest.mark.parametrize(
+    # full attention, a rotating window, recurrent state with routed experts,
+    # a rotating window with KV-shared layers (Gemma 4's dense MLP: its tiny
+    # experts would see chunks of at most 32 rows, below)
+    ("model_type", "overrides"),
+    [
+        ("llama", {}),
+        ("llama", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}),
+        ("qwen3_next", {}),
+        ("gemma4_text", {"enable_moe_block": False}),
+    ],
+)
+def test_the_native_default_chunk_gives_the_tokens_of_one_whole_chunk(
+    tmp_path, model_type, overrides
+):
+    """A prompt of 1100 tokens, prefilled in the default 512-token chunks
+    (512 + 512 + 76) and in one 2048-token chunk: the same greedy tokens and
+    the same log-probabilities bit for bit, for every cache kind (the native
+    GEMM and attention compute every row on its own, a recurrence goes token
+    by token). A chunk of at most 32 rows takes the matrix-vector kernel,
+    which sums in another order (docs/cpu.md), at any chunk size."""
+    claim = mlx_loom.default_host().registry.model_types[model_type]
+    # The tiny checkpoint with room for the prompt.
+    config = {**claim.tiny_config, "max_position_embeddings": 2048, **overrides}
+    path = write_checkpoint(tmp_path / "ckpt", config, claim.checkpoint_tensors(config))
+    model, _ = mlx_loom.load(path, cpu_kernels="cpu-native")
     prompt = ids(1100, 7)
 
     def run(step):

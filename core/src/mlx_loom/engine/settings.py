@@ -22,9 +22,11 @@ DEFAULT_DECODE_CONCURRENCY = 32
 DEFAULT_PROMPT_CONCURRENCY = 8
 DEFAULT_PREFILL_STEP = 2048
 #: Prefill chunk where the native CPU kernels run: llama.cpp's physical batch.
-#: Their rows are computed independently, so the chunk changes no result, and
-#: on this path a 512-token chunk prefills as fast as 2048 while a 2048-token
-#: prompt's peak memory drops by about a third (docs/cpu.md, "Peak memory").
+#: Their GEMM computes every row on its own, so a chunk of more than 32 rows
+#: changes no result (a smaller one, at any chunk size, sums in the
+#: matrix-vector kernel's order), and on this path a 512-token chunk prefills
+#: as fast as 2048 while a 2048-token prompt's peak memory drops by about a
+#: third (docs/cpu.md, "Peak memory").
 NATIVE_CPU_PREFILL_STEP = 512
 #: Prompt tokens one engine step prefills while rows decode (one default chunk).
 DEFAULT_PREFILL_TOKEN_BUDGET = 2048
@@ -174,8 +176,8 @@ class EngineSettings(BaseModel):
 
 def prefill_step_for(kernel_set: str | None) -> int:
     """The prefill chunk for requests and engines that set none: smaller on the
-    native CPU kernels (``NATIVE_CPU_PREFILL_STEP``: same results, same speed,
-    less memory), mlx-lm's 2048 elsewhere — on MLX's own operations the chunk
+    native CPU kernels (``NATIVE_CPU_PREFILL_STEP``: the same results wherever
+    a chunk has more than 32 rows, the same speed, less memory), mlx-lm's 2048 elsewhere — on MLX's own operations the chunk
     is part of the arithmetic the parity tests hold equal to mlx-lm's."""
     if kernel_set is not None and kernel_set.startswith("cpu-native"):
         return NATIVE_CPU_PREFILL_STEP
