@@ -21,9 +21,11 @@ STEP = 8  # prompt tokens per chunk
 CHUNKS = 3  # chunks per long prompt (all but its last token are prefilled)
 
 
-def _first_tokens(budget: int, loaded) -> tuple[dict[str, int], list[set[str]], dict]:
+def _first_tokens(
+    budget: int, loaded, name: str = "llama"
+) -> tuple[dict[str, int], list[set[str]], dict]:
     """Run one decoding stream and three long prompts arriving together at step 3."""
-    model, _ = loaded("llama")
+    model, _ = loaded(name)
     short = request(model, prompt=ids(5, 1), max_tokens=30)
     longs = {
         name: request(model, prompt=ids(STEP * CHUNKS + 1, seed), max_tokens=3)
@@ -48,8 +50,11 @@ def _first_tokens(budget: int, loaded) -> tuple[dict[str, int], list[set[str]], 
     return first, steps, runs
 
 
-def test_long_prompts_take_the_budget_in_turn_while_a_stream_decodes(loaded):
-    first, steps, runs = _first_tokens(STEP, loaded)
+# Full attention, a rotating window, recurrent state, KV-shared layers: the
+# budget moves when chunks run, never where they cut, for every cache kind.
+@pytest.mark.parametrize("name", ["llama", "llama-sliding", "qwen3_next", "gemma4_text"])
+def test_long_prompts_take_the_budget_in_turn_while_a_stream_decodes(loaded, name):
+    first, steps, runs = _first_tokens(STEP, loaded, name)
     # One chunk per step: the prompts are prefilled one after the other, in
     # the order they arrived, each in CHUNKS steps.
     assert first["b"] - first["a"] == CHUNKS
