@@ -267,8 +267,12 @@ class Engine:
     spent: float = 0.0
 
 
-def loom_engine(path: Path, compute_dtype: str, cpu_kernels: str) -> Runner:
-    model, _ = mlx_loom.load(path, compute_dtype=compute_dtype, cpu_kernels=cpu_kernels)
+def loom_engine(
+    path: Path, compute_dtype: str, cpu_kernels: str, kv_dtype: str | None = None
+) -> Runner:
+    model, _ = mlx_loom.load(
+        path, compute_dtype=compute_dtype, cpu_kernels=cpu_kernels, kv_dtype=kv_dtype
+    )
 
     def run(prompt, gen):
         tokens = generate_tokens(model, prompt, model.make_cache(), sampler=_greedy, max_tokens=gen)
@@ -298,6 +302,12 @@ def mlx_lm_engine(path: Path, dtype) -> Runner:
 MLX_ENGINES: dict[str, Callable[[Path], Runner]] = {
     "loom native f32": lambda p: loom_engine(p, "float32", "cpu-native"),
     "loom int8-act f32": lambda p: loom_engine(p, "float32", "cpu-native-int8-act"),
+    # llama.cpp's own KV precision: a long context's decode reads the cache
+    # every token, and float32 keys and values are twice its bytes.
+    "loom int8-act f32 kv16": lambda p: loom_engine(
+        p, "float32", "cpu-native-int8-act", kv_dtype="float16"
+    ),
+    "loom native f32 kv16": lambda p: loom_engine(p, "float32", "cpu-native", kv_dtype="float16"),
     "loom native ckpt": lambda p: loom_engine(p, "checkpoint", "cpu-native"),
     "loom ops f32": lambda p: loom_engine(p, "float32", "cpu-ops"),
     "loom ops ckpt": lambda p: loom_engine(p, "checkpoint", "cpu-ops"),
