@@ -182,6 +182,9 @@ class CpuPath(BaseModel):
             extra = f", {self.threads} threads"
             if self.kernel_set == "cpu-native-int8-act" and self.isa is not None:
                 extra += f", int8 products on {self.isa}"
+                if self.isa != "avx2":
+                    # The same bits either way; docs/cpu.md gives the measurement.
+                    extra += " (one or two rows on avx2)"
         kernels = ", ".join(cpu_kernel_sets()[self.kernel_set].kernels)
         return f"{self.kernel_set}{extra}: {kernels}  ({self.kernel_set_reason})"
 
