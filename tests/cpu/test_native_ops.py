@@ -231,11 +231,13 @@ def test_prefill_rows_equal_decode_rows_however_the_prompt_is_chunked(mask_kind,
 
 @pytest.mark.parametrize("kv_dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("L", [1, 9])
-def test_half_precision_keys_are_read_exactly_by_float32_queries(kv_dtype, L):
+@pytest.mark.parametrize("D", [64, 36])  # 36: a last partial vector of 4
+def test_half_precision_keys_are_read_exactly_by_float32_queries(kv_dtype, L, D):
     """A half-precision KV cache under float32 queries: the kernel widens each
-    element exactly, so the output equals attending over the widened copy."""
-    q = rand((2, 4, L, 64), seed=33)
-    k, v = rand((2, 2, 20, 64), kv_dtype, 34), rand((2, 2, 20, 64), kv_dtype, 35)
+    element exactly (decode in registers, prefill into its key block), so the
+    output equals attending over the widened copy."""
+    q = rand((2, 4, L, D), seed=33)
+    k, v = rand((2, 2, 20, D), kv_dtype, 34), rand((2, 2, 20, D), kv_dtype, 35)
     got = ops.attention(q, k, v, scale=0.125, mask="causal" if L > 1 else None)
     wide = ops.attention(
         q, k.astype(mx.float32), v.astype(mx.float32), scale=0.125,
