@@ -14,13 +14,7 @@ inline __m256 exp_nonpositive(__m256 x_in) {
   const __m256 x = _mm256_mul_ps(x_in, _mm256_set1_ps(1.442695f));
   const __m256 ipart = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, ipart);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256 p = exp2_fraction(f);
   // Clamp the integer part before the shift (a NaN or far-negative lane
   // must not wrap the exponent); those lanes are replaced below.
   const __m256 safe = _mm256_max_ps(ipart, _mm256_set1_ps(-127.0f));

@@ -110,6 +110,19 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// 2^f for the fraction f of an exp split at an integer: the degree-6
+// polynomial (Cephes constants) MLX's CPU exp evaluates, in its order. The
+// native exps differ only in how they split x and treat the ends.
+inline __m256 exp2_fraction(__m256 f) {
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  return _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+}
+
 inline __m256 load_bf16x8(const uint16_t* p) {
   __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));

@@ -38,64 +38,47 @@ inline void row_store(void* out, int dtype, size_t first, const float* src, int 
   }
 }
 
-inline float dot(const float* a, const float* b, int n) {
+// dot(a, b) and y += a * x with b / x stored as SD (kF32, kBF16 or kF16):
+// each half-precision element widened exactly as to_f32 widens it, then the
+// same lanes and fused multiply-adds, so a cache row stored in half
+// precision gives the bits of its widened copy without converting it into a
+// buffer first (that round trip made decode over a float16 cache slower than
+// over a float32 one twice its bytes: 2048-token Llama context, 51 against
+// 55 tokens/s).
+template <int SD>
+inline float dot_stored(const float* a, const void* b, int n) {
   __m256 acc = _mm256_setzero_ps();
   int i = 0;
   for (; i + 8 <= n; i += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_dense8<SD>(b, i), acc);
   }
   float s = hsum(acc);
   for (; i < n; ++i) {
-    s = __builtin_fmaf(a[i], b[i], s);
+    s = __builtin_fmaf(a[i], load_scalar(b, SD, i), s);
   }
   return s;
+}
+
+template <int SD>
+inline void axpy_stored(float a, const void* x, float* y, int n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load_dense8<SD>(x, i), _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) {
+    y[i] = __builtin_fmaf(a, load_scalar(x, SD, i), y[i]);
+  }
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  return dot_stored<kF32>(a, b, n);
 }
 
 // y += a * x
 inline void axpy(float a, const float* x, float* y, int n) {
-  const __m256 av = _mm256_set1_ps(a);
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  }
-  for (; i < n; ++i) {
-    y[i] = __builtin_fmaf(a, x[i], y[i]);
-  }
+  axpy_stored<kF32>(a, x, y, n);
 }
-
-// dot(a, b, n) and axpy(a, x, y, n) for a key or value row stored in half
-// precision (HD: kBF16 or kF16): each element widened exactly as to_f32
-// widens it, then the same lanes and fused multiply-adds, so the same bits
-// as converting the row into a buffer first -- without that round trip,
-// which made decode over a float16 cache slower than over a float32 one
-// twice its bytes (2048-token Llama context: 51 against 55 tokens/s).
-template <int HD>
-inline float dot_half(const float* a, const uint16_t* b, int n) {
-  __m256 acc = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_dense8<HD>(b, i), acc);
-  }
-  float s = hsum(acc);
-  for (; i < n; ++i) {
-    s = __builtin_fmaf(a[i], load_scalar(b, HD, i), s);
-  }
-  return s;
-}
-
-template <int HD>
-inline void axpy_half(float a, const uint16_t* x, float* y, int n) {
-  const __m256 av = _mm256_set1_ps(a);
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load_dense8<HD>(x, i), _mm256_loadu_ps(y + i)));
-  }
-  for (; i < n; ++i) {
-    y[i] = __builtin_fmaf(a, load_scalar(x, HD, i), y[i]);
-  }
-}
-
-
 
 }  // namespace
 
@@ -335,10 +318,9 @@ void one_row(
   float top = -__builtin_inff();
   for (int s = 0; s < keys; ++s) {
     const char* kp = kbase + s * job.k_strides[2] * esize;
-    const auto* kh = reinterpret_cast<const uint16_t*>(kp);
-    const float d = f32 ? dot(qrow, reinterpret_cast<const float*>(kp), D)
-        : f16           ? dot_half<kF16>(qrow, kh, D)
-                        : dot_half<kBF16>(qrow, kh, D);
+    const float d = f32 ? dot_stored<kF32>(qrow, kp, D)
+        : f16           ? dot_stored<kF16>(qrow, kp, D)
+                        : dot_stored<kBF16>(qrow, kp, D);
     const float sc = masked_score(d, job.scale, mrow, s, job.m_strides[3]);
     scores[s] = sc;
     top = sc > top ? sc : top;
@@ -352,13 +334,12 @@ void one_row(
       const float p = __builtin_expf(scores[s] - top);
       total += p;
       const char* vp = vbase + s * job.v_strides[2] * esize;
-      const auto* vh = reinterpret_cast<const uint16_t*>(vp);
       if (f32) {
-        axpy(p, reinterpret_cast<const float*>(vp), acc, Dv);
+        axpy_stored<kF32>(p, vp, acc, Dv);
       } else if (f16) {
-        axpy_half<kF16>(p, vh, acc, Dv);
+        axpy_stored<kF16>(p, vp, acc, Dv);
       } else {
-        axpy_half<kBF16>(p, vh, acc, Dv);
+        axpy_stored<kBF16>(p, vp, acc, Dv);
       }
     }
   }
@@ -529,13 +510,7 @@ inline __m256 mlx_exp(__m256 x_init) {
   const __m256d hi = _mm256_floor_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), half));
   const __m256 ipart = _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
   const __m256 fpart = _mm256_sub_ps(x, ipart);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.0f));
+  const __m256 p = exp2_fraction(fpart);
   const __m256i epart =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127)), 23);
   __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(epart), p);

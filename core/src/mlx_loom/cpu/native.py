@@ -110,8 +110,9 @@ def cpu_isa() -> str | None:
     ``avx2``; ``MLX_LOOM_CPU_ISA=avx2`` forces the baseline. Both give
     bit-identical results. It governs products of three or more activation
     rows: one or two rows (decode) run the AVX2 kernel on either, which was
-    the faster of the two there (docs/cpu.md). Raises ``ValueError`` for a ``MLX_LOOM_CPU_ISA``
-    that is not one of :data:`CPU_ISA_CHOICES` or names a set this CPU lacks.
+    the faster of the two there (docs/cpu.md). Raises ``ValueError`` for a
+    ``MLX_LOOM_CPU_ISA`` that is not one of :data:`CPU_ISA_CHOICES` or names
+    a set this CPU lacks.
     """
     mod, _ = _load()
     return str(mod.cpu_isa()) if mod is not None else None
