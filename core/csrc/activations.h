@@ -16,4 +16,11 @@ namespace loom_cpu {
 // gate or up.
 void gelu_tanh_mul(const float* gate, const float* up, float* out, size_t i0, size_t i1);
 
+// out[i] = tanh(x[i] / cap) * cap for i in [i0, i1): the logit soft cap
+// (Gemma), MLX's operation order, the tanh the one gelu_tanh_mul uses. Not
+// bit-equal to MLX's (the C library's tanhf): within 2^-21 * cap of it
+// (tested over a sweep; docs/cpu.md), NaN and infinities alike. out may
+// alias x.
+void softcap(const float* x, float cap, float* out, size_t i0, size_t i1);
+
 }  // namespace loom_cpu

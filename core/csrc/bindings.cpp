@@ -289,6 +289,13 @@ NB_MODULE(_native, m) {
       "gelu_approx(gate) * up (GeGLU) for float32 arrays of one shape, as one node; the tanh "
       "eight lanes at a time, within 2^-21 |gate * up| of MLX's evaluation.");
   m.def(
+      "softcap",
+      [](const mlx::core::array& x, float cap) { return loom_cpu::softcap(x, cap); },
+      "x"_a,
+      "cap"_a,
+      "tanh(x / cap) * cap (a logit soft cap) for a float32 array and a finite cap > 0, as one "
+      "node; gelu_mul's tanh, within 2^-21 * cap of MLX's evaluation.");
+  m.def(
       "log_softmax",
       [](const mlx::core::array& x) { return loom_cpu::log_softmax(x); },
       "x"_a,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <string>
 
 #include "activations.h"
 #include "mlx/allocator.h"
@@ -55,6 +56,45 @@ void NativeGeluMul::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::
       gelu_tanh_mul(g, u, y, a, std::min(n, a + kBlock));
     });
   });
+}
+
+mx::array softcap(const mx::array& x, float cap, mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  require(x.dtype() == mx::float32, [&] {
+    return std::string("[loom native kernels] softcap takes a float32 array, got " +
+        dtype_str(x.dtype()) + ".");
+  });
+  require(cap > 0.0f && cap <= 3.0e38f, [&] {
+    return std::string("[loom native kernels] softcap's cap must be a finite number above 0, got " +
+        std::to_string(cap) + ".");
+  });
+  return mx::array(x.shape(), mx::float32, std::make_shared<NativeSoftcap>(stream, cap), {x});
+}
+
+void NativeSoftcap::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::array>& outputs) {
+  const std::vector<mx::array> in = begin_eval(raw, outputs, stream());
+  mx::array& out = outputs[0];
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  const float* x = in[0].data<float>();
+  float* y = out.data<float>();
+  const size_t n = out.size();
+  const float cap = cap_;
+  encoder.dispatch([x, y, n, cap]() {
+    if (n < kParallelElements) {
+      softcap(x, cap, y, 0, n);
+      return;
+    }
+    const int blocks = static_cast<int>((n + kBlock - 1) / kBlock);
+    parallel_for(blocks, [&](int b) {
+      const size_t a = static_cast<size_t>(b) * kBlock;
+      softcap(x, cap, y, a, std::min(n, a + kBlock));
+    });
+  });
+}
+
+void NativeSoftcap::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[loom native kernels] have no GPU implementation.");
 }
 
 void NativeGeluMul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

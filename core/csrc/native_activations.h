@@ -1,5 +1,6 @@
-// The MLX primitive behind the native GLU gate activations that have no
-// bit-equal native form (GeGLU's tanh): one graph node per gate.
+// The MLX primitives behind the native activations that have no bit-equal
+// native form (the C library's tanhf: GeGLU's gate, the logit soft cap): one
+// graph node each.
 #pragma once
 
 #include "mlx/ops.h"
@@ -29,6 +30,32 @@ class NativeGeluMul : public mx::Primitive {
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
+};
+
+// tanh(x / cap) * cap for a float32 array and a finite cap > 0 (activations.h:
+// the arithmetic and its bound against MLX's evaluation).
+mx::array softcap(const mx::array& x, float cap, mx::StreamOrDevice s = {});
+
+class NativeSoftcap : public mx::Primitive {
+ public:
+  NativeSoftcap(mx::Stream stream, float cap) : mx::Primitive(stream), cap_(cap) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "LoomSoftcap";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto* o = dynamic_cast<const NativeSoftcap*>(&other);
+    return o != nullptr && o->cap_ == cap_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float cap_;
 };
 
 }  // namespace loom_cpu

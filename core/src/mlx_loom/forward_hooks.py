@@ -13,7 +13,7 @@ computes from a model's logits. Graph code that is a function rather than a
 module reads it instead of being swapped: the core's plain KV view (its
 attention), the core's :func:`~mlx_loom.nn.swiglu` and
 :func:`~mlx_loom.nn.geglu` (used by every family's gated MLP and expert
-layers) and
+layers), :func:`~mlx_loom.nn.softcap` (a family's logit soft cap) and
 :func:`~mlx_loom.engine.sampling.logprobs_from_logits`. A context variable, not a
 global: two models in one process, or two threads building graphs, never see
 each other's choice. Imports nothing, so that the cache, the model and
@@ -33,6 +33,7 @@ SiluMulKernel = Callable[[Any, Any], Any]
 LogSoftmaxKernel = Callable[[Any], Any]
 GeluMulKernel = Callable[[Any, Any], Any]
 RmsNormKernel = Callable[[Any, Any, float], Any]
+SoftcapKernel = Callable[[Any, float], Any]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class NativeForward:
     #: ``mx.fast.rms_norm(x, weight, eps)`` as one node (the swapped norm modules'
     #: kernel, within its stated bound), for graphs that call the function.
     rms_norm: RmsNormKernel
+    #: ``tanh(x / cap) * cap`` for float32 x (within a stated bound of MLX's).
+    softcap: SoftcapKernel
 
 
 _NATIVE: contextvars.ContextVar[NativeForward | None] = contextvars.ContextVar(
@@ -78,6 +81,12 @@ def current_rms_norm() -> RmsNormKernel | None:
     """The RMS norm kernel of the forward being built on this thread, if any."""
     native = _NATIVE.get()
     return native.rms_norm if native is not None else None
+
+
+def current_softcap() -> SoftcapKernel | None:
+    """The logit soft-cap kernel of the forward being built on this thread, if any."""
+    native = _NATIVE.get()
+    return native.softcap if native is not None else None
 
 
 def current_log_softmax() -> LogSoftmaxKernel | None:

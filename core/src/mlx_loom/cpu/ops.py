@@ -315,6 +315,12 @@ def gelu_mul(gate: mx.array, up: mx.array) -> mx.array:
     return native.module().gelu_mul(gate, up)
 
 
+def softcap(x: mx.array, cap: float) -> mx.array:
+    """``tanh(x / cap) * cap`` for float32 x, as one native node (within ``2**-21 * cap``
+    of MLX's evaluation; docs/cpu.md)."""
+    return native.module().softcap(x, cap)
+
+
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     """``mx.fast.rms_norm(x, weight, eps)`` as one native node where the kernel takes it
     (a last axis of at most MAX_NORM_WIDTH, a 1-D gain of that width or none), else MLX's."""
@@ -344,5 +350,6 @@ def forward_kernels(kernel_set: str | None) -> AbstractContextManager[None]:
             log_softmax=log_softmax,
             gelu_mul=gelu_mul,
             rms_norm=rms_norm,
+            softcap=softcap,
         )
     )

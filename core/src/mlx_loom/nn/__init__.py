@@ -3,7 +3,8 @@
 Nothing here is required: a family may write its own modules. What lives here
 is solved once, one way, so three families do not carry three versions.
 
-* :mod:`.activations` — ``swiglu``/``geglu``, compiled as mlx-lm compiles them;
+* :mod:`.activations` — ``swiglu``/``geglu`` and the logit ``softcap``, compiled as
+  mlx-lm compiles them;
 * :mod:`.mlp` — :class:`GatedMLP` (Hugging Face module names);
 * :mod:`.projections` — :func:`project`, several projections of one
   activation (one node on the native CPU kernels);
@@ -21,7 +22,7 @@ Linear layers stay standard ``mlx.nn`` modules, so quantization (and any
 later per-backend linear kernel) applies to them unchanged.
 """
 
-from .activations import Activation, gelu_approx_mul, geglu, swiglu
+from .activations import Activation, gelu_approx_mul, geglu, softcap, swiglu
 from .attention_geometry import AttentionGeometry, attention_geometries
 from .experts import (
     QuantizedSwitchLinear,
@@ -93,6 +94,7 @@ __all__ = [
     "parse_rope_scaling",
     "project",
     "rms_norm",
+    "softcap",
     "swiglu",
     "switch_glu",
 ]

@@ -13,7 +13,6 @@ and RoPE (default and proportional) are the core's shared layers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -37,15 +36,11 @@ from mlx_loom.nn import (
     make_rope,
     project,
     rms_norm,
+    softcap,
 )
 from mlx_loom.nn.experts import ExpertKernel
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_gemma4.config import FULL, SLIDING, Gemma4TextConfig
-
-
-@partial(mx.compile, shapeless=True)
-def logit_softcap(softcap: float, x: mx.array) -> mx.array:
-    return mx.tanh(x / softcap) * softcap
 
 
 # --- small building blocks ----------------------------------------------------
@@ -337,7 +332,7 @@ class Model(nn.Module):
         else:
             out = self.lm_head(out)
         if self.cfg.final_logit_softcapping is not None:
-            out = logit_softcap(self.cfg.final_logit_softcapping, out)
+            out = softcap(out, self.cfg.final_logit_softcapping)
         return out
 
     @property
