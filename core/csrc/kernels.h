@@ -74,7 +74,9 @@ size_t int8_x_bytes(int M, int K);
 size_t int8_x_steps(int M, int K);
 
 // Quantize p.x (fp32 [M, K]) into `xq`/`steps` in the order the kernel
-// reads them, and write the group sums of the quantized x into `xsum`.
+// reads them, and write the group sums of the quantized x into `xsum`. A
+// block holding a NaN gets a NaN step (its row's outputs are NaN, as over
+// float activations).
 void prepare_int8_x(const Product& p, int8_t* xq, float* steps, float* xsum);
 
 // Rows [n0, n1) of a 4-bit affine product against the prepared activations.

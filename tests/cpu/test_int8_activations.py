@@ -118,6 +118,25 @@ def test_zero_and_constant_blocks_are_exact():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("M", [1, 3, nat.SMALL_ROWS + 9])  # AVX2 one row, AVX-512 passes, blocked
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_activation_makes_its_row_nan_and_leaves_the_others_alone(M, bad):
+    # Over float activations a NaN or an infinity reaches every output of its
+    # row; quantized, it must not vanish into a finite block (a NaN is never
+    # a block's maximum), so its block's step carries it.
+    wq, s, b = quantized(33, 256, 64, mx.bfloat16)
+    x = np.asarray(rand((M, 256), seed=3))
+    row = M // 2
+    x[row, 77] = bad
+    got = np.asarray(product(mx.array(x), wq, s, b, 64))
+    assert np.isnan(got[row]).all()
+    clean = [m for m in range(M) if m != row]
+    assert np.isfinite(got[clean]).all()
+    for m in clean[:3]:
+        alone = np.asarray(product(mx.array(x[m : m + 1]), wq, s, b, 64))
+        assert np.array_equal(got[m : m + 1], alone)
+
+
 def test_batch_rows_equal_the_rows_alone_bit_for_bit():
     wq, s, b = quantized(70, 1024, 64, mx.bfloat16)
     x = rand((7, 1024), seed=11)
