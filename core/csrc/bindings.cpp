@@ -87,14 +87,17 @@ NB_MODULE(_native, m) {
 
   m.def(
       "gated_dense_matmul",
-      [](const mlx::core::array& x, const mlx::core::array& gate, const mlx::core::array& up) {
-        return loom_cpu::gated_dense_matmul(x, gate, up);
-      },
+      [](const mlx::core::array& x,
+         const mlx::core::array& gate,
+         const mlx::core::array& up,
+         bool gelu) { return loom_cpu::gated_dense_matmul(x, gate, up, gelu); },
       "x"_a,
       "gate"_a,
       "up"_a,
+      "gelu"_a = false,
       "silu(x @ gate.T) * (x @ up.T) as one node for float32 x; bit-equal to the two "
-      "dense_matmul calls and silu_mul.");
+      "dense_matmul calls and silu_mul. gelu: gelu_approx(...) * (...) (GeGLU), bit-equal "
+      "to the two calls and gelu_mul.");
   m.def(
       "gated_affine_matmul",
       [](const mlx::core::array& x,
@@ -106,10 +109,11 @@ NB_MODULE(_native, m) {
          const mlx::core::array& up_biases,
          int bits,
          int group_size,
-         bool int8_activations) {
+         bool int8_activations,
+         bool gelu) {
         return loom_cpu::gated_affine_matmul(
             x, gate, gate_scales, gate_biases, up, up_scales, up_biases, bits, group_size,
-            int8_activations);
+            int8_activations, gelu);
       },
       "x"_a,
       "gate"_a,
@@ -121,8 +125,10 @@ NB_MODULE(_native, m) {
       "bits"_a,
       "group_size"_a,
       "int8_activations"_a = false,
+      "gelu"_a = false,
       "silu(x @ dequantize(gate).T) * (x @ dequantize(up).T) as one node for float32 x; "
-      "bit-equal to the two affine_matmul calls and silu_mul.");
+      "bit-equal to the two affine_matmul calls and silu_mul. gelu: gelu_approx(...) * (...) "
+      "(GeGLU), bit-equal to the two calls and gelu_mul.");
   m.def(
       "multi_dense_matmul",
       [](const mlx::core::array& x, const std::vector<mlx::core::array>& weights) {

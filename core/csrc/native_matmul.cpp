@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "activations.h"
 #include "kernels.h"
 #include "native_common.h"
 #include "ops.h"
@@ -52,13 +53,14 @@ mx::array finish_op(
     bool has_bias,
     bool int8_x,
     bool gated,
-    mx::Stream stream) {
+    mx::Stream stream,
+    bool gelu = false) {
   auto out_shape = inputs[0].shape();
   out_shape.back() = N;
   return mx::array(
       std::move(out_shape),
       out_dtype,
-      std::make_shared<NativeMatmul>(stream, bits, group_size, has_bias, int8_x, gated),
+      std::make_shared<NativeMatmul>(stream, bits, group_size, has_bias, int8_x, gated, 1, gelu),
       std::move(inputs));
 }
 
@@ -244,13 +246,21 @@ void run_products(
   });
 }
 
-// silu(x @ G.T) * (x @ U.T): both products' rows of a chunk, then the gate
-// over that chunk, so the pair is one region (one node) and x is prepared
-// once. The gate product is written into `out` and gated in place (only the
-// up product needs scratch). Every output equals the unfused gate product,
-// up product and silu_mul bit for bit (the same kernels, the same per-row
-// arithmetic).
-void run_gated(Product g, Product u, const float* x, bool int8_x, float* out) {
+// act(x @ G.T) * (x @ U.T), act SiLU or (gelu) tanh-GELU: both products'
+// rows of a chunk, then the gate over that chunk, so the pair is one region
+// (one node) and x is prepared once. The gate product is written into `out`
+// and gated in place (only the up product needs scratch). Every output
+// equals the unfused gate product, up product and silu_mul / gelu_tanh_mul
+// bit for bit (the same kernels, the same per-row arithmetic).
+void gate_rows(bool gelu, const float* gate, const float* up, float* out, size_t i0, size_t i1) {
+  if (gelu) {
+    gelu_tanh_mul(gate, up, out, i0, i1);
+  } else {
+    silu_mul(gate, up, out, i0, i1);
+  }
+}
+
+void run_gated(Product g, Product u, const float* x, bool int8_x, bool gelu, float* out) {
   if (g.M == 0 || g.N == 0) {
     return;
   }
@@ -269,7 +279,7 @@ void run_gated(Product g, Product u, const float* x, bool int8_x, float* out) {
     parallel_for(c.tasks, [&](int t) {
       const size_t m0 = static_cast<size_t>(t) * c.chunk;
       const size_t m1 = std::min(static_cast<size_t>(M), m0 + c.chunk);
-      silu_mul(out, up, out, m0 * N, m1 * N);
+      gate_rows(gelu, out, up, out, m0 * N, m1 * N);
     });
     return;
   }
@@ -282,7 +292,7 @@ void run_gated(Product g, Product u, const float* x, bool int8_x, float* out) {
     vector_rows(u, v, n0, n1);
     for (int m = 0; m < M; ++m) {
       const size_t row = static_cast<size_t>(m) * N;
-      silu_mul(out + row, up + row, out + row, n0, n1);
+      gate_rows(gelu, out + row, up + row, out + row, n0, n1);
     }
   });
 }
@@ -415,14 +425,19 @@ mx::array affine_matmul(
 }
 
 mx::array gated_dense_matmul(
-    const mx::array& x, const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
+    const mx::array& x,
+    const mx::array& gate,
+    const mx::array& up,
+    bool gelu,
+    mx::StreamOrDevice s) {
   check_runnable();
   mx::Stream stream = cpu_stream(s);
   check_dense(gate);
   check_pair(gate, up, "weights");
   check_x(x, gate.shape(1));
   check_gated_x(x);
-  return finish_op({x, gate, up}, mx::float32, gate.shape(0), 0, 0, false, false, true, stream);
+  return finish_op(
+      {x, gate, up}, mx::float32, gate.shape(0), 0, 0, false, false, true, stream, gelu);
 }
 
 mx::array gated_affine_matmul(
@@ -436,6 +451,7 @@ mx::array gated_affine_matmul(
     int bits,
     int group_size,
     bool int8_activations,
+    bool gelu,
     mx::StreamOrDevice s) {
   check_runnable();
   mx::Stream stream = cpu_stream(s);
@@ -448,7 +464,7 @@ mx::array gated_affine_matmul(
   check_gated_x(x);
   return finish_op(
       {x, gate, gate_scales, gate_biases, up, up_scales, up_biases}, mx::float32, gate.shape(0),
-      bits, group_size, false, int8_activations, true, stream);
+      bits, group_size, false, int8_activations, true, stream, gelu);
 }
 
 namespace {
@@ -591,7 +607,9 @@ void NativeMatmul::eval_cpu(
   const bool int8_x = int8_x_;
   if (gated_) {
     encoder.dispatch([g = p, u = product_at(1 + per_weight), x_raw = x.data<float>(),
-                      y = out.data<float>(), int8_x]() { run_gated(g, u, x_raw, int8_x, y); });
+                      y = out.data<float>(), int8_x, gelu = gelu_]() {
+      run_gated(g, u, x_raw, int8_x, gelu, y);
+    });
     return;
   }
   std::array<Product, kMaxParts> parts;
@@ -614,7 +632,7 @@ bool NativeMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto* o = dynamic_cast<const NativeMatmul*>(&other);
   return o != nullptr && o->bits_ == bits_ && o->group_size_ == group_size_ &&
       o->has_bias_ == has_bias_ && o->int8_x_ == int8_x_ && o->gated_ == gated_ &&
-      o->parts_ == parts_;
+      o->parts_ == parts_ && o->gelu_ == gelu_;
 }
 
 std::vector<mx::Shape> NativeMatmul::output_shapes(const std::vector<mx::array>& inputs) {

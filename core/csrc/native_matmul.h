@@ -42,9 +42,14 @@ mx::array affine_matmul(
 // silu(x @ gate.T) * (x @ up.T) as one node, for float32 x and two weights of
 // one shape and dtype (the gate and up projections of a SwiGLU MLP): one
 // pool region instead of three nodes, x prepared once. Bit-equal to the two
-// products followed by silu_mul (native_ops.h).
+// products followed by silu_mul (native_ops.h); with gelu, gelu_tanh(...) *
+// (...), bit-equal to the two products followed by gelu_mul (GeGLU).
 mx::array gated_dense_matmul(
-    const mx::array& x, const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
+    const mx::array& x,
+    const mx::array& gate,
+    const mx::array& up,
+    bool gelu = false,
+    mx::StreamOrDevice s = {});
 
 mx::array gated_affine_matmul(
     const mx::array& x,
@@ -57,6 +62,7 @@ mx::array gated_affine_matmul(
     int bits,
     int group_size,
     bool int8_activations = false,
+    bool gelu = false,
     mx::StreamOrDevice s = {});
 
 // x @ w_i.T for several weights of one row length read the same way (all
@@ -81,9 +87,9 @@ class NativeMatmul : public mx::Primitive {
  public:
   // int8_x: matrix-vector products quantize the activations to int8
   // (kernels.h, 4-bit weights only). gated: the inputs hold a gate and an
-  // up weight and the output is silu(gate product) * up product. parts:
-  // the number of weights of a multi-output product (one output each; 1
-  // for the other kinds).
+  // up weight and the output is silu(gate product) * up product, or with
+  // gelu gelu_tanh(gate product) * up product. parts: the number of weights
+  // of a multi-output product (one output each; 1 for the other kinds).
   NativeMatmul(
       mx::Stream stream,
       int bits,
@@ -91,13 +97,15 @@ class NativeMatmul : public mx::Primitive {
       bool has_bias,
       bool int8_x,
       bool gated,
-      int parts = 1)
+      int parts = 1,
+      bool gelu = false)
       : mx::Primitive(stream),
         bits_(bits),
         group_size_(group_size),
         has_bias_(has_bias),
         int8_x_(int8_x),
         gated_(gated),
+        gelu_(gelu),
         parts_(parts) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -108,7 +116,13 @@ class NativeMatmul : public mx::Primitive {
       if (parts_ > 1) {
         return "LoomMultiDenseMatmul";
       }
-      return gated_ ? "LoomGatedDenseMatmul" : "LoomDenseMatmul";
+      if (gated_) {
+        return gelu_ ? "LoomGatedDenseMatmulGelu" : "LoomGatedDenseMatmul";
+      }
+      return "LoomDenseMatmul";
+    }
+    if (gated_ && gelu_) {
+      return int8_x_ ? "LoomGatedAffineMatmulGeluInt8x" : "LoomGatedAffineMatmulGelu";
     }
     if (gated_) {
       return int8_x_ ? "LoomGatedAffineMatmulInt8x" : "LoomGatedAffineMatmul";
@@ -127,6 +141,7 @@ class NativeMatmul : public mx::Primitive {
   bool has_bias_;
   bool int8_x_;
   bool gated_;
+  bool gelu_;
   int parts_;
 };
 

@@ -229,7 +229,6 @@ def _rounding_in_front_of_every_4bit_product(monkeypatch) -> None:
     # through the patched call (the fused nodes are bit-equal to them:
     # test_native_gates.py, test_native_kernels.py).
     monkeypatch.setattr(ops.NativeGatedMLP, "_gated", lambda self, x: None)
-    monkeypatch.setattr(ops.NativeGatedMLP, "_geglu", lambda self, x: None)
     monkeypatch.setattr(projections, "_joint", None)
     # Routed experts: each projection's gather on its own (the one-node layer
     # equals them: test_native_experts.py). Every row of a 4-bit expert

@@ -5,8 +5,8 @@ through the C library's ``powf`` and ``tanhf``; the native gate computes the
 tanh from one vectorised exp, so it is not bit-equal to MLX. Its claim is a
 bound, ``|ours - mlx| <= 2**-21 * |gate * up|``, with NaN and infinities where
 MLX has them, checked over a dense sweep of gates and the special values.
-Around it, bit for bit: the GeGLU MLP as one node equals its three native
-products and the native gate; the GeGLU expert layer as one node equals each
+Around it, bit for bit: the GeGLU MLP as a gated node and its down product
+equals its three native products and the native gate; the GeGLU expert layer as one node equals each
 expert's native products and the native gate; the hook gives the native gate
 only in a native float32 forward. Whole Gemma models keep mlx-lm's greedy
 tokens on the native sets (tests/cpu/test_model_parity.py,
@@ -143,26 +143,52 @@ def native_mlp(bits: int, int8: bool, bias: bool = False) -> GatedMLP:
 
 @pytest.mark.parametrize("bits,int8", [(4, False), (4, True), (8, False), (0, False)])
 @pytest.mark.parametrize("rows", [1, 40])
-def test_the_geglu_mlp_is_one_node_equal_to_its_products_and_the_native_gate(
+def test_the_geglu_mlp_is_a_gated_node_and_down_equal_to_its_products_and_the_native_gate(
     bits, int8, rows, tmp_path
 ):
     mlp = native_mlp(bits, int8)
     assert type(mlp) is ops.NativeGatedMLP
     x = rand((1, rows, 64), seed=9)
-    got = mlp(x)
+    # Outside a native forward the native gate is not provided: MLX's.
+    assert mx.array_equal(mlp(x), GatedMLP.__call__(mlp, x))
+    assert not any(label.startswith("LoomGated") for label in labels(mlp(x), tmp_path))
+    with forward_kernels("cpu-native"):
+        got = mlp(x)
     found = labels(got, tmp_path)
-    assert f"LoomExperts{'Dense' if bits == 0 else 'Affine'}GLU" in "".join(found)
-    assert not any("Matmul" in label for label in found)
+    kind = "Dense" if bits == 0 else "Affine"
+    assert f"LoomGated{kind}MatmulGelu" in "".join(found)
+    # Gate, up and the gate activation are one node, down the next: no view
+    # nodes around them, no separate gate.
+    assert sum("Matmul" in label for label in found) == 2
+    assert "LoomGeluMul" not in found and "ExpandDims" not in found
     want = mlp.down_proj(nat.gelu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
     assert got.shape == want.shape and mx.array_equal(got, want)
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+def test_the_gated_product_takes_silu_unless_told_gelu(bits):
+    mlp = native_mlp(bits, False)
+    x = rand((3, 64), seed=12)
+    g, u = mlp.gate_proj, mlp.up_proj
+    if bits:
+        args = (g["weight"], g["scales"], g["biases"], u["weight"], u["scales"], u["biases"], bits, 32)
+        silu, gelu = nat.gated_affine_matmul(x, *args), nat.gated_affine_matmul(x, *args, gelu=True)
+    else:
+        silu = nat.gated_dense_matmul(x, g["weight"], u["weight"])
+        gelu = nat.gated_dense_matmul(x, g["weight"], u["weight"], gelu=True)
+    assert mx.array_equal(silu, nat.silu_mul(g(x), u(x)))
+    assert mx.array_equal(gelu, nat.gelu_mul(g(x), u(x)))
+    assert not mx.array_equal(silu, gelu)
 
 
 def test_the_geglu_mlp_runs_its_own_forward_where_the_node_does_not_fit(tmp_path):
     mlp = native_mlp(4, False, bias=True)
     x = rand((1, 2, 64), seed=10)
-    got = mlp(x)
-    assert not any(label.startswith("LoomExperts") for label in labels(got, tmp_path))
-    assert mx.array_equal(got, GatedMLP.__call__(mlp, x))
+    with forward_kernels("cpu-native"):
+        got = mlp(x)
+        want = GatedMLP.__call__(mlp, x)
+    assert not any(label.startswith("LoomGated") for label in labels(got, tmp_path))
+    assert mx.array_equal(got, want)
 
 
 # --- the GeGLU expert layer ---------------------------------------------------------

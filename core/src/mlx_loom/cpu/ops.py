@@ -53,6 +53,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..forward_hooks import NativeForward, using
+from ..nn import activations
 from ..nn.activations import geglu, swiglu
 from ..nn.experts import SwitchGLU
 from ..nn.mlp import GatedMLP
@@ -130,88 +131,32 @@ class NativeFreqsRoPE(FreqsRoPE):
 
 
 class NativeGatedMLP(GatedMLP):
-    """:class:`~mlx_loom.nn.GatedMLP` whose SwiGLU gate and up projections run as one node.
+    """:class:`~mlx_loom.nn.GatedMLP` whose gate and up projections run as one node.
 
     Taken when both projections are native linears read the same way (one
-    class, shape, dtype, width and group size; no biases) and x is float32:
-    one product node computes both rows of each chunk and the gate between
-    them (``gated_*_matmul``), bit-equal to the three nodes it replaces
-    (tested), with x prepared once. A 350M Llama's decode step loses 48 of
-    its ~700 nodes.
-
-    With GeGLU (Gemma) the whole MLP — gate and up, the native GeGLU gate,
-    down — is one node: the routed experts' node over a stack of one expert
-    (``gather_*_matmul(gated=True, gelu=True, down=...)``), whose products
-    equal the linears' bit for bit (tested), so the MLP equals its three
-    products and :func:`gelu_mul` exactly. Anything else — other
-    activations, adapters wrapped around a projection, other dtypes — runs
-    GatedMLP's own forward, on the same kernels.
+    class, shape, dtype, width and group size; no biases), x is float32 and
+    the activation is SwiGLU or GeGLU (Gemma): one product node computes both
+    rows of each chunk and the gate between them (``gated_*_matmul``, with
+    ``gelu=True`` for GeGLU), bit-equal to the three nodes it replaces
+    (tested: the two products and :func:`silu_mul` / :func:`gelu_mul`), with
+    x prepared once; ``down_proj`` is the next node. A 350M Llama's decode
+    step loses 48 of its ~700 nodes. Anything else — other activations,
+    adapters wrapped around a projection, other dtypes — runs GatedMLP's own
+    forward, on the same kernels.
     """
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self._activation is geglu:
-            y = self._geglu(x)
-            return y if y is not None else super().__call__(x)
         gated = self._gated(x)
         if gated is None:
             return super().__call__(x)
         return self.down_proj(gated)
 
-    def _geglu(self, x: mx.array) -> mx.array | None:
-        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        kind = type(gate)
-        if x.dtype != mx.float32 or kind not in (NativeLinear, NativeQuantizedLinear):
-            return None  # an adapter's wrapper, say: GatedMLP's own forward
-        if type(up) is not kind or type(down) is not kind:
-            return None
-        if any("bias" in p for p in (gate, up, down)):
-            return None
-        if gate["weight"].shape != up["weight"].shape:
-            return None
-        rows = x.reshape(-1, x.shape[-1])
-        # The expert index of every row (0) and the weights as stacks of one:
-        # a few view nodes, made per call (an array kept across calls would
-        # leak out of the compiled step's trace).
-        zero = mx.zeros((rows.shape[0], 1), dtype=mx.uint32)
-        nat = native.module()
-        if type(gate) is NativeLinear:
-            if not gate["weight"].dtype == up["weight"].dtype == down["weight"].dtype:
-                return None
-            gw, uw, dw = _stacks((gate, up, down), ("weight",))
-            y = nat.gather_dense_matmul(rows, zero, [gw, uw], gated=True, gelu=True, down=dw)[0]
-        elif type(gate) is NativeQuantizedLinear:
-            assert isinstance(up, NativeQuantizedLinear) and isinstance(down, NativeQuantizedLinear)
-            kind = (gate.bits, gate.group_size, gate.int8_activations, gate["scales"].dtype)
-            for o in (up, down):
-                if (o.bits, o.group_size, o.int8_activations, o["scales"].dtype) != kind:
-                    return None
-            if gate["scales"].shape != up["scales"].shape:
-                return None
-            gw, gs, gb, uw, us, ub, dw, ds, db = _stacks(
-                (gate, up, down), ("weight", "scales", "biases")
-            )
-            y = nat.gather_affine_matmul(
-                rows,
-                zero,
-                [gw, uw],
-                [gs, us],
-                [gb, ub],
-                gate.bits,
-                gate.group_size,
-                gate.int8_activations,
-                gated=True,
-                gelu=True,
-                down=dw,
-                down_scales=ds,
-                down_biases=db,
-            )[0]
-        else:
-            return None
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
     def _gated(self, x: mx.array) -> mx.array | None:
         gate, up = self.gate_proj, self.up_proj
-        if self._activation is not swiglu or x.dtype != mx.float32 or type(gate) is not type(up):
+        gelu = self._activation is geglu
+        if not (self._activation is swiglu or (gelu and activations.native_geglu())):
+            return None
+        if x.dtype != mx.float32 or type(gate) is not type(up):
             return None
         if "bias" in gate or "bias" in up:
             return None
@@ -219,7 +164,7 @@ class NativeGatedMLP(GatedMLP):
             gw, uw = gate["weight"], up["weight"]
             if gw.shape != uw.shape or gw.dtype != uw.dtype:
                 return None
-            return native.module().gated_dense_matmul(x, gw, uw)
+            return native.module().gated_dense_matmul(x, gw, uw, gelu=gelu)
         if type(gate) is NativeQuantizedLinear:
             assert isinstance(up, NativeQuantizedLinear)
             same_kind = (gate.bits, gate.group_size, gate.int8_activations) == (
@@ -243,13 +188,9 @@ class NativeGatedMLP(GatedMLP):
                 gate.bits,
                 gate.group_size,
                 gate.int8_activations,
+                gelu=gelu,
             )
         return None
-
-
-def _stacks(modules: tuple[nn.Module, ...], names: tuple[str, ...]) -> list[mx.array]:
-    """Each module's parameters ``names`` as a stack of one expert ``[1, ...]``."""
-    return [mx.expand_dims(m[name], 0) for m in modules for name in names]
 
 
 def fits(module: nn.Module) -> bool:

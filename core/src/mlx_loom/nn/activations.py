@@ -21,7 +21,7 @@ import mlx.nn as nn
 
 from ..forward_hooks import current_gelu_mul, current_silu_mul, current_softcap
 
-__all__ = ["Activation", "gelu_approx_mul", "geglu", "softcap", "swiglu"]
+__all__ = ["Activation", "gelu_approx_mul", "geglu", "native_geglu", "softcap", "swiglu"]
 
 #: ``(gate, up) -> act(gate) * up``.
 Activation = Callable[[mx.array, mx.array], mx.array]
@@ -56,6 +56,15 @@ def _native_gelu_mul(gate: mx.array, up: mx.array) -> Activation | None:
     if native is not None and gate.dtype == up.dtype == mx.float32 and gate.shape == up.shape:
         return native
     return None
+
+
+def native_geglu() -> bool:
+    """Whether the forward being built takes the native GeGLU gate (the hook provides one).
+
+    The one place that decides it: :func:`geglu` and the native gated MLP
+    node (which fuses the same gate) both ask here.
+    """
+    return current_gelu_mul() is not None
 
 
 def geglu(gate: mx.array, up: mx.array) -> mx.array:
