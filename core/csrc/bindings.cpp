@@ -295,6 +295,15 @@ NB_MODULE(_native, m) {
       "gelu_approx(gate) * up (GeGLU) for float32 arrays of one shape, as one node; the tanh "
       "eight lanes at a time, within 2^-21 |gate * up| of MLX's evaluation.");
   m.def(
+      "expert_mix",
+      [](const mlx::core::array& y, const mlx::core::array& w) {
+        return loom_cpu::expert_mix(y, w);
+      },
+      "y"_a,
+      "w"_a,
+      "sum over j of w[..., j] * y[..., j, :] for float32 y [..., k, D] and w [..., k], as one "
+      "node; equals MLX's (y * w[..., None]).sum(axis=-2) bit for bit.");
+  m.def(
       "softcap",
       [](const mlx::core::array& x, float cap) { return loom_cpu::softcap(x, cap); },
       "x"_a,

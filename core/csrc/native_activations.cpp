@@ -1,6 +1,7 @@
 #include "native_activations.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 
@@ -94,6 +95,66 @@ void NativeSoftcap::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::
 }
 
 void NativeSoftcap::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[loom native kernels] have no GPU implementation.");
+}
+
+mx::array expert_mix(const mx::array& y, const mx::array& w, mx::StreamOrDevice s) {
+  check_runnable();
+  mx::Stream stream = cpu_stream(s);
+  require(y.dtype() == mx::float32 && w.dtype() == mx::float32, [&] {
+    return std::string("[loom native kernels] expert_mix takes float32 outputs and weights, got " +
+        dtype_str(y.dtype()) + " and " + dtype_str(w.dtype()) + ".");
+  });
+  const bool shaped = y.ndim() >= 2 && w.ndim() == y.ndim() - 1 &&
+      std::equal(w.shape().begin(), w.shape().end(), y.shape().begin());
+  require(shaped && w.shape(-1) >= 1, [&] {
+    return std::string("[loom native kernels] expert_mix takes outputs [..., k, D] and weights "
+        "[..., k] of the same leading shape, got " + shape_str(y) + " and " + shape_str(w) + ".");
+  });
+  mx::Shape shape = y.shape();
+  shape.erase(shape.end() - 2);
+  return mx::array(std::move(shape), mx::float32, std::make_shared<NativeExpertMix>(stream), {y, w});
+}
+
+namespace {
+
+// One token's D outputs: products rounded, then added in order from j = 0
+// (never fused into one rounding, whatever the build's flags).
+__attribute__((optimize("fp-contract=off"))) void mix_row(
+    const float* y, const float* w, int k, size_t D, float* out) {
+  for (size_t d = 0; d < D; ++d) {
+    out[d] = y[d] * w[0];
+  }
+  for (int j = 1; j < k; ++j) {
+    const float* yj = y + static_cast<size_t>(j) * D;
+    const float wj = w[j];
+    for (size_t d = 0; d < D; ++d) {
+      const float p = yj[d] * wj;
+      out[d] = out[d] + p;
+    }
+  }
+}
+
+}  // namespace
+
+void NativeExpertMix::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::array>& outputs) {
+  const std::vector<mx::array> in = begin_eval(raw, outputs, stream());
+  const mx::array& y = in[0];
+  const mx::array& w = in[1];
+  mx::array& out = outputs[0];
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  const int k = y.shape(-2);
+  const size_t D = static_cast<size_t>(y.shape(-1));
+  const size_t tokens = D > 0 ? out.size() / D : 0;
+  encoder.dispatch([yp = y.data<float>(), wp = w.data<float>(), o = out.data<float>(), k, D,
+                    tokens]() {
+    for (size_t t = 0; t < tokens; ++t) {
+      mix_row(yp + t * k * D, wp + t * k, k, D, o + t * D);
+    }
+  });
+}
+
+void NativeExpertMix::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[loom native kernels] have no GPU implementation.");
 }
 

@@ -1,6 +1,7 @@
-// The MLX primitives behind the native activations that have no bit-equal
-// native form (the C library's tanhf: GeGLU's gate, the logit soft cap): one
-// graph node each.
+// The MLX primitives behind small element-wise nodes of the native forward:
+// the activations that have no bit-equal native form (the C library's
+// tanhf: GeGLU's gate, the logit soft cap), and the routed experts' weighted
+// sum. One graph node each.
 #pragma once
 
 #include "mlx/ops.h"
@@ -56,6 +57,33 @@ class NativeSoftcap : public mx::Primitive {
 
  private:
   float cap_;
+};
+
+// sum_j w[..., j] * y[..., j, :] for float32 y [..., k, D] and w [..., k]:
+// the routed experts' outputs weighted and summed, as one node instead of
+// MLX's expand, broadcast, multiply, sum and squeeze. Bit-equal to MLX's
+// (y * w[..., None]).sum(axis=-2): each product rounded, then summed from
+// j = 0 up, one rounding per add.
+mx::array expert_mix(const mx::array& y, const mx::array& w, mx::StreamOrDevice s = {});
+
+class NativeExpertMix : public mx::Primitive {
+ public:
+  explicit NativeExpertMix(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "LoomExpertMix";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return dynamic_cast<const NativeExpertMix*>(&other) != nullptr;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.erase(shape.end() - 2);
+    return {shape};
+  }
 };
 
 }  // namespace loom_cpu

@@ -13,7 +13,8 @@ computes from a model's logits. Graph code that is a function rather than a
 module reads it instead of being swapped: the core's plain KV view (its
 attention), the core's :func:`~mlx_loom.nn.swiglu` and
 :func:`~mlx_loom.nn.geglu` (used by every family's gated MLP and expert
-layers), :func:`~mlx_loom.nn.softcap` (a family's logit soft cap) and
+layers), :func:`~mlx_loom.nn.softcap` (a family's logit soft cap),
+:func:`~mlx_loom.nn.mix_experts` (the routed experts' weighted sum) and
 :func:`~mlx_loom.engine.sampling.logprobs_from_logits`. A context variable, not a
 global: two models in one process, or two threads building graphs, never see
 each other's choice. Imports nothing, so that the cache, the model and
@@ -34,6 +35,7 @@ LogSoftmaxKernel = Callable[[Any], Any]
 GeluMulKernel = Callable[[Any, Any], Any]
 RmsNormKernel = Callable[[Any, Any, float], Any]
 SoftcapKernel = Callable[[Any, float], Any]
+ExpertMixKernel = Callable[[Any, Any], Any]
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class NativeForward:
     rms_norm: RmsNormKernel
     #: ``tanh(x / cap) * cap`` for float32 x (within a stated bound of MLX's).
     softcap: SoftcapKernel
+    #: ``(y * w[..., None]).sum(axis=-2)`` for float32 y and w (bit-equal to MLX's own).
+    expert_mix: ExpertMixKernel
 
 
 _NATIVE: contextvars.ContextVar[NativeForward | None] = contextvars.ContextVar(
@@ -87,6 +91,12 @@ def current_softcap() -> SoftcapKernel | None:
     """The logit soft-cap kernel of the forward being built on this thread, if any."""
     native = _NATIVE.get()
     return native.softcap if native is not None else None
+
+
+def current_expert_mix() -> ExpertMixKernel | None:
+    """The routed experts' weighted-sum kernel of the forward being built, if any."""
+    native = _NATIVE.get()
+    return native.expert_mix if native is not None else None
 
 
 def current_log_softmax() -> LogSoftmaxKernel | None:

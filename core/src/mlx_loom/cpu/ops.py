@@ -256,6 +256,12 @@ def gelu_mul(gate: mx.array, up: mx.array) -> mx.array:
     return native.module().gelu_mul(gate, up)
 
 
+def expert_mix(y: mx.array, weights: mx.array) -> mx.array:
+    """``(y * weights[..., None]).sum(axis=-2)`` for float32 operands, as one native node
+    (bit-equal to MLX's evaluation)."""
+    return native.module().expert_mix(y, weights)
+
+
 def softcap(x: mx.array, cap: float) -> mx.array:
     """``tanh(x / cap) * cap`` for float32 x, as one native node (within ``2**-21 * cap``
     of MLX's evaluation; docs/cpu.md)."""
@@ -292,5 +298,6 @@ def forward_kernels(kernel_set: str | None) -> AbstractContextManager[None]:
             gelu_mul=gelu_mul,
             rms_norm=rms_norm,
             softcap=softcap,
+            expert_mix=expert_mix,
         )
     )

@@ -31,6 +31,7 @@ from .experts import (
     expert_kernels,
     gather_switch_glu,
     grouped_switch_glu,
+    mix_experts,
     switch_glu,
 )
 from .loading import (
@@ -91,6 +92,7 @@ __all__ = [
     "grouped_switch_glu",
     "load_checkpoint",
     "make_rope",
+    "mix_experts",
     "parse_rope_scaling",
     "project",
     "rms_norm",

@@ -58,6 +58,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_loom.backends import Kernel
+from mlx_loom.forward_hooks import current_expert_mix
 
 from .activations import Activation, swiglu
 
@@ -70,6 +71,7 @@ __all__ = [
     "expert_kernels",
     "gather_switch_glu",
     "grouped_switch_glu",
+    "mix_experts",
     "switch_glu",
 ]
 
@@ -320,6 +322,27 @@ class SwitchGLU(nn.Module):
         return self._kernel(
             x, indices, self.gate_proj, self.up_proj, self.down_proj, self._activation
         )
+
+
+def mix_experts(y: mx.array, weights: mx.array) -> mx.array:
+    """The router-weighted sum of the k experts' outputs: ``(y * weights[..., None]).sum(-2)``.
+
+    ``y [..., k, dims]`` (a :class:`SwitchGLU`'s output), ``weights [..., k]``.
+    Outside a native forward it is exactly that expression (mlx-lm's, bit
+    for bit, whatever the dtypes). In a forward built on a native CPU kernel
+    set, float32 operands are one node (``LoomExpertMix``) with the same
+    arithmetic — each product rounded, summed from the first expert up —
+    instead of five (expand, broadcast, multiply, sum, squeeze) per MoE layer.
+    """
+    native = current_expert_mix()
+    if (
+        native is not None
+        and y.dtype == weights.dtype == mx.float32
+        and y.ndim >= 2
+        and tuple(weights.shape) == tuple(y.shape[:-1])
+    ):
+        return native(y, weights)
+    return (y * weights[..., None]).sum(axis=-2)
 
 
 def expert_kernels(name: str) -> list[Kernel]:

@@ -34,6 +34,7 @@ from mlx_loom.nn import (
     gelu_approx_mul,
     geglu,
     make_rope,
+    mix_experts,
     project,
     rms_norm,
     softcap,
@@ -178,7 +179,7 @@ class Experts(nn.Module):
         )
 
     def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
-        return (mx.expand_dims(weights, -1) * self.switch_glu(x, indices)).sum(-2)
+        return mix_experts(self.switch_glu(x, indices), weights)
 
 
 # --- decoder layer ---------------------------------------------------------------

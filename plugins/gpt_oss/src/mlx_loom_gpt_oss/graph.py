@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_loom.cache import KVCache, RotatingKVCache, append_kv, create_attention_mask
-from mlx_loom.nn import AttentionGeometry, SwitchGLU, make_rope, project
+from mlx_loom.nn import AttentionGeometry, SwitchGLU, make_rope, mix_experts, project
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 
 from .config import GptOssConfig
@@ -116,8 +116,7 @@ class MoE(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         logits, indices = top_k(self.router(x), self.k)
         weights = mx.softmax(logits, axis=-1, precise=True)
-        y = self.experts(x, indices) * mx.expand_dims(weights, axis=-1)
-        return y.sum(axis=-2)
+        return mix_experts(self.experts(x, indices), weights)
 
 
 class DecoderLayer(nn.Module):

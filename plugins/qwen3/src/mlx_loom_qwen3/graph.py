@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_loom.cache import KVCache, append_kv, create_attention_mask
-from mlx_loom.nn import GatedMLP, SwitchGLU, make_rope, project, switch_glu
+from mlx_loom.nn import GatedMLP, SwitchGLU, make_rope, mix_experts, project, switch_glu
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 
 from .config import Qwen3Config, Qwen3MoeConfig
@@ -85,7 +85,7 @@ class SparseMoe(nn.Module):
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
         y = self.switch_mlp(x, inds)
-        return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        return mix_experts(y, scores).astype(y.dtype)
 
 
 class DecoderLayer(nn.Module):

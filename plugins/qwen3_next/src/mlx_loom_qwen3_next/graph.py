@@ -26,6 +26,7 @@ from mlx_loom.nn import (
     GatedMLP,
     SwitchGLU,
     make_rope,
+    mix_experts,
     project,
     rms_norm,
 )
@@ -303,7 +304,7 @@ class SparseMoe(nn.Module):
         scores = mx.take_along_axis(probs, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-        y = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
+        y = mix_experts(self.switch_mlp(x, inds), scores)
         return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
