@@ -92,7 +92,17 @@ def test_without_avx2_asking_for_the_native_set_is_refused_with_a_fix(no_avx2):
 def test_the_kernel_sets_are_registered_by_the_core():
     assert set(cpu_kernel_sets()) == {"cpu-ops", "cpu-native", "cpu-native-int8-act"}
     native_kernels = [
-        "matmul", "rms_norm", "rope", "attention", "swiglu", "log_softmax", "experts", "family"
+        "matmul",
+        "rms_norm",
+        "rope",
+        "attention",
+        "swiglu",
+        "geglu",
+        "softcap",
+        "log_softmax",
+        "experts",
+        "expert_mix",
+        "family",
     ]
     names = {
         "cpu-ops": ["matmul"],
@@ -189,7 +199,7 @@ def test_loom_explain_shows_which_cpu_path_runs(llama, capsys):
     out = capsys.readouterr().out
     assert "compute dtype          float32  (the CPU default" in out
     assert "cpu kernels            cpu-native, " in out
-    assert "threads: matmul, rms_norm, rope, attention, swiglu, log_softmax, experts, family  (" in out
+    assert "threads: matmul, rms_norm, rope, attention, swiglu, geglu, softcap, log_softmax, experts, expert_mix, family  (" in out
     assert "prefill chunk          512 tokens  (the native CPU kernels" in out
     assert main(["explain", str(llama), "--cpu-kernels", "cpu-ops", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)

@@ -117,7 +117,9 @@ def test_explain_says_where_each_modes_products_run(checkpoint, capsys):
     products = rows["quantized products"]
     assert "affine linear and tied head: mlx_loom.cpu._native affine_matmul" in products
     assert "mxfp4 linear and tied head: MLX quantized_matmul (the native kernels" in products
-    assert "any routed experts: MLX gather_qmm" in products
+    # Its experts are mxfp4 (MLX's gather), its router 8-bit affine.
+    assert "any mxfp4 routed experts: MLX gather_qmm" in products
+    assert "any affine routed experts: mlx_loom.cpu._native gather_affine_matmul" in products
 
 
 def test_loom_generate_runs_an_nvfp4_checkpoint_as_mlx_lm_does(checkpoint, capsys):

@@ -82,9 +82,15 @@ def _native_kernels(matmul: str, experts: str) -> dict[str, str]:
         "(no sinks; quantized views keep their own products)",
         "swiglu": "mlx_loom.cpu._native silu_mul: mlx_loom.nn.swiglu in float32, "
         "bit-equal to MLX's; with GatedMLP's gate and up projections, one product node",
+        "geglu": "mlx_loom.cpu._native gelu_mul: mlx_loom.nn.geglu in float32, within "
+        "2^-21 |gate * up| of MLX's; with GatedMLP's gate and up projections, one product node",
+        "softcap": "mlx_loom.cpu._native softcap: mlx_loom.nn.softcap (a logit soft cap) in "
+        "float32, within 2^-21 * cap of MLX's",
         "log_softmax": "mlx_loom.cpu._native log_softmax: the engine's float32 "
         "log-probabilities, bit-equal to MLX's logsumexp",
         "experts": experts,
+        "expert_mix": "mlx_loom.cpu._native expert_mix: mlx_loom.nn.mix_experts, the routed "
+        "experts' weighted sum in float32, bit-equal to MLX's",
         "family": "modules that define use_native_cpu_kernels take the extension's "
         "kernels for their own ops (Qwen3-Next/3.5: gated_delta, the recurrence over a "
         "prompt as one node, and conv_silu, the causal convolution)",
@@ -194,30 +200,34 @@ def describe_quantized_products(path: CpuPath, modes: Iterable[str]) -> str | No
 
     ``modes`` are the checkpoint's (``WeightsSummary.quantization_modes``);
     ``None`` when it has no quantized matrix. The native kernels implement
-    affine packing only: a linear or embedding packed in a microscaling mode
-    (mxfp4, nvfp4, mxfp8) is left on MLX's own ``quantized_matmul`` /
-    ``dequantize`` — never swapped, never approximated — and routed experts
-    run MLX's ``gather_qmm`` in every mode and every kernel set.
+    affine packing only: a linear, embedding or routed-expert stack packed in
+    a microscaling mode (mxfp4, nvfp4, mxfp8) is left on MLX's own
+    ``quantized_matmul`` / ``dequantize`` / ``gather_qmm`` — never swapped,
+    never approximated; affine routed experts run the native gathered
+    products (:mod:`mlx_loom.cpu.experts`).
     """
     modes = sorted(set(modes))
     if not modes:
         return None
     if path.kernel_set is None:
         return f"MLX's quantized kernels on {path.backend} ({', '.join(modes)})"
-    tail = ["embedding lookups: MLX dequantize", "any routed experts: MLX gather_qmm"]
+    lookups = "embedding lookups: MLX dequantize"
     if path.kernel_set not in NATIVE_KERNEL_SETS:
         ops = f"linear and tied head: MLX quantized_matmul ({', '.join(modes)})"
-        return "; ".join([ops, *tail])
+        return "; ".join([ops, lookups, "any routed experts: MLX gather_qmm"])
     parts = []
+    experts = []
     if "affine" in modes:
         parts.append("affine linear and tied head: mlx_loom.cpu._native affine_matmul")
+        experts.append("any affine routed experts: mlx_loom.cpu._native gather_affine_matmul")
     micro = [m for m in modes if m != "affine"]
     if micro:
         parts.append(
             f"{'/'.join(micro)} linear and tied head: MLX quantized_matmul "
             "(the native kernels run affine packing only)"
         )
-    return "; ".join([*parts, *tail])
+        experts.append(f"any {'/'.join(micro)} routed experts: MLX gather_qmm")
+    return "; ".join([*parts, lookups, *experts])
 
 
 def check_compute_dtype(value: str | None, *, asked: str = "compute_dtype") -> None:
