@@ -15,10 +15,25 @@ namespace loom_cpu {
 
 namespace {
 
-// Elements per task, and below how many elements the gate runs on the
-// calling thread alone (a decode step's gates, a few thousand, do).
+// Elements per task, and below how many elements a map runs on the calling
+// thread alone (a decode step's gates, a few thousand, do).
 constexpr size_t kBlock = 1024;
 constexpr size_t kParallelElements = size_t{1} << 14;
+
+// fn(i0, i1) over [0, n): on this thread for small n, else in blocks of
+// kBlock on the pool (each element's arithmetic is the same either way).
+template <class F>
+void map_blocks(size_t n, F fn) {
+  if (n < kParallelElements) {
+    fn(size_t{0}, n);
+    return;
+  }
+  const int blocks = static_cast<int>((n + kBlock - 1) / kBlock);
+  parallel_for(blocks, [&](int b) {
+    const size_t a = static_cast<size_t>(b) * kBlock;
+    fn(a, std::min(n, a + kBlock));
+  });
+}
 
 }  // namespace
 
@@ -47,15 +62,7 @@ void NativeGeluMul::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::
   float* y = out.data<float>();
   const size_t n = out.size();
   encoder.dispatch([g, u, y, n]() {
-    if (n < kParallelElements) {
-      gelu_tanh_mul(g, u, y, 0, n);
-      return;
-    }
-    const int blocks = static_cast<int>((n + kBlock - 1) / kBlock);
-    parallel_for(blocks, [&](int b) {
-      const size_t a = static_cast<size_t>(b) * kBlock;
-      gelu_tanh_mul(g, u, y, a, std::min(n, a + kBlock));
-    });
+    map_blocks(n, [&](size_t i0, size_t i1) { gelu_tanh_mul(g, u, y, i0, i1); });
   });
 }
 
@@ -82,15 +89,7 @@ void NativeSoftcap::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx::
   const size_t n = out.size();
   const float cap = cap_;
   encoder.dispatch([x, y, n, cap]() {
-    if (n < kParallelElements) {
-      softcap(x, cap, y, 0, n);
-      return;
-    }
-    const int blocks = static_cast<int>((n + kBlock - 1) / kBlock);
-    parallel_for(blocks, [&](int b) {
-      const size_t a = static_cast<size_t>(b) * kBlock;
-      softcap(x, cap, y, a, std::min(n, a + kBlock));
-    });
+    map_blocks(n, [&](size_t i0, size_t i1) { softcap(x, cap, y, i0, i1); });
   });
 }
 
