@@ -59,10 +59,11 @@ def _native_gelu_mul(gate: mx.array, up: mx.array) -> Activation | None:
 
 
 def native_geglu() -> bool:
-    """Whether the forward being built takes the native GeGLU gate (the hook provides one).
+    """Whether the forward being built provides the native GeGLU gate.
 
-    The one place that decides it: :func:`geglu` and the native gated MLP
-    node (which fuses the same gate) both ask here.
+    Read from the hook :func:`geglu` reads, for a caller that fuses the gate
+    into a node of its own (the native gated MLP), so that it and
+    :func:`geglu` never disagree about which gate a forward uses.
     """
     return current_gelu_mul() is not None
 
