@@ -90,6 +90,9 @@ void gemv4_int8_rows(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
 void gemv4_int8_rows_avx512(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
+// Rows of up to this many columns are read by the AVX-512 kernel's passes as
+// one-load operands (its WideActs); longer ones as broadcast halves.
+constexpr int kInt8WideColumns = 1024;
 
 // Whether the int8 kernels run on AVX-512 VNNI now (cpu_features.cpp: the
 // CPU has it and MLX_LOOM_CPU_ISA does not ask for avx2). Throws

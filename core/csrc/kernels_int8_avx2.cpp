@@ -339,7 +339,17 @@ void avx2_passes(
 // products, one activation row, two threads: 8.3 ms a token against 9.5-10.0
 // with AVX-512; two rows about equal; four rows 5 % faster on AVX-512).
 // Both kernels give the same bits, so the choice only moves time.
+// Where the AVX-512 pass cannot read its activations as one-load operands
+// (K over kInt8WideColumns, kernels_int8_avx512.cpp) it broadcasts them and
+// loses to AVX2 up to four rows (two threads, 3 and 4 rows: 1024x2816
+// 172 / 153 us on AVX2 against 213 / 198; 1024x2048 127 / 101 against
+// 144 / 133; six rows about equal).
 constexpr int kAvx2UpTo = 2;
+constexpr int kAvx2UpToWideK = 4;
+
+bool avx512_pays(const Product& p) {
+  return p.M > (p.K <= kInt8WideColumns ? kAvx2UpTo : kAvx2UpToWideK);
+}
 
 // Weight rows per block when many activation rows pass over them: a block
 // (64 rows of K / 2 bytes) stays in cache while every pass reads it, and the
@@ -352,7 +362,7 @@ constexpr int kBlockRows = 64;
 void gemv4_int8_rows(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1) {
   // Both sets give bit-identical results (see kernels_int8_avx512.cpp).
-  if (int8_isa_avx512() && p.M > kAvx2UpTo) {
+  if (int8_isa_avx512() && avx512_pays(p)) {
     gemv4_int8_rows_avx512(p, xq, steps, xsum, n0, n1);
     return;
   }

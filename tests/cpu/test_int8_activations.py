@@ -339,6 +339,22 @@ def test_avx512_vnni_gives_the_avx2_results_bit_for_bit(isa, group_size, scale_d
 
 
 @needs_avx512
+@pytest.mark.parametrize("K", [992, 1024, 1056, 1088, 2048])
+def test_avx512_reads_wide_and_broadcast_activations_alike(isa, K):
+    # Up to 1024 columns the AVX-512 passes read a doubled, interleaved copy
+    # of their activation rows; past it they broadcast from the rows (and up
+    # to four rows go to AVX2). Either way the bits are AVX2's, at every row
+    # count a decode batch has (3-31 rows: the unblocked passes of 8 and the
+    # rest), including a last odd group of 32 columns (1056, 992).
+    group_size = 32 if K % 64 else 64
+    wq, s, b = quantized(37, K, group_size, mx.bfloat16, seed=K)
+    for M in (3, 4, 5, 8, 9, 16, 23, 31):
+        x = rand((M, K), seed=M)
+        a, v = _both(isa, lambda: nat.affine_matmul(x, wq, s, b, 4, group_size, None, True))
+        assert mx.array_equal(a, v), (M, K)
+
+
+@needs_avx512
 @pytest.mark.parametrize("M", [1, 9, nat.SMALL_ROWS + 5])
 def test_the_fused_nodes_and_routed_experts_reach_the_avx512_kernel_alike(isa, M):
     K, N, E = 128, 48, 4

@@ -190,7 +190,7 @@ class CpuPath(BaseModel):
                 extra += f", int8 products on {self.isa}"
                 if self.isa != "avx2":
                     # The same bits either way; docs/cpu.md gives the measurement.
-                    extra += " (one or two rows on avx2)"
+                    extra += " (up to two rows on avx2, four past 1024 columns)"
         kernels = ", ".join(cpu_kernel_sets()[self.kernel_set].kernels)
         return f"{self.kernel_set}{extra}: {kernels}  ({self.kernel_set_reason})"
 
