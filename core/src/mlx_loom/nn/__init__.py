@@ -8,6 +8,8 @@ is solved once, one way, so three families do not carry three versions.
 * :mod:`.mlp` — :class:`GatedMLP` (Hugging Face module names);
 * :mod:`.projections` — :func:`project`, several projections of one
   activation (one node on the native CPU kernels);
+* :mod:`.heads` — :func:`split_heads` / :func:`merge_heads`, attention's head
+  layout (one reshape, no transpose, for a decode step's one token);
 * :mod:`.experts` — stacked expert projections, :class:`SwitchGLU`, and the
   per-backend expert kernels (one bf16-on-CPU strategy, measured);
 * :mod:`.norm` — :func:`rms_norm`, ``mx.fast.rms_norm`` that a native
@@ -34,6 +36,7 @@ from .experts import (
     mix_experts,
     switch_glu,
 )
+from .heads import merge_heads, split_heads
 from .loading import (
     Entry,
     Manifest,
@@ -84,6 +87,8 @@ __all__ = [
     "dense_tensors",
     "expected_tensors",
     "expert_kernels",
+    "merge_heads",
+    "split_heads",
     "gather_switch_glu",
     "gelu_approx_mul",
     "geglu",

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_loom.cache import KVCache, RotatingKVCache, append_kv, create_attention_mask
-from mlx_loom.nn import AttentionGeometry, make_rope, project
+from mlx_loom.nn import AttentionGeometry, make_rope, merge_heads, project, split_heads
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_gemma4.config import FULL, Gemma3TextConfig
 
@@ -73,15 +73,14 @@ class Attention(nn.Module):
             )
 
     def __call__(self, x: mx.array, mask: Any, cache: Any = None) -> mx.array:
-        B, L, _ = x.shape
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
-        q = self.q_norm(q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3))
-        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3))
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = self.q_norm(split_heads(q, self.n_heads))
+        k = self.k_norm(split_heads(k, self.n_kv_heads))
+        v = split_heads(v, self.n_kv_heads)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         out = append_kv(cache, k, v).attend(q, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(merge_heads(out))
 
 
 class MLP(nn.Module):

@@ -34,10 +34,12 @@ from mlx_loom.nn import (
     gelu_approx_mul,
     geglu,
     make_rope,
+    merge_heads,
     mix_experts,
     project,
     rms_norm,
     softcap,
+    split_heads,
 )
 from mlx_loom.nn.experts import ExpertKernel
 from mlx_loom.parallel import SINGLE_STAGE, Stage
@@ -111,13 +113,11 @@ class Attention(nn.Module):
         return queries, keys, values
 
     def _own_kv(self, keys: mx.array, values: mx.array | None, cache: Any) -> DonorView:
-        B, L, _ = keys.shape
-        keys = keys.reshape(B, L, self.n_kv_heads, self.head_dim)
         # attention_k_eq_v: values are the raw key projection (before k_norm).
-        values = keys if values is None else values.reshape(B, L, self.n_kv_heads, -1)
+        raw_values = keys if values is None else values
         offset = mx.array(cache.offset) if cache is not None else 0
-        keys = self.rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
-        values = self.v_norm(values).transpose(0, 2, 1, 3)
+        keys = self.rope(split_heads(keys, self.n_kv_heads, norm=self.k_norm), offset=offset)
+        values = split_heads(raw_values, self.n_kv_heads, norm=self.v_norm)
         # The cache's view (whatever its codec) is what this layer and the
         # layers sharing its keys/values attend through; offsets ride along.
         return DonorView(append_kv(cache, keys, values), offset)
@@ -125,18 +125,16 @@ class Attention(nn.Module):
     def __call__(
         self, x: mx.array, mask: Any, cache: Any, share: DonorView | None
     ) -> tuple[mx.array, DonorView]:
-        B, L, _ = x.shape
         queries, keys, values = self._projections(x)
-        queries = self.q_norm(queries.reshape(B, L, self.n_heads, self.head_dim))
+        queries = split_heads(queries, self.n_heads, norm=self.q_norm)
         if keys is not None:
             share = self._own_kv(keys, values, cache)
         elif share is None:
             raise RuntimeError("a KV-shared layer ran without its donor's keys/values")
-        queries = self.rope(queries.transpose(0, 2, 1, 3), offset=share.offset)
+        queries = self.rope(queries, offset=share.offset)
         # Gemma 4's attention scale is 1.0: q and k are RMS-normed instead.
         out = share.attend(queries, scale=1.0, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out), share
+        return self.o_proj(merge_heads(out)), share
 
 
 # --- feed-forward -------------------------------------------------------------

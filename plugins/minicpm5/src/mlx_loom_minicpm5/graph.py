@@ -22,7 +22,7 @@ from mlx_loom.cache import (
     append_kv,
     create_attention_mask,
 )
-from mlx_loom.nn import AttentionGeometry, GatedMLP, make_rope, project
+from mlx_loom.nn import AttentionGeometry, GatedMLP, make_rope, merge_heads, project, split_heads
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 
 from .config import MiniCPM5Config
@@ -75,18 +75,17 @@ class Attention(nn.Module):
     def __call__(
         self, x: mx.array, mask: Any, cache: Any = None, q_scale: mx.array | None = None
     ) -> mx.array:
-        B, L, _ = x.shape
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
-        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = split_heads(q, self.n_heads)
+        k = split_heads(k, self.n_kv_heads)
+        v = split_heads(v, self.n_kv_heads)
         offset = cache.offset if cache is not None else 0  # an array for batch caches
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if q_scale is not None:
             q = q * q_scale
         # The cache's view owns the attention arithmetic of its storage codec.
         out = append_kv(cache, k, v).attend(q, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(merge_heads(out))
 
 
 class DecoderLayer(nn.Module):

@@ -20,7 +20,16 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_loom.cache import KVCache, append_kv, create_attention_mask
-from mlx_loom.nn import GatedMLP, SwitchGLU, make_rope, mix_experts, project, switch_glu
+from mlx_loom.nn import (
+    GatedMLP,
+    SwitchGLU,
+    make_rope,
+    merge_heads,
+    mix_experts,
+    project,
+    split_heads,
+    switch_glu,
+)
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 
 from .config import Qwen3Config, Qwen3MoeConfig
@@ -54,17 +63,16 @@ class Attention(nn.Module):
         )
 
     def __call__(self, x: mx.array, mask: Any, cache: Any = None) -> mx.array:
-        B, L, _ = x.shape
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         # Each head is normalised on its own, before the heads move to axis 1.
-        q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = split_heads(q, self.n_heads, norm=self.q_norm)
+        k = split_heads(k, self.n_kv_heads, norm=self.k_norm)
+        v = split_heads(v, self.n_kv_heads)
         offset = cache.offset if cache is not None else 0  # an array for batch caches
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         # The cache's view owns the attention arithmetic of its storage codec.
         out = append_kv(cache, k, v).attend(q, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(merge_heads(out))
 
 
 class SparseMoe(nn.Module):

@@ -26,9 +26,11 @@ from mlx_loom.nn import (
     GatedMLP,
     SwitchGLU,
     make_rope,
+    merge_heads,
     mix_experts,
     project,
     rms_norm,
+    split_heads,
 )
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_qwen3_next.config import HybridConfig, Qwen3_5Config
@@ -138,16 +140,14 @@ class GatedAttention(nn.Module):
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         q, gate = mx.split(q.reshape(B, L, self.n_heads, -1), 2, axis=-1)
         gate = gate.reshape(B, L, -1)
-        k = k.reshape(B, L, self.n_kv_heads, -1)
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = split_heads(v, self.n_kv_heads)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
-        k = self.k_norm(k).transpose(0, 2, 1, 3)
+        k = split_heads(k, self.n_kv_heads, norm=self.k_norm)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         # The cache's view owns the attention arithmetic of its storage codec.
         out = append_kv(cache, k, v).attend(q, scale=self.scale, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out * mx.sigmoid(gate))
+        return self.o_proj(merge_heads(out) * mx.sigmoid(gate))
 
 
 # --- gated delta net ------------------------------------------------------------
