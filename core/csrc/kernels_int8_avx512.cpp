@@ -131,7 +131,7 @@ LOOM_HOT int tail_sum(const uint8_t* wrow, const int8_t* xq, int k) {
 // only where it fits the core's first-level cache with room for the codes
 // (kWideChunks): beyond that its doubled bytes come from the second level
 // and cost more than the broadcasts they save. Measured on Zen 4, 16 rows,
-// one thread: 3072x1024 0.96 -> 0.75 ms, 32000x1024 8.6 -> 7.5 ms; at
+// one thread: 3072x1024 0.96 -> 0.75 ms, 32000x1024 8.6 -> 7.0 ms; at
 // K = 2816 (with the copy in the second level) 0.90 -> 0.99 ms, so those
 // keep RowActs. Both give the same operands, so the same bits.
 struct RowActs {
@@ -274,27 +274,15 @@ struct Rows {
   }
 };
 
-// A thread's buffers for WideActs (kept between calls; null when an
-// allocation failed, and the pass then reads RowActs).
-thread_local int8_t* wide_x = nullptr;
-thread_local float* wide_s = nullptr;
-thread_local size_t wide_chunks = 0;
+// A thread's WideActs copy: at most kWideChunks chunks of kMaxMT rows
+// (16 KB of operands, 8 KB of steps), a fixed size, so no allocation.
+alignas(64) thread_local int8_t wide_x[kWideChunks * kMaxMT * 128];
+alignas(64) thread_local float wide_s[kWideChunks * kMaxMT * 16];
 
-// The WideActs copy of MT rows' first `chunks` chunks (the whole 64-column
-// chunks; a last 32-column group is read from the rows).
+// The WideActs copy of MT rows' first `chunks` (<= kWideChunks) chunks (the
+// whole 64-column chunks; a last 32-column group is read from the rows).
 template <int MT>
 WideActs<MT> widen(const int8_t* const* xs, const float* const* st, int chunks) {
-  const size_t need = static_cast<size_t>(kWideChunks) * kMaxMT;
-  if (wide_chunks < need) {
-    std::free(wide_x);
-    std::free(wide_s);
-    wide_x = static_cast<int8_t*>(std::aligned_alloc(64, need * 128));
-    wide_s = static_cast<float*>(std::aligned_alloc(64, need * 64));
-    wide_chunks = (wide_x != nullptr && wide_s != nullptr) ? need : 0;
-    if (wide_chunks == 0) {
-      return {nullptr, nullptr};
-    }
-  }
   for (int c = 0; c < chunks; ++c) {
     for (int m = 0; m < MT; ++m) {
       const size_t slot = static_cast<size_t>(c) * MT + m;
@@ -332,10 +320,8 @@ void pass(
   }
   const RowActs rows{xs, st};
   const int chunks = K / 64;
-  WideActs<MT> wide{nullptr, nullptr};
-  if (unpacked == nullptr && chunks <= kWideChunks) {
-    wide = widen<MT>(xs, st, chunks);
-  }
+  const bool use_wide = unpacked == nullptr && chunks <= kWideChunks;
+  const WideActs<MT> wide = use_wide ? widen<MT>(xs, st, chunks) : WideActs<MT>{nullptr, nullptr};
   float res[MT][2];
   for (int n = n0; n < n1; n += 2) {
     const int n1r = n + 1 < n1 ? n + 1 : n;
@@ -351,7 +337,7 @@ void pass(
         prefetch_ahead(w1, r.row_bytes, r.s(n1r), r.b(n1r), r.sb_bytes);
       }
       const PackedCodes c{w0, w1};
-      if (wide.x != nullptr) {
+      if (use_wide) {
         pair_rows<MT, SD>(c, wide, xs, st, xsums, w0, w1, r.s(n), r.s(n1r), r.b(n), r.b(n1r), K,
                           p.group_size, res);
       } else {

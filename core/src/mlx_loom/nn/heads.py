@@ -6,8 +6,8 @@ Every family writes the same two steps around its attention, as mlx-lm does:
 node, and a node costs time whether it moves bytes or not (a compiled
 function of 600 reshape and transpose views took ~0.73 ms longer to
 evaluate than one without them on the CPU: ~1.2 us a node, on the thread
-that every other node waits for). With one new token (``L == 1``, every decode step) the
-transpose only moves an axis of size one: ``[B, 1, H, D]`` and
+that every other node waits for). With one new token (``L == 1``, every
+decode step) the transpose only moves an axis of size one: ``[B, 1, H, D]`` and
 ``[B, H, 1, D]`` are the same bytes in the same order. So for one token these
 helpers reshape once and skip the transpose — four nodes a layer fewer in a
 Llama's decode step (a quarter of its view nodes), the same values and the
