@@ -240,6 +240,30 @@ LOOM_HOT void affine4_groups(
   }
 }
 
+// The last 32 codes of a 4-bit row against fp32 activations, on 128-bit
+// vectors (x permuted as prepare_affine_x does): the `last` of
+// affine4_groups for the AVX2 and AVX-512 fp32 kernels alike.
+template <int MT>
+LOOM_HOT void affine4_last32(
+    const float* const* xs, const uint8_t* wrow, int k, float* sums) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + k / 2));
+  __m128 acc[MT];
+  for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm_setzero_ps();
+  }
+  for (int c = 0; c < 8; ++c) {
+    const __m128 qf = _mm_cvtepi32_ps(_mm_and_si128(_mm_srli_epi32(v, 4 * c), _mm_set1_epi32(0xF)));
+    for (int m = 0; m < MT; ++m) {
+      acc[m] = _mm_fmadd_ps(_mm_loadu_ps(xs[m] + k + 4 * c), qf, acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m128 h = _mm_add_ps(acc[m], _mm_movehl_ps(acc[m], acc[m]));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    sums[m] = _mm_cvtss_f32(h);
+  }
+}
+
 // Weight rows are prefetched this many rows ahead by the matrix-vector
 // kernels. Their products are reads of memory, and the hardware prefetcher
 // alone keeps too few lines in flight for three streams per thread (codes,

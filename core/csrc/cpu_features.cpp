@@ -128,7 +128,7 @@ Isa active_isa() {
   return static_cast<Isa>(v);
 }
 
-bool int8_isa_avx512() {
+bool isa_avx512() {
   return active_isa() == Isa::kAvx512Vnni;
 }
 

@@ -43,6 +43,10 @@ struct Product {
 // For affine weights x must first go through prepare_affine_x; `xsum` holds
 // its per-group sums (M * K / group_size floats; unused for dense weights).
 void gemv_rows(const Product& p, const float* xsum, int n0, int n1);
+// gemv_rows for 4-bit affine weights on AVX-512 (kernels_avx512.cpp):
+// gemv_rows hands 4-bit products to it when isa_avx512() says so; the
+// results are bit-identical to the AVX2 kernel's.
+void gemv4_rows_avx512(const Product& p, const float* xsum, int n0, int n1);
 
 // Affine matrix-vector products need the per-group sums of x (xsum gets
 // M * K / group_size floats, each summed in column order) and, for 4-bit
@@ -84,7 +88,7 @@ void prepare_int8_x(const Product& p, int8_t* xq, float* steps, float* xsum);
 // with M rows is bit-identical to the same row computed alone.
 // Any number of rows M: with many rows (prefill) the weight rows are taken in
 // blocks that every activation row reads from cache. Runs the AVX-512 VNNI
-// kernel (kernels_int8_avx512.cpp) when int8_isa_avx512() says so, else
+// kernel (kernels_int8_avx512.cpp) when isa_avx512() says so, else
 // AVX2; the two give bit-identical results.
 void gemv4_int8_rows(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
@@ -94,10 +98,11 @@ void gemv4_int8_rows_avx512(
 // one-load operands (its WideActs); longer ones as broadcast halves.
 constexpr int kInt8WideColumns = 1024;
 
-// Whether the int8 kernels run on AVX-512 VNNI now (cpu_features.cpp: the
-// CPU has it and MLX_LOOM_CPU_ISA does not ask for avx2). Throws
+// Whether the kernels with an AVX-512 variant (the int8 products and the
+// fp32 4-bit matrix-vector product) run it now (cpu_features.cpp: the CPU
+// has AVX-512 with VNNI and MLX_LOOM_CPU_ISA does not ask for avx2). Throws
 // std::invalid_argument for a bad MLX_LOOM_CPU_ISA.
-bool int8_isa_avx512();
+bool isa_avx512();
 
 // Activations to fp32: rows [m0, m1) of a row-major [M, K] array.
 void to_f32(const void* src, int dtype, float* dst, size_t count);

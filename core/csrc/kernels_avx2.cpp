@@ -201,28 +201,6 @@ LOOM_HOT void affine4_chunk(
   }
 }
 
-// The last 32 codes of a row, on 128-bit vectors (x permuted the same way).
-template <int MT>
-LOOM_HOT void affine4_last32(
-    const float* const* xs, const uint8_t* wrow, int k, float* sums) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + k / 2));
-  __m128 acc[MT];
-  for (int m = 0; m < MT; ++m) {
-    acc[m] = _mm_setzero_ps();
-  }
-  for (int c = 0; c < 8; ++c) {
-    const __m128 qf = _mm_cvtepi32_ps(_mm_and_si128(_mm_srli_epi32(v, 4 * c), _mm_set1_epi32(0xF)));
-    for (int m = 0; m < MT; ++m) {
-      acc[m] = _mm_fmadd_ps(_mm_loadu_ps(xs[m] + k + 4 * c), qf, acc[m]);
-    }
-  }
-  for (int m = 0; m < MT; ++m) {
-    __m128 h = _mm_add_ps(acc[m], _mm_movehl_ps(acc[m], acc[m]));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    sums[m] = _mm_cvtss_f32(h);
-  }
-}
-
 // 4-bit rows, decoded 64 codes at a time in-lane (affine4_groups says how
 // groups and the bias terms are summed).
 template <int MT, int SD>
@@ -475,6 +453,10 @@ inline size_t round_up(size_t v, size_t to) {
 // Entry points
 
 void gemv_rows(const Product& p, const float* xsum, int n0, int n1) {
+  if (p.bits == 4 && isa_avx512()) {
+    gemv4_rows_avx512(p, xsum, n0, n1);
+    return;
+  }
   int m = 0;
   for (; m + kMaxMT <= p.M; m += kMaxMT) {
     gemv_pass<kMaxMT>(p, xsum, m, n0, n1);

@@ -362,7 +362,7 @@ constexpr int kBlockRows = 64;
 void gemv4_int8_rows(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1) {
   // Both sets give bit-identical results (see kernels_int8_avx512.cpp).
-  if (int8_isa_avx512() && avx512_pays(p)) {
+  if (isa_avx512() && avx512_pays(p)) {
     gemv4_int8_rows_avx512(p, xq, steps, xsum, n0, n1);
     return;
   }

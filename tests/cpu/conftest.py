@@ -10,8 +10,34 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+from mlx_loom.cpu import native
 from mlx_loom.host import default_host
 from mlx_loom.testing.checkpoints import write_checkpoint
+
+_FEATURES = dict(native.module().cpu_features()) if native.unavailable_reason() is None else {}
+#: Whether the kernels' AVX-512 variants can run here (F/BW/VL with VNNI).
+AVX512 = all(_FEATURES.get(f, False) for f in ("avx512f", "avx512bw", "avx512vl", "avx512vnni"))
+needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU lacks AVX-512 VNNI")
+
+
+@pytest.fixture
+def isa():
+    """Switch the 4-bit kernels' instruction set; restores the one in use after."""
+    nat = native.module()
+    before = nat.cpu_isa()
+    yield nat.set_cpu_isa
+    nat.set_cpu_isa("avx512" if before == "avx512-vnni" else "avx2")
+
+
+def on_both_isas(isa, fn):
+    """``fn()`` evaluated on AVX2, then on AVX-512: the two results."""
+    isa("avx2")
+    a = fn()
+    mx.eval(a)
+    isa("avx512")
+    b = fn()
+    mx.eval(b)
+    return a, b
 
 
 @pytest.fixture(scope="session")

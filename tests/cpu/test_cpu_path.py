@@ -199,7 +199,7 @@ def test_loom_explain_shows_which_cpu_path_runs(llama, capsys):
     out = capsys.readouterr().out
     assert "compute dtype          float32  (the CPU default" in out
     assert "cpu kernels            cpu-native, " in out
-    assert "threads: matmul, rms_norm, rope, attention, swiglu, geglu, softcap, log_softmax, experts, expert_mix, family  (" in out
+    assert f"threads, 4-bit products on {native.cpu_isa()}: matmul, rms_norm, rope, attention, swiglu, geglu, softcap, log_softmax, experts, expert_mix, family  (" in out
     assert "prefill chunk          512 tokens  (the native CPU kernels" in out
     assert main(["explain", str(llama), "--cpu-kernels", "cpu-ops", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)

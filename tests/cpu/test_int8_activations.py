@@ -37,6 +37,8 @@ from mlx_loom.cpu import experts, layers, native, ops
 from mlx_loom.cpu.path import resolve_cpu_path
 from mlx_loom.nn import activations, norm, projections
 
+from .conftest import AVX512, needs_avx512
+from .conftest import on_both_isas as _both
 from .test_model_parity import FAMILIES, greedy, max_relative_gap, ours
 
 nat = native.module()
@@ -288,28 +290,6 @@ def test_a_verify_window_equals_one_token_steps_bit_for_bit(checkpoints, family)
 
 # --- the instruction sets --------------------------------------------------
 
-AVX512 = dict(nat.cpu_features()).get("avx512vnni", False) and dict(nat.cpu_features()).get(
-    "avx512bw", False
-)
-needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU lacks AVX-512 VNNI")
-
-
-@pytest.fixture
-def isa():
-    """Switch the int8 kernels' instruction set; restores the one in use after."""
-    before = nat.cpu_isa()
-    yield nat.set_cpu_isa
-    nat.set_cpu_isa("avx512" if before == "avx512-vnni" else "avx2")
-
-
-def _both(isa, fn):
-    isa("avx2")
-    a = fn()
-    mx.eval(a)
-    isa("avx512")
-    b = fn()
-    mx.eval(b)
-    return a, b
 
 
 @needs_avx512

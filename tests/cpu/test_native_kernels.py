@@ -17,6 +17,9 @@ import pytest
 
 from mlx_loom.cpu import native
 
+from .conftest import needs_avx512, on_both_isas
+from .test_model_parity import FAMILIES, greedy, ours
+
 nat = native.module()
 U = 2.0**-23
 HALF_ULP = {mx.float32: 0.0, mx.bfloat16: 2.0**-8, mx.float16: 2.0**-11}
@@ -244,3 +247,66 @@ def test_cpu_features_report_what_the_kernels_need():
     assert set(native.REQUIRED_INSTRUCTIONS) <= set(features)
     assert native.unavailable_reason() is None
     assert nat.threads() >= 1
+
+
+# --- 4-bit matrix-vector products on AVX-512 ----------------------------------
+
+
+@needs_avx512
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.bfloat16, mx.float16], ids=str)
+def test_avx512_fp32_4bit_products_give_the_avx2_results_bit_for_bit(isa, group_size, scale_dtype):
+    # Every row count the matrix-vector kernel serves (passes of eight and
+    # every remainder), rows ending in an odd group of 32 (K % 64 == 32),
+    # half-precision activations and outputs, and a bias.
+    rng = np.random.default_rng(group_size)
+    widths = [group_size, 3 * group_size, 1024, 2816] + ([96, 1056] if group_size == 32 else [])
+    for trial, K in enumerate(widths):
+        N = 37 if trial % 2 else 130
+        wq, s, b = quantized(N, K, 4, group_size, scale_dtype, seed=trial)
+        bias = rand((N,), seed=3)
+        for M in list(range(1, 10)) + [15, 16, 17, nat.SMALL_ROWS]:
+            dtype = [mx.float32, mx.bfloat16, mx.float16][int(rng.integers(0, 3))]
+            x = rand((M, K), dtype, seed=100 * trial + M)
+            a, v = on_both_isas(isa, lambda: nat.affine_matmul(x, wq, s, b, 4, group_size, bias))
+            assert a.dtype == v.dtype
+            assert mx.array_equal(a, v), (K, M, dtype)
+
+
+@needs_avx512
+@pytest.mark.parametrize("M", [1, 3, 9])
+def test_the_fused_and_routed_4bit_products_reach_the_avx512_kernel_alike(isa, M):
+    K, N, E = 192, 48, 4
+    x = rand((M, K), seed=9)
+    g, gs, gb = quantized(N, K, 4, 64, mx.bfloat16, seed=2)
+    u, us, ub = quantized(N, K, 4, 64, mx.bfloat16, seed=3)
+    for gelu in (False, True):
+        gated = on_both_isas(
+            isa, lambda: nat.gated_affine_matmul(x, g, gs, gb, u, us, ub, 4, 64, False, gelu)
+        )
+        assert mx.array_equal(*gated)
+    multi = on_both_isas(
+        isa, lambda: mx.stack(nat.multi_affine_matmul(x, [g, u], [gs, us], [gb, ub], 4, 64, False))
+    )
+    assert mx.array_equal(*multi)
+    wq, s, b = mx.quantize(rand((E, N, K), seed=4), group_size=64, bits=4)
+    idx = mx.array(np.random.default_rng(M).integers(0, E, (M, 2)).astype(np.int32))
+    routed = on_both_isas(
+        isa, lambda: nat.gather_affine_matmul(x, idx, [wq], [s], [b], 4, 64, False)[0]
+    )
+    assert mx.array_equal(*routed)
+
+
+@needs_avx512
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_decodes_the_same_logits_on_either_instruction_set(checkpoints, family, isa):
+    path = checkpoints(family, "q4")
+    runs = []
+    for name in ("avx2", "avx512"):
+        isa(name)
+        model, make_cache = ours(path, "float32", "cpu-native")
+        runs.append(greedy(model, make_cache))
+    (tokens_a, steps_a), (tokens_b, steps_b) = runs
+    assert tokens_a == tokens_b
+    for i, (a, b) in enumerate(zip(steps_a, steps_b, strict=True)):
+        assert mx.array_equal(a, b), f"step {i}"

@@ -97,22 +97,25 @@ def unavailable_reason(features: dict[str, bool] | None = None) -> str | None:
     return None
 
 
-#: ``MLX_LOOM_CPU_ISA`` values: the instruction set of the int8-activation
-#: kernels (``auto``: AVX-512 VNNI where the CPU and OS have it, else AVX2).
+#: ``MLX_LOOM_CPU_ISA`` values: the instruction set of the kernels that have
+#: an AVX-512 variant (``auto``: AVX-512 VNNI where the CPU and OS have it,
+#: else AVX2).
 CPU_ISA_CHOICES = ("auto", "avx2", "avx512")
 
 
 def cpu_isa() -> str | None:
-    """The instruction set the int8-activation kernels run on (``None`` without the extension).
+    """The instruction set the 4-bit kernels run on (``None`` without the extension).
 
     ``avx512-vnni`` where the CPU has AVX-512 F/BW/VL with VNNI and the OS
     saves the zmm state (detected by the extension at run time), else
     ``avx2``; ``MLX_LOOM_CPU_ISA=avx2`` forces the baseline. Both give
-    bit-identical results. It governs products of three or more activation
-    rows: one or two rows (decode) run the AVX2 kernel on either, which was
-    the faster of the two there (docs/cpu.md). Raises ``ValueError`` for a
-    ``MLX_LOOM_CPU_ISA`` that is not one of :data:`CPU_ISA_CHOICES` or names
-    a set this CPU lacks.
+    bit-identical results. It governs the fp32-activation matrix-vector
+    products of 4-bit weights (every row count) and the int8-activation
+    products of three or more activation rows: one or two int8 rows
+    (decode) run the AVX2 kernel on either, which was the faster of the two
+    there (docs/cpu.md). Raises ``ValueError`` for a ``MLX_LOOM_CPU_ISA``
+    that is not one of :data:`CPU_ISA_CHOICES` or names a set this CPU
+    lacks.
     """
     mod, _ = _load()
     return str(mod.cpu_isa()) if mod is not None else None
@@ -123,9 +126,9 @@ def describe_available() -> str:
     try:
         isa = cpu_isa()
     except ValueError as err:
-        return f"available (AVX2/FMA/F16C); int8 products: {err}"
+        return f"available (AVX2/FMA/F16C); 4-bit and int8 products: {err}"
     return (
-        f"available: AVX2/FMA/F16C, int8 products on {isa} "
+        f"available: AVX2/FMA/F16C, 4-bit and int8 products on {isa} "
         f"(MLX_LOOM_CPU_ISA={'|'.join(CPU_ISA_CHOICES)})"
     )
 

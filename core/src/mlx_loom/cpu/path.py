@@ -27,7 +27,8 @@ dense bf16/fp16 weights are converted too (twice their memory), which
 arithmetic: with the same compute dtype, logits equal mlx-lm's bit for bit);
 ``cpu-native`` runs ``Linear``/``QuantizedLinear``/``Embedding`` products on
 the compiled AVX2 kernels (multithreaded; fp32 accumulation; bounded, not
-bit-equal, difference from MLX's sums); ``cpu-native-int8-act`` is
+bit-equal, difference from MLX's sums; 4-bit matrix-vector products on
+AVX-512 where the CPU has it, bit-identical to AVX2's); ``cpu-native-int8-act`` is
 ``cpu-native`` except that 4-bit products (decode, batched decode,
 verification windows and prefill chunks) quantize their activations to
 int8 per 32 columns and multiply in integers, as llama.cpp pairs Q4 weights
@@ -172,7 +173,8 @@ class CpuPath(BaseModel):
     kernel_set_reason: str
     kernel_sets: tuple[str, ...] = KERNEL_SETS
     threads: int | None = None
-    #: The instruction set of the int8-activation kernels (native sets only).
+    #: The instruction set of the 4-bit kernels (native sets only): the
+    #: fp32-activation matrix-vector product and the int8-activation one.
     isa: str | None = None
 
     @property
@@ -186,11 +188,14 @@ class CpuPath(BaseModel):
         extra = ""
         if self.kernel_set in NATIVE_KERNEL_SETS:
             extra = f", {self.threads} threads"
+            # The same bits on either instruction set; docs/cpu.md gives the
+            # measurements behind the routing.
             if self.kernel_set == "cpu-native-int8-act" and self.isa is not None:
                 extra += f", int8 products on {self.isa}"
                 if self.isa != "avx2":
-                    # The same bits either way; docs/cpu.md gives the measurement.
                     extra += " (up to two rows on avx2, four past 1024 columns)"
+            elif self.isa is not None:
+                extra += f", 4-bit products on {self.isa}"
         kernels = ", ".join(cpu_kernel_sets()[self.kernel_set].kernels)
         return f"{self.kernel_set}{extra}: {kernels}  ({self.kernel_set_reason})"
 
