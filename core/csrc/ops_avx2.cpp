@@ -378,7 +378,8 @@ void accumulate_stored(const float* p, int n, const char* v, size_t stride, floa
 // values from cache: 200 us with one key's dot product and the exp and the
 // value update interleaved per key, 183 us now (of which the scores ~70, the
 // C library's exp ~45 and the values ~60).
-void one_row(
+template <int SD>
+__attribute__((noinline)) void one_row_stored(
     const AttentionJob& job, int t, int b, int h, int keys, const char* kbase, const char* vbase,
     size_t esize, float* scratch) {
   const int D = job.D;
@@ -386,36 +387,42 @@ void one_row(
   float* qrow = scratch;
   float* acc = qrow + D;
   float* scores = acc + Dv;
-  const bool f32 = job.kv_dtype == kF32;
   row_to_f32(job.q, job.dtype, static_cast<size_t>(t) * D, D, qrow);
   const float* mrow = job.mask != nullptr
       ? job.mask + b * job.m_strides[0] + h * job.m_strides[1]
       : nullptr;
-  const bool f16 = job.kv_dtype == kF16;
+  const size_t kstride = job.k_strides[2] * esize;
   float top = -__builtin_inff();
   int s = 0;
   if (D % 8 == 0) {
-    const size_t stride = job.k_strides[2] * esize;
     alignas(32) float d8[8];
-    for (; s + 8 <= keys; s += 8) {
-      const char* kp = kbase + s * stride;
-      _mm256_store_ps(
-          d8, f32 ? dot8_stored<kF32>(qrow, kp, stride, D)
-              : f16 ? dot8_stored<kF16>(qrow, kp, stride, D)
-                    : dot8_stored<kBF16>(qrow, kp, stride, D));
+    if (mrow == nullptr) {
+      // The scaled score is one rounding either way (masked_score's).
+      const __m256 scale = _mm256_set1_ps(job.scale);
+      __m256 top8 = _mm256_set1_ps(-__builtin_inff());
+      for (; s + 8 <= keys; s += 8) {
+        const __m256 sc = _mm256_mul_ps(dot8_stored<SD>(qrow, kbase + s * kstride, kstride, D), scale);
+        _mm256_storeu_ps(scores + s, sc);
+        top8 = _mm256_max_ps(top8, sc);
+      }
+      _mm256_store_ps(d8, top8);
       for (int j = 0; j < 8; ++j) {
-        const float sc = masked_score(d8[j], job.scale, mrow, s + j, job.m_strides[3]);
-        scores[s + j] = sc;
-        top = sc > top ? sc : top;
+        top = d8[j] > top ? d8[j] : top;
+      }
+    } else {
+      for (; s + 8 <= keys; s += 8) {
+        _mm256_store_ps(d8, dot8_stored<SD>(qrow, kbase + s * kstride, kstride, D));
+        for (int j = 0; j < 8; ++j) {
+          const float sc = masked_score(d8[j], job.scale, mrow, s + j, job.m_strides[3]);
+          scores[s + j] = sc;
+          top = sc > top ? sc : top;
+        }
       }
     }
   }
   for (; s < keys; ++s) {
-    const char* kp = kbase + s * job.k_strides[2] * esize;
-    const float d = f32 ? dot_stored<kF32>(qrow, kp, D)
-        : f16           ? dot_stored<kF16>(qrow, kp, D)
-                        : dot_stored<kBF16>(qrow, kp, D);
-    const float sc = masked_score(d, job.scale, mrow, s, job.m_strides[3]);
+    const float sc =
+        masked_score(dot_stored<SD>(qrow, kbase + s * kstride, D), job.scale, mrow, s, job.m_strides[3]);
     scores[s] = sc;
     top = sc > top ? sc : top;
   }
@@ -426,22 +433,15 @@ void one_row(
   if (top != -__builtin_inff()) {
     // Every weight first (the C library's exp is a call, which would spill
     // registers held across keys), then the values in blocks of keys.
-    for (int s = 0; s < keys; ++s) {
-      const float p = __builtin_expf(scores[s] - top);
+    for (int i = 0; i < keys; ++i) {
+      const float p = __builtin_expf(scores[i] - top);
       total += p;
-      scores[s] = p;
+      scores[i] = p;
     }
-    const size_t stride = job.v_strides[2] * esize;
+    const size_t vstride = job.v_strides[2] * esize;
     for (int s0 = 0; s0 < keys; s0 += kKeyBlock) {
       const int n = keys - s0 < kKeyBlock ? keys - s0 : kKeyBlock;
-      const char* v = vbase + s0 * stride;
-      if (f32) {
-        accumulate_stored<kF32>(scores + s0, n, v, stride, acc, Dv);
-      } else if (f16) {
-        accumulate_stored<kF16>(scores + s0, n, v, stride, acc, Dv);
-      } else {
-        accumulate_stored<kBF16>(scores + s0, n, v, stride, acc, Dv);
-      }
+      accumulate_stored<SD>(scores + s0, n, vbase + s0 * vstride, vstride, acc, Dv);
     }
   }
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
@@ -449,6 +449,18 @@ void one_row(
     acc[i] *= inv;
   }
   row_store(job.out, job.out_dtype, static_cast<size_t>(t) * Dv, acc, Dv);
+}
+
+void one_row(
+    const AttentionJob& job, int t, int b, int h, int keys, const char* kbase, const char* vbase,
+    size_t esize, float* scratch) {
+  if (job.kv_dtype == kF32) {
+    one_row_stored<kF32>(job, t, b, h, keys, kbase, vbase, esize, scratch);
+  } else if (job.kv_dtype == kF16) {
+    one_row_stored<kF16>(job, t, b, h, keys, kbase, vbase, esize, scratch);
+  } else {
+    one_row_stored<kBF16>(job, t, b, h, keys, kbase, vbase, esize, scratch);
+  }
 }
 
 }  // namespace
