@@ -196,6 +196,59 @@ size_t attention_scratch_floats(const AttentionJob& job) {
 
 namespace {
 
+// MLX's CPU exp (mlx/backend/cpu/simd/math.h), lane for lane: 2^(x log2 e)
+// split at the nearest integer (halves rounded up), a degree-6 polynomial (Cephes constants) in
+// the fractional part, the integer part shifted into the exponent; NaN kept,
+// +inf above 88, 0 below -88.
+inline __m256 mlx_exp(__m256 x_init) {
+  const __m256 x = _mm256_mul_ps(x_init, _mm256_set1_ps(1.442695f));
+  // MLX adds a double 0.5, so the rounding to the nearest integer happens
+  // in double (a float add would round x + 0.5 itself just below a half).
+  const __m256d half = _mm256_set1_pd(0.5);
+  const __m256d lo = _mm256_floor_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), half));
+  const __m256d hi = _mm256_floor_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), half));
+  const __m256 ipart = _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
+  const __m256 fpart = _mm256_sub_ps(x, ipart);
+  const __m256 p = exp2_fraction(fpart);
+  const __m256i epart =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127)), 23);
+  __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(epart), p);
+  r = _mm256_blendv_ps(r, x_init, _mm256_cmp_ps(x_init, x_init, _CMP_UNORD_Q));
+  r = _mm256_blendv_ps(
+      r, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(x_init, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+  r = _mm256_blendv_ps(
+      r, _mm256_setzero_ps(), _mm256_cmp_ps(x_init, _mm256_set1_ps(-88.0f), _CMP_LT_OQ));
+  return r;
+}
+
+// out[i] = exp(in[i] - top) for i < n, by mlx_exp eight lanes at a time,
+// added to `total` in index order and returned: the weights of a row's
+// keys, the same in decode and in every prefill chunking (a masked key,
+// -inf, weighs 0). MLX's exp rather than the C library's: a call per score
+// kept the loop from overlapping anything.
+inline float exp_weights(const float* in, float* out, int n, float top, float total) {
+  const __m256 vtop = _mm256_set1_ps(top);
+  alignas(32) float p[8];
+  for (int i = 0; i < n; i += 8) {
+    const int w = n - i < 8 ? n - i : 8;
+    __m256 x;
+    if (w == 8) {
+      x = _mm256_loadu_ps(in + i);
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        p[j] = j < w ? in[i + j] : top;
+      }
+      x = _mm256_load_ps(p);
+    }
+    _mm256_store_ps(p, mlx_exp(_mm256_sub_ps(x, vtop)));
+    for (int j = 0; j < w; ++j) {
+      total += p[j];
+      out[i + j] = p[j];
+    }
+  }
+  return total;
+}
+
 // A score as the kernel always computed it: scaled (one rounding), then the
 // additive mask added (another). The empty asm keeps the product a rounded
 // float, so the compiler cannot contract the two into one fused multiply-add
@@ -431,13 +484,8 @@ __attribute__((noinline)) void one_row_stored(
   }
   float total = 0.0f;
   if (top != -__builtin_inff()) {
-    // Every weight first (the C library's exp is a call, which would spill
-    // registers held across keys), then the values in blocks of keys.
-    for (int i = 0; i < keys; ++i) {
-      const float p = __builtin_expf(scores[i] - top);
-      total += p;
-      scores[i] = p;
-    }
+    // Every weight first, then the values in blocks of keys.
+    total = exp_weights(scores, scores, keys, top, total);
     const size_t vstride = job.v_strides[2] * esize;
     for (int s0 = 0; s0 < keys; s0 += kKeyBlock) {
       const int n = keys - s0 < kKeyBlock ? keys - s0 : kKeyBlock;
@@ -585,13 +633,7 @@ void attention_heads(const AttentionJob& job, int t0, int t1, float* scratch) {
             continue;
           }
           const float* row = scores + i * rs + c0;
-          float sum = total[i];
-          for (int s = 0; s < end - s0; ++s) {
-            const float p = __builtin_expf(row[s] - m);
-            sum += p;
-            probs[s] = p;
-          }
-          total[i] = sum;
+          total[i] = exp_weights(row, probs, end - s0, m, total[i]);
           accumulate(probs, end - s0, vrows, acc + i * Dv, Dv);
         }
       }
@@ -610,30 +652,6 @@ void attention_heads(const AttentionJob& job, int t0, int t1, float* scratch) {
 
 namespace {
 
-// MLX's CPU exp (mlx/backend/cpu/simd/math.h), lane for lane: 2^(x log2 e)
-// split at the nearest integer (halves rounded up), a degree-6 polynomial (Cephes constants) in
-// the fractional part, the integer part shifted into the exponent; NaN kept,
-// +inf above 88, 0 below -88.
-inline __m256 mlx_exp(__m256 x_init) {
-  const __m256 x = _mm256_mul_ps(x_init, _mm256_set1_ps(1.442695f));
-  // MLX adds a double 0.5, so the rounding to the nearest integer happens
-  // in double (a float add would round x + 0.5 itself just below a half).
-  const __m256d half = _mm256_set1_pd(0.5);
-  const __m256d lo = _mm256_floor_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), half));
-  const __m256d hi = _mm256_floor_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), half));
-  const __m256 ipart = _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
-  const __m256 fpart = _mm256_sub_ps(x, ipart);
-  const __m256 p = exp2_fraction(fpart);
-  const __m256i epart =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127)), 23);
-  __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(epart), p);
-  r = _mm256_blendv_ps(r, x_init, _mm256_cmp_ps(x_init, x_init, _CMP_UNORD_Q));
-  r = _mm256_blendv_ps(
-      r, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(x_init, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
-  r = _mm256_blendv_ps(
-      r, _mm256_setzero_ps(), _mm256_cmp_ps(x_init, _mm256_set1_ps(-88.0f), _CMP_LT_OQ));
-  return r;
-}
 
 // MLX's CPU sigmoid: y = 1 / (1 + exp(|x|)), then y for x < 0 and 1 - y else.
 inline __m256 mlx_sigmoid(__m256 x) {
