@@ -456,7 +456,10 @@ __attribute__((noinline)) void one_row_stored(
       for (; s + 8 <= keys; s += 8) {
         const __m256 sc = _mm256_mul_ps(dot8_stored<SD>(qrow, kbase + s * kstride, kstride, D), scale);
         _mm256_storeu_ps(scores + s, sc);
-        top8 = _mm256_max_ps(top8, sc);
+        // max_ps(a, b) is a > b ? a : b, lane by lane: the scalar loop's
+        // `sc > top ? sc : top`, so a NaN score leaves the maximum alone
+        // here as there.
+        top8 = _mm256_max_ps(sc, top8);
       }
       _mm256_store_ps(d8, top8);
       for (int j = 0; j < 8; ++j) {

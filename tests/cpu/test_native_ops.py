@@ -184,6 +184,27 @@ def test_a_fully_masked_row_comes_out_as_zeros_not_nan():
     assert mx.array_equal(y[0, 0, 1], mx.zeros((8,)))
 
 
+def test_a_nan_key_makes_the_rows_that_see_it_nan_in_decode_and_prefill_alike():
+    # Key 33 of the first KV head is NaN: every query row of heads 0-1 that
+    # sees it is NaN, by the one-row path (decode) and the blocked one
+    # (prefill) alike; the rows before it and the other KV head's are finite.
+    L, S, D = 12, 40, 16
+    q = rand((1, 4, L, D), seed=40)
+    k = np.array(rand((1, 2, S, D), seed=41))
+    k[0, 0, 33, 3] = np.nan
+    k, v = mx.array(k), rand((1, 2, S, D), seed=42)
+    whole = ops.attention(q, k, v, scale=0.3, mask="causal")
+    def row(i: int) -> mx.array:
+        end = S - L + i + 1
+        return ops.attention(q[:, :, i : i + 1], k[:, :, :end], v[:, :, :end], scale=0.3, mask=None)
+
+    rows = mx.concatenate([row(i) for i in range(L)], axis=2)
+    assert mx.array_equal(whole, rows, equal_nan=True)
+    sees = np.arange(L) + S - L >= 33
+    nan_rows = np.isnan(np.array(whole)).any(axis=-1)[0]
+    assert (nan_rows[:2] == sees).all() and not nan_rows[2:].any()
+
+
 def window_mask(L: int, S: int, window: int) -> mx.array:
     """Query l (at position S - L + l) sees the ``window`` keys up to its own."""
     qpos = mx.arange(S - L, S)[:, None]
