@@ -173,7 +173,7 @@ constexpr int kWideChunks = kInt8WideColumns / 64;
 // Each level adds the lanes hsum adds, in its operand order (the low 128
 // bits plus the high ones, then each even lane plus the odd one after it,
 // then lane 0 plus lane 2), so every result has hsum's bits; the levels only
-// gather four registers' lanes into one, so 16 sums take 21 operations
+// gather four registers' lanes into one, so 16 sums take 22 operations
 // where one hsum per half took about 7 each.
 //
 // Why: per pair of weight rows a pass of eight activation rows reduced 32
@@ -397,8 +397,8 @@ void pass(
     __m512 res;
     if (unpacked != nullptr) {
       const UnpackedCodes c{unpacked + static_cast<size_t>(n - n0) * K};
-      res = pair_rows<MT, SD>(c, rows, xs, st, xsums, w0, w1, r.s(n), r.s(n1r), r.b(n), r.b(n1r), K,
-                        p.group_size, xtail);
+      res = pair_rows<MT, SD>(c, rows, xs, st, xsums, w0, w1, r.s(n), r.s(n1r), r.b(n),
+                              r.b(n1r), K, p.group_size, xtail);
     } else {
       if (n + static_cast<int>(kAheadRows) + 1 < n1) {
         prefetch_ahead(w0, r.row_bytes, r.s(n), r.b(n), r.sb_bytes);
@@ -406,11 +406,11 @@ void pass(
       }
       const PackedCodes c{w0, w1};
       if (use_wide) {
-        res = pair_rows<MT, SD>(c, wide, xs, st, xsums, w0, w1, r.s(n), r.s(n1r), r.b(n), r.b(n1r), K,
-                          p.group_size, xtail);
+        res = pair_rows<MT, SD>(c, wide, xs, st, xsums, w0, w1, r.s(n), r.s(n1r), r.b(n),
+                                r.b(n1r), K, p.group_size, xtail);
       } else {
-        res = pair_rows<MT, SD>(c, rows, xs, st, xsums, w0, w1, r.s(n), r.s(n1r), r.b(n), r.b(n1r), K,
-                          p.group_size, xtail);
+        res = pair_rows<MT, SD>(c, rows, xs, st, xsums, w0, w1, r.s(n), r.s(n1r), r.b(n),
+                                r.b(n1r), K, p.group_size, xtail);
       }
     }
     if (plain && n1r != n) {
