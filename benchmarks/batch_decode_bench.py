@@ -4,7 +4,13 @@ Run by hand (not a test)::
 
     .venv/bin/python benchmarks/batch_decode_bench.py                   # llama-350m q4 and bf16
     .venv/bin/python benchmarks/batch_decode_bench.py --rows llama-100m-q4 --batch 1,16
+    .venv/bin/python benchmarks/batch_decode_bench.py --rows qwen3-next-400m-q4,gemma4-400m-q4
     .venv/bin/python benchmarks/batch_decode_bench.py --profile 16      # + a step's split
+
+Besides its own Llama rows it takes every 4-bit row of ``cpu_bench.py``
+(the Qwen3-Next-, Gemma-4-, Qwen3-, Qwen3-MoE-, Gemma-3- and Mistral-shaped
+ones), built the same way, so batching is measured per family and not on
+the Llama alone.
 
 The engine (``mlx_loom.engine.Engine``, driven on this thread, no service)
 takes ``B`` greedy requests with distinct short prompts and EOS never
@@ -33,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import Row, build, llama  # noqa: E402
+from cpu_bench import rows as cpu_bench_rows  # noqa: E402
 
 import mlx_loom  # noqa: E402
 from mlx_loom.engine import Engine, EngineSettings, make_request  # noqa: E402
@@ -47,6 +54,7 @@ ROWS = {
     "llama-100m-q4": Row("llama-100m-q4", "llama", SMALL, "BF16", bits=4),
     "llama-100m-bf16": Row("llama-100m-bf16", "llama", SMALL, "BF16"),
 }
+ROWS.update({row.name: row for row in cpu_bench_rows() if row.bits and row.name not in ROWS})
 
 
 def prompts(count: int, length: int, vocab: int) -> list[list[int]]:
@@ -97,7 +105,11 @@ def main() -> int:
     parser.add_argument("--profile", type=int, default=0)
     args = parser.parse_args()
     sizes = [int(b) for b in args.batch.split(",")]
-    for name in args.rows.split(","):
+    names = args.rows.split(",")
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        parser.error(f"unknown row(s) {', '.join(unknown)}; the rows are {', '.join(ROWS)}")
+    for name in names:
         path = build(ROWS[name])
         model, _ = mlx_loom.load(path, compute_dtype=args.dtype, cpu_kernels=args.kernels)
         decode_rate(model, sizes[-1], args.prompt, 4)  # warm every shape once
