@@ -147,6 +147,50 @@ inline __m256 load_dense8(const void* row, int k) {
   }
 }
 
+// Eight vectors as the columns of the 8x8 matrix whose rows they were.
+LOOM_HOT void transpose8(__m256* r) {
+  __m256 t[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  __m256 u[8];
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+    r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+  }
+}
+
+// The per-group values (scales or biases, dtype SD) of eight weight rows as
+// fp32, group-major: out[g * stride + i] = rows[i][g]. The int8 kernels keep
+// one weight row per lane, so each group's eight (or sixteen) scales become
+// one vector load.
+template <int SD>
+void group_table8(const void* const* rows, int groups, float* out, int stride) {
+  const int g8 = groups & ~7;
+  for (int g = 0; g < g8; g += 8) {
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i) {
+      r[i] = load_dense8<SD>(rows[i], g);
+    }
+    transpose8(r);
+    for (int j = 0; j < 8; ++j) {
+      _mm256_storeu_ps(out + static_cast<size_t>(g + j) * stride, r[j]);
+    }
+  }
+  for (int g = g8; g < groups; ++g) {
+    for (int i = 0; i < 8; ++i) {
+      out[static_cast<size_t>(g) * stride + i] = load_scalar(rows[i], SD, g);
+    }
+  }
+}
+
 // sum_g bias[g] * xsum[m][g] for every activation row: eight groups per
 // vector step (lanes reduced at the end), the remainder one at a time.
 template <int MT, int SD>

@@ -94,9 +94,6 @@ void gemv4_int8_rows(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
 void gemv4_int8_rows_avx512(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
-// Rows of up to this many columns are read by the AVX-512 kernel's passes as
-// one-load operands (its WideActs); longer ones as broadcast halves.
-constexpr int kInt8WideColumns = 1024;
 
 // Whether the kernels with an AVX-512 variant (the int8 products and the
 // fp32 4-bit matrix-vector product) run it now (cpu_features.cpp: the CPU

@@ -30,6 +30,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 
 #include "avx2_common.h"
 #include "kernels.h"
@@ -39,14 +41,39 @@ namespace {
 
 constexpr int kBlock = 32;
 constexpr int kMaxMT = 4;
+// Weight rows per tile: one per 32-bit lane of a 256-bit register.
+constexpr int kTile = 8;
+// Columns per span: four chunks of 64, whose eight block sums per weight
+// row fill one register.
+constexpr int kSpan = 256;
 
-// 64 codes (32 bytes) against the prepared chunk of each activation row:
-// lanes 0-3 of the result sum the first block's products, lanes 4-7 the
-// second's, each as an exact integer converted to fp32 and times its step
-// (ACC: added to part in the same rounding, one fused multiply-add).
-template <int MT, bool ACC>
-LOOM_HOT void chunk64(
-    const uint8_t* w, const int8_t* const* xq, const float* const* steps, int k, __m256* part) {
+// Per thread scratch: the tile's group scales and biases as fp32,
+// group-major (group_table8), and its block sums.
+struct Scratch32 {
+  void* data = nullptr;
+  size_t bytes = 0;
+  ~Scratch32() { std::free(data); }
+  void* get(size_t n) {
+    if (n > bytes) {
+      std::free(data);
+      bytes = 0;
+      data = std::aligned_alloc(64, (n + 63) / 64 * 64);
+      if (data == nullptr) {
+        throw std::bad_alloc();
+      }
+      bytes = n;
+    }
+    return data;
+  }
+};
+thread_local Scratch32 table_scratch;
+thread_local Scratch32 sums_scratch;
+
+// One weight row's 64 codes from column k against each activation row's
+// chunk: eight 32-bit lanes, lanes 0-3 summing the first block of 32
+// columns and 4-7 the second (exact).
+template <int MT>
+LOOM_HOT void chunk_lanes(const uint8_t* w, const int8_t* const* xq, int k, __m256i* out) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k / 2));
   const __m256i nib = _mm256_set1_epi8(0x0F);
   const __m256i lo = _mm256_and_si256(v, nib);
@@ -59,16 +86,14 @@ LOOM_HOT void chunk64(
     // the even and odd halves together <= 7620: no 16-bit saturation.
     const __m256i pairs =
         _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));
-    const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-    const __m256 st = _mm256_loadu_ps(steps[m] + k / 8);
-    part[m] = ACC ? _mm256_fmadd_ps(sums, st, part[m]) : _mm256_mul_ps(sums, st);
+    out[m] = _mm256_madd_epi16(pairs, ones);
   }
 }
 
-// The last 32 codes of a row whose length is an odd number of 32-blocks.
+// The same for a last, lone block of 32 columns (16 even values, then 16
+// odd ones, from k): its sums in lanes 0-3, zero in 4-7.
 template <int MT>
-LOOM_HOT void chunk32(
-    const uint8_t* w, const int8_t* const* xq, const float* const* steps, int k, float* part) {
+LOOM_HOT void block_lanes(const uint8_t* w, const int8_t* const* xq, int k, __m256i* out) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2));
   const __m128i nib = _mm_set1_epi8(0x0F);
   const __m128i lo = _mm_and_si128(v, nib);
@@ -76,92 +101,142 @@ LOOM_HOT void chunk32(
   for (int m = 0; m < MT; ++m) {
     const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[m] + k));
     const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[m] + k + 16));
-    const __m128i pairs = _mm_add_epi16(_mm_maddubs_epi16(lo, even), _mm_maddubs_epi16(hi, odd));
-    __m128i s = _mm_madd_epi16(pairs, _mm_set1_epi16(1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    part[m] = static_cast<float>(_mm_cvtsi128_si32(s)) * steps[m][k / 8];
+    const __m128i s = _mm_madd_epi16(
+        _mm_add_epi16(_mm_maddubs_epi16(lo, even), _mm_maddubs_epi16(hi, odd)), _mm_set1_epi16(1));
+    out[m] = _mm256_zextsi128_si256(s);
   }
 }
 
-// One weight row against MT activation rows. The order of every fp32
-// operation is the contract the AVX-512 kernel (kernels_int8_avx512.cpp)
-// repeats lane by lane, so it is spelled out here (and both files are built
-// with -ffp-contract=off): per group of 64 or 128, the first chunk's lanes
-// times their steps, each further chunk added by a fused multiply-add, the
-// sum times the group's scale fused into the running total; with groups of
-// 32 each chunk's two groups scaled by a vector of their two scales; a last
-// odd group of 32 as a scalar; then the bias terms:
-// res = (hsum(total) + tail) + sum_g bias_g * xsum_g.
-template <int MT, int SD>
-void int8_row(
-    const int8_t* const* xq,
+// Phase one, per weight row: the exact integer sum of every block of 32
+// columns against each activation row. The row is read in order (as a
+// matrix-vector product streams it); each span's eight block sums go to
+// sums[(m * spans + span) * kTile + i] as one register, the first blocks of
+// its chunks in lanes 0-3 and the second ones in 4-7 (two horizontal adds
+// per four chunks; integer sums are exact in any order).
+template <int MT>
+LOOM_HOT void row_sums(
+    const uint8_t* w, const uint8_t* ahead, const int8_t* const* xq, int K, int spans, int i, __m256i* sums) {
+  const int K64 = K & ~63;
+  for (int s = 0; s < spans; ++s) {
+    if (ahead != nullptr) {
+      // The row kAheadRows on, at this span's offset: a steady stream of
+      // prefetches rather than a whole row's at once, which stalled on the
+      // core's outstanding misses.
+      _mm_prefetch(reinterpret_cast<const char*>(ahead) + s * (kSpan / 2), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead) + s * (kSpan / 2) + 64, _MM_HINT_T0);
+    }
+    __m256i x[4][MT];
+    for (int c = 0; c < 4; ++c) {
+      const int k = s * kSpan + 64 * c;
+      if (k + 64 <= K64 + 0 && k < K64) {
+        chunk_lanes<MT>(w, xq, k, x[c]);
+      } else if (k < K) {
+        block_lanes<MT>(w, xq, k, x[c]);
+      } else {
+        for (int m = 0; m < MT; ++m) {
+          x[c][m] = _mm256_setzero_si256();
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      // Lanes per 128-bit half: chunk 0's block, 1's, 2's, 3's.
+      const __m256i h = _mm256_hadd_epi32(
+          _mm256_hadd_epi32(x[0][m], x[1][m]), _mm256_hadd_epi32(x[2][m], x[3][m]));
+      sums[(static_cast<size_t>(m) * spans + s) * kTile + i] = h;
+    }
+  }
+}
+
+// Phase two: the fp32 operations of the contract, one weight row per lane.
+// Per weight row and activation row, with s_b the exact integer sum of
+// block b (32 columns) and d_b its activation step:
+//
+//   part = s_b * d_b for a group's first block, fma(s_b, d_b, part) for
+//          each further one, in column order;
+//   tot  = fma(scale_g, part, tot) at each group's end (tot from 0);
+//   bsum = fma(bias_g, xsum_g, bsum) over the groups in order (from 0);
+//   res  = tot + bsum.
+//
+// The AVX-512 kernel (kernels_int8_avx512.cpp) repeats that order lane by
+// lane (both files are built with -ffp-contract=off), so its results are
+// these bits.
+//
+// Why one weight row per lane: a block's whole sum then sits in one lane,
+// so a block costs one conversion and one multiply-add per eight weight
+// rows, where eight-column lanes took four of each and a horizontal sum.
+template <int MT>
+LOOM_HOT void tile_floats(
+    const __m256i* sums,
     const float* const* steps,
     const float* const* xsums,
-    const uint8_t* wrow,
-    const void* srow,
-    const void* brow,
+    const float* scales,
+    const float* biases,
     int K,
     int group_size,
-    float* res) {
-  __m256 tot[MT];
-  float tail[MT];
-  float bsum[MT];
-  for (int m = 0; m < MT; ++m) {
-    tot[m] = _mm256_setzero_ps();
-    tail[m] = 0.0f;
-  }
+    int spans,
+    __m256* res) {
+  const int blocks = K / kBlock;
+  const int per_group = group_size / kBlock;
   const int groups = K / group_size;
-  __m256 part[MT];
-  if (group_size >= 64) {
-    for (int g = 0; g < groups; ++g) {
-      const int k0 = g * group_size;
-      chunk64<MT, false>(wrow, xq, steps, k0, part);
-      for (int k = k0 + 64; k < k0 + group_size; k += 64) {
-        chunk64<MT, true>(wrow, xq, steps, k, part);
-      }
-      const __m256 sv = _mm256_set1_ps(load_scalar(srow, SD, g));
-      for (int m = 0; m < MT; ++m) {
-        tot[m] = _mm256_fmadd_ps(sv, part[m], tot[m]);
-      }
-    }
-  } else {
-    const int K64 = K & ~63;
-    for (int k = 0; k < K64; k += 64) {
-      chunk64<MT, false>(wrow, xq, steps, k, part);
-      const int g = k / 32;
-      const __m256 sv = _mm256_set_m128(
-          _mm_set1_ps(load_scalar(srow, SD, g + 1)), _mm_set1_ps(load_scalar(srow, SD, g)));
-      for (int m = 0; m < MT; ++m) {
-        tot[m] = _mm256_fmadd_ps(sv, part[m], tot[m]);
-      }
-    }
-    if (K64 < K) {
-      float sums[MT];
-      chunk32<MT>(wrow, xq, steps, K64, sums);
-      const float s = load_scalar(srow, SD, groups - 1);
-      for (int m = 0; m < MT; ++m) {
-        tail[m] = s * sums[m];
-      }
-    }
-  }
-  bias_terms<MT, SD>(xsums, brow, groups, bsum);
   for (int m = 0; m < MT; ++m) {
-    res[m] = (hsum(tot[m]) + tail[m]) + bsum[m];
+    __m256 tot = _mm256_setzero_ps();
+    __m256 part = _mm256_setzero_ps();
+    int in_group = 0;
+    int g = 0;
+    for (int s = 0; s < spans; ++s) {
+      __m256 v[8];
+      for (int i = 0; i < kTile; ++i) {
+        v[i] = _mm256_castsi256_ps(_mm256_load_si256(sums + (static_cast<size_t>(m) * spans + s) * kTile + i));
+      }
+      transpose8(v);  // v[j]: every row's lane j of the span
+      const int b_end = blocks - s * 8 < 8 ? blocks - s * 8 : 8;
+      for (int b = 0; b < b_end; ++b) {
+        // Block b of the span (chunk b / 2, half b % 2) is lane 4 * (b % 2) + b / 2.
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_castps_si256(v[4 * (b & 1) + (b >> 1)]));
+        const __m256 st = _mm256_set1_ps(steps[m][(s * kSpan + b * kBlock) / 8]);
+        part = in_group == 0 ? _mm256_mul_ps(f, st) : _mm256_fmadd_ps(f, st, part);
+        if (++in_group == per_group) {
+          tot = _mm256_fmadd_ps(_mm256_loadu_ps(scales + static_cast<size_t>(g) * kTile), part, tot);
+          in_group = 0;
+          ++g;
+        }
+      }
+    }
+    __m256 bsum = _mm256_setzero_ps();
+    for (int gg = 0; gg < groups; ++gg) {
+      bsum = _mm256_fmadd_ps(
+          _mm256_loadu_ps(biases + static_cast<size_t>(gg) * kTile), _mm256_set1_ps(xsums[m][gg]), bsum);
+    }
+    res[m] = _mm256_add_ps(tot, bsum);
   }
 }
 
-template <int MT>
+// An activation row's outputs for the tile's rows [n, n + count).
+LOOM_HOT void store_tile(const Product& p, int m, int n, int count, __m256 v) {
+  if (p.out_dtype == kF32 && p.bias == nullptr && count == kTile) {
+    _mm256_storeu_ps(static_cast<float*>(p.out) + static_cast<size_t>(m) * p.N + n, v);
+    return;
+  }
+  alignas(32) float r[kTile];
+  _mm256_store_ps(r, v);
+  for (int i = 0; i < count; ++i) {
+    finish(p, m, n + i, r[i]);
+  }
+}
+
+// Activation rows [m0, m0 + MT) against the weight rows [n0, n1), a tile of
+// eight at a time.
+template <int MT, int SD>
 void int8_pass(
-    const Product& p,
-    const int8_t* xq,
-    const float* steps,
-    const float* xsum,
-    int m0,
-    int n0,
-    int n1) {
+    const Product& p, const int8_t* xq, const float* steps, const float* xsum, int m0, int n0, int n1) {
   const int K = p.K;
   const int groups = K / p.group_size;
+  const int spans = (K + kSpan - 1) / kSpan;
+  const size_t row_bytes = static_cast<size_t>(K) / 2;
+  const size_t sb_bytes = static_cast<size_t>(groups) * (SD == kF32 ? 4 : 2);
+  float* scales = static_cast<float*>(table_scratch.get(sizeof(float) * 2 * groups * kTile));
+  float* biases = scales + static_cast<size_t>(groups) * kTile;
+  auto* sums = static_cast<__m256i*>(sums_scratch.get(sizeof(__m256i) * MT * spans * kTile));
   const int8_t* xs[MT];
   const float* st[MT];
   const float* xsums[MT];
@@ -170,28 +245,83 @@ void int8_pass(
     st[m] = steps + static_cast<size_t>(m0 + m) * (K / 8);
     xsums[m] = xsum + static_cast<size_t>(m0 + m) * groups;
   }
-  const size_t row_bytes = static_cast<size_t>(K) / 2;
-  const size_t s_esize = p.s_dtype == kF32 ? 4 : 2;
-  float res[MT];
-  for (int n = n0; n < n1; ++n) {
-    const uint8_t* wrow = static_cast<const uint8_t*>(p.w) + static_cast<size_t>(n) * row_bytes;
-    const void* srow = static_cast<const char*>(p.scales) + static_cast<size_t>(n) * groups * s_esize;
-    const void* brow = static_cast<const char*>(p.biases) + static_cast<size_t>(n) * groups * s_esize;
-    if (n + static_cast<int>(kAheadRows) < n1) {
-      prefetch_ahead(wrow, row_bytes, srow, brow, groups * s_esize);
+  for (int n = n0; n < n1; n += kTile) {
+    const int count = n1 - n < kTile ? n1 - n : kTile;
+    const void* s[kTile];
+    const void* b[kTile];
+    for (int i = 0; i < kTile; ++i) {
+      const int r = i < count ? n + i : n1 - 1;
+      const uint8_t* w = static_cast<const uint8_t*>(p.w) + static_cast<size_t>(r) * row_bytes;
+      s[i] = static_cast<const char*>(p.scales) + static_cast<size_t>(r) * sb_bytes;
+      b[i] = static_cast<const char*>(p.biases) + static_cast<size_t>(r) * sb_bytes;
+      if (i < count) {
+        const bool more = r + static_cast<int>(kAheadRows) < n1;
+        if (more) {
+          _mm_prefetch(static_cast<const char*>(s[i]) + kAheadRows * sb_bytes, _MM_HINT_T0);
+          _mm_prefetch(static_cast<const char*>(b[i]) + kAheadRows * sb_bytes, _MM_HINT_T0);
+        }
+        row_sums<MT>(w, more ? w + kAheadRows * row_bytes : nullptr, xs, K, spans, i, sums);
+      }
     }
+    // Rows past the product's end repeat its last (never stored).
+    for (int i = count; i < kTile; ++i) {
+      for (int m = 0; m < MT; ++m) {
+        for (int sp = 0; sp < spans; ++sp) {
+          sums[(static_cast<size_t>(m) * spans + sp) * kTile + i] =
+              sums[(static_cast<size_t>(m) * spans + sp) * kTile + count - 1];
+        }
+      }
+    }
+    group_table8<SD>(s, groups, scales, kTile);
+    group_table8<SD>(b, groups, biases, kTile);
+    __m256 res[MT];
+    tile_floats<MT>(sums, st, xsums, scales, biases, K, p.group_size, spans, res);
+    for (int m = 0; m < MT; ++m) {
+      store_tile(p, m0 + m, n, count, res[m]);
+    }
+  }
+}
+
+template <int SD>
+void avx2_tiles(
+    const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1) {
+  int m = 0;
+  for (; m + kMaxMT <= p.M; m += kMaxMT) {
+    int8_pass<kMaxMT, SD>(p, xq, steps, xsum, m, n0, n1);
+  }
+  switch (p.M - m) {
+    case 3:
+      int8_pass<3, SD>(p, xq, steps, xsum, m, n0, n1);
+      break;
+    case 2:
+      int8_pass<2, SD>(p, xq, steps, xsum, m, n0, n1);
+      break;
+    case 1:
+      int8_pass<1, SD>(p, xq, steps, xsum, m, n0, n1);
+      break;
+    default:
+      break;
+  }
+}
+
+// Many activation rows (a prefill chunk): blocks of weight rows, each read
+// from memory once and by every pass from cache.
+constexpr int kBlockRows = 64;
+
+void avx2_passes(
+    const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1) {
+  const int rows = p.M <= kMaxMT ? n1 - n0 : kBlockRows;
+  for (int b0 = n0; b0 < n1; b0 += rows) {
+    const int b1 = b0 + rows < n1 ? b0 + rows : n1;
     switch (p.s_dtype) {
       case kBF16:
-        int8_row<MT, kBF16>(xs, st, xsums, wrow, srow, brow, K, p.group_size, res);
+        avx2_tiles<kBF16>(p, xq, steps, xsum, b0, b1);
         break;
       case kF16:
-        int8_row<MT, kF16>(xs, st, xsums, wrow, srow, brow, K, p.group_size, res);
+        avx2_tiles<kF16>(p, xq, steps, xsum, b0, b1);
         break;
       default:
-        int8_row<MT, kF32>(xs, st, xsums, wrow, srow, brow, K, p.group_size, res);
-    }
-    for (int m = 0; m < MT; ++m) {
-      finish(p, m0 + m, n, res[m]);
+        avx2_tiles<kF32>(p, xq, steps, xsum, b0, b1);
     }
   }
 }
@@ -310,52 +440,21 @@ void prepare_int8_x(const Product& p, int8_t* xq, float* steps, float* xsum) {
 
 namespace {
 
-// Rows [n0, n1) against every activation row, kMaxMT rows a pass.
-void avx2_passes(
-    const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1) {
-  int m = 0;
-  for (; m + kMaxMT <= p.M; m += kMaxMT) {
-    int8_pass<kMaxMT>(p, xq, steps, xsum, m, n0, n1);
-  }
-  switch (p.M - m) {
-    case 3:
-      int8_pass<3>(p, xq, steps, xsum, m, n0, n1);
-      break;
-    case 2:
-      int8_pass<2>(p, xq, steps, xsum, m, n0, n1);
-      break;
-    case 1:
-      int8_pass<1>(p, xq, steps, xsum, m, n0, n1);
-      break;
-    default:
-      break;
-  }
-}
 
-// Up to this many activation rows the AVX2 kernel runs even where AVX-512
-// VNNI is there: a 512-bit pass of one row leaves too little independent
-// work per pair of weight rows, and on cores that split 512-bit operations
-// in two (AMD Zen 4) it gains nothing per operation (the 350M model's 4-bit
-// products, one activation row, two threads: 8.3 ms a token against 9.5-10.0
-// with AVX-512; two rows about equal; four rows 5 % faster on AVX-512).
-// Both kernels give the same bits, so the choice only moves time.
-// Where the AVX-512 pass cannot read its activations as one-load operands
-// (K over kInt8WideColumns, kernels_int8_avx512.cpp) it broadcasts them and
-// loses to AVX2 up to four rows (two threads, 3 and 4 rows: 1024x2816
-// 172 / 153 us on AVX2 against 213 / 198; 1024x2048 127 / 101 against
-// 144 / 133; six rows about equal).
-constexpr int kAvx2UpTo = 2;
-constexpr int kAvx2UpToWideK = 4;
+// One activation row (single-stream decode) runs the AVX2 kernel even where
+// AVX-512 VNNI is there: its rows are read in order, each row's block sums
+// then scaled eight rows at a time, where the AVX-512 kernel reads sixteen
+// rows across and transposes every block for its one row (the 350M model's
+// int8 decode, alternated: 10.5-14.1 ms a token on AVX2 against 12.5-16.8).
+// From two rows on the transpose is shared and AVX-512 is faster (two rows,
+// 32000x1024 on two threads: 525-715 us against 750-1520). Both kernels give
+// the same bits, so the choice only moves time.
+constexpr int kAvx2UpTo = 1;
 
 bool avx512_pays(const Product& p) {
-  return p.M > (p.K <= kInt8WideColumns ? kAvx2UpTo : kAvx2UpToWideK);
+  return p.M > kAvx2UpTo;
 }
 
-// Weight rows per block when many activation rows pass over them: a block
-// (64 rows of K / 2 bytes) stays in cache while every pass reads it, and the
-// activations are streamed once per block (350M-shaped products, 512 rows,
-// two threads, CPU time: 16 rows 76-77 ms, 64 rows 73-77 ms).
-constexpr int kBlockRows = 64;
 
 }  // namespace
 
@@ -366,15 +465,10 @@ void gemv4_int8_rows(
     gemv4_int8_rows_avx512(p, xq, steps, xsum, n0, n1);
     return;
   }
-  if (p.M <= kMaxMT) {
-    avx2_passes(p, xq, steps, xsum, n0, n1);
-    return;
-  }
-  // Many activation rows (a prefill chunk): blocks of weight rows, each
-  // read from memory once and by every pass from cache.
-  for (int b0 = n0; b0 < n1; b0 += kBlockRows) {
-    avx2_passes(p, xq, steps, xsum, b0, b0 + kBlockRows < n1 ? b0 + kBlockRows : n1);
-  }
+  // Every activation row passes over a tile of eight weight rows before the
+  // next tile is read, so with many rows (a prefill chunk) each weight row
+  // is read from memory once and by the later passes from cache.
+  avx2_passes(p, xq, steps, xsum, n0, n1);
 }
 
 }  // namespace loom_cpu

@@ -302,8 +302,8 @@ def test_avx512_vnni_gives_the_avx2_results_bit_for_bit(isa, group_size, scale_d
         # weight rows, every row count from decode (1) to a prefill chunk.
         K = group_size * int(rng.integers(1, 5)) + (32 if group_size == 32 and trial % 2 else 0)
         N = int(rng.integers(1, 24)) if trial % 3 else 131  # odd, past a block of 64 rows
-        # (One or two rows run the AVX2 kernel on either set; 10 and 14
-        # reach the AVX-512 passes of 2 and 6 rows after full passes of 8.)
+        # (One row runs the AVX2 kernel on either set; 10 and 14 reach the
+        # AVX-512 passes of 2 and 6 rows after a full pass of 8.)
         M = [1, 2, 3, 4, 5, 7, 8, 10, 13, 14, 31, nat.SMALL_ROWS, nat.SMALL_ROWS + 1, 77][
             (trial + group_size) % 14
         ]
@@ -320,15 +320,17 @@ def test_avx512_vnni_gives_the_avx2_results_bit_for_bit(isa, group_size, scale_d
 
 @needs_avx512
 @pytest.mark.parametrize("K", [992, 1024, 1056, 1088, 2048])
-def test_avx512_reads_wide_and_broadcast_activations_alike(isa, K):
-    # Up to 1024 columns the AVX-512 passes read a doubled, interleaved copy
-    # of their activation rows; past it they broadcast from the rows (and up
-    # to four rows go to AVX2). Either way the bits are AVX2's, at every row
-    # count a decode batch has (3-31 rows: the unblocked passes of 8 and the
-    # rest), including a last odd group of 32 columns (1056, 992).
+def test_avx512_tiles_and_passes_give_the_avx2_bits(isa, K):
+    # The AVX-512 kernel takes sixteen weight rows at a time (37 rows: two
+    # whole tiles and a last one of 5, padded), passes of up to eight
+    # activation rows (from the ninth row on, the later passes reuse the
+    # codes the first one transposed) and blocks of 32 columns, the last
+    # one alone at 992 and 1056 columns. Every case gives AVX2's bits, at
+    # every row count a decode batch has (2-31: one row runs AVX2 on either
+    # set).
     group_size = 32 if K % 64 else 64
     wq, s, b = quantized(37, K, group_size, mx.bfloat16, seed=K)
-    for M in (3, 4, 5, 8, 9, 16, 23, 31):
+    for M in (2, 3, 5, 8, 9, 16, 17, 23, 31):
         x = rand((M, K), seed=M)
         a, v = _both(isa, lambda: nat.affine_matmul(x, wq, s, b, 4, group_size, None, True))
         assert mx.array_equal(a, v), (M, K)

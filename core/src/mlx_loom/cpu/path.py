@@ -193,7 +193,7 @@ class CpuPath(BaseModel):
             if self.kernel_set == "cpu-native-int8-act" and self.isa is not None:
                 extra += f", int8 products on {self.isa}"
                 if self.isa != "avx2":
-                    extra += " (up to two rows on avx2, four past 1024 columns)"
+                    extra += " (one row on avx2)"
             elif self.isa is not None:
                 extra += f", 4-bit products on {self.isa}"
         kernels = ", ".join(cpu_kernel_sets()[self.kernel_set].kernels)
