@@ -167,24 +167,37 @@ LOOM_HOT void transpose8(__m256* r) {
   }
 }
 
+// Whether group_table8 may read eight values from group groups & ~7 of row
+// `last` of a matrix of `rows` rows of `groups` values each (its rows
+// consecutive up to `last`): the read stays inside the matrix.
+inline bool table_reads_fit(int last, int groups, int rows) {
+  return static_cast<size_t>(last) * groups + (groups & ~7) + 8 <= static_cast<size_t>(rows) * groups;
+}
+
 // The per-group values (scales or biases, dtype SD) of eight weight rows as
 // fp32, group-major: out[g * stride + i] = rows[i][g]. The int8 kernels keep
 // one weight row per lane, so each group's eight (or sixteen) scales become
-// one vector load.
+// one vector load. `over` says that eight values may be read from any row's
+// group g8 = groups & ~7 on (table_reads_fit): the last groups then take the
+// same transpose, the lanes past a row's end discarded; otherwise they are
+// read one at a time. (For rows of up to 448 columns at group size 64, the
+// routed experts' down products, those are all of a row's groups.)
 template <int SD>
-void group_table8(const void* const* rows, int groups, float* out, int stride) {
+void group_table8(const void* const* rows, int groups, float* out, int stride, bool over) {
   const int g8 = groups & ~7;
-  for (int g = 0; g < g8; g += 8) {
+  const int end = over ? groups : g8;
+  for (int g = 0; g < end; g += 8) {
     __m256 r[8];
     for (int i = 0; i < 8; ++i) {
       r[i] = load_dense8<SD>(rows[i], g);
     }
     transpose8(r);
-    for (int j = 0; j < 8; ++j) {
+    const int n = groups - g < 8 ? groups - g : 8;
+    for (int j = 0; j < n; ++j) {
       _mm256_storeu_ps(out + static_cast<size_t>(g + j) * stride, r[j]);
     }
   }
-  for (int g = g8; g < groups; ++g) {
+  for (int g = end > g8 ? groups : g8; g < groups; ++g) {
     for (int i = 0; i < 8; ++i) {
       out[static_cast<size_t>(g) * stride + i] = load_scalar(rows[i], SD, g);
     }

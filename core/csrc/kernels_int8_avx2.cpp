@@ -272,8 +272,9 @@ void int8_pass(
         }
       }
     }
-    group_table8<SD>(s, groups, scales, kTile);
-    group_table8<SD>(b, groups, biases, kTile);
+    const bool over = count == kTile && table_reads_fit(n + kTile - 1, groups, p.N);
+    group_table8<SD>(s, groups, scales, kTile, over);
+    group_table8<SD>(b, groups, biases, kTile, over);
     __m256 res[MT];
     tile_floats<MT>(sums, st, xsums, scales, biases, K, p.group_size, spans, res);
     for (int m = 0; m < MT; ++m) {

@@ -353,10 +353,12 @@ void tiles(const Product& p, const int8_t* xq, const float* steps, const float* 
         _mm_prefetch(static_cast<const char*>(b[0]) + kTile * sb_bytes + o, _MM_HINT_T0);
       }
     }
-    group_table8<SD>(s, groups, scales, kTile);
-    group_table8<SD>(s + 8, groups, scales + 8, kTile);
-    group_table8<SD>(b, groups, biases, kTile);
-    group_table8<SD>(b + 8, groups, biases + 8, kTile);
+    const bool over_lo = count == kTile && table_reads_fit(n + 7, groups, p.N);
+    const bool over_hi = count == kTile && table_reads_fit(n + kTile - 1, groups, p.N);
+    group_table8<SD>(s, groups, scales, kTile, over_lo);
+    group_table8<SD>(s + 8, groups, scales + 8, kTile, over_hi);
+    group_table8<SD>(b, groups, biases, kTile, over_lo);
+    group_table8<SD>(b + 8, groups, biases + 8, kTile, over_hi);
     auto from = [&](int m0) { return p.M <= kMaxMT ? kTranspose : m0 == 0 ? kKeep : kReuse; };
     int m = 0;
     for (; m + kMaxMT <= p.M; m += kMaxMT) {
