@@ -8,7 +8,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 
 #include "kernels.h"
 
@@ -146,6 +148,26 @@ inline __m256 load_dense8(const void* row, int k) {
     return _mm256_loadu_ps(static_cast<const float*>(row) + k);
   }
 }
+
+// A thread's scratch buffer for the int8 kernels, 64-byte aligned, kept
+// between calls (one per use, thread_local in each kernel file).
+struct AlignedBuffer {
+  void* data = nullptr;
+  size_t bytes = 0;
+  ~AlignedBuffer() { std::free(data); }
+  void* get(size_t n) {
+    if (n > bytes) {
+      std::free(data);
+      bytes = 0;
+      data = std::aligned_alloc(64, (n + 63) / 64 * 64);
+      if (data == nullptr) {
+        throw std::bad_alloc();
+      }
+      bytes = n;
+    }
+    return data;
+  }
+};
 
 // Eight vectors as the columns of the 8x8 matrix whose rows they were.
 LOOM_HOT void transpose8(__m256* r) {

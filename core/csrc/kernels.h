@@ -92,6 +92,11 @@ void prepare_int8_x(const Product& p, int8_t* xq, float* steps, float* xsum);
 // AVX2; the two give bit-identical results.
 void gemv4_int8_rows(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
+// The int8 kernels take weight rows in tiles of 8 (AVX2) and 16 (AVX-512),
+// padding a last partial tile; callers that split a product's rows into
+// tasks make each task a multiple of this many rows, so only the matrix's
+// end can leave a partial tile.
+constexpr int kInt8TileRows = 16;
 void gemv4_int8_rows_avx512(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
 

@@ -5,8 +5,10 @@
 // Why: the fp32 kernel spends ~34 vector operations on 64 codes (decode,
 // convert, multiply-add) and so computes at about half the speed two cores
 // can stream 4-bit weights from memory. Against int8 activations the same
-// 64 codes take ~10 (two byte multiply-adds, one widening add, one convert,
-// one scaled add), and a decode step becomes a read of the weights.
+// 64 codes take about nine (the nibbles, two byte multiply-adds, a 16-bit
+// add, a widening multiply-add and part of two horizontal adds), each block
+// of 32 is then converted and scaled once for eight weight rows, and a
+// decode step becomes a read of the weights.
 //
 // Compiled like kernels_avx2.cpp (-mavx2 -mfma -mf16c, no library header
 // with inline code, internal linkage; see cpu_features.cpp), plus
@@ -14,7 +16,7 @@
 // VNNI kernel (kernels_int8_avx512.cpp) repeats bit for bit, and
 // gemv4_int8_rows hands the work to that kernel where the CPU has it.
 // Many activation rows (prefill) take the same per-row arithmetic over
-// blocks of weight rows, so a row's result never depends on its neighbours.
+// tiles of weight rows, so a row's result never depends on its neighbours.
 //
 // Layout of the prepared activations, per row of K columns (K % 32 == 0):
 // per chunk of 64 columns starting at k, bytes [k, k + 32) hold the int8
@@ -22,9 +24,9 @@
 // odd columns, each as 16 of the first block of 32 columns, then 16 of the
 // second -- exactly where a chunk's 32 weight bytes put their low and high
 // nibbles. A last chunk of 32 columns holds 16 even, then 16 odd. Steps:
-// K / 8 floats per row, each block's step repeated over the four 32-bit
-// lanes its bytes sum into. Group sums (for the affine bias term) are those
-// of the quantized x, block by block in column order.
+// K / 8 floats per row, each block's step repeated four times (the kernels
+// read the first). Group sums (for the affine bias term) are those of the
+// quantized x, block by block in column order.
 
 #include <immintrin.h>
 
@@ -47,27 +49,10 @@ constexpr int kTile = 8;
 // row fill one register.
 constexpr int kSpan = 256;
 
-// Per thread scratch: the tile's group scales and biases as fp32,
-// group-major (group_table8), and its block sums.
-struct Scratch32 {
-  void* data = nullptr;
-  size_t bytes = 0;
-  ~Scratch32() { std::free(data); }
-  void* get(size_t n) {
-    if (n > bytes) {
-      std::free(data);
-      bytes = 0;
-      data = std::aligned_alloc(64, (n + 63) / 64 * 64);
-      if (data == nullptr) {
-        throw std::bad_alloc();
-      }
-      bytes = n;
-    }
-    return data;
-  }
-};
-thread_local Scratch32 table_scratch;
-thread_local Scratch32 sums_scratch;
+// Per thread: the tile's group scales and biases as fp32, group-major
+// (group_table8), and its block sums.
+thread_local AlignedBuffer table_scratch;
+thread_local AlignedBuffer sums_scratch;
 
 // One weight row's 64 codes from column k against each activation row's
 // chunk: eight 32-bit lanes, lanes 0-3 summing the first block of 32

@@ -4,24 +4,17 @@
 // the int8 activations the signed one, so no offset is needed.
 //
 // Why a second kernel: the AVX2 kernel (kernels_int8_avx2.cpp) spends two
-// byte multiply-adds, a 16-bit add and a widening multiply-add per 64 codes
-// and activation row; vpdpbusd does the same exact integer sums in two
-// instructions, for two weight rows at once in a 512-bit register. Prefill
-// products (many activation rows) are bound by that arithmetic.
+// byte multiply-adds, a 16-bit add and a widening multiply-add per 64 codes,
+// weight row and activation row; vpdpbusd does the same exact integer sums
+// in one instruction per 64 products. Batched decode and prefill products
+// (many activation rows) are bound by that arithmetic.
 //
-// Bit-identical to the AVX2 kernel: both compute, per weight row, activation
-// row and chunk of 64 codes, the same eight exact integer lane sums (lane j
-// holds the products of weight bytes 4j..4j+3, low nibbles against the even
-// columns and high nibbles against the odd ones), and then the same fp32
-// operations in the same order, lane by lane: convert, times the block's
-// step, summed over a group's chunks by fused multiply-adds, times the
-// group's scale into the running total, then the same horizontal sum, tail
-// and bias terms (the order is spelled out at int8_row in the AVX2 file). Here
-// the low eight lanes of a 512-bit register carry weight row n and the high
-// eight row n + 1; each lane meets exactly the operations its AVX2 lane
-// meets. Both files are built with -ffp-contract=off so that no compiler
-// contracts a multiply and an add into one rounding in one file and not in
-// the other.
+// Bit-identical to the AVX2 kernel: both compute, per weight row,
+// activation row and block of 32 columns, the same exact integer sum, and
+// then the same fp32 operations in the same order, one weight row per lane
+// (the order is spelled out at tile_floats in the AVX2 file). Both files are
+// built with -ffp-contract=off so that no compiler contracts a multiply and
+// an add into one rounding in one file and not in the other.
 //
 // Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni (plus AVX2,
 // FMA and F16C), and called only when cpu_features.cpp found them and the
@@ -49,27 +42,9 @@ constexpr int kMaxMT = 8;
 // Weight rows per tile: one per 32-bit lane of a 512-bit register.
 constexpr int kTile = 16;
 
-// A thread's scratch buffer, 64-byte aligned, kept between calls.
-struct Buffer {
-  void* data = nullptr;
-  size_t bytes = 0;
-  ~Buffer() { std::free(data); }
-  void* get(size_t n) {
-    if (n > bytes) {
-      std::free(data);
-      bytes = 0;
-      data = std::aligned_alloc(64, (n + 63) / 64 * 64);
-      if (data == nullptr) {
-        throw std::bad_alloc();
-      }
-      bytes = n;
-    }
-    return data;
-  }
-};
 // A tile's group scales and biases as fp32, group-major (out[g * 16 + i]
 // is row i's), built by group_table8 (avx2_common.h).
-thread_local Buffer tables;
+thread_local AlignedBuffer tables;
 
 // The codes of one block of 32 columns of the tile's sixteen weight rows,
 // transposed so that lane i of every register is row i: lo[j] holds the low
@@ -279,10 +254,10 @@ void pass_rows(
 
 // Per thread: the activations laid out for the passes, and a last tile's
 // rows padded to sixteen.
-thread_local Buffer pass_acts;
-thread_local Buffer pad_rows;
+thread_local AlignedBuffer pass_acts;
+thread_local AlignedBuffer pad_rows;
 // A tile's transposed codes, kept by its first pass for the others.
-thread_local Buffer kept_codes;
+thread_local AlignedBuffer kept_codes;
 
 // The prepared activations in the order tile_pass reads them: for each pass
 // of up to kMaxMT rows (from row m0, at byte m0 * K), per block of 32

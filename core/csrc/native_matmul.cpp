@@ -168,6 +168,9 @@ RowChunks row_chunks(int N, long long macs) {
   RowChunks c;
   c.tasks = macs < kParallelMacs ? 1 : std::min(pool_threads() * 4, std::max(1, N / 8));
   c.chunk = (N + c.tasks - 1) / c.tasks;
+  if (c.tasks > 1) {
+    c.chunk = (c.chunk + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
+  }
   c.tasks = (N + c.chunk - 1) / c.chunk;
   return c;
 }
