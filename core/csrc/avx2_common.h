@@ -189,6 +189,11 @@ LOOM_HOT void transpose8(__m256* r) {
   }
 }
 
+// Groups a table of group_table8 has room for: a whole number of eights.
+inline size_t table_groups(int groups) {
+  return static_cast<size_t>(groups + 7) / 8 * 8;
+}
+
 // Whether group_table8 may read eight values from group groups & ~7 of row
 // `last` of a matrix of `rows` rows of `groups` values each (its rows
 // consecutive up to `last`): the read stays inside the matrix.
@@ -197,7 +202,8 @@ inline bool table_reads_fit(int last, int groups, int rows) {
 }
 
 // The per-group values (scales or biases, dtype SD) of eight weight rows as
-// fp32, group-major: out[g * stride + i] = rows[i][g]. The int8 kernels keep
+// fp32, group-major: out[g * stride + i] = rows[i][g], `out` holding
+// table_groups(groups) groups. The int8 kernels keep
 // one weight row per lane, so each group's eight (or sixteen) scales become
 // one vector load. `over` says that eight values may be read from any row's
 // group g8 = groups & ~7 on (table_reads_fit): the last groups then take the
@@ -214,8 +220,10 @@ void group_table8(const void* const* rows, int groups, float* out, int stride, b
       r[i] = load_dense8<SD>(rows[i], g);
     }
     transpose8(r);
-    const int n = groups - g < 8 ? groups - g : 8;
-    for (int j = 0; j < n; ++j) {
+    // All eight, also past the last group: `out` has room for a whole
+    // number of eights (a store loop of a variable count became a copy
+    // through memory per group).
+    for (int j = 0; j < 8; ++j) {
       _mm256_storeu_ps(out + static_cast<size_t>(g + j) * stride, r[j]);
     }
   }

@@ -219,8 +219,8 @@ void int8_pass(
   const int spans = (K + kSpan - 1) / kSpan;
   const size_t row_bytes = static_cast<size_t>(K) / 2;
   const size_t sb_bytes = static_cast<size_t>(groups) * (SD == kF32 ? 4 : 2);
-  float* scales = static_cast<float*>(table_scratch.get(sizeof(float) * 2 * groups * kTile));
-  float* biases = scales + static_cast<size_t>(groups) * kTile;
+  float* scales = static_cast<float*>(table_scratch.get(sizeof(float) * 2 * table_groups(groups) * kTile));
+  float* biases = scales + table_groups(groups) * kTile;
   auto* sums = static_cast<__m256i*>(sums_scratch.get(sizeof(__m256i) * MT * spans * kTile));
   const int8_t* xs[MT];
   const float* st[MT];
@@ -234,6 +234,16 @@ void int8_pass(
     const int count = n1 - n < kTile ? n1 - n : kTile;
     const void* s[kTile];
     const void* b[kTile];
+    // The tile's scales and biases (its rows' are contiguous), from memory
+    // while its rows' sums are computed: group_table8 reads them right
+    // after, and a task's first tile (the routed experts' products are
+    // many short tasks) otherwise waited on them.
+    const char* s0 = static_cast<const char*>(p.scales) + static_cast<size_t>(n) * sb_bytes;
+    const char* b0 = static_cast<const char*>(p.biases) + static_cast<size_t>(n) * sb_bytes;
+    for (size_t o = 0; o < count * sb_bytes; o += 64) {
+      _mm_prefetch(s0 + o, _MM_HINT_T0);
+      _mm_prefetch(b0 + o, _MM_HINT_T0);
+    }
     for (int i = 0; i < kTile; ++i) {
       const int r = i < count ? n + i : n1 - 1;
       const uint8_t* w = static_cast<const uint8_t*>(p.w) + static_cast<size_t>(r) * row_bytes;
@@ -241,10 +251,6 @@ void int8_pass(
       b[i] = static_cast<const char*>(p.biases) + static_cast<size_t>(r) * sb_bytes;
       if (i < count) {
         const bool more = r + static_cast<int>(kAheadRows) < n1;
-        if (more) {
-          _mm_prefetch(static_cast<const char*>(s[i]) + kAheadRows * sb_bytes, _MM_HINT_T0);
-          _mm_prefetch(static_cast<const char*>(b[i]) + kAheadRows * sb_bytes, _MM_HINT_T0);
-        }
         row_sums<MT>(w, more ? w + kAheadRows * row_bytes : nullptr, xs, K, spans, i, sums);
       }
     }

@@ -296,8 +296,8 @@ void tiles(const Product& p, const int8_t* xq, const float* steps, const float* 
   const int groups = K / p.group_size;
   const size_t row_bytes = static_cast<size_t>(K) / 2;
   const size_t sb_bytes = static_cast<size_t>(groups) * (SD == kF32 ? 4 : 2);
-  float* scales = static_cast<float*>(tables.get(sizeof(float) * 2 * groups * kTile));
-  float* biases = scales + static_cast<size_t>(groups) * kTile;
+  float* scales = static_cast<float*>(tables.get(sizeof(float) * 2 * table_groups(groups) * kTile));
+  float* biases = scales + table_groups(groups) * kTile;
   auto* acts = static_cast<int8_t*>(pass_acts.get(static_cast<size_t>(p.M) * K + sizeof(float) * p.M * (K / kBlock)));
   auto* act_steps = reinterpret_cast<float*>(acts + static_cast<size_t>(p.M) * K);
   lay_out_acts(p, xq, steps, acts, act_steps);
