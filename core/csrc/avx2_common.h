@@ -149,8 +149,24 @@ inline __m256 load_dense8(const void* row, int k) {
   }
 }
 
+// f.template operator()<R>() for the compile-time R equal to `rows`, for
+// rows in 1..MAX (0: nothing): a pass template instantiated per activation
+// row count, chosen at run time, without a case per count.
+template <int MAX, class F>
+LOOM_HOT void with_rows(int rows, F&& f) {
+  if constexpr (MAX > 0) {
+    if (rows == MAX) {
+      f.template operator()<MAX>();
+    } else {
+      with_rows<MAX - 1>(rows, f);
+    }
+  }
+}
+
 // A thread's scratch buffer for the int8 kernels, 64-byte aligned, kept
-// between calls (one per use, thread_local in each kernel file).
+// between calls (one per use, thread_local in each kernel file). The
+// extension's Scratch (native_common.h) cannot serve here: it brings MLX's
+// headers into files built for one instruction set.
 struct AlignedBuffer {
   void* data = nullptr;
   size_t bytes = 0;

@@ -94,9 +94,12 @@ void gemv4_int8_rows(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
 // The int8 kernels take weight rows in tiles of 8 (AVX2) and 16 (AVX-512),
 // padding a last partial tile; callers that split a product's rows into
-// tasks make each task a multiple of this many rows, so only the matrix's
-// end can leave a partial tile.
+// tasks size each task with whole_tiles, so only the matrix's end can leave
+// a partial tile.
 constexpr int kInt8TileRows = 16;
+inline int whole_tiles(int rows) {
+  return (rows + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
+}
 void gemv4_int8_rows_avx512(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
 

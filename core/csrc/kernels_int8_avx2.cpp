@@ -113,7 +113,7 @@ LOOM_HOT void row_sums(
     __m256i x[4][MT];
     for (int c = 0; c < 4; ++c) {
       const int k = s * kSpan + 64 * c;
-      if (k + 64 <= K64 + 0 && k < K64) {
+      if (k < K64) {
         chunk_lanes<MT>(w, xq, k, x[c]);
       } else if (k < K) {
         block_lanes<MT>(w, xq, k, x[c]);
@@ -278,22 +278,11 @@ template <int SD>
 void avx2_tiles(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1) {
   int m = 0;
+  auto pass = [&]<int MT>() { int8_pass<MT, SD>(p, xq, steps, xsum, m, n0, n1); };
   for (; m + kMaxMT <= p.M; m += kMaxMT) {
-    int8_pass<kMaxMT, SD>(p, xq, steps, xsum, m, n0, n1);
+    pass.template operator()<kMaxMT>();
   }
-  switch (p.M - m) {
-    case 3:
-      int8_pass<3, SD>(p, xq, steps, xsum, m, n0, n1);
-      break;
-    case 2:
-      int8_pass<2, SD>(p, xq, steps, xsum, m, n0, n1);
-      break;
-    case 1:
-      int8_pass<1, SD>(p, xq, steps, xsum, m, n0, n1);
-      break;
-    default:
-      break;
-  }
+  with_rows<kMaxMT - 1>(p.M - m, pass);
 }
 
 // Many activation rows (a prefill chunk): blocks of weight rows, each read

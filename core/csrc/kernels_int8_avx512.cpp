@@ -336,34 +336,14 @@ void tiles(const Product& p, const int8_t* xq, const float* steps, const float* 
     group_table8<SD>(b + 8, groups, biases + 8, kTile, over_hi);
     auto from = [&](int m0) { return p.M <= kMaxMT ? kTranspose : m0 == 0 ? kKeep : kReuse; };
     int m = 0;
+    auto pass = [&]<int MT>() {
+      pass_rows<MT>(p, rows, row_bytes, m == 0 ? next : nullptr, from(m), kept, acts, act_steps, xsum,
+                    scales, biases, m, n, count);
+    };
     for (; m + kMaxMT <= p.M; m += kMaxMT) {
-      pass_rows<kMaxMT>(p, rows, row_bytes, m == 0 ? next : nullptr, from(m), kept, acts, act_steps, xsum, scales, biases, m, n, count);
+      pass.template operator()<kMaxMT>();
     }
-    switch (p.M - m) {
-      case 7:
-        pass_rows<7>(p, rows, row_bytes, m == 0 ? next : nullptr, from(m), kept, acts, act_steps, xsum, scales, biases, m, n, count);
-        break;
-      case 6:
-        pass_rows<6>(p, rows, row_bytes, m == 0 ? next : nullptr, from(m), kept, acts, act_steps, xsum, scales, biases, m, n, count);
-        break;
-      case 5:
-        pass_rows<5>(p, rows, row_bytes, m == 0 ? next : nullptr, from(m), kept, acts, act_steps, xsum, scales, biases, m, n, count);
-        break;
-      case 4:
-        pass_rows<4>(p, rows, row_bytes, m == 0 ? next : nullptr, from(m), kept, acts, act_steps, xsum, scales, biases, m, n, count);
-        break;
-      case 3:
-        pass_rows<3>(p, rows, row_bytes, m == 0 ? next : nullptr, from(m), kept, acts, act_steps, xsum, scales, biases, m, n, count);
-        break;
-      case 2:
-        pass_rows<2>(p, rows, row_bytes, m == 0 ? next : nullptr, from(m), kept, acts, act_steps, xsum, scales, biases, m, n, count);
-        break;
-      case 1:
-        pass_rows<1>(p, rows, row_bytes, m == 0 ? next : nullptr, from(m), kept, acts, act_steps, xsum, scales, biases, m, n, count);
-        break;
-      default:
-        break;
-    }
+    with_rows<kMaxMT - 1>(p.M - m, pass);
   }
 }
 

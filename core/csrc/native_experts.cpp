@@ -174,8 +174,7 @@ void run_stage(
   if (parallel && vector_groups > 0) {
     const long long target = static_cast<long long>(pool_threads()) * 4;
     const long long rows = static_cast<long long>(vector_groups) * N;
-    chunk = static_cast<int>((rows + target - 1) / target);
-    chunk = (chunk + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
+    chunk = whole_tiles(static_cast<int>((rows + target - 1) / target));
   }
   std::vector<Task> tasks;
   for (size_t i = 0; i < groups.size(); ++i) {

@@ -169,7 +169,7 @@ RowChunks row_chunks(int N, long long macs) {
   c.tasks = macs < kParallelMacs ? 1 : std::min(pool_threads() * 4, std::max(1, N / 8));
   c.chunk = (N + c.tasks - 1) / c.tasks;
   if (c.tasks > 1) {
-    c.chunk = (c.chunk + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
+    c.chunk = whole_tiles(c.chunk);
   }
   c.tasks = (N + c.chunk - 1) / c.chunk;
   return c;
