@@ -87,6 +87,39 @@ def test_rows_joining_and_leaving_mid_decode_equal_their_solo_runs(kind, loaded)
     assert cancelled.tokens == solo_e.tokens[: len(cancelled.tokens)]
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3_next", "gemma4_text"])
+def test_rows_leaving_a_batch_park_until_rows_join_or_half_are_gone(name, loaded):
+    """A row that leaves stays in the batch caches, unfed, while at least half the
+    rows are live; a join, or fewer than half live, compacts the caches; every row
+    still equals its solo run."""
+    model, _ = loaded(name)
+    reqs = {
+        "a": request(model, prompt=ids(9, 1), max_tokens=4),
+        "b": request(model, prompt=ids(8, 2), max_tokens=7),
+        "c": request(model, prompt=ids(9, 3), max_tokens=30),
+        "d": request(model, prompt=ids(7, 4), max_tokens=26),
+        "e": request(model, prompt=ids(8, 5), max_tokens=6),
+    }
+    engine = Engine(model)
+    shapes: list[tuple[int, int]] = []
+
+    def look(step, events):
+        shapes.extend((g.width, len(g.rows)) for g in engine._groups if g.stacked)
+
+    runs = drive(
+        engine,
+        {0: [(k, reqs[k]) for k in "abcd"], 16: [("e", reqs["e"])]},
+        on_step=look,
+    )
+    assert (4, 4) in shapes
+    assert (4, 3) in shapes and (4, 2) in shapes, f"{name}: leaving rows never parked: {shapes}"
+    assert (3, 3) in shapes, f"{name}: the join did not compact the parked rows: {shapes}"
+    assert all(2 * live >= width for width, live in shapes)
+    for row in "abcde":
+        assert runs[row].done.outcome == "finished"
+        assert_same_run(runs[row], alone(model, reqs[row]), f"{name} row {row}")
+
+
 def test_a_long_prompt_arriving_during_decode_does_not_freeze_the_running_stream(loaded):
     model, _ = loaded("llama")
     step = 16

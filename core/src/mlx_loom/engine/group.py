@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import mlx.core as mx
 
@@ -84,7 +84,23 @@ class StepResult:
 
 
 class DecodeGroup:
-    """Rows decoding together through one set of (single-row or batch) caches."""
+    """Rows decoding together through one set of (single-row or batch) caches.
+
+    **Parked rows.** A row that leaves a batch may stay in the batch caches,
+    unfed by anyone, until fewer than half the caches' rows are live: taking
+    a row out copies every other row's caches into new buffers (MLX gives a
+    row range of a buffer no storage of its own), which on a 16-row batch of
+    a 350M model stalled every row for ~150 ms per departure. A parked row
+    is fed a live row's token and its outputs are dropped; rows are computed
+    independently, so no live row's values change. The batch compacts —
+    once, for all parked rows — when rows join it (the join copies every
+    row anyway), when its live rows fall below half, or when one row is
+    left (it goes back to its own caches). The parked rows' memory is thus
+    at most the live rows' own.
+    """
+
+    #: Whether leaving rows may park (speculative groups commit per cache row, so never).
+    parks: ClassVar[bool] = True
 
     def __init__(self, model: Model, row: Row, caches: list[Any]) -> None:
         self.model = model
@@ -93,6 +109,10 @@ class DecodeGroup:
         #: continued in place); stacked rows through batch caches.
         self.caches = caches
         self.stacked = False
+        #: The caches' row of each live row, and the caches' row count
+        #: (larger than ``len(rows)`` while rows are parked).
+        self.slots = [0]
+        self.width = 1
         self.tokens = mx.array([row.last_prompt_token], mx.uint32)
         self.chosen = mx.zeros((1,), mx.float32)
         self.extras = [_Extras()]
@@ -123,6 +143,8 @@ class DecodeGroup:
         """
         batches = [g for g in [self, *others] if g.stacked]
         lone = [g for g in [self, *others] if not g.stacked]
+        for group in batches:
+            group._compact()  # the join copies every row: parked rows go now
         order = batches + lone
         if not self.stacked:
             self._key = self.key
@@ -147,14 +169,29 @@ class DecodeGroup:
         self.chosen = mx.concatenate([g.chosen.astype(mx.float32) for g in order])
         self.extras = [e for g in order for e in g.extras]
         self.emit = [e for g in order for e in g.emit]
+        self.slots, self.width = list(range(len(self.rows))), len(self.rows)
         for g in others:
             g.rows = []
 
     def _row_caches(self, i: int) -> list[Any]:
-        """Row ``i``'s caches as single-row caches (its own list when alone)."""
+        """Row ``i``'s caches as single-row caches (its own list when alone).
+
+        A copy taken out of a batch is evaluated here: while it is lazy it
+        holds the batch's buffers, and the next step's cache writes, which
+        otherwise update those buffers in place, would copy them whole.
+        """
         if not self.stacked:
             return self.caches
-        return [c.extract(i) for c in self.caches]
+        single = [c.extract(self.slots[i]) for c in self.caches]
+        mx.eval([c.state for c in single])
+        return single
+
+    def _compact(self) -> None:
+        """Drop the parked rows from the batch caches."""
+        if self.stacked and self.width != len(self.rows):
+            for c in self.caches:
+                c.filter(self.slots)
+            self.slots, self.width = list(range(len(self.rows))), len(self.rows)
 
     def _keep(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` (indices, in order), in caches and pending tokens."""
@@ -168,17 +205,18 @@ class DecodeGroup:
             return
         idx = mx.array(keep, mx.int32)
         self.tokens, self.chosen = self.tokens[idx], self.chosen[idx]
+        self.slots = [self.slots[i] for i in keep]
         if self.stacked:
             if len(keep) == 1:
                 # A lone row goes back to its own caches: the cheaper single-row
                 # path (no masks, slice writes), with identical values.
                 row = self.rows[0]
-                single = [c.extract(keep[0]) for c in self.caches]
+                single = [c.extract(self.slots[0]) for c in self.caches]
                 self.caches = _into(row, single)
                 self.stacked = False
-            else:
-                for c in self.caches:
-                    c.filter(keep)
+                self.slots, self.width = [0], 1
+            elif not self.parks or 2 * len(keep) < self.width:
+                self._compact()
 
     def remove(self, uid: int) -> Left | None:
         """Take row ``uid`` out now (cancelled); ``None`` if it is not here."""
@@ -241,8 +279,18 @@ class DecodeGroup:
         """Build and queue the forward and sampling of the next tokens of every row."""
         rows, B = self.rows, len(self.rows)
         inputs = self.tokens
-        logits = self.model.forward(inputs[:, None], self.caches, adapters=row_adapters(rows))
+        feed, adapters = inputs, row_adapters(rows)
+        if self.width != B:
+            # Parked rows are fed the first live row's token; their logits are dropped.
+            live = dict(zip(self.slots, range(B), strict=True))
+            source = [live.get(p, 0) for p in range(self.width)]
+            feed = inputs[mx.array(source, mx.int32)]
+            if adapters is not None:
+                adapters = [adapters[live[p]] if p in live else None for p in range(self.width)]
+        logits = self.model.forward(feed[:, None], self.caches, adapters=adapters)
         logits = logits[:, -1, :]
+        if self.width != B:
+            logits = logits[mx.array(self.slots, mx.int32)]
         if not self.stacked:
             rows[0].request.kv.apply(self.caches)
         failed: dict[int, BaseException] = {}

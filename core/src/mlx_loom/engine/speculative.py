@@ -206,6 +206,9 @@ class SpeculativeGroup(DecodeGroup):
     never looks back from its real positions.
     """
 
+    #: A verify step commits a count per cache row: rows that leave are taken out at once.
+    parks = False
+
     def __init__(self, model: Model, row: Row, caches: list[Any], prefill_step: int) -> None:
         check_rollback(caches, owner="model")
         super().__init__(model, row, caches)
