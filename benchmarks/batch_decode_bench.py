@@ -6,6 +6,7 @@ Run by hand (not a test)::
     .venv/bin/python benchmarks/batch_decode_bench.py --rows llama-100m-q4 --batch 1,16
     .venv/bin/python benchmarks/batch_decode_bench.py --rows qwen3-next-400m-q4,gemma4-400m-q4
     .venv/bin/python benchmarks/batch_decode_bench.py --profile 16      # + a step's split
+    .venv/bin/python benchmarks/batch_decode_bench.py --kv-dtype float16  # half the KV bytes
 
 Besides its own Llama rows it takes every 4-bit row of ``cpu_bench.py``
 (the Qwen3-Next-, Gemma-4-, Qwen3-, Qwen3-MoE-, Gemma-3- and Mistral-shaped
@@ -99,6 +100,9 @@ def main() -> int:
     parser.add_argument("--batch", default="1,4,8,16")
     parser.add_argument("--kernels", default="cpu-native")
     parser.add_argument("--dtype", default="float32", help="compute_dtype")
+    parser.add_argument(
+        "--kv-dtype", default=None, help="kv_dtype (float16, bfloat16; default: the compute dtype)"
+    )
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--gen", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
@@ -111,7 +115,9 @@ def main() -> int:
         parser.error(f"unknown row(s) {', '.join(unknown)}; the rows are {', '.join(ROWS)}")
     for name in names:
         path = build(ROWS[name])
-        model, _ = mlx_loom.load(path, compute_dtype=args.dtype, cpu_kernels=args.kernels)
+        model, _ = mlx_loom.load(
+            path, compute_dtype=args.dtype, cpu_kernels=args.kernels, kv_dtype=args.kv_dtype
+        )
         decode_rate(model, sizes[-1], args.prompt, 4)  # warm every shape once
         rates: dict[int, list[float]] = {b: [] for b in sizes}
         ratios: dict[int, list[float]] = {b: [] for b in sizes}
@@ -121,7 +127,8 @@ def main() -> int:
                 rates[b].append(r)
                 if 1 in round_rates:
                     ratios[b].append(r / round_rates[1])
-        label = f"{name} ({args.kernels}, {args.dtype})"
+        kv = f", kv {args.kv_dtype}" if args.kv_dtype else ""
+        label = f"{name} ({args.kernels}, {args.dtype}{kv})"
         print(f"\n{label}, decode tok/s min/median/max over {args.repeats}")
         for b in sizes:
             r = rates[b]
