@@ -130,6 +130,30 @@ def test_it_applies_only_to_one_token_over_the_cache_kinds_it_traces():
     assert not CompiledStep.applies(one, [KVCache.merge([full, full])])  # a padded batch
 
 
+def test_batched_rows_apply_over_a_batch_that_takes_the_token_in_place():
+    full = KVCache()
+    full.update_and_fetch(mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 3, 64)))
+    longer = KVCache()
+    longer.update_and_fetch(mx.zeros((1, 2, 5, 64)), mx.zeros((1, 2, 5, 64)))
+    two = mx.array([[1], [2]])
+    batch = KVCache.stack([full, longer])  # left-padded, its buffer exactly full
+    assert not CompiledStep.applies(two, [batch])  # the eager step grows the buffer
+    batch.update_and_fetch(mx.zeros((2, 2, 1, 64)), mx.zeros((2, 2, 1, 64)))
+    assert CompiledStep.applies(two, [batch, batch])
+    assert not CompiledStep.applies(two, [batch, full])  # a single row's cache in a batch
+    batch.begin_round()
+    assert not CompiledStep.applies(two, [batch])  # a speculative round is open
+    batch.commit(0)
+    recurrent = RecurrentCache.stack([RecurrentCache(), RecurrentCache()])
+    recurrent.update(conv_state=mx.zeros((2, 3, 8)), recurrent_state=mx.zeros((2, 2, 4, 4)), n=1)
+    assert CompiledStep.applies(two, [batch, recurrent])
+    quantized = KVCache.stack([full.to_quantized(), longer.to_quantized()])
+    quantized.update_and_fetch(mx.zeros((2, 2, 1, 64)), mx.zeros((2, 2, 1, 64)))
+    assert not CompiledStep.applies(two, [quantized])  # its view attends over whole buffers
+    windows = RotatingKVCache.stack([RotatingKVCache(max_size=8), RotatingKVCache(max_size=8)])
+    assert not CompiledStep.applies(two, [batch, windows])  # each row's own write slot
+
+
 def _eager_and_compiled(path, prompt, n, counted, make_cache=None):
     """Greedy decode of ``prompt`` eager, then through the compiled step (same model)."""
     model, _ = mlx_loom.load(path, compute_dtype="float32", cpu_kernels="cpu-native")
@@ -196,15 +220,52 @@ def test_families_on_cpu_ops_are_never_compiled(llama, tmp_path_factory, compile
         assert "compiled-step" in model.capabilities
 
 
-def test_a_batch_decodes_on_the_ordinary_forward_with_the_same_tokens(llama, counted, compiled_on):
+def _stacked(model, prompts):
+    """Each prompt prefilled through its own caches, then stacked into one batch."""
+    rows = []
+    for prompt in prompts:
+        cache = model.make_cache()
+        mx.eval(model.forward(mx.array([prompt]), cache))
+        rows.append(cache)
+    return [type(layer[0]).stack(list(layer)) for layer in zip(*rows)]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "gemma4_text"])
+def test_batched_rows_decode_compiled_bit_for_bit(
+    tmp_path_factory, counted, compiled_on, model_type
+):
+    """Rows of different lengths (so different left padding), one of them near the
+    256-slot step: the compiled step's logits equal the eager step's bit for bit.
+    Gemma 4's windows keep each row's own slot order, so its batch stays eager."""
+    path = checkpoint(tmp_path_factory, model_type)
+    model, _ = mlx_loom.load(path, compute_dtype="float32", cpu_kernels="cpu-native")
+    step = model.compiled_step
+    prompts = [[(3 * i + 7 * r) % 97 + 2 for i in range(n)] for r, n in enumerate([250, 4, 9])]
+    eager_caches, compiled_caches = _stacked(model, prompts), _stacked(model, prompts)
+    tokens = mx.array([[5], [6], [7]])
+    for _ in range(10):
+        model.compiled_step = None
+        eager = model.forward(tokens, eager_caches)
+        model.compiled_step = step
+        compiled = model.forward(tokens, compiled_caches)
+        assert mx.array_equal(eager, compiled)
+        tokens = mx.argmax(eager[:, -1:, :], axis=-1)
+    if model_type == "gemma4_text":
+        assert counted["n"] == 0
+    else:
+        # The stacked buffers are exactly full: the first step grows them (eager,
+        # 250 + 256 slots); the other nine ran compiled, over 256 empty slots.
+        assert counted["n"] == 9 and not step.refused
+
+
+def test_a_batch_decodes_compiled_with_each_rows_solo_tokens(llama, counted, compiled_on):
     from mlx_loom.generation.batch import batch_generate_tokens
 
     model, _ = mlx_loom.load(llama, compute_dtype="float32", cpu_kernels="cpu-native")
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     rows = batch_generate_tokens(model, prompts, max_tokens=5)
-    assert counted["n"] == 0  # a batch's caches (BatchKVCache) are not full KV caches
+    assert counted["n"] > 0
     alone = [decode(model, p, 5)[0] for p in prompts]
-    assert counted["n"] == 2 * 5  # the last prompt token and four more, per row
     assert [tokens for tokens, _ in rows] == alone
 
 

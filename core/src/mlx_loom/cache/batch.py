@@ -264,6 +264,32 @@ class BatchKVCache(CodecLayout, _BatchRowsBase):
             N, offset=self._idx, left_padding=self.left_padding, window_size=window_size
         )
 
+    # --- one token written by a compiled step (mlx_loom.cpu.compiled_step) -----
+
+    def takes_traced_token(self) -> bool:
+        """Whether a traced one-token step may write slot :attr:`write_slot` of the
+        buffers as they stand: plain storage with room for the token, no padded
+        prefill pending (:meth:`finalize`) and no speculative round open."""
+        return bool(
+            self.plain
+            and isinstance(self.keys, mx.array)
+            and isinstance(self.values, mx.array)
+            and self._right_padding is None
+            and self._round_idx is None
+            and self._idx < self.keys.shape[2]
+        )
+
+    @property
+    def write_slot(self) -> int:
+        """The slot every row's next token goes to (rows are right-aligned)."""
+        return self._idx
+
+    def written(self, keys: mx.array, values: mx.array, offset: mx.array) -> None:
+        """Take the buffers and row positions a traced step returned after writing one
+        token at :attr:`write_slot` — what :meth:`update_and_fetch` leaves."""
+        self.keys, self.values, self.offset = keys, values, offset
+        self._idx += 1
+
     # --- padded prefill -------------------------------------------------------
 
     def prepare(

@@ -26,7 +26,15 @@ against stand-in caches whose offset (the token's position) is an array:
   why (:attr:`CompiledStep.refused`) and that layout of caches runs eager;
 * a **recurrent** cache (:class:`~mlx_loom.cache.recurrent.RecurrentCache`,
   unpadded, no speculative round open) hands its convolution tail and state
-  in as arrays and takes the new ones back.
+  in as arrays and takes the new ones back;
+* **batched rows** (``B > 1``: the engine's batch of stacked rows, each
+  row's caches a :class:`~mlx_loom.cache.BatchKVCache` in plain storage or
+  an unpadded recurrent cache): a batch's full cache hands in its rows'
+  positions and left padding as arrays besides its buffers, writes every
+  row's token at the shared write slot, and builds in the trace the padding
+  mask the eager cache builds — over the whole buffer, of which the native
+  attention reads only the filled columns, the eager mask's. MLX retraces
+  per input shape, so each row count and buffer length is one more trace.
 
 A KV-shared layer (Gemma 4) attends through its donor's view, which in the
 trace is the donor's traced buffer, so it needs nothing of its own. The
@@ -36,8 +44,8 @@ slots at a time, a window's up to its size, and each new set of buffer
 lengths is one more trace.
 
 It applies — :meth:`CompiledStep.applies` — only where that reasoning holds:
-one new token, every cache one of those kinds in plain storage at one shared
-offset (a full one with room for the token), no adapters, not a rank of a
+one new token, every cache one of those kinds in plain storage (one row: at
+one shared offset) with room for the token, no adapters, not a rank of a
 split model. The core uses it for models on the native CPU kernel sets whose
 family declares ``compiled-step``, unless ``MLX_LOOM_COMPILED_STEP=0``.
 
@@ -57,10 +65,11 @@ What stays eager, and why:
   longer reduction than the eager step's (not bit-equal) and more work — the
   same reason the plain path first attended that way and was slower than
   eager. Only the native plain-key attention takes a filled length.
-* **batched rows** (the engine's batch caches, prompt or stacked rows): each
-  row has its own padding and offset, so the eager step builds a padding
-  mask and per-row positions as arrays, and the batch's row count changes
-  as requests join and finish — one trace per row count and layout.
+* **batched sliding windows** (:class:`~mlx_loom.cache.StackedRotatingKVCache`:
+  Gemma 3 and 4, sliding Llama/Mistral, ``max_kv_size``): each row keeps
+  its own slot order, so each row writes at its own slot — a scatter per
+  layer, not the one slice the trace writes — and mixed-codec batches
+  (:class:`~mlx_loom.cache.mixed.MixedRowsCache`).
 * prefill chunks, speculative verification windows and open rounds, adapters.
 
 Measured (350M Llama, 4-bit, float32, 2 threads, alternated in one process,
@@ -85,6 +94,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cache.batch import BatchKVCache
 from ..cache.kv import KVCache
 from ..cache.recurrent import RecurrentCache
 from ..cache.rotating import RotatingKVCache
@@ -124,7 +134,8 @@ def describe(kernel_set: str | None, capabilities: frozenset[str], *, split: boo
     if why is None:
         return (
             "compiled where one token goes over full KV caches, rotating windows and "
-            "recurrent state in plain storage (else eager: prefill, batches, quantized KV)"
+            "recurrent state in plain storage, one row or a batch's (else eager: prefill, "
+            "batched windows, quantized KV)"
         )
     return f"eager ({why})"
 
@@ -140,7 +151,8 @@ class _Untraceable(Exception):
 
 
 class _WindowView:
-    """A layer's whole key/value buffer, attended over its first ``lengths`` slots."""
+    """A layer's whole key/value buffer, attended over its first ``lengths`` slots
+    (behind a batch's padding mask, the only mask a trace builds)."""
 
     def __init__(self, keys: mx.array, values: mx.array, lengths: mx.array) -> None:
         self.keys, self.values, self.lengths = keys, values, lengths
@@ -148,16 +160,18 @@ class _WindowView:
     def attend(
         self, queries: mx.array, *, scale: float, mask: Any, sinks: mx.array | None = None
     ) -> mx.array:
-        if mask is not None or sinks is not None:
-            raise _Untraceable("the compiled step attends one query, without a mask or sinks")
+        if (mask is not None and not isinstance(mask, mx.array)) or sinks is not None:
+            raise _Untraceable("the compiled step attends one query, without attention sinks")
         kernel = current_attention()
         if kernel is not None:
             # The native kernel reads only the filled slots (their count, an
-            # array, rides in the trace).
+            # array, rides in the trace), and of the mask only those columns.
             return kernel(
-                queries, self.keys, self.values, scale=scale, mask=None, lengths=self.lengths
+                queries, self.keys, self.values, scale=scale, mask=mask, lengths=self.lengths
             )
         valid = mx.arange(self.keys.shape[2]) < self.lengths
+        if mask is not None:
+            valid = valid & mask
         return mx.fast.scaled_dot_product_attention(
             queries, self.keys, self.values, scale=scale, mask=valid
         )
@@ -205,6 +219,47 @@ class _TracedKV:
         return _WindowView(self.keys, self.values, self.lengths)
 
 
+class _TracedBatchKV:
+    """A batch's full KV cache (:class:`~mlx_loom.cache.BatchKVCache`) as the traced
+    step sees it: the whole buffers, each row's position ``offset`` and
+    ``left_padding`` (int32 ``[B]``), the shared write ``slot`` and the filled
+    length after it (``lengths``, each int32 ``[1]``).
+
+    Its mask is the eager cache's — key ``j`` is seen by row ``b`` when
+    ``left_padding[b] <= j <= slot`` (and within a window, if the graph asks
+    for one) — over the whole buffer; the attention reads only its first
+    ``lengths`` columns, which are the eager mask's.
+    """
+
+    def __init__(
+        self,
+        keys: mx.array,
+        values: mx.array,
+        offset: mx.array,
+        left_padding: mx.array,
+        slot: mx.array,
+        lengths: mx.array,
+    ) -> None:
+        self.keys, self.values, self.offset = keys, values, offset
+        self.left_padding, self.slot, self.lengths = left_padding, slot, lengths
+
+    def make_mask(
+        self, N: int, *, window_size: int | None = None, return_array: bool = False
+    ) -> mx.array:
+        if N != 1:
+            raise _Untraceable("the compiled step runs one token")
+        slots = mx.arange(self.keys.shape[2])
+        mask = (slots <= self.slot) & (self.left_padding[:, None] <= slots)
+        if window_size is not None:
+            mask = mask & (self.slot < slots + window_size)
+        return mask[:, None, None, :]
+
+    def append(self, keys: mx.array, values: mx.array) -> _WindowView:
+        self.keys = mx.slice_update(self.keys, keys, self.slot, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.slot, axes=(2,))
+        return _WindowView(self.keys, self.values, self.lengths)
+
+
 class _TracedRecurrent:
     """A recurrent cache as the traced step sees it: its convolution tail and state as
     arrays in, the new ones out; one unpadded row set, no speculative round open."""
@@ -235,10 +290,22 @@ class _TracedRecurrent:
 
 
 #: A layer's static part of a trace: ``None`` for a full cache, a rotating
-#: window's ``max_size``, or ``"recurrent"``.
+#: window's ``max_size``, ``"recurrent"``, or ``"batch"`` for a batch's full cache.
 _Layer = int | str | None
 _Shape = tuple[_Layer, ...]
 _RECURRENT = "recurrent"
+_BATCH = "batch"
+
+
+def _recurrent_traceable(c: RecurrentCache) -> bool:
+    """Unpadded, outside a speculative round, already written."""
+    return bool(
+        c.left_padding is None
+        and c.lengths is None
+        and not c.in_round
+        and c.conv_state is not None
+        and c.recurrent_state is not None
+    )
 
 
 def _traceable(c: Any, offset: int) -> bool:
@@ -247,15 +314,7 @@ def _traceable(c: Any, offset: int) -> bool:
     ``offset``."""
     kind = type(c)
     if kind is RecurrentCache:
-        return bool(
-            c.offset == offset
-            and isinstance(c.offset, int)
-            and c.left_padding is None
-            and c.lengths is None
-            and not c.in_round
-            and c.conv_state is not None
-            and c.recurrent_state is not None
-        )
+        return c.offset == offset and isinstance(c.offset, int) and _recurrent_traceable(c)
     if kind is not KVCache and kind is not RotatingKVCache:
         return False
     if not c.plain or not isinstance(c.keys, mx.array) or c.offset != offset:
@@ -265,22 +324,44 @@ def _traceable(c: Any, offset: int) -> bool:
     return not c.in_round
 
 
+def _batch_traceable(c: Any) -> bool:
+    """A batch's plain full cache that takes the token in place, or its recurrent state."""
+    kind = type(c)
+    if kind is RecurrentCache:
+        return _recurrent_traceable(c)
+    return kind is BatchKVCache and c.takes_traced_token()
+
+
 def _layer(c: Any) -> _Layer:
     if isinstance(c, RecurrentCache):
         return _RECURRENT
+    if isinstance(c, BatchKVCache):
+        return _BATCH
     return c.max_size if isinstance(c, RotatingKVCache) else None
 
 
-def _arrays(c: Any) -> tuple[mx.array, mx.array]:
-    """The two arrays a layer's cache hands the trace (``applies`` checked they exist)."""
+def _arrays(c: Any, batched: bool = False) -> tuple[mx.array, ...]:
+    """The arrays a layer's cache hands the trace (``applies`` checked they exist): a
+    batch's full cache adds its rows' positions and left padding, a batch's
+    recurrent cache its own offset (one row's is the shared offset)."""
     if isinstance(c, RecurrentCache):
-        return cast(mx.array, c.conv_state), cast(mx.array, c.recurrent_state)
+        states = (cast(mx.array, c.conv_state), cast(mx.array, c.recurrent_state))
+        if batched:
+            return (*states, mx.array(c.offset, dtype=mx.int32))
+        return states
+    if isinstance(c, BatchKVCache):
+        return (
+            cast(mx.array, c.keys),
+            cast(mx.array, c.values),
+            c.offset.astype(mx.int32),
+            c.left_padding.astype(mx.int32),
+        )
     return cast(mx.array, c.keys), cast(mx.array, c.values)
 
 
 class CompiledStep:
-    """``module(tokens[B, 1], caches)`` over full KV caches, rotating windows and
-    recurrent caches, compiled; see the module docstring."""
+    """``module(tokens[B, 1], caches)`` over full KV caches, rotating windows,
+    recurrent caches and batches' full caches, compiled; see the module docstring."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
@@ -293,6 +374,8 @@ class CompiledStep:
     def applies(inputs: mx.array, cache: Sequence[Any] | None) -> bool:
         if cache is None or len(cache) == 0 or inputs.ndim != 2 or inputs.shape[1] != 1:
             return False
+        if inputs.shape[0] > 1:  # batched rows: the engine's batch caches
+            return all(_batch_traceable(c) for c in cache)
         offset = cache[0].offset
         return isinstance(offset, int) and all(_traceable(c, offset) for c in cache)
 
@@ -300,13 +383,16 @@ class CompiledStep:
         shape: _Shape = tuple(_layer(c) for c in cache)
         if shape in self.refused:
             return cast(mx.array, self._module(inputs, cache=list(cache)))
-        offset = cache[0].offset
+        batched = inputs.shape[0] > 1
+        offset = 0 if batched else cache[0].offset
         where: list[list[int]] = []
         for c in cache:
             if isinstance(c, RotatingKVCache):
                 keys, values = _arrays(c)
                 c.prepare_write(keys, values)  # what the eager write does first
                 where.append([c.write_slot, min(offset + 1, _arrays(c)[0].shape[2])])
+            elif isinstance(c, BatchKVCache):
+                where.append([c.write_slot, c.write_slot + 1])
             else:
                 where.append([offset, offset + 1])  # a recurrent layer reads neither
         # Layers that write at the same slot and attend over the same length
@@ -324,7 +410,7 @@ class CompiledStep:
                 inputs,
                 mx.array(offset, dtype=mx.int32),
                 mx.array(list(rows), dtype=mx.int32),
-                [_arrays(c) for c in cache],
+                [_arrays(c, batched) for c in cache],
             )
         except _Untraceable as e:
             return self._refuse(shape, str(e), inputs, cache)
@@ -334,13 +420,15 @@ class CompiledStep:
             # A kernel read an array on the host (a plugin's, say): it cannot
             # run in a trace, so this layout runs eager.
             return self._refuse(shape, f"a kernel reads an array on the host ({e})", inputs, cache)
-        for c, (a, b) in zip(cache, states, strict=True):
+        for c, state in zip(cache, states, strict=True):
             if isinstance(c, RecurrentCache):
-                c.update(conv_state=a, recurrent_state=b, n=1)
+                c.update(conv_state=state[0], recurrent_state=state[1], n=1)
             elif isinstance(c, RotatingKVCache):
-                c.written(a, b)
+                c.written(state[0], state[1])
+            elif isinstance(c, BatchKVCache):
+                c.written(state[0], state[1], state[2])
             else:
-                c.keys, c.values = a, b
+                c.keys, c.values = state[0], state[1]
                 c.offset += 1
         return cast(mx.array, logits)
 
@@ -361,21 +449,32 @@ class CompiledStep:
         inputs: mx.array,
         offset: mx.array,
         where: mx.array,
-        states: list[tuple[mx.array, mx.array]],
-    ) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
+        states: list[tuple[mx.array, ...]],
+    ) -> tuple[mx.array, list[tuple[mx.array, ...]]]:
         """The traced step; layer ``i`` writes at ``where[uses[i], 0]`` and attends
         over ``where[uses[i], 1]`` slots."""
         slots = [where[u, 0:1] for u in range(where.shape[0])]
         lengths = [where[u, 1:2] for u in range(where.shape[0])]
-        traced: list[_TracedKV | _TracedRecurrent] = []
-        for (a, b), layer, u in zip(states, shape, uses, strict=True):
+        traced: list[_TracedKV | _TracedBatchKV | _TracedRecurrent] = []
+        for state, layer, u in zip(states, shape, uses, strict=True):
             if layer == _RECURRENT:
-                traced.append(_TracedRecurrent(a, b, offset))
+                own = state[2] if len(state) > 2 else offset  # a batch's: its own
+                traced.append(_TracedRecurrent(state[0], state[1], own))
+            elif layer == _BATCH:
+                keys, values, positions, left_padding = state
+                traced.append(
+                    _TracedBatchKV(keys, values, positions, left_padding, slots[u], lengths[u])
+                )
             else:
                 window = layer if isinstance(layer, int) else None
-                traced.append(_TracedKV(a, b, offset, slots[u], lengths[u], window))
+                traced.append(_TracedKV(state[0], state[1], offset, slots[u], lengths[u], window))
         logits = self._module(inputs, cache=traced)
-        return logits, [
-            (t.conv_state, t.recurrent_state) if isinstance(t, _TracedRecurrent) else (t.keys, t.values)
-            for t in traced
-        ]
+        out: list[tuple[mx.array, ...]] = []
+        for t in traced:
+            if isinstance(t, _TracedRecurrent):
+                out.append((t.conv_state, t.recurrent_state))
+            elif isinstance(t, _TracedBatchKV):
+                out.append((t.keys, t.values, t.offset + 1))
+            else:
+                out.append((t.keys, t.values))
+        return logits, out
