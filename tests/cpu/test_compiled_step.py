@@ -150,8 +150,17 @@ def test_batched_rows_apply_over_a_batch_that_takes_the_token_in_place():
     quantized = KVCache.stack([full.to_quantized(), longer.to_quantized()])
     quantized.update_and_fetch(mx.zeros((2, 2, 1, 64)), mx.zeros((2, 2, 1, 64)))
     assert not CompiledStep.applies(two, [quantized])  # its view attends over whole buffers
-    windows = RotatingKVCache.stack([RotatingKVCache(max_size=8), RotatingKVCache(max_size=8)])
-    assert not CompiledStep.applies(two, [batch, windows])  # each row's own write slot
+    empty = RotatingKVCache.stack([RotatingKVCache(max_size=8), RotatingKVCache(max_size=8)])
+    assert not CompiledStep.applies(two, [batch, empty])  # nothing written yet
+    written = []
+    for n in (3, 11):
+        window = RotatingKVCache(max_size=8)
+        window.update_and_fetch(mx.zeros((1, 2, n, 64)), mx.zeros((1, 2, n, 64)))
+        written.append(window)
+    windows = RotatingKVCache.stack(written)
+    assert CompiledStep.applies(two, [batch, windows])  # each row writes at its own slot
+    windows.begin_round()
+    assert not CompiledStep.applies(two, [batch, windows])
 
 
 def _eager_and_compiled(path, prompt, n, counted, make_cache=None):
@@ -230,32 +239,40 @@ def _stacked(model, prompts):
     return [type(layer[0]).stack(list(layer)) for layer in zip(*rows)]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "gemma4_text"])
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [
+        ("llama", {}),
+        ("qwen3_next", {}),  # full batch caches and recurrent state
+        ("gemma4_text", {}),  # each row's own window slots, KV-shared layers
+        ("gemma3_text", {}),
+        ("llama", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}),
+    ],
+    ids=["llama", "qwen3_next", "gemma4", "gemma3", "sliding-llama"],
+)
 def test_batched_rows_decode_compiled_bit_for_bit(
-    tmp_path_factory, counted, compiled_on, model_type
+    tmp_path_factory, counted, compiled_on, model_type, overrides
 ):
-    """Rows of different lengths (so different left padding), one of them near the
-    256-slot step: the compiled step's logits equal the eager step's bit for bit.
-    Gemma 4's windows keep each row's own slot order, so its batch stays eager."""
-    path = checkpoint(tmp_path_factory, model_type)
+    """Rows of different lengths (so different left padding and window slots), one of
+    them near the 256-slot step, decoded together past every window's wrap: the
+    compiled step's logits equal the eager step's bit for bit."""
+    path = checkpoint(tmp_path_factory, model_type, **overrides)
     model, _ = mlx_loom.load(path, compute_dtype="float32", cpu_kernels="cpu-native")
     step = model.compiled_step
     prompts = [[(3 * i + 7 * r) % 97 + 2 for i in range(n)] for r, n in enumerate([250, 4, 9])]
     eager_caches, compiled_caches = _stacked(model, prompts), _stacked(model, prompts)
     tokens = mx.array([[5], [6], [7]])
-    for _ in range(10):
+    for _ in range(12):
         model.compiled_step = None
         eager = model.forward(tokens, eager_caches)
         model.compiled_step = step
         compiled = model.forward(tokens, compiled_caches)
         assert mx.array_equal(eager, compiled)
         tokens = mx.argmax(eager[:, -1:, :], axis=-1)
-    if model_type == "gemma4_text":
-        assert counted["n"] == 0
-    else:
-        # The stacked buffers are exactly full: the first step grows them (eager,
-        # 250 + 256 slots); the other nine ran compiled, over 256 empty slots.
-        assert counted["n"] == 9 and not step.refused
+    # A stacked full buffer is exactly full: the first step grows it (eager,
+    # 250 + 256 slots); every other step ran compiled.
+    full = any(type(c).__name__ == "BatchKVCache" for c in compiled_caches)
+    assert counted["n"] == (11 if full else 12) and not step.refused
 
 
 def test_a_batch_decodes_compiled_with_each_rows_solo_tokens(llama, counted, compiled_on):

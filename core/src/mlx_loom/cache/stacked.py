@@ -33,7 +33,7 @@ as one-token writes at that row's own index.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import mlx.core as mx
 
@@ -158,6 +158,39 @@ class StackedRotatingKVCache(CodecLayout):
     def append(self, keys: mx.array, values: mx.array) -> Any:
         """Append one token per row; return the view that attends over every row's window."""
         return self._codec.view(*self.update_and_fetch(keys, values))
+
+    # --- one token written by a compiled step (mlx_loom.cpu.compiled_step) -----
+
+    def takes_traced_token(self) -> bool:
+        """Whether a traced one-token step may write this batch: plain storage, already
+        written, no speculative round open."""
+        return bool(
+            self.plain
+            and isinstance(self.keys, mx.array)
+            and isinstance(self.values, mx.array)
+            and self._round is None
+            and self.batch_size > 0
+        )
+
+    def prepare_traced_write(self) -> tuple[mx.array, mx.array]:
+        """Grow the buffers as the next one-token write would, and return each row's
+        tokens so far and the slot its token goes to (int32 ``[B]``): what a
+        traced step needs to write and mask exactly as :meth:`update_and_fetch`
+        and :meth:`make_mask` do."""
+        keys, values = self._stored()
+        self._grow_for_write(cast(mx.array, keys), cast(mx.array, values))
+        return (
+            mx.array(self._count, dtype=mx.int32),
+            mx.array(self._next, dtype=mx.int32),
+        )
+
+    def traced_written(self, keys: mx.array, values: mx.array) -> None:
+        """Take the buffers a traced step returned after writing one token per row."""
+        self.keys, self.values = keys, values
+        W = self.max_size
+        self._count = [c + 1 for c in self._count]
+        self._next = [(n + 1) % W for n in self._next]
+        self._offset_array = None
 
     # --- speculative rounds -------------------------------------------------------
 

@@ -28,13 +28,18 @@ against stand-in caches whose offset (the token's position) is an array:
   unpadded, no speculative round open) hands its convolution tail and state
   in as arrays and takes the new ones back;
 * **batched rows** (``B > 1``: the engine's batch of stacked rows, each
-  row's caches a :class:`~mlx_loom.cache.BatchKVCache` in plain storage or
-  an unpadded recurrent cache): a batch's full cache hands in its rows'
+  layer's cache a :class:`~mlx_loom.cache.BatchKVCache` or a
+  :class:`~mlx_loom.cache.StackedRotatingKVCache` in plain storage, or an
+  unpadded recurrent cache): a batch's full cache hands in its rows'
   positions and left padding as arrays besides its buffers, writes every
   row's token at the shared write slot, and builds in the trace the padding
   mask the eager cache builds — over the whole buffer, of which the native
-  attention reads only the filled columns, the eager mask's. MLX retraces
-  per input shape, so each row count and buffer length is one more trace.
+  attention reads only the filled columns, the eager mask's. A batch's
+  sliding windows keep each row's own slot order: after the eager write's
+  growth, done first in Python, they hand in each row's token count and
+  write slot, write each row at its own slot (the eager scatter) and build
+  the eager window mask from the same arrays. MLX retraces per input shape,
+  so each row count and buffer length is one more trace.
 
 A KV-shared layer (Gemma 4) attends through its donor's view, which in the
 trace is the donor's traced buffer, so it needs nothing of its own. The
@@ -65,11 +70,7 @@ What stays eager, and why:
   longer reduction than the eager step's (not bit-equal) and more work — the
   same reason the plain path first attended that way and was slower than
   eager. Only the native plain-key attention takes a filled length.
-* **batched sliding windows** (:class:`~mlx_loom.cache.StackedRotatingKVCache`:
-  Gemma 3 and 4, sliding Llama/Mistral, ``max_kv_size``): each row keeps
-  its own slot order, so each row writes at its own slot — a scatter per
-  layer, not the one slice the trace writes — and mixed-codec batches
-  (:class:`~mlx_loom.cache.mixed.MixedRowsCache`).
+* mixed-codec batches (:class:`~mlx_loom.cache.mixed.MixedRowsCache`).
 * prefill chunks, speculative verification windows and open rounds, adapters.
 
 Measured (350M Llama, 4-bit, float32, 2 threads, alternated in one process,
@@ -98,6 +99,7 @@ from ..cache.batch import BatchKVCache
 from ..cache.kv import KVCache
 from ..cache.recurrent import RecurrentCache
 from ..cache.rotating import RotatingKVCache
+from ..cache.stacked import StackedRotatingKVCache
 from ..cpu.native import NATIVE_KERNEL_SETS
 from ..forward_hooks import current_attention
 
@@ -135,7 +137,7 @@ def describe(kernel_set: str | None, capabilities: frozenset[str], *, split: boo
         return (
             "compiled where one token goes over full KV caches, rotating windows and "
             "recurrent state in plain storage, one row or a batch's (else eager: prefill, "
-            "batched windows, quantized KV)"
+            "quantized KV)"
         )
     return f"eager ({why})"
 
@@ -260,6 +262,44 @@ class _TracedBatchKV:
         return _WindowView(self.keys, self.values, self.lengths)
 
 
+class _TracedRowWindows:
+    """A batch's sliding windows (:class:`~mlx_loom.cache.StackedRotatingKVCache`) as
+    the traced step sees them: the whole buffers (grown before the call as the
+    eager write grows them), each row's tokens so far (``count``, also its
+    position) and the slot its token goes to (``next``), int32 ``[B]``.
+
+    Each row writes at its own slot (the eager cache's scatter) and its mask
+    is the eager cache's, computed from the same arrays: row ``b``'s slot
+    ``s`` is seen when the token there is less than the window old.
+    """
+
+    def __init__(
+        self, keys: mx.array, values: mx.array, count: mx.array, nxt: mx.array, max_size: int
+    ) -> None:
+        self.keys, self.values, self.offset, self.next = keys, values, count, nxt
+        self.max_size = max_size
+
+    def make_mask(
+        self, N: int, *, window_size: int | None = None, return_array: bool = False
+    ) -> mx.array:
+        if N != 1:
+            raise _Untraceable("the compiled step runs one token")
+        W = self.max_size
+        window = min(window_size or W, W)
+        slot = mx.arange(self.keys.shape[2])[None]
+        newest = self.offset[:, None]
+        after = ((self.next + 1) % W)[:, None]
+        age = mx.where(newest >= W, (after - 1 - slot) % W, newest - slot)
+        return ((age >= 0) & (age < window) & (slot < W))[:, None, None, :]
+
+    def append(self, keys: mx.array, values: mx.array) -> _WindowView:
+        where = self.next[:, None, None, None]
+        self.keys = mx.put_along_axis(self.keys, where, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, where, values, axis=2)
+        every = mx.array([self.keys.shape[2]], dtype=mx.int32)  # the mask picks the slots
+        return _WindowView(self.keys, self.values, every)
+
+
 class _TracedRecurrent:
     """A recurrent cache as the traced step sees it: its convolution tail and state as
     arrays in, the new ones out; one unpadded row set, no speculative round open."""
@@ -290,8 +330,9 @@ class _TracedRecurrent:
 
 
 #: A layer's static part of a trace: ``None`` for a full cache, a rotating
-#: window's ``max_size``, ``"recurrent"``, or ``"batch"`` for a batch's full cache.
-_Layer = int | str | None
+#: window's ``max_size``, ``"recurrent"``, ``"batch"`` for a batch's full cache,
+#: or ``("rows", max_size)`` for a batch's sliding windows.
+_Layer = int | str | tuple[str, int] | None
 _Shape = tuple[_Layer, ...]
 _RECURRENT = "recurrent"
 _BATCH = "batch"
@@ -329,6 +370,8 @@ def _batch_traceable(c: Any) -> bool:
     kind = type(c)
     if kind is RecurrentCache:
         return _recurrent_traceable(c)
+    if kind is StackedRotatingKVCache:
+        return c.takes_traced_token()
     return kind is BatchKVCache and c.takes_traced_token()
 
 
@@ -337,6 +380,8 @@ def _layer(c: Any) -> _Layer:
         return _RECURRENT
     if isinstance(c, BatchKVCache):
         return _BATCH
+    if isinstance(c, StackedRotatingKVCache):
+        return ("rows", c.max_size)
     return c.max_size if isinstance(c, RotatingKVCache) else None
 
 
@@ -386,6 +431,7 @@ class CompiledStep:
         batched = inputs.shape[0] > 1
         offset = 0 if batched else cache[0].offset
         where: list[list[int]] = []
+        rows_state: dict[int, tuple[mx.array, mx.array]] = {}
         for c in cache:
             if isinstance(c, RotatingKVCache):
                 keys, values = _arrays(c)
@@ -393,6 +439,9 @@ class CompiledStep:
                 where.append([c.write_slot, min(offset + 1, _arrays(c)[0].shape[2])])
             elif isinstance(c, BatchKVCache):
                 where.append([c.write_slot, c.write_slot + 1])
+            elif isinstance(c, StackedRotatingKVCache):
+                rows_state[id(c)] = c.prepare_traced_write()  # grows as the eager write
+                where.append([0, 0])  # each row's own slot rides in its arrays
             else:
                 where.append([offset, offset + 1])  # a recurrent layer reads neither
         # Layers that write at the same slot and attend over the same length
@@ -410,7 +459,12 @@ class CompiledStep:
                 inputs,
                 mx.array(offset, dtype=mx.int32),
                 mx.array(list(rows), dtype=mx.int32),
-                [_arrays(c, batched) for c in cache],
+                [
+                    (*_arrays(c), *rows_state[id(c)])
+                    if isinstance(c, StackedRotatingKVCache)
+                    else _arrays(c, batched)
+                    for c in cache
+                ],
             )
         except _Untraceable as e:
             return self._refuse(shape, str(e), inputs, cache)
@@ -427,6 +481,8 @@ class CompiledStep:
                 c.written(state[0], state[1])
             elif isinstance(c, BatchKVCache):
                 c.written(state[0], state[1], state[2])
+            elif isinstance(c, StackedRotatingKVCache):
+                c.traced_written(state[0], state[1])
             else:
                 c.keys, c.values = state[0], state[1]
                 c.offset += 1
@@ -455,7 +511,7 @@ class CompiledStep:
         over ``where[uses[i], 1]`` slots."""
         slots = [where[u, 0:1] for u in range(where.shape[0])]
         lengths = [where[u, 1:2] for u in range(where.shape[0])]
-        traced: list[_TracedKV | _TracedBatchKV | _TracedRecurrent] = []
+        traced: list[_TracedKV | _TracedBatchKV | _TracedRowWindows | _TracedRecurrent] = []
         for state, layer, u in zip(states, shape, uses, strict=True):
             if layer == _RECURRENT:
                 own = state[2] if len(state) > 2 else offset  # a batch's: its own
@@ -465,6 +521,9 @@ class CompiledStep:
                 traced.append(
                     _TracedBatchKV(keys, values, positions, left_padding, slots[u], lengths[u])
                 )
+            elif isinstance(layer, tuple):
+                keys, values, count, nxt = state
+                traced.append(_TracedRowWindows(keys, values, count, nxt, layer[1]))
             else:
                 window = layer if isinstance(layer, int) else None
                 traced.append(_TracedKV(state[0], state[1], offset, slots[u], lengths[u], window))
@@ -475,6 +534,8 @@ class CompiledStep:
                 out.append((t.conv_state, t.recurrent_state))
             elif isinstance(t, _TracedBatchKV):
                 out.append((t.keys, t.values, t.offset + 1))
+            elif isinstance(t, _TracedRowWindows):
+                out.append((t.keys, t.values))
             else:
                 out.append((t.keys, t.values))
         return logits, out
