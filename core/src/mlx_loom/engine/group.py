@@ -86,8 +86,8 @@ class StepResult:
 class DecodeGroup:
     """Rows decoding together through one set of (single-row or batch) caches.
 
-    **Parked rows.** A row that leaves a batch may stay in the batch caches,
-    unfed by anyone, until fewer than half the caches' rows are live: taking
+    **Parked rows.** A row that leaves a batch may stay in the batch caches
+    until fewer than half the caches' rows are live: taking
     a row out copies every other row's caches into new buffers (MLX gives a
     row range of a buffer no storage of its own), which on a 16-row batch of
     a 350M model stalled every row for ~150 ms per departure. A parked row
