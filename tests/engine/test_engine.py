@@ -88,34 +88,59 @@ def test_rows_joining_and_leaving_mid_decode_equal_their_solo_runs(kind, loaded)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_next", "gemma4_text"])
-def test_rows_leaving_a_batch_park_until_rows_join_or_half_are_gone(name, loaded):
-    """A row that leaves stays in the batch caches, unfed, while at least half the
-    rows are live; a join, or fewer than half live, compacts the caches; every row
-    still equals its solo run."""
+def test_rows_leaving_a_batch_park_and_joining_rows_take_their_places(
+    name, loaded, monkeypatch
+):
+    """A row that leaves stays in the batch caches while at least half the rows are
+    live, for at most park_steps steps; a row joining later takes a parked row's
+    place in the buffers, in place, unless it is longer than the batch's rows
+    (then the batch compacts and the row joins by a copy); every row still equals
+    its solo run."""
+    from mlx_loom.engine.group import DecodeGroup
+
     model, _ = loaded(name)
     reqs = {
         "a": request(model, prompt=ids(9, 1), max_tokens=4),
         "b": request(model, prompt=ids(8, 2), max_tokens=7),
-        "c": request(model, prompt=ids(9, 3), max_tokens=30),
-        "d": request(model, prompt=ids(7, 4), max_tokens=26),
+        "c": request(model, prompt=ids(9, 3), max_tokens=64),
+        "d": request(model, prompt=ids(7, 4), max_tokens=60),
         "e": request(model, prompt=ids(8, 5), max_tokens=6),
+        "f": request(model, prompt=ids(70, 6), max_tokens=5),
     }
     engine = Engine(model)
     shapes: list[tuple[int, int]] = []
+    placed: list[bool] = []
+    into_parked = DecodeGroup._into_parked
+
+    def spy(self, others):
+        placed.append(into_parked(self, others))
+        return placed[-1]
+
+    monkeypatch.setattr(DecodeGroup, "_into_parked", spy)
 
     def look(step, events):
         shapes.extend((g.width, len(g.rows)) for g in engine._groups if g.stacked)
 
     runs = drive(
         engine,
-        {0: [(k, reqs[k]) for k in "abcd"], 16: [("e", reqs["e"])]},
+        {0: [(k, reqs[k]) for k in "abcd"], 16: [("e", reqs["e"])], 20: [("f", reqs["f"])]},
         on_step=look,
     )
-    assert (4, 4) in shapes
     assert (4, 3) in shapes and (4, 2) in shapes, f"{name}: leaving rows never parked: {shapes}"
-    assert (3, 3) in shapes, f"{name}: the join did not compact the parked rows: {shapes}"
+    after_a_and_b = shapes.index((4, 2))
+    assert (4, 3) in shapes[after_a_and_b:], f"{name}: e took no parked place: {shapes}"
+    # The first absorb stacks the four rows; e takes a parked place; f, 70 tokens
+    # long, does not fit the rows' 30-odd slots and joins by a copy.
+    assert placed[-2:] == [True, False], placed
     assert all(2 * live >= width for width, live in shapes)
-    for row in "abcde":
+    # Rows parked for park_steps steps with none joining are compacted away.
+    assert (2, 2) in shapes, f"{name}: parked rows outlived park_steps: {shapes}"
+    run = longest = 0
+    for width, live in shapes:
+        run = run + 1 if width != live else 0
+        longest = max(longest, run)
+    assert longest <= DecodeGroup.park_steps + 1, shapes
+    for row in "abcdef":
         assert runs[row].done.outcome == "finished"
         assert_same_run(runs[row], alone(model, reqs[row]), f"{name} row {row}")
 

@@ -290,6 +290,49 @@ class BatchKVCache(CodecLayout, _BatchRowsBase):
         self.keys, self.values, self.offset = keys, values, offset
         self._idx += 1
 
+    # --- a row replaced in place (a parked row's place taken) ------------------
+
+    def takes_row(self, single: Any) -> bool:
+        """Whether :meth:`put_row` can write ``single`` (a row's own cache) over a row
+        of this batch in place: the same kind and codec, at most as many tokens
+        as the batch's rows are long, no padded prefill or round pending."""
+        if type(single) is not self._single:
+            return False
+        one: Any = single
+        return bool(
+            one.codec_key == self.codec_key
+            and self.keys is not None
+            and one.keys is not None
+            and 0 < one.size() <= self._idx
+            and self._right_padding is None
+            and self._round_idx is None
+        )
+
+    def put_row(self, row: int, single: Any) -> None:
+        """Make row ``row`` hold ``single``'s tokens, right-aligned as :meth:`merge`
+        aligns a row (zeros in front, masked as left padding); the buffers are
+        written in place, so no other row is copied."""
+        if not self.takes_row(single):
+            raise CacheError(
+                f"{self.kind}.put_row: this {type(single).__name__} cannot take a row's place",
+                fix="check takes_row() first; merge or extend otherwise",
+            )
+        row = self._row(row)
+        n = single.size()
+        pad = self._idx - n
+        keys, values = self._stored()
+
+        def place(batch: buf.Stored, one: buf.Stored) -> None:
+            for b, a in zip(buf.leaves(batch), buf.leaves(one), strict=True):
+                tail = b.shape[2] - self._idx
+                b[row : row + 1] = mx.pad(a[..., :n, :], [(0, 0), (0, 0), (pad, tail), (0, 0)])
+
+        place(keys, single.keys)
+        place(values, single.values)
+        at = mx.arange(self.batch_size) == row
+        self.left_padding = mx.where(at, pad, self.left_padding)
+        self.offset = mx.where(at, n, self.offset)
+
     # --- padded prefill -------------------------------------------------------
 
     def prepare(

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, cast
+from typing import Any, ClassVar, cast
 
 import mlx.core as mx
 
@@ -423,6 +423,41 @@ class RecurrentCache:
         self.left_padding = cat(self.left_padding, other.left_padding)
         self.lengths = cat(self.lengths, other.lengths, fill=2**30)
         self._offset = offsets
+
+    def takes_row(self, single: Any) -> bool:
+        """Whether :meth:`put_row` can write ``single`` (one row's state) over a row of
+        this batch in place: both unpadded, written, of one shape, no round open."""
+        if type(single) is not RecurrentCache or single.batch_size != 1:
+            return False
+        ready = all(
+            c._round is None
+            and c.left_padding is None
+            and c.lengths is None
+            and c.conv_state is not None
+            and c.recurrent_state is not None
+            for c in (self, single)
+        )
+        if not ready:
+            return False
+        assert self.conv_state is not None and single.conv_state is not None
+        assert self.recurrent_state is not None and single.recurrent_state is not None
+        return bool(
+            self.conv_state.shape[1:] == single.conv_state.shape[1:]
+            and self.recurrent_state.shape[1:] == single.recurrent_state.shape[1:]
+        )
+
+    def put_row(self, row: int, single: RecurrentCache) -> None:
+        """Make row ``row`` hold ``single``'s state; the batch's arrays are written in place."""
+        if not self.takes_row(single) or not 0 <= row < self.batch_size:
+            raise CacheError(
+                f"{self.kind}.put_row: this cache cannot take row {row}'s place",
+                fix="check takes_row() first; extend otherwise",
+            )
+        assert self.conv_state is not None and self.recurrent_state is not None
+        self.conv_state[row : row + 1] = cast(mx.array, single.conv_state)
+        self.recurrent_state[row : row + 1] = cast(mx.array, single.recurrent_state)
+        at = mx.arange(self.batch_size) == row
+        self._offset = mx.where(at, mx.array(single.offset, dtype=mx.int32), self._row_offsets())
 
     def extract(self, row: int) -> RecurrentCache:
         """Row ``row`` as an independent single-row cache."""

@@ -192,6 +192,40 @@ class StackedRotatingKVCache(CodecLayout):
         self._next = [(n + 1) % W for n in self._next]
         self._offset_array = None
 
+    # --- a row replaced in place (a parked row's place taken) ------------------
+
+    def takes_row(self, single: Any) -> bool:
+        """Whether :meth:`put_row` can write ``single`` over a row of this batch in
+        place: a written window of the same size and codec, keeping no leading
+        tokens, whose slots fit the batch's buffer, no round open."""
+        if type(single) is not self._single or self._round is not None:
+            return False
+        if single.max_size != self.max_size or single.keep != 0 or single.in_round:
+            return False
+        if single.codec_key != self.codec_key or self.keys is None:
+            return False
+        keys, _, count, _ = _row_slots(single)
+        return keys is not None and count > 0 and buf.seq_len(keys) <= self._slots()
+
+    def put_row(self, row: int, single: RotatingKVCache) -> None:
+        """Make row ``row`` hold ``single``'s slots in its own order, as :meth:`stack`
+        lays a row out; the buffers are written in place."""
+        if not self.takes_row(single):
+            raise CacheError(
+                f"{self.kind}.put_row: this {type(single).__name__} cannot take a row's place",
+                fix="check takes_row() first; stack or extend otherwise",
+            )
+        row = _check_rows([row], self.batch_size, owner=f"{self.kind}.put_row")[0]
+        keys, values, count, nxt = _row_slots(single)
+        assert keys is not None and values is not None
+        S = self._slots()
+        stored_k, stored_v = self._stored()
+        for batch, one in ((stored_k, keys), (stored_v, values)):
+            for b, a in zip(buf.leaves(batch), buf.leaves(one), strict=True):
+                b[row : row + 1] = mx.pad(a, [(0, 0), (0, 0), (0, S - a.shape[2]), (0, 0)])
+        self._count[row], self._next[row] = count, nxt
+        self._offset_array = None
+
     # --- speculative rounds -------------------------------------------------------
 
     @property
