@@ -153,6 +153,24 @@ def test_filter_keeps_the_named_rows_in_order():
     assert cache.batch_size == 2
 
 
+def test_a_row_put_in_a_rows_place_continues_exactly_as_alone():
+    a = run(tokens(1, 5, seed=7), RecurrentCache())
+    b = run(tokens(1, 2, seed=8), RecurrentCache())
+    c = run(tokens(1, 3, seed=9), RecurrentCache())
+    batch = RecurrentCache.stack([a, b])
+    assert batch.takes_row(c) and not batch.takes_row(RecurrentCache())  # nothing written
+    batch.put_row(0, c)
+    assert batch.offset.tolist() == [3, 2]
+    step = tokens(2, 1, seed=10)
+    run(step, batch)
+    alone_c, alone_b = run(step[0:1], c), run(step[1:2], b)
+    assert mx.array_equal(batch.recurrent_state[0], alone_c.recurrent_state[0])
+    assert mx.array_equal(batch.recurrent_state[1], alone_b.recurrent_state[0])
+    assert mx.array_equal(batch.conv_state[0], alone_c.conv_state[0])
+    with pytest.raises(CacheError, match="put_row"):
+        batch.put_row(5, c)
+
+
 def test_extend_then_extract_round_trips_each_row():
     a = run(tokens(1, 5, seed=7), RecurrentCache())
     b = run(tokens(1, 2, seed=8), RecurrentCache())

@@ -155,3 +155,25 @@ def test_stacked_state_round_trips(kind):
     k, v = kv(3, 1, 3)
     q = mx.random.normal((3, 2 * H, 1, D), key=mx.random.key(1))
     assert mx.array_equal(attend(batch, k, v, q, window), attend(again, k, v, q, window)).item()
+
+
+@pytest.mark.parametrize("kind", ["window", "quantized-window", "full", "quantized-full"])
+def test_a_row_put_in_a_rows_place_decodes_exactly_as_the_row_alone(kind):
+    """put_row writes a newcomer over a (parked) row in place; it and every other row
+    then decode exactly as alone. A row that cannot fit, or of another kind, is
+    refused by takes_row, and put_row refuses it too."""
+    make, _, window = KINDS[kind]
+    histories = [[9], [5, 1, 1, 1, 1], [6], [4, 4, 1]]
+    singles = [fed(make, h, i) for i, h in enumerate(histories)]
+    batch = type(singles[0]).stack([fed(make, h, i) for i, h in enumerate(histories)])
+    decode_together(singles, batch, steps=3, window=window, seed=80)
+    newcomer, copy = fed(make, [2, 1], 90), fed(make, [2, 1], 90)
+    assert batch.takes_row(newcomer)
+    batch.put_row(1, newcomer)  # row 1's owner left: its place is taken
+    singles[1] = copy
+    decode_together(singles, batch, steps=2 * W + 1, window=window, seed=85)
+    if window is None:  # a full batch takes no row longer than its rows
+        assert not batch.takes_row(fed(make, [40], 95))
+        with pytest.raises(CacheError, match="put_row"):
+            batch.put_row(0, fed(make, [40], 95))
+    assert not batch.takes_row(object())
