@@ -46,6 +46,7 @@ from mlx_loom.cache.protocol import (
     Cache,
     Checkpointable,
     Mask,
+    RowPlaces,
     SpeculativeRounds,
     Stackable,
 )
@@ -112,6 +113,7 @@ __all__ = [
     "QuantizedRotatingKVCache",
     "RecurrentCache",
     "RotatingKVCache",
+    "RowPlaces",
     "RowsMask",
     "RowsView",
     "SpeculativeRounds",

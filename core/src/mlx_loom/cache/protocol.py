@@ -102,6 +102,25 @@ class BatchRows(Protocol):
 
 
 @runtime_checkable
+class RowPlaces(Protocol):
+    """Batch caches whose row can be overwritten, in place, by a newcomer's cache.
+
+    Optional. The engine keeps a row that left a batch in its caches for a
+    while (parked) and lets a joining row take its place, instead of copying
+    every row into new buffers; a batch kind without these methods (or that
+    answers ``False``) gets its joins by ``extend``, as before. ``put_row``
+    must lay the row out as ``stack`` would, so the row still decodes bit for
+    bit as alone.
+    """
+
+    def takes_row(self, single: Any) -> bool:
+        """Whether ``put_row`` can write ``single`` (a row's own cache) here."""
+
+    def put_row(self, row: int, single: Any) -> None:
+        """Make row ``row`` hold ``single``'s tokens (the other rows untouched)."""
+
+
+@runtime_checkable
 class Stackable(Protocol):
     """Single-row caches that can become the rows of a decoding batch.
 

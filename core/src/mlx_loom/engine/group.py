@@ -35,11 +35,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import mlx.core as mx
 
 from mlx_loom.cache.mixed import join_rows, stack_rows
+from mlx_loom.cache.protocol import RowPlaces
 from mlx_loom.engine.caches import layout, quantization_pending, stackable
 from mlx_loom.engine.constraints import constrain_rows
 from mlx_loom.engine.events import TokenEvent
@@ -99,9 +100,10 @@ class DecodeGroup:
     with rows parked. The parked rows' memory is thus
     at most the live rows' own. A row joining a batch with parked rows takes
     a parked row's place, its caches written into the batch's buffers in
-    place, where every layer's cache kind can take it there (``takes_row``;
-    a row longer than the batch's rows cannot); else the batch compacts and
-    the row joins by a copy, as before.
+    place, where every layer's cache kind can take it there
+    (:class:`~mlx_loom.cache.protocol.RowPlaces`; a row longer than the
+    batch's rows cannot); else the batch compacts and the row joins by a
+    copy, as before.
     """
 
     #: Whether leaving rows may park (speculative groups commit per cache row, so never).
@@ -196,12 +198,11 @@ class DecodeGroup:
             return False
         for g in others:
             for mine, theirs in zip(self.caches, g.caches, strict=True):
-                takes = getattr(mine, "takes_row", None)
-                if not callable(takes) or not takes(theirs):
+                if not isinstance(mine, RowPlaces) or not mine.takes_row(theirs):
                     return False
         for g, place in zip(others, parked, strict=False):
             for mine, theirs in zip(self.caches, g.caches, strict=True):
-                mine.put_row(place, theirs)
+                cast(RowPlaces, mine).put_row(place, theirs)
             self.slots.append(place)
         order = [self, *others]
         self.rows = [row for g in order for row in g.rows]
