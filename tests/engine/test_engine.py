@@ -87,9 +87,19 @@ def test_rows_joining_and_leaving_mid_decode_equal_their_solo_runs(kind, loaded)
     assert cancelled.tokens == solo_e.tokens[: len(cancelled.tokens)]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_next", "gemma4_text"])
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("llama", {}),
+        ("qwen3_next", {}),
+        ("gemma4_text", {}),
+        ("llama-hd32", {"kv_codec": "turboquant"}),
+        ("gemma4_text", {"kv_bits": 8, "kv_group_size": 32}),
+    ],
+    ids=["llama", "qwen3_next", "gemma4_text", "llama/turboquant", "gemma4_text/kv8"],
+)
 def test_rows_leaving_a_batch_park_and_joining_rows_take_their_places(
-    name, loaded, monkeypatch
+    name, options, loaded, monkeypatch
 ):
     """A row that leaves stays in the batch caches while at least half the rows are
     live, for at most park_steps steps; a row joining later takes a parked row's
@@ -100,12 +110,12 @@ def test_rows_leaving_a_batch_park_and_joining_rows_take_their_places(
 
     model, _ = loaded(name)
     reqs = {
-        "a": request(model, prompt=ids(9, 1), max_tokens=4),
-        "b": request(model, prompt=ids(8, 2), max_tokens=7),
-        "c": request(model, prompt=ids(9, 3), max_tokens=64),
-        "d": request(model, prompt=ids(7, 4), max_tokens=60),
-        "e": request(model, prompt=ids(8, 5), max_tokens=6),
-        "f": request(model, prompt=ids(70, 6), max_tokens=5),
+        "a": request(model, prompt=ids(9, 1), max_tokens=4, **options),
+        "b": request(model, prompt=ids(8, 2), max_tokens=7, **options),
+        "c": request(model, prompt=ids(9, 3), max_tokens=64, **options),
+        "d": request(model, prompt=ids(7, 4), max_tokens=60, **options),
+        "e": request(model, prompt=ids(8, 5), max_tokens=6, **options),
+        "f": request(model, prompt=ids(70, 6), max_tokens=5, **options),
     }
     engine = Engine(model)
     shapes: list[tuple[int, int]] = []
