@@ -221,7 +221,7 @@ class _TracedKV:
         return _WindowView(self.keys, self.values, self.lengths)
 
 
-class _TracedBatchKV:
+class _TracedBatchKV(_TracedKV):
     """A batch's full KV cache (:class:`~mlx_loom.cache.BatchKVCache`) as the traced
     step sees it: the whole buffers, each row's position ``offset`` and
     ``left_padding`` (int32 ``[B]``), the shared write ``slot`` and the filled
@@ -242,8 +242,8 @@ class _TracedBatchKV:
         slot: mx.array,
         lengths: mx.array,
     ) -> None:
-        self.keys, self.values, self.offset = keys, values, offset
-        self.left_padding, self.slot, self.lengths = left_padding, slot, lengths
+        super().__init__(keys, values, offset, slot, lengths, window=None)
+        self.left_padding = left_padding
 
     def make_mask(
         self, N: int, *, window_size: int | None = None, return_array: bool = False
@@ -255,11 +255,6 @@ class _TracedBatchKV:
         if window_size is not None:
             mask = mask & (self.slot < slots + window_size)
         return mask[:, None, None, :]
-
-    def append(self, keys: mx.array, values: mx.array) -> _WindowView:
-        self.keys = mx.slice_update(self.keys, keys, self.slot, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.slot, axes=(2,))
-        return _WindowView(self.keys, self.values, self.lengths)
 
 
 class _TracedRowWindows:
@@ -430,26 +425,32 @@ class CompiledStep:
             return cast(mx.array, self._module(inputs, cache=list(cache)))
         batched = inputs.shape[0] > 1
         offset = 0 if batched else cache[0].offset
+        # Per layer: where it writes and how far it attends (one row of
+        # ``where``), and the arrays it hands the trace — each taken after the
+        # housekeeping the eager write does first (growing, wrapping).
         where: list[list[int]] = []
-        rows_state: dict[int, tuple[mx.array, mx.array]] = {}
+        arrays: list[tuple[mx.array, ...]] = []
         for c in cache:
             if isinstance(c, RotatingKVCache):
-                keys, values = _arrays(c)
-                c.prepare_write(keys, values)  # what the eager write does first
-                where.append([c.write_slot, min(offset + 1, _arrays(c)[0].shape[2])])
-            elif isinstance(c, BatchKVCache):
-                where.append([c.write_slot, c.write_slot + 1])
+                c.prepare_write(*_arrays(c))
+                arrays.append(_arrays(c))
+                where.append([c.write_slot, min(offset + 1, arrays[-1][0].shape[2])])
             elif isinstance(c, StackedRotatingKVCache):
-                rows_state[id(c)] = c.prepare_traced_write()  # grows as the eager write
-                where.append([0, 0])  # each row's own slot rides in its arrays
+                rows = c.prepare_traced_write()  # each row's own slot rides in its arrays
+                arrays.append((*_arrays(c), *rows))
+                where.append([0, 0])
+            elif isinstance(c, BatchKVCache):
+                arrays.append(_arrays(c))
+                where.append([c.write_slot, c.write_slot + 1])
             else:
+                arrays.append(_arrays(c, batched))
                 where.append([offset, offset + 1])  # a recurrent layer reads neither
         # Layers that write at the same slot and attend over the same length
         # (every full cache; the windows of one size) share one row of
         # ``where``: the trace slices each distinct row once, not once per
         # layer (a 24-layer Llama's step: 48 slice nodes down to 2).
-        rows: dict[tuple[int, int], int] = {}
-        uses = tuple(rows.setdefault((a, b), len(rows)) for a, b in where)
+        shared: dict[tuple[int, int], int] = {}
+        uses = tuple(shared.setdefault((a, b), len(shared)) for a, b in where)
         key = (shape, uses)
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -458,13 +459,8 @@ class CompiledStep:
             logits, states = compiled(
                 inputs,
                 mx.array(offset, dtype=mx.int32),
-                mx.array(list(rows), dtype=mx.int32),
-                [
-                    (*_arrays(c), *rows_state[id(c)])
-                    if isinstance(c, StackedRotatingKVCache)
-                    else _arrays(c, batched)
-                    for c in cache
-                ],
+                mx.array(list(shared), dtype=mx.int32),
+                arrays,
             )
         except _Untraceable as e:
             return self._refuse(shape, str(e), inputs, cache)

@@ -179,14 +179,8 @@ class DecodeGroup:
                 layers = [join_rows(m, t) for m, t in zip(layers, fresh, strict=True)]
         self.caches = layers or []
         self.stacked = True
-        self.rows = [row for g in order for row in g.rows]
-        self.tokens = mx.concatenate([g.tokens.astype(mx.uint32) for g in order])
-        self.chosen = mx.concatenate([g.chosen.astype(mx.float32) for g in order])
-        self.extras = [e for g in order for e in g.extras]
-        self.emit = [e for g in order for e in g.emit]
+        self._take_rows(order, others)
         self.slots, self.width = list(range(len(self.rows))), len(self.rows)
-        for g in others:
-            g.rows = []
 
     def _into_parked(self, others: list[DecodeGroup]) -> bool:
         """Put lone rows joining this batch in parked rows' places, writing their caches
@@ -204,7 +198,12 @@ class DecodeGroup:
             for mine, theirs in zip(self.caches, g.caches, strict=True):
                 cast(RowPlaces, mine).put_row(place, theirs)
             self.slots.append(place)
-        order = [self, *others]
+        self._take_rows([self, *others], others)
+        return True
+
+    def _take_rows(self, order: list[DecodeGroup], others: list[DecodeGroup]) -> None:
+        """The rows of ``order`` (this group among them), with their pending tokens,
+        as this group's, in that order; ``others`` are left empty."""
         self.rows = [row for g in order for row in g.rows]
         self.tokens = mx.concatenate([g.tokens.astype(mx.uint32) for g in order])
         self.chosen = mx.concatenate([g.chosen.astype(mx.float32) for g in order])
@@ -212,7 +211,6 @@ class DecodeGroup:
         self.emit = [e for g in order for e in g.emit]
         for g in others:
             g.rows = []
-        return True
 
     def _row_caches(self, i: int) -> list[Any]:
         """Row ``i``'s caches as single-row caches (its own list when alone).
