@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "native_delta.h"
 
@@ -27,6 +28,10 @@ inline float lanes_sum(__m256 a) {
 void gated_delta_head(const DeltaHead& h) {
   const int Dk = h.Dk;
   const int full = Dk / 8 * 8;
+  // Where the state is read from: the state before the chunk until a step
+  // has run, then s in place. Reading it there (rather than copying it to
+  // s first) spares a pass over every row's state each decode step.
+  const float* from = h.s_in != nullptr ? h.s_in : h.s;
   for (int t = 0; t < h.T; ++t) {
     const float* q = h.q + t * h.qk_step;
     const float* k = h.k + t * h.qk_step;
@@ -43,16 +48,17 @@ void gated_delta_head(const DeltaHead& h) {
     const __m256 vdecay = _mm256_set1_ps(decay);
     for (int i = 0; i < h.Dv; ++i) {
       float* s = h.s + static_cast<long>(i) * Dk;
+      const float* src = from + static_cast<long>(i) * Dk;
       __m256 acc = _mm256_setzero_ps();
       int j = 0;
       for (; j < full; j += 8) {
-        const __m256 sj = _mm256_mul_ps(_mm256_loadu_ps(s + j), vdecay);
+        const __m256 sj = _mm256_mul_ps(_mm256_loadu_ps(src + j), vdecay);
         _mm256_storeu_ps(s + j, sj);
         acc = _mm256_fmadd_ps(sj, _mm256_loadu_ps(k + j), acc);
       }
       float kv = lanes_sum(acc);
       for (; j < Dk; ++j) {
-        s[j] *= decay;
+        s[j] = src[j] * decay;
         kv += s[j] * k[j];
       }
       const float d = (v[i] - kv) * rate;
@@ -71,6 +77,11 @@ void gated_delta_head(const DeltaHead& h) {
       }
       y[i] = o;
     }
+    from = h.s;
+  }
+  if (from != h.s) {
+    // No step ran (every one masked): the state passes through unchanged.
+    std::memcpy(h.s, from, sizeof(float) * static_cast<size_t>(h.Dv) * Dk);
   }
 }
 

@@ -85,7 +85,6 @@ void NativeGatedDelta::eval_cpu(
   base.g_step = Hv;
   const float* state_in = in[5].data<float>();
   encoder.dispatch([base, state_in, B, T, Hk, Hv, Dk, Dv]() {
-    std::memcpy(base.s, state_in, sizeof(float) * static_cast<size_t>(B) * Hv * Dv * Dk);
     const int heads = B * Hv;
     const long long work = static_cast<long long>(T) * Dv * Dk;
     auto one = [&](int task) {
@@ -99,6 +98,10 @@ void NativeGatedDelta::eval_cpu(
       h.beta = base.beta + static_cast<long>(b) * T * Hv + hv;
       h.mask = base.mask != nullptr ? base.mask + static_cast<long>(b) * T : nullptr;
       h.s = base.s + static_cast<long>(task) * Dv * Dk;
+      // The head reads its state before the step where it is and writes the
+      // state after into the output: no copy of every row's state first
+      // (one took 6 % of a 16-row Qwen3-Next-shaped decode step).
+      h.s_in = state_in + static_cast<long>(task) * Dv * Dk;
       gated_delta_head(h);
     };
     // A head is independent of the others: one task per head (a decode

@@ -29,8 +29,10 @@ std::vector<mx::array> gated_delta(
     mx::StreamOrDevice s = {});
 
 // One (batch row, value head)'s steps (kernels: delta_avx2.cpp). s: the
-// head's [Dv, Dk] state, updated in place; the other pointers are at step 0
-// of this row and head, advancing by the strides given per step.
+// head's [Dv, Dk] state after the steps (read from s_in before the first
+// step that runs, or updated in place when s_in is null); the other
+// pointers are at step 0 of this row and head, advancing by the strides
+// given per step.
 struct DeltaHead {
   const float* q;
   const float* k;
@@ -40,6 +42,9 @@ struct DeltaHead {
   const bool* mask;  // null: every step runs
   float* y;
   float* s;
+  // The state before the chunk, read by its first step that runs; the
+  // steps write s (the state after). Null: s holds the state before too.
+  const float* s_in;
   int T, Dk, Dv;
   long qk_step, v_step, g_step;
 };

@@ -104,6 +104,27 @@ def test_a_padded_row_equals_the_row_alone_and_a_replay_the_forward():
         assert mx.array_equal(replayed[b], one[0])
 
 
+def test_leading_masked_steps_and_a_row_with_none_leave_the_state_where_it_was():
+    # The kernel reads each head's state from the input until a step of the
+    # row runs, then updates the output in place: a row whose first steps are
+    # masked (left padding) must equal the row alone, a row with no step
+    # running must hand its state on unchanged, and the input state must
+    # never be written.
+    kn = native_cpu_kernels(native.module(), UNREACHED)
+    q, k, v, g, beta, state = inputs(3, 7, 2, 4, 20, 12, seed=5)
+    before = mx.array(state)
+    mask = mx.array([[False, False, False] + [True] * 4, [False] * 7, [True] * 7])
+    y, s = kn["gated_delta_masked"](q, k, v, g, beta, state, mask)
+    alone_y, alone_s = kn["gated_delta"](
+        q[:1, 3:], k[:1, 3:], v[:1, 3:], g[:1, 3:], beta[:1, 3:], state[:1]
+    )
+    assert mx.array_equal(y[0, 3:], alone_y[0]) and mx.array_equal(s[0], alone_s[0])
+    assert mx.array_equal(y[0, :3], mx.zeros_like(y[0, :3]))
+    assert mx.array_equal(s[1], state[1]) and mx.array_equal(y[1], mx.zeros_like(y[1]))
+    assert not mx.array_equal(s[2], state[2])
+    assert mx.array_equal(state, before)
+
+
 def test_the_native_conv_is_within_rounding_of_mlx_and_chunks_agree():
     kn = native_cpu_kernels(native.module(), UNREACHED)
     C, K = 40, 4
