@@ -26,7 +26,24 @@ tar -xzf "$SRC/llama_cpp_python-$VERSION.tar.gz" -C "$SRC"
 LLAMA_SRC="$SRC/llama_cpp_python-$VERSION"
 
 # -DGGML_NATIVE=ON: build for this CPU's instruction sets, as a user would.
-CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL="${JOBS:-2}" \
+# Except AMX: on a CPU with AMX, -march=native also builds ggml's AMX
+# kernels, and in this version they crash on the benchmark's 4-bit rows
+# (SIGSEGV in ggml_backend_amx_mul_mat, at one thread and at two, on an
+# Intel Xeon with AMX-INT8). There every other set the CPU has is named
+# one by one and AMX left out; GGML_AMX=0 in the environment keeps this
+# rule on any CPU.
+FLAGS="-DGGML_NATIVE=ON"
+if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null || [ "${GGML_AMX:-}" = 0 ]; then
+    FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+    for pair in avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI \
+        avx512_bf16:AVX512_BF16 avx_vnni:AVX_VNNI; do
+        if grep -qw "${pair%%:*}" /proc/cpuinfo; then
+            FLAGS="$FLAGS -DGGML_${pair##*:}=ON"
+        fi
+    done
+fi
+echo "llama.cpp build flags: $FLAGS"
+CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="${JOBS:-2}" \
     "$VENV/bin/pip" install -q "$LLAMA_SRC"
 
 # The converter imports torch (the CPU wheel), numpy, safetensors and

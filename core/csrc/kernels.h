@@ -47,6 +47,12 @@ void gemv_rows(const Product& p, const float* xsum, int n0, int n1);
 // gemv_rows hands 4-bit products to it when isa_avx512() says so; the
 // results are bit-identical to the AVX2 kernel's.
 void gemv4_rows_avx512(const Product& p, const float* xsum, int n0, int n1);
+// The GEMM's packed block on AVX-512 (kernels_avx512.cpp): c[M][padded]
+// (row stride ldc) += a[M rows, stride lda][0:kc] . the panels ([kc][16]
+// each, padded / 16 of them, as gemm_rows packs them). Bit-identical to the
+// AVX2 micro-kernel; gemm_rows hands blocks to it when isa_avx512() says so.
+void gemm_block_avx512(
+    const float* a, size_t lda, int M, const float* panels, int kc, int padded, float* c, size_t ldc);
 
 // Affine matrix-vector products need the per-group sums of x (xsum gets
 // M * K / group_size floats, each summed in column order) and, for 4-bit
@@ -103,8 +109,8 @@ inline int whole_tiles(int rows) {
 void gemv4_int8_rows_avx512(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
 
-// Whether the kernels with an AVX-512 variant (the int8 products and the
-// fp32 4-bit matrix-vector product) run it now (cpu_features.cpp: the CPU
+// Whether the kernels with an AVX-512 variant (the int8 products, the
+// fp32 4-bit matrix-vector product and the GEMM's micro-kernel) run it now (cpu_features.cpp: the CPU
 // has AVX-512 with VNNI and MLX_LOOM_CPU_ISA does not ask for avx2). Throws
 // std::invalid_argument for a bad MLX_LOOM_CPU_ISA.
 bool isa_avx512();

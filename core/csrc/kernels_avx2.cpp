@@ -526,6 +526,10 @@ void gemm_rows(const Product& p, int n0, int n1, float* scratch) {
     for (int k0 = 0; k0 < K; k0 += kKC) {
       const int kc = (K - k0) < kKC ? (K - k0) : kKC;
       pack_panels(p, r0, rows, k0, kc, panels);
+      if (isa_avx512()) {
+        gemm_block_avx512(p.x + k0, static_cast<size_t>(K), M, panels, kc, padded, tile, kNC);
+        continue;
+      }
       for (int m0 = 0; m0 < M; m0 += kMR) {
         const int mr = (M - m0) < kMR ? (M - m0) : kMR;
         const float* a = p.x + static_cast<size_t>(m0) * K + k0;

@@ -1,5 +1,6 @@
 // 4-bit affine matrix-vector products against fp32 activations on AVX-512
-// (the `cpu-native` set's decode, batched decode and verify windows).
+// (the `cpu-native` set's decode, batched decode and verify windows), and
+// the micro-kernel of the fp32 GEMM (its prefill) at the end of the file.
 //
 // Why a second kernel: the AVX2 kernel (affine4_chunk in kernels_avx2.cpp)
 // turns 64 codes into floats with seven shifts, seven masks and eight
@@ -144,7 +145,74 @@ void gemv4_tail512(const Product& p, const float* xsum, int m, int n0, int n1) {
   }
 }
 
+// --- The GEMM's micro-kernel on AVX-512 ------------------------------------
+//
+// The blocked GEMM (gemm_rows in kernels_avx2.cpp) packs a block of weight
+// rows into fp32 panels of 16 and runs a micro-kernel over them. On AVX2 it
+// is 6 rows x 16 columns, two 8-lane registers a row; here a row's 32
+// columns (two panels) are two 16-lane registers, and a tile is up to 12
+// rows. Each output is still one fused multiply-add chain over k in order,
+// started from the tile's value (the same operations on the same values as
+// the AVX2 kernel's lanes), so the results are bit-identical; only the
+// number of lanes per instruction changes.
+
+constexpr int kGemmMR = 12;
+constexpr int kPanel = 16;  // kNR of kernels_avx2.cpp: floats per panel row
+
+// c[MR][16 * NP] (row stride ldc) += a[MR rows, stride lda][0:kc] . the NP
+// panels at p0 (and p0 + panel_floats), each [kc][16].
+template <int MR, int NP>
+LOOM_HOT void gemm_micro512(
+    const float* a, size_t lda, const float* p0, size_t panel_floats, int kc, float* c, size_t ldc) {
+  __m512 acc[MR][NP];
+  for (int i = 0; i < MR; ++i) {
+    for (int h = 0; h < NP; ++h) {
+      acc[i][h] = _mm512_loadu_ps(c + i * ldc + h * kPanel);
+    }
+  }
+  for (int k = 0; k < kc; ++k) {
+    __m512 b[NP];
+    for (int h = 0; h < NP; ++h) {
+      b[h] = _mm512_load_ps(p0 + h * panel_floats + static_cast<size_t>(k) * kPanel);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_set1_ps(a[i * lda + k]);
+      for (int h = 0; h < NP; ++h) {
+        acc[i][h] = _mm512_fmadd_ps(av, b[h], acc[i][h]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int h = 0; h < NP; ++h) {
+      _mm512_storeu_ps(c + i * ldc + h * kPanel, acc[i][h]);
+    }
+  }
+}
+
+template <int MR>
+void gemm_rows512(const float* a, size_t lda, const float* panels, int kc, int padded, float* c, size_t ldc) {
+  const size_t panel_floats = static_cast<size_t>(kPanel) * kc;
+  int j = 0;
+  for (; j + 2 * kPanel <= padded; j += 2 * kPanel) {
+    gemm_micro512<MR, 2>(a, lda, panels + (j / kPanel) * panel_floats, panel_floats, kc, c + j, ldc);
+  }
+  if (j < padded) {
+    gemm_micro512<MR, 1>(a, lda, panels + (j / kPanel) * panel_floats, panel_floats, kc, c + j, ldc);
+  }
+}
+
 }  // namespace
+
+void gemm_block_avx512(
+    const float* a, size_t lda, int M, const float* panels, int kc, int padded, float* c, size_t ldc) {
+  int m = 0;
+  for (; m + kGemmMR <= M; m += kGemmMR) {
+    gemm_rows512<kGemmMR>(a + m * lda, lda, panels, kc, padded, c + m * ldc, ldc);
+  }
+  with_rows<kGemmMR - 1>(M - m, [&]<int MR>() {
+    gemm_rows512<MR>(a + m * lda, lda, panels, kc, padded, c + m * ldc, ldc);
+  });
+}
 
 void gemv4_rows_avx512(const Product& p, const float* xsum, int n0, int n1) {
   int m = 0;

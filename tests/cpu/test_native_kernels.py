@@ -274,6 +274,33 @@ def test_avx512_fp32_4bit_products_give_the_avx2_results_bit_for_bit(isa, group_
 
 
 @needs_avx512
+@pytest.mark.parametrize("kind", ["f32", "bf16", "f16", "q4", "q8"])
+def test_the_avx512_gemm_gives_the_avx2_results_bit_for_bit(isa, kind):
+    # Past SMALL_ROWS rows the blocked GEMM runs (a prefill): on AVX-512 its
+    # micro-kernel takes twelve rows and two panels (32 weight rows) at a
+    # time, on AVX2 six rows and one panel. Row counts that leave every
+    # remainder of twelve, weight rows that end in a lone panel or a
+    # partial one, widths with a last short slice of K, and a bias: every
+    # output is the same chain of multiply-adds, so the same bits.
+    rng = np.random.default_rng(len(kind))
+    for trial, (M, N, K) in enumerate(
+        [(nat.SMALL_ROWS + 1, 37, 320), (45, 130, 1088), (100, 16, 64), (131, 300, 512)]
+    ):
+        w = rand((N, K), seed=trial) * 0.05
+        bias = rand((N,), seed=7) if trial % 2 else None
+        x = rand((M, K), [mx.float32, mx.bfloat16][int(rng.integers(0, 2))], seed=50 + trial)
+        if kind in ("q4", "q8"):
+            bits = 4 if kind == "q4" else 8
+            wq, s, b = mx.quantize(w, group_size=64, bits=bits)
+            run = lambda: nat.affine_matmul(x, wq, s, b, bits, 64, bias)  # noqa: E731
+        else:
+            wd = w.astype({"f32": mx.float32, "bf16": mx.bfloat16, "f16": mx.float16}[kind])
+            run = lambda: nat.dense_matmul(x, wd, bias)  # noqa: E731
+        a, v = on_both_isas(isa, run)
+        assert mx.array_equal(a, v), (kind, M, N, K)
+
+
+@needs_avx512
 @pytest.mark.parametrize("M", [1, 3, 9])
 def test_the_fused_and_routed_4bit_products_reach_the_avx512_kernel_alike(isa, M):
     K, N, E = 192, 48, 4

@@ -110,10 +110,11 @@ def cpu_isa() -> str | None:
     saves the zmm state (detected by the extension at run time), else
     ``avx2``; ``MLX_LOOM_CPU_ISA=avx2`` forces the baseline. Both give
     bit-identical results. It governs the fp32-activation matrix-vector
-    products of 4-bit weights (every row count) and the int8-activation
-    products of three or more activation rows: one or two int8 rows
-    (decode) run the AVX2 kernel on either, which was the faster of the two
-    there (docs/cpu.md). Raises ``ValueError`` for a ``MLX_LOOM_CPU_ISA``
+    products of 4-bit weights (every row count), the micro-kernel of the
+    fp32 GEMM that prefill runs for every weight kind, and the
+    int8-activation products of two or more activation rows: one int8 row
+    (decode) runs the AVX2 kernel on either, which was the faster of the
+    two there (docs/cpu.md). Raises ``ValueError`` for a ``MLX_LOOM_CPU_ISA``
     that is not one of :data:`CPU_ISA_CHOICES` or names a set this CPU
     lacks.
     """
