@@ -60,8 +60,9 @@ void gemm_block_avx512(
 void prepare_affine_x(const Product& p, float* x_out, float* xsum);
 
 // Rows [n0, n1) of W against all M activation rows by the blocked GEMM
-// (weights dequantized/upcast once per block into fp32 panels, 6x16 FMA
-// micro-kernel). `scratch` must hold gemm_scratch_floats(M) floats.
+// (weights dequantized/upcast once per block into fp32 panels, a 6x16 FMA
+// micro-kernel, 12x32 on AVX-512). `scratch` must hold
+// gemm_scratch_floats(M) floats.
 void gemm_rows(const Product& p, int n0, int n1, float* scratch);
 size_t gemm_scratch_floats(int M);
 // GEMM work is split across threads in blocks of this many weight rows.

@@ -320,7 +320,8 @@ void gemv_pass(const Product& p, const float* xsum, int m0, int n0, int n1) {
 // Loop nest per block of kNC weight rows: for each kKC-column slice of K the
 // block is dequantized/upcast once into fp32 panels of 16 rows ([kKC][16],
 // zero-padded), then every 6-row tile of x runs the 6x16 micro-kernel over
-// every panel, accumulating into an fp32 tile of the block. Each output is a
+// every panel (on AVX-512, 12-row tiles over pairs of panels:
+// gemm_block_avx512), accumulating into an fp32 tile of the block. Each output is a
 // single fused-multiply-add chain over k = 0..K-1 in order, whatever M, the
 // block or the thread: rows of a GEMM do not depend on their neighbours.
 
