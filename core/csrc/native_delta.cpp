@@ -98,9 +98,9 @@ void NativeGatedDelta::eval_cpu(
       h.beta = base.beta + static_cast<long>(b) * T * Hv + hv;
       h.mask = base.mask != nullptr ? base.mask + static_cast<long>(b) * T : nullptr;
       h.s = base.s + static_cast<long>(task) * Dv * Dk;
-      // The head reads its state before the step where it is and writes the
-      // state after into the output: no copy of every row's state first
-      // (one took 6 % of a 16-row Qwen3-Next-shaped decode step).
+      // The head reads the state it starts from in the input and writes the
+      // state it ends with into the output: no copy of every row's state
+      // first (that copy took 6 % of a 16-row Qwen3-Next-shaped decode step).
       h.s_in = state_in + static_cast<long>(task) * Dv * Dk;
       gated_delta_head(h);
     };
