@@ -187,7 +187,8 @@ class DecodeGroup:
         into the batch's buffers in place (no other row is copied); ``False``, and
         nothing done, unless every newcomer's every cache fits a parked place
         (``takes_row`` of the batch cache kind: e.g. no longer than the batch)."""
-        parked = [p for p in range(self.width) if p not in set(self.slots)]
+        taken = set(self.slots)
+        parked = [p for p in range(self.width) if p not in taken]
         if not self.stacked or len(others) > len(parked) or any(g.stacked for g in others):
             return False
         for g in others:
