@@ -42,7 +42,9 @@ namespace loom_cpu {
 namespace {
 
 constexpr int kBlock = 32;
-constexpr int kMaxMT = 4;
+// Activation rows per set: a tile's weight rows are read once per set, its
+// group tables built once per set.
+constexpr int kRowSet = 16;
 // Weight rows per tile: one per 32-bit lane of a 256-bit register.
 constexpr int kTile = 8;
 // Columns per span: four chunks of 64, whose eight block sums per weight
@@ -54,53 +56,80 @@ constexpr int kSpan = 256;
 thread_local AlignedBuffer table_scratch;
 thread_local AlignedBuffer sums_scratch;
 
-// One weight row's 64 codes from column k against each activation row's
-// chunk: eight 32-bit lanes, lanes 0-3 summing the first block of 32
-// columns and 4-7 the second (exact).
-template <int MT>
-LOOM_HOT void chunk_lanes(const uint8_t* w, const int8_t* const* xq, int k, __m256i* out) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k / 2));
+// A full span's 64-code chunks of one weight row, each as its low and high
+// nibbles (the codes of the chunk's even and odd columns).
+struct SpanCodes {
+  __m256i lo[4];
+  __m256i hi[4];
+};
+
+// The first CHUNKS of them, from column k.
+template <int CHUNKS>
+LOOM_HOT SpanCodes chunk_codes(const uint8_t* w, int k) {
   const __m256i nib = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(v, nib);
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int m = 0; m < MT; ++m) {
-    const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + k));
-    const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + k + 32));
-    // Code (0..15) times int8 (|x| <= 127), pairs summed: |.| <= 3810, and
-    // the even and odd halves together <= 7620: no 16-bit saturation.
-    const __m256i pairs =
-        _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));
-    out[m] = _mm256_madd_epi16(pairs, ones);
+  SpanCodes c;
+  for (int j = 0; j < CHUNKS; ++j) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k + 64 * j) / 2));
+    c.lo[j] = _mm256_and_si256(v, nib);
+    c.hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
   }
+  return c;
+}
+
+// One chunk's codes against one activation row's chunk at x: eight 32-bit
+// lanes, lanes 0-3 summing the first block of 32 columns and 4-7 the second
+// (exact).
+LOOM_HOT __m256i chunk_lanes(__m256i lo, __m256i hi, const int8_t* x) {
+  const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+  // Code (0..15) times int8 (|x| <= 127), pairs summed: |.| <= 3810, and
+  // the even and odd halves together <= 7620: no 16-bit saturation.
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
 // The same for a last, lone block of 32 columns (16 even values, then 16
 // odd ones, from k): its sums in lanes 0-3, zero in 4-7.
-template <int MT>
-LOOM_HOT void block_lanes(const uint8_t* w, const int8_t* const* xq, int k, __m256i* out) {
+LOOM_HOT __m256i block_lanes(const uint8_t* w, const int8_t* x, int k) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2));
   const __m128i nib = _mm_set1_epi8(0x0F);
   const __m128i lo = _mm_and_si128(v, nib);
   const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
-  for (int m = 0; m < MT; ++m) {
-    const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[m] + k));
-    const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[m] + k + 16));
-    const __m128i s = _mm_madd_epi16(
-        _mm_add_epi16(_mm_maddubs_epi16(lo, even), _mm_maddubs_epi16(hi, odd)), _mm_set1_epi16(1));
-    out[m] = _mm256_zextsi128_si256(s);
-  }
+  const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k));
+  const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k + 16));
+  const __m128i s = _mm_madd_epi16(
+      _mm_add_epi16(_mm_maddubs_epi16(lo, even), _mm_maddubs_epi16(hi, odd)), _mm_set1_epi16(1));
+  return _mm256_zextsi128_si256(s);
+}
+
+// Four chunks' lanes as one register of eight block sums: per 128-bit half,
+// chunk 0's block, 1's, 2's, 3's (the first blocks of the chunks in lanes
+// 0-3, the second ones in 4-7; integer sums are exact in any order).
+LOOM_HOT __m256i span_sums(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(c0, c1), _mm256_hadd_epi32(c2, c3));
 }
 
 // Phase one, per weight row: the exact integer sum of every block of 32
-// columns against each activation row. The row is read in order (as a
-// matrix-vector product streams it); each span's eight block sums go to
-// sums[(m * spans + span) * kTile + i] as one register, the first blocks of
-// its chunks in lanes 0-3 and the second ones in 4-7 (two horizontal adds
-// per four chunks; integer sums are exact in any order).
-template <int MT>
+// columns against each of `rows` activation rows. The row is read in order
+// (as a matrix-vector product streams it); each span's eight block sums go
+// to sums[(m * spans + span) * kTile + i] as one register.
+//
+// A span's codes are unpacked once and kept in registers while every
+// activation row meets them, and each row's four chunks are reduced as soon
+// as they are made: with sixteen registers, holding every row's chunks until
+// the end of the span spilled them to the stack (a quarter of a 16-row
+// step's time on AVX2).
+//
+// R > 0 fixes the number of activation rows at compile time (one row, a
+// single stream's decode, keeps the unrolled code it had); R = 0 takes
+// `rows`.
+template <int R>
 LOOM_HOT void row_sums(
-    const uint8_t* w, const uint8_t* ahead, const int8_t* const* xq, int K, int spans, int i, __m256i* sums) {
+    const uint8_t* w, const uint8_t* ahead, const int8_t* const* xq, int rows, int K, int spans, int i,
+    __m256i* sums) {
+  if constexpr (R > 0) {
+    rows = R;
+  }
   const int K64 = K & ~63;
   for (int s = 0; s < spans; ++s) {
     if (ahead != nullptr) {
@@ -110,24 +139,42 @@ LOOM_HOT void row_sums(
       _mm_prefetch(reinterpret_cast<const char*>(ahead) + s * (kSpan / 2), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(ahead) + s * (kSpan / 2) + 64, _MM_HINT_T0);
     }
-    __m256i x[4][MT];
-    for (int c = 0; c < 4; ++c) {
-      const int k = s * kSpan + 64 * c;
-      if (k < K64) {
-        chunk_lanes<MT>(w, xq, k, x[c]);
-      } else if (k < K) {
-        block_lanes<MT>(w, xq, k, x[c]);
-      } else {
-        for (int m = 0; m < MT; ++m) {
-          x[c][m] = _mm256_setzero_si256();
+    const int k0 = s * kSpan;
+    if (k0 + kSpan <= K64 && R == 1) {
+      // One row: each chunk's codes meet it as soon as they are loaded.
+      __m256i x[4];
+      for (int j = 0; j < 4; ++j) {
+        const SpanCodes c = chunk_codes<1>(w, k0 + 64 * j);
+        x[j] = chunk_lanes(c.lo[0], c.hi[0], xq[0] + k0 + 64 * j);
+      }
+      sums[s * kTile + i] = span_sums(x[0], x[1], x[2], x[3]);
+      continue;
+    }
+    if (k0 + kSpan <= K64) {
+      const SpanCodes c = chunk_codes<4>(w, k0);
+      for (int m = 0; m < rows; ++m) {
+        const int8_t* x = xq[m] + k0;
+        sums[(static_cast<size_t>(m) * spans + s) * kTile + i] =
+            span_sums(chunk_lanes(c.lo[0], c.hi[0], x), chunk_lanes(c.lo[1], c.hi[1], x + 64),
+                      chunk_lanes(c.lo[2], c.hi[2], x + 128), chunk_lanes(c.lo[3], c.hi[3], x + 192));
+      }
+      continue;
+    }
+    // The last, partial span: chunks of 64, then a lone block, then zeros.
+    for (int m = 0; m < rows; ++m) {
+      __m256i x[4];
+      for (int j = 0; j < 4; ++j) {
+        const int k = k0 + 64 * j;
+        if (k < K64) {
+          const SpanCodes c = chunk_codes<1>(w, k);
+          x[j] = chunk_lanes(c.lo[0], c.hi[0], xq[m] + k);
+        } else if (k < K) {
+          x[j] = block_lanes(w, xq[m], k);
+        } else {
+          x[j] = _mm256_setzero_si256();
         }
       }
-    }
-    for (int m = 0; m < MT; ++m) {
-      // Lanes per 128-bit half: chunk 0's block, 1's, 2's, 3's.
-      const __m256i h = _mm256_hadd_epi32(
-          _mm256_hadd_epi32(x[0][m], x[1][m]), _mm256_hadd_epi32(x[2][m], x[3][m]));
-      sums[(static_cast<size_t>(m) * spans + s) * kTile + i] = h;
+      sums[(static_cast<size_t>(m) * spans + s) * kTile + i] = span_sums(x[0], x[1], x[2], x[3]);
     }
   }
 }
@@ -149,51 +196,47 @@ LOOM_HOT void row_sums(
 // Why one weight row per lane: a block's whole sum then sits in one lane,
 // so a block costs one conversion and one multiply-add per eight weight
 // rows, where eight-column lanes took four of each and a horizontal sum.
-template <int MT>
-LOOM_HOT void tile_floats(
+LOOM_HOT __m256 tile_floats(
     const __m256i* sums,
-    const float* const* steps,
-    const float* const* xsums,
+    const float* steps,
+    const float* xsums,
     const float* scales,
     const float* biases,
     int K,
     int group_size,
-    int spans,
-    __m256* res) {
+    int spans) {
   const int blocks = K / kBlock;
   const int per_group = group_size / kBlock;
   const int groups = K / group_size;
-  for (int m = 0; m < MT; ++m) {
-    __m256 tot = _mm256_setzero_ps();
-    __m256 part = _mm256_setzero_ps();
-    int in_group = 0;
-    int g = 0;
-    for (int s = 0; s < spans; ++s) {
-      __m256 v[8];
-      for (int i = 0; i < kTile; ++i) {
-        v[i] = _mm256_castsi256_ps(_mm256_load_si256(sums + (static_cast<size_t>(m) * spans + s) * kTile + i));
-      }
-      transpose8(v);  // v[j]: every row's lane j of the span
-      const int b_end = blocks - s * 8 < 8 ? blocks - s * 8 : 8;
-      for (int b = 0; b < b_end; ++b) {
-        // Block b of the span (chunk b / 2, half b % 2) is lane 4 * (b % 2) + b / 2.
-        const __m256 f = _mm256_cvtepi32_ps(_mm256_castps_si256(v[4 * (b & 1) + (b >> 1)]));
-        const __m256 st = _mm256_set1_ps(steps[m][(s * kSpan + b * kBlock) / 8]);
-        part = in_group == 0 ? _mm256_mul_ps(f, st) : _mm256_fmadd_ps(f, st, part);
-        if (++in_group == per_group) {
-          tot = _mm256_fmadd_ps(_mm256_loadu_ps(scales + static_cast<size_t>(g) * kTile), part, tot);
-          in_group = 0;
-          ++g;
-        }
+  __m256 tot = _mm256_setzero_ps();
+  __m256 part = _mm256_setzero_ps();
+  int in_group = 0;
+  int g = 0;
+  for (int s = 0; s < spans; ++s) {
+    __m256 v[8];
+    for (int i = 0; i < kTile; ++i) {
+      v[i] = _mm256_castsi256_ps(_mm256_load_si256(sums + static_cast<size_t>(s) * kTile + i));
+    }
+    transpose8(v);  // v[j]: every row's lane j of the span
+    const int b_end = blocks - s * 8 < 8 ? blocks - s * 8 : 8;
+    for (int b = 0; b < b_end; ++b) {
+      // Block b of the span (chunk b / 2, half b % 2) is lane 4 * (b % 2) + b / 2.
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_castps_si256(v[4 * (b & 1) + (b >> 1)]));
+      const __m256 st = _mm256_set1_ps(steps[(s * kSpan + b * kBlock) / 8]);
+      part = in_group == 0 ? _mm256_mul_ps(f, st) : _mm256_fmadd_ps(f, st, part);
+      if (++in_group == per_group) {
+        tot = _mm256_fmadd_ps(_mm256_loadu_ps(scales + static_cast<size_t>(g) * kTile), part, tot);
+        in_group = 0;
+        ++g;
       }
     }
-    __m256 bsum = _mm256_setzero_ps();
-    for (int gg = 0; gg < groups; ++gg) {
-      bsum = _mm256_fmadd_ps(
-          _mm256_loadu_ps(biases + static_cast<size_t>(gg) * kTile), _mm256_set1_ps(xsums[m][gg]), bsum);
-    }
-    res[m] = _mm256_add_ps(tot, bsum);
   }
+  __m256 bsum = _mm256_setzero_ps();
+  for (int gg = 0; gg < groups; ++gg) {
+    bsum = _mm256_fmadd_ps(
+        _mm256_loadu_ps(biases + static_cast<size_t>(gg) * kTile), _mm256_set1_ps(xsums[gg]), bsum);
+  }
+  return _mm256_add_ps(tot, bsum);
 }
 
 // An activation row's outputs for the tile's rows [n, n + count).
@@ -209,26 +252,25 @@ LOOM_HOT void store_tile(const Product& p, int m, int n, int count, __m256 v) {
   }
 }
 
-// Activation rows [m0, m0 + MT) against the weight rows [n0, n1), a tile of
-// eight at a time.
-template <int MT, int SD>
-void int8_pass(
-    const Product& p, const int8_t* xq, const float* steps, const float* xsum, int m0, int n0, int n1) {
+// Activation rows [m0, m1) (at most kRowSet) against the weight rows
+// [n0, n1), a tile of eight at a time: each tile's rows are read and its
+// scales and biases made into tables once for every activation row.
+template <int SD>
+void int8_set(
+    const Product& p, const int8_t* xq, const float* steps, const float* xsum, int m0, int m1, int n0,
+    int n1) {
   const int K = p.K;
+  const int rows = m1 - m0;
   const int groups = K / p.group_size;
   const int spans = (K + kSpan - 1) / kSpan;
   const size_t row_bytes = static_cast<size_t>(K) / 2;
   const size_t sb_bytes = static_cast<size_t>(groups) * (SD == kF32 ? 4 : 2);
   float* scales = static_cast<float*>(table_scratch.get(sizeof(float) * 2 * table_groups(groups) * kTile));
   float* biases = scales + table_groups(groups) * kTile;
-  auto* sums = static_cast<__m256i*>(sums_scratch.get(sizeof(__m256i) * MT * spans * kTile));
-  const int8_t* xs[MT];
-  const float* st[MT];
-  const float* xsums[MT];
-  for (int m = 0; m < MT; ++m) {
+  auto* sums = static_cast<__m256i*>(sums_scratch.get(sizeof(__m256i) * rows * spans * kTile));
+  const int8_t* xs[kRowSet];
+  for (int m = 0; m < rows; ++m) {
     xs[m] = xq + static_cast<size_t>(m0 + m) * K;
-    st[m] = steps + static_cast<size_t>(m0 + m) * (K / 8);
-    xsums[m] = xsum + static_cast<size_t>(m0 + m) * groups;
   }
   for (int n = n0; n < n1; n += kTile) {
     const int count = n1 - n < kTile ? n1 - n : kTile;
@@ -251,12 +293,17 @@ void int8_pass(
       b[i] = static_cast<const char*>(p.biases) + static_cast<size_t>(r) * sb_bytes;
       if (i < count) {
         const bool more = r + static_cast<int>(kAheadRows) < n1;
-        row_sums<MT>(w, more ? w + kAheadRows * row_bytes : nullptr, xs, K, spans, i, sums);
+        const uint8_t* ahead = more ? w + kAheadRows * row_bytes : nullptr;
+        if (rows == 1) {
+          row_sums<1>(w, ahead, xs, rows, K, spans, i, sums);
+        } else {
+          row_sums<0>(w, ahead, xs, rows, K, spans, i, sums);
+        }
       }
     }
     // Rows past the product's end repeat its last (never stored).
     for (int i = count; i < kTile; ++i) {
-      for (int m = 0; m < MT; ++m) {
+      for (int m = 0; m < rows; ++m) {
         for (int sp = 0; sp < spans; ++sp) {
           sums[(static_cast<size_t>(m) * spans + sp) * kTile + i] =
               sums[(static_cast<size_t>(m) * spans + sp) * kTile + count - 1];
@@ -266,44 +313,57 @@ void int8_pass(
     const bool over = count == kTile && table_reads_fit(n + kTile - 1, groups, p.N);
     group_table8<SD>(s, groups, scales, kTile, over);
     group_table8<SD>(b, groups, biases, kTile, over);
-    __m256 res[MT];
-    tile_floats<MT>(sums, st, xsums, scales, biases, K, p.group_size, spans, res);
-    for (int m = 0; m < MT; ++m) {
-      store_tile(p, m0 + m, n, count, res[m]);
+    for (int m = 0; m < rows; ++m) {
+      const __m256 res = tile_floats(sums + static_cast<size_t>(m) * spans * kTile,
+                                     steps + static_cast<size_t>(m0 + m) * (K / 8),
+                                     xsum + static_cast<size_t>(m0 + m) * groups, scales, biases, K,
+                                     p.group_size, spans);
+      store_tile(p, m0 + m, n, count, res);
     }
   }
-}
-
-template <int SD>
-void avx2_tiles(
-    const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1) {
-  int m = 0;
-  auto pass = [&]<int MT>() { int8_pass<MT, SD>(p, xq, steps, xsum, m, n0, n1); };
-  for (; m + kMaxMT <= p.M; m += kMaxMT) {
-    pass.template operator()<kMaxMT>();
-  }
-  with_rows<kMaxMT - 1>(p.M - m, pass);
 }
 
 // Many activation rows (a prefill chunk): blocks of weight rows, each read
-// from memory once and by every pass from cache.
+// from memory once and by every set of activation rows from cache.
 constexpr int kBlockRows = 64;
+
+// Activation rows per set for a product of K columns: as many as keep a
+// tile's block sums (rows * spans registers per weight row) within about half
+// of a 32 KiB L1 data cache, kRowSet at most and 4 at least, the rows split
+// evenly. (Sixteen rows of 2816 columns, 45 KiB of sums, ran slower than the
+// four-row passes they replaced.)
+int rows_per_set(int M, int K) {
+  const int spans = (K + kSpan - 1) / kSpan;
+  const int bytes_per_row = spans * kTile * static_cast<int>(sizeof(__m256i));
+  int most = (16 * 1024) / bytes_per_row;
+  most = most < 4 ? 4 : most > kRowSet ? kRowSet : most;
+  const int sets = (M + most - 1) / most;
+  return (M + sets - 1) / sets;
+}
+
+template <int SD>
+void avx2_sets(const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1) {
+  const int set = rows_per_set(p.M, p.K);
+  const int rows = p.M <= set ? n1 - n0 : kBlockRows;
+  for (int b0 = n0; b0 < n1; b0 += rows) {
+    const int b1 = b0 + rows < n1 ? b0 + rows : n1;
+    for (int m0 = 0; m0 < p.M; m0 += set) {
+      int8_set<SD>(p, xq, steps, xsum, m0, m0 + set < p.M ? m0 + set : p.M, b0, b1);
+    }
+  }
+}
 
 void avx2_passes(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1) {
-  const int rows = p.M <= kMaxMT ? n1 - n0 : kBlockRows;
-  for (int b0 = n0; b0 < n1; b0 += rows) {
-    const int b1 = b0 + rows < n1 ? b0 + rows : n1;
-    switch (p.s_dtype) {
-      case kBF16:
-        avx2_tiles<kBF16>(p, xq, steps, xsum, b0, b1);
-        break;
-      case kF16:
-        avx2_tiles<kF16>(p, xq, steps, xsum, b0, b1);
-        break;
-      default:
-        avx2_tiles<kF32>(p, xq, steps, xsum, b0, b1);
-    }
+  switch (p.s_dtype) {
+    case kBF16:
+      avx2_sets<kBF16>(p, xq, steps, xsum, n0, n1);
+      break;
+    case kF16:
+      avx2_sets<kF16>(p, xq, steps, xsum, n0, n1);
+      break;
+    default:
+      avx2_sets<kF32>(p, xq, steps, xsum, n0, n1);
   }
 }
 

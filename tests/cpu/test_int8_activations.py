@@ -139,6 +139,18 @@ def test_a_non_finite_activation_makes_its_row_nan_and_leaves_the_others_alone(M
         assert np.array_equal(got[m : m + 1], alone)
 
 
+@pytest.mark.parametrize("K", [1024, 2816, 160])
+@pytest.mark.parametrize("M", [2, 16, 17, 33])
+def test_every_set_of_activation_rows_gives_each_row_its_result_alone(M, K):
+    # Many rows are taken in sets sized by K (each tile of weight rows is
+    # read once per set); a row's bits never depend on its set or its place.
+    wq, s, b = quantized(37, K, 32, mx.bfloat16, seed=K)
+    x = rand((M, K), seed=M + 5)
+    batch = product(x, wq, s, b, 32)
+    for m in range(M):
+        assert mx.array_equal(batch[m : m + 1], product(x[m : m + 1], wq, s, b, 32)), m
+
+
 def test_batch_rows_equal_the_rows_alone_bit_for_bit():
     wq, s, b = quantized(70, 1024, 64, mx.bfloat16)
     x = rand((7, 1024), seed=11)
