@@ -31,7 +31,7 @@ void gated_delta_head(const DeltaHead& h) {
   // Where the state is read from: the state before the chunk until a step
   // has run, then s in place. Reading it there (rather than copying it to
   // s first) spares a pass over every row's state each decode step.
-  const float* from = h.s_in != nullptr ? h.s_in : h.s;
+  const float* from = h.s_in;
   for (int t = 0; t < h.T; ++t) {
     const float* q = h.q + t * h.qk_step;
     const float* k = h.k + t * h.qk_step;

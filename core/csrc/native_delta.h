@@ -30,9 +30,8 @@ std::vector<mx::array> gated_delta(
 
 // One (batch row, value head)'s steps (kernels: delta_avx2.cpp). s: the
 // head's [Dv, Dk] state after the steps (read from s_in before the first
-// step that runs, or updated in place when s_in is null); the other
-// pointers are at step 0 of this row and head, advancing by the strides
-// given per step.
+// step that runs); the other pointers are at step 0 of this row and head,
+// advancing by the strides given per step.
 struct DeltaHead {
   const float* q;
   const float* k;
@@ -43,7 +42,7 @@ struct DeltaHead {
   float* y;
   float* s;
   // The state before the chunk, read by its first step that runs; the
-  // steps write s (the state after). Null: s holds the state before too.
+  // steps write s (the state after). Never s itself, never null.
   const float* s_in;
   int T, Dk, Dv;
   long qk_step, v_step, g_step;
