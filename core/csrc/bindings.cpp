@@ -44,7 +44,19 @@ NB_MODULE(_native, m) {
       &loom_cpu::set_isa,
       "name"_a,
       "Switch the int8 kernels' instruction set ('auto', 'avx2' or 'avx512'; both give "
-      "bit-identical results) and return the one in use.");
+      "bit-identical results; 'avx512' runs one activation row on it too, 'auto' as "
+      "one_row_avx512 says) and return the one in use.");
+  m.def(
+      "one_row_avx512",
+      []() { return loom_cpu::one_row_avx512(); },
+      "Whether one activation row's int8 products run on AVX-512 too on this CPU (where the "
+      "instruction set in use is AVX-512); only time depends on it.");
+  m.def(
+      "one_row_avx512_for",
+      &loom_cpu::one_row_avx512_for,
+      "vendor"_a,
+      "family"_a,
+      "The rule one_row_avx512 applies, for a cpuid vendor string and display family.");
   m.def("threads", &loom_cpu::pool_threads, "Threads one product runs on.");
   m.attr("SMALL_ROWS") = loom_cpu::kSmallRows;
   m.attr("MAX_PARTS") = loom_cpu::kMaxParts;

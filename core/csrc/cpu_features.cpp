@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 
 namespace loom_cpu {
@@ -49,6 +50,32 @@ Avx512 detect() {
   return a;
 }
 
+// The vendor string of cpuid leaf 0 and the display family of leaf 1
+// (the base family, plus the extended family where the base is 0xF).
+struct Identity {
+  std::string vendor;
+  int family = 0;
+};
+
+Identity identify() {
+  Identity id;
+  unsigned eax, ebx, ecx, edx;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) {
+    return id;
+  }
+  char name[13];
+  std::memcpy(name, &ebx, 4);
+  std::memcpy(name + 4, &edx, 4);
+  std::memcpy(name + 8, &ecx, 4);
+  name[12] = '\0';
+  id.vendor = name;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0) {
+    const int base = static_cast<int>((eax >> 8) & 0xF);
+    id.family = base == 0xF ? base + static_cast<int>((eax >> 20) & 0xFF) : base;
+  }
+  return id;
+}
+
 const Avx512& avx512() {
   static const Avx512 a = detect();
   return a;
@@ -79,8 +106,25 @@ Isa parse(const std::string& name, const char* source) {
       "'; it must be auto, avx2 or avx512.");
 }
 
-// -1: not chosen yet (the first use reads MLX_LOOM_CPU_ISA).
+// -1: not chosen yet (the first use reads MLX_LOOM_CPU_ISA); else the Isa,
+// plus kNamed when the name was avx512 itself (then one row runs it too).
+constexpr int kNamed = 2;
 std::atomic<int> chosen{-1};
+
+int choice(const std::string& name, const char* source) {
+  const Isa isa = parse(name, source);
+  return static_cast<int>(isa) + (name == "avx512" ? kNamed : 0);
+}
+
+int chosen_now() {
+  int v = chosen.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("MLX_LOOM_CPU_ISA");
+    v = choice(env != nullptr ? env : "", "MLX_LOOM_CPU_ISA");
+    chosen.store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
 
 }  // namespace
 
@@ -119,13 +163,19 @@ bool avx512_vnni_usable() {
 }
 
 Isa active_isa() {
-  int v = chosen.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* env = std::getenv("MLX_LOOM_CPU_ISA");
-    v = static_cast<int>(parse(env != nullptr ? env : "", "MLX_LOOM_CPU_ISA"));
-    chosen.store(v, std::memory_order_relaxed);
-  }
-  return static_cast<Isa>(v);
+  return static_cast<Isa>(chosen_now() % kNamed);
+}
+
+bool one_row_avx512_for(const std::string& vendor, int family) {
+  return vendor == "AuthenticAMD" && family >= 0x1A;
+}
+
+bool one_row_avx512() {
+  static const bool pays = [] {
+    const Identity id = identify();
+    return one_row_avx512_for(id.vendor, id.family);
+  }();
+  return chosen_now() >= kNamed || pays;
 }
 
 bool isa_avx512() {
@@ -137,9 +187,9 @@ std::string isa_name(Isa isa) {
 }
 
 std::string set_isa(const std::string& name) {
-  const Isa isa = parse(name, "the instruction set");
-  chosen.store(static_cast<int>(isa), std::memory_order_relaxed);
-  return isa_name(isa);
+  const int v = choice(name, "the instruction set");
+  chosen.store(v, std::memory_order_relaxed);
+  return isa_name(static_cast<Isa>(v % kNamed));
 }
 
 }  // namespace loom_cpu

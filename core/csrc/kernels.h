@@ -95,8 +95,9 @@ void prepare_int8_x(const Product& p, int8_t* xq, float* steps, float* xsum);
 // with M rows is bit-identical to the same row computed alone.
 // Any number of rows M: with many rows (prefill) the weight rows are taken in
 // blocks that every activation row reads from cache. Runs the AVX-512 VNNI
-// kernel (kernels_int8_avx512.cpp) when isa_avx512() says so, else
-// AVX2; the two give bit-identical results.
+// kernel (kernels_int8_avx512.cpp) when isa_avx512() says so (for one
+// row, when one_row_avx512() says so too), else AVX2; the two give
+// bit-identical results.
 void gemv4_int8_rows(
     const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1);
 // The int8 kernels take weight rows in tiles of 8 (AVX2) and 16 (AVX-512),
@@ -115,6 +116,9 @@ void gemv4_int8_rows_avx512(
 // has AVX-512 with VNNI and MLX_LOOM_CPU_ISA does not ask for avx2). Throws
 // std::invalid_argument for a bad MLX_LOOM_CPU_ISA.
 bool isa_avx512();
+// Whether one activation row's int8 products take the AVX-512 kernel too,
+// on this CPU (cpu_features.h says why it depends on the CPU).
+bool one_row_avx512();
 
 // Activations to fp32: rows [m0, m1) of a row-major [M, K] array.
 void to_f32(const void* src, int dtype, float* dst, size_t count);

@@ -482,18 +482,19 @@ void prepare_int8_x(const Product& p, int8_t* xq, float* steps, float* xsum) {
 namespace {
 
 
-// One activation row (single-stream decode) runs the AVX2 kernel even where
-// AVX-512 VNNI is there: its rows are read in order, each row's block sums
-// then scaled eight rows at a time, where the AVX-512 kernel reads sixteen
-// rows across and transposes every block for its one row (the 350M model's
-// int8 decode, alternated: 10.5-14.1 ms a token on AVX2 against 12.5-16.8).
-// From two rows on the transpose is shared and AVX-512 is faster (two rows,
-// 32000x1024 on two threads: 525-715 us against 750-1520). Both kernels give
-// the same bits, so the choice only moves time.
-constexpr int kAvx2UpTo = 1;
-
+// One activation row (single-stream decode) runs the AVX2 kernel where the
+// AVX-512 kernel does not pay for it (one_row_avx512, cpu_features.h): the
+// AVX2 kernel reads its rows in order and scales each row's block sums
+// eight rows at a time, where the AVX-512 kernel reads sixteen rows across
+// and transposes every block for its one row. Measured, one row alternated
+// in one process: on a Zen 4 the 350M model's int8 decode took 10.5-14.1 ms
+// a token on AVX2 against 12.5-16.8; on a Zen 5 the AVX-512 kernel was
+// 14-16 % faster (Qwen3-Next-shaped step, quartile 5.56 against 4.79 ms).
+// From two rows on the transpose is shared and AVX-512 is faster everywhere
+// measured (two rows, 32000x1024 on two threads, Zen 4: 525-715 us against
+// 750-1520). Both kernels give the same bits, so the choice only moves time.
 bool avx512_pays(const Product& p) {
-  return p.M > kAvx2UpTo;
+  return p.M > 1 || one_row_avx512();
 }
 
 

@@ -4,6 +4,7 @@ mlx-lm's converter, which keeps bf16 scales — how mlx-community ships."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,15 +23,16 @@ needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU lacks AVX-512 VNN
 
 @pytest.fixture
 def isa():
-    """Switch the 4-bit kernels' instruction set; restores the one in use after."""
+    """Switch the 4-bit kernels' instruction set; restores the process's own
+    choice after (the environment's, or auto), which no other test changes."""
     nat = native.module()
-    before = nat.cpu_isa()
     yield nat.set_cpu_isa
-    nat.set_cpu_isa("avx512" if before == "avx512-vnni" else "avx2")
+    nat.set_cpu_isa(os.environ.get("MLX_LOOM_CPU_ISA") or "auto")
 
 
 def on_both_isas(isa, fn):
-    """``fn()`` evaluated on AVX2, then on AVX-512: the two results."""
+    """``fn()`` evaluated on AVX2, then on AVX-512 named (so one activation
+    row runs it too, whatever this CPU's one-row rule says): the two results."""
     isa("avx2")
     a = fn()
     mx.eval(a)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -314,8 +315,8 @@ def test_avx512_vnni_gives_the_avx2_results_bit_for_bit(isa, group_size, scale_d
         # weight rows, every row count from decode (1) to a prefill chunk.
         K = group_size * int(rng.integers(1, 5)) + (32 if group_size == 32 and trial % 2 else 0)
         N = int(rng.integers(1, 24)) if trial % 3 else 131  # odd, past a block of 64 rows
-        # (One row runs the AVX2 kernel on either set; 10 and 14 reach the
-        # AVX-512 passes of 2 and 6 rows after a full pass of 8.)
+        # (One row reaches the AVX-512 kernel because the set is named; 10
+        # and 14 reach its passes of 2 and 6 rows after a full pass of 8.)
         M = [1, 2, 3, 4, 5, 7, 8, 10, 13, 14, 31, nat.SMALL_ROWS, nat.SMALL_ROWS + 1, 77][
             (trial + group_size) % 14
         ]
@@ -338,11 +339,10 @@ def test_avx512_tiles_and_passes_give_the_avx2_bits(isa, K):
     # activation rows (from the ninth row on, the later passes reuse the
     # codes the first one transposed) and blocks of 32 columns, the last
     # one alone at 992 and 1056 columns. Every case gives AVX2's bits, at
-    # every row count a decode batch has (2-31: one row runs AVX2 on either
-    # set).
+    # every row count a decode batch has.
     group_size = 32 if K % 64 else 64
     wq, s, b = quantized(37, K, group_size, mx.bfloat16, seed=K)
-    for M in (2, 3, 5, 8, 9, 16, 17, 23, 31):
+    for M in (1, 2, 3, 5, 8, 9, 16, 17, 23, 31):
         x = rand((M, K), seed=M)
         a, v = _both(isa, lambda: nat.affine_matmul(x, wq, s, b, 4, group_size, None, True))
         assert mx.array_equal(a, v), (M, K)
@@ -378,6 +378,39 @@ def test_the_instruction_set_is_switched_by_name_and_refused_otherwise(isa):
     if not AVX512:
         with pytest.raises(ValueError, match="lacks AVX-512"):
             isa("avx512")
+
+
+def _cpu_identity() -> tuple[str, int] | None:
+    """This CPU's vendor string and display family, as Linux reports them."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    fields = dict(
+        (k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in text.splitlines())
+    )
+    if "vendor_id" not in fields or "cpu family" not in fields:
+        return None
+    return fields["vendor_id"], int(fields["cpu family"])
+
+
+def test_one_row_takes_avx512_by_the_cpu_rule_or_when_named(isa):
+    # The rule as data: AMD's Zen 5 and later (512-bit vector units) run one
+    # activation row on AVX-512; Zen 4, which splits 512-bit operations, and
+    # Intel do not. Only time depends on it: the bits are the same.
+    rule = nat.one_row_avx512_for
+    assert rule("AuthenticAMD", 0x1A) and rule("AuthenticAMD", 0x1B)
+    assert not rule("AuthenticAMD", 0x19) and not rule("AuthenticAMD", 0x17)
+    assert not rule("GenuineIntel", 6) and not rule("GenuineIntel", 0x1A) and not rule("", 0)
+    identity = _cpu_identity()
+    isa("auto")
+    if identity is not None:
+        assert nat.one_row_avx512() == rule(*identity)
+    shown = resolve_cpu_path("cpu", cpu_kernels="cpu-native-int8-act").describe_kernels()
+    assert ("(one row on avx2)" in shown) == (AVX512 and not nat.one_row_avx512())
+    if AVX512:
+        isa("avx512")
+        assert nat.one_row_avx512()
 
 
 @pytest.mark.parametrize("value,expected", [("avx2", "avx2"), ("avx9", None)])

@@ -112,14 +112,27 @@ def cpu_isa() -> str | None:
     bit-identical results. It governs the fp32-activation matrix-vector
     products of 4-bit weights (every row count), the micro-kernel of the
     fp32 GEMM that prefill runs for every weight kind, and the
-    int8-activation products of two or more activation rows: one int8 row
-    (decode) runs the AVX2 kernel on either, which was the faster of the
-    two there (docs/cpu.md). Raises ``ValueError`` for a ``MLX_LOOM_CPU_ISA``
-    that is not one of :data:`CPU_ISA_CHOICES` or names a set this CPU
-    lacks.
+    int8-activation products of two or more activation rows; one int8 row
+    (decode) as :func:`one_row_avx512` says. Raises ``ValueError`` for a
+    ``MLX_LOOM_CPU_ISA`` that is not one of :data:`CPU_ISA_CHOICES` or
+    names a set this CPU lacks.
     """
     mod, _ = _load()
     return str(mod.cpu_isa()) if mod is not None else None
+
+
+def one_row_avx512() -> bool:
+    """Whether one int8 activation row (single-stream decode) runs on AVX-512
+    where the set in use is AVX-512.
+
+    Which kernel is faster for one row depends on the core's vector width, so
+    it is a rule on the CPU's vendor and family (Zen 5 and later: yes; Zen 4
+    and the Intel Xeons measured: no, docs/cpu.md), unless
+    ``MLX_LOOM_CPU_ISA=avx512`` names the set, which runs it at every row
+    count. The bits are the same either way. ``False`` without the extension.
+    """
+    mod, _ = _load()
+    return bool(mod.one_row_avx512()) if mod is not None else False
 
 
 def describe_available() -> str:

@@ -176,6 +176,8 @@ class CpuPath(BaseModel):
     #: The instruction set of the 4-bit kernels (native sets only): the
     #: fp32-activation matrix-vector product and the int8-activation one.
     isa: str | None = None
+    #: Whether one int8 activation row runs on ``isa`` too (else on AVX2).
+    one_row_on_isa: bool = True
 
     @property
     def dtype(self) -> mx.Dtype | None:
@@ -192,7 +194,7 @@ class CpuPath(BaseModel):
             # measurements behind the routing.
             if self.kernel_set == "cpu-native-int8-act" and self.isa is not None:
                 extra += f", int8 products on {self.isa}"
-                if self.isa != "avx2":
+                if self.isa != "avx2" and not self.one_row_on_isa:
                     extra += " (one row on avx2)"
             elif self.isa is not None:
                 extra += f", 4-bit products on {self.isa}"
@@ -334,6 +336,7 @@ def resolve_cpu_path(
         kernel_set_reason=kernel_reason,
         threads=native.threads() if kernel_set in NATIVE_KERNEL_SETS else None,
         isa=isa,
+        one_row_on_isa=isa is None or native.one_row_avx512(),
     )
 
 
