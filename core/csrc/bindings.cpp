@@ -308,13 +308,19 @@ NB_MODULE(_native, m) {
       "eight lanes at a time, within 2^-21 |gate * up| of MLX's evaluation.");
   m.def(
       "expert_mix",
-      [](const mlx::core::array& y, const mlx::core::array& w) {
-        return loom_cpu::expert_mix(y, w);
+      [](const mlx::core::array& y,
+         const mlx::core::array& w,
+         const std::optional<mlx::core::array>& shared,
+         const std::optional<mlx::core::array>& shared_w) {
+        return loom_cpu::expert_mix(y, w, shared, shared_w);
       },
       "y"_a,
       "w"_a,
+      "shared"_a = nb::none(),
+      "shared_w"_a = nb::none(),
       "sum over j of w[..., j] * y[..., j, :] for float32 y [..., k, D] and w [..., k], as one "
-      "node; equals MLX's (y * w[..., None]).sum(axis=-2) bit for bit.");
+      "node; equals MLX's (y * w[..., None]).sum(axis=-2) bit for bit. With a shared expert's "
+      "output [..., D] and its gate weight [..., 1], plus shared_w * shared, bit for bit.");
   m.def(
       "softcap",
       [](const mlx::core::array& x, float cap) { return loom_cpu::softcap(x, cap); },

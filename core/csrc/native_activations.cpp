@@ -97,7 +97,12 @@ void NativeSoftcap::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arra
   throw std::runtime_error("[loom native kernels] have no GPU implementation.");
 }
 
-mx::array expert_mix(const mx::array& y, const mx::array& w, mx::StreamOrDevice s) {
+mx::array expert_mix(
+    const mx::array& y,
+    const mx::array& w,
+    const std::optional<mx::array>& shared,
+    const std::optional<mx::array>& shared_w,
+    mx::StreamOrDevice s) {
   check_runnable();
   mx::Stream stream = cpu_stream(s);
   require(y.dtype() == mx::float32 && w.dtype() == mx::float32, [&] {
@@ -112,15 +117,37 @@ mx::array expert_mix(const mx::array& y, const mx::array& w, mx::StreamOrDevice 
   });
   mx::Shape shape = y.shape();
   shape.erase(shape.end() - 2);
-  return mx::array(std::move(shape), mx::float32, std::make_shared<NativeExpertMix>(stream), {y, w});
+  std::vector<mx::array> inputs = {y, w};
+  require(shared.has_value() == shared_w.has_value(), [] {
+    return std::string("[loom native kernels] expert_mix takes a shared expert's output and its "
+        "gate weight together, or neither.");
+  });
+  if (shared.has_value()) {
+    mx::Shape gate_shape = shape;
+    gate_shape.back() = 1;
+    require(shared->dtype() == mx::float32 && shared_w->dtype() == mx::float32 &&
+                shared->shape() == shape && shared_w->shape() == gate_shape,
+            [&] {
+              return std::string("[loom native kernels] expert_mix takes a float32 shared output ") +
+                  shape_str(shape) + " and gate weight " + shape_str(gate_shape) + ", got " + shape_str(*shared) +
+                  " " + dtype_str(shared->dtype()) + " and " + shape_str(*shared_w) + " " +
+                  dtype_str(shared_w->dtype()) + ".";
+            });
+    inputs.push_back(*shared);
+    inputs.push_back(*shared_w);
+  }
+  return mx::array(std::move(shape), mx::float32, std::make_shared<NativeExpertMix>(stream),
+                   std::move(inputs));
 }
 
 namespace {
 
-// One token's D outputs: products rounded, then added in order from j = 0
-// (never fused into one rounding, whatever the build's flags).
+// One token's D outputs: products rounded, then added in order from j = 0,
+// then the shared expert's rounded product (when given) added last (never
+// fused into one rounding, whatever the build's flags).
 __attribute__((optimize("fp-contract=off"))) void mix_row(
-    const float* y, const float* w, int k, size_t D, float* out) {
+    const float* y, const float* w, int k, size_t D, const float* shared, const float* shared_w,
+    float* out) {
   for (size_t d = 0; d < D; ++d) {
     out[d] = y[d] * w[0];
   }
@@ -132,6 +159,13 @@ __attribute__((optimize("fp-contract=off"))) void mix_row(
       out[d] = out[d] + p;
     }
   }
+  if (shared != nullptr) {
+    const float ws = *shared_w;
+    for (size_t d = 0; d < D; ++d) {
+      const float p = ws * shared[d];
+      out[d] = out[d] + p;
+    }
+  }
 }
 
 }  // namespace
@@ -140,15 +174,19 @@ void NativeExpertMix::eval_cpu(const std::vector<mx::array>& raw, std::vector<mx
   const std::vector<mx::array> in = begin_eval(raw, outputs, stream());
   const mx::array& y = in[0];
   const mx::array& w = in[1];
+  const bool with_shared = in.size() == 4;
   mx::array& out = outputs[0];
   auto& encoder = mx::cpu::get_command_encoder(stream());
   const int k = y.shape(-2);
   const size_t D = static_cast<size_t>(y.shape(-1));
   const size_t tokens = D > 0 ? out.size() / D : 0;
+  const float* sp = with_shared ? in[2].data<float>() : nullptr;
+  const float* swp = with_shared ? in[3].data<float>() : nullptr;
   encoder.dispatch([yp = y.data<float>(), wp = w.data<float>(), o = out.data<float>(), k, D,
-                    tokens]() {
+                    tokens, sp, swp]() {
     for (size_t t = 0; t < tokens; ++t) {
-      mix_row(yp + t * k * D, wp + t * k, k, D, o + t * D);
+      mix_row(yp + t * k * D, wp + t * k, k, D, sp != nullptr ? sp + t * D : nullptr,
+              swp != nullptr ? swp + t : nullptr, o + t * D);
     }
   });
 }

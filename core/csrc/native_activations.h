@@ -4,6 +4,8 @@
 // sum. One graph node each.
 #pragma once
 
+#include <optional>
+
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -64,7 +66,19 @@ class NativeSoftcap : public mx::Primitive {
 // MLX's expand, broadcast, multiply, sum and squeeze. Bit-equal to MLX's
 // (y * w[..., None]).sum(axis=-2): each product rounded, then summed from
 // j = 0 up, one rounding per add.
-mx::array expert_mix(const mx::array& y, const mx::array& w, mx::StreamOrDevice s = {});
+// With a shared expert's output `shared` [..., D] and its gate weight
+// `shared_w` [..., 1] (Qwen3-Next: sigmoid of the shared gate), one more
+// term: the mix plus shared_w * shared, bit-equal to MLX's
+// mix + shared_w * shared. Why: inside a compiled step MLX fuses the
+// gate's sigmoid into the broadcast product and so evaluates it once per
+// output element (16 rows x 1024 columns: 16384 scalar exps a layer
+// instead of 16); as an input of this node it is evaluated once a token.
+mx::array expert_mix(
+    const mx::array& y,
+    const mx::array& w,
+    const std::optional<mx::array>& shared = std::nullopt,
+    const std::optional<mx::array>& shared_w = std::nullopt,
+    mx::StreamOrDevice s = {});
 
 class NativeExpertMix : public mx::Primitive {
  public:

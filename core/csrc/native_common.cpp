@@ -28,14 +28,18 @@ bool is_float(mx::Dtype d) {
   return d == mx::float32 || d == mx::bfloat16 || d == mx::float16;
 }
 
-std::string shape_str(const mx::array& a) {
+std::string shape_str(const mx::Shape& shape) {
   std::ostringstream os;
   os << "(";
-  for (int i = 0; i < a.ndim(); ++i) {
-    os << (i ? ", " : "") << a.shape(i);
+  for (size_t i = 0; i < shape.size(); ++i) {
+    os << (i ? ", " : "") << shape[i];
   }
-  os << (a.ndim() == 1 ? ",)" : ")");
+  os << (shape.size() == 1 ? ",)" : ")");
   return os.str();
+}
+
+std::string shape_str(const mx::array& a) {
+  return shape_str(a.shape());
 }
 
 std::string dtype_str(mx::Dtype d) {

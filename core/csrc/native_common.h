@@ -19,6 +19,7 @@ namespace mx = mlx::core;
 int code_of(mx::Dtype d);
 bool is_float(mx::Dtype d);
 std::string shape_str(const mx::array& a);
+std::string shape_str(const mx::Shape& shape);
 std::string dtype_str(mx::Dtype d);
 // Throws std::invalid_argument (ValueError in Python) with message() when
 // !ok. The message is built only then: these checks run on every call of

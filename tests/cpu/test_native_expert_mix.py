@@ -6,7 +6,10 @@ layer (expand, broadcast, multiply, sum, squeeze). On the native sets float32
 operands are one node, ``LoomExpertMix``, with MLX's arithmetic: each product
 rounded, then summed from the first expert up. Tested bit for bit against
 MLX's evaluation (specials included), and per MoE family: the model's
-logits with the node equal the logits with MLX's five nodes.
+logits with the node equal the logits with MLX's five nodes. A shared expert
+gated per token (Qwen3-Next) is one more term of the same node, added last:
+inside a compiled step MLX would otherwise fuse its gate's sigmoid into the
+broadcast product and evaluate it once per output element.
 """
 
 from __future__ import annotations
@@ -68,6 +71,61 @@ def test_expert_mix_reads_strided_operands_as_their_copies():
 def test_expert_mix_refuses_what_it_does_not_take(y, w, match):
     with pytest.raises(ValueError, match=match):
         nat.expert_mix(y, w)
+
+
+def mlx_shared_mix(y, w, shared, gate) -> mx.array:
+    return mlx_mix(y, w) + gate * shared
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 4, 1024), (3, 5, 8, 384), (2, 1, 1, 9)])
+def test_the_shared_term_equals_mlx_bit_for_bit_specials_included(shape):
+    rng = np.random.default_rng(shape[-1])
+    y = (rng.standard_normal(shape) * rng.choice([1e-38, 1.0, 1e30], size=shape)).astype(np.float32)
+    lead = shape[:-2]
+    shared = (rng.standard_normal(lead + shape[-1:]) * 1e3).astype(np.float32)
+    shared.flat[:3] = [np.nan, -np.inf, 0.0]
+    gate = rng.random(lead + (1,)).astype(np.float32)
+    w = rng.random(shape[:-1]).astype(np.float32)
+    args = [mx.array(a) for a in (y, w, shared, gate)]
+    got = np.asarray(nat.expert_mix(*args))
+    assert np.array_equal(got, np.asarray(mlx_shared_mix(*args)), equal_nan=True)
+    # the term is there: without it the results differ
+    assert not np.array_equal(got, np.asarray(nat.expert_mix(*args[:2])), equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "shared,gate,match",
+    [
+        (mx.zeros((2, 8)), None, "together, or neither"),
+        (mx.zeros((2, 8)), mx.zeros((2,)), r"gate weight \(2, 1\)"),
+        (mx.zeros((2, 7)), mx.zeros((2, 1)), r"shared output \(2, 8\)"),
+        (mx.zeros((2, 8), mx.float16), mx.zeros((2, 1)), "float16"),
+    ],
+)
+def test_the_shared_term_refuses_what_it_does_not_take(shared, gate, match):
+    with pytest.raises(ValueError, match=match):
+        nat.expert_mix(mx.zeros((2, 4, 8)), mx.zeros((2, 4)), shared, gate)
+
+
+def test_mix_experts_adds_the_shared_term_on_the_node_and_off_it_alike(tmp_path):
+    y = mx.random.normal((2, 3, 4, 64), key=mx.random.key(5))
+    w = mx.random.uniform(shape=(2, 3, 4), key=mx.random.key(6))
+    shared = mx.random.normal((2, 3, 64), key=mx.random.key(7))
+    gate = mx.sigmoid(mx.random.normal((2, 3, 1), key=mx.random.key(8)))
+    want = mlx_shared_mix(y, w, shared, gate)
+    assert mx.array_equal(mix_experts(y, w, shared=shared, shared_weight=gate), want)
+    with pytest.raises(ValueError, match="together"):
+        mix_experts(y, w, shared=shared)
+    with forward_kernels("cpu-native-int8-act"):
+        got = mix_experts(y, w, shared=shared, shared_weight=gate)
+        assert labels(got, tmp_path).count("LoomExpertMix") == 1
+        assert "Add" not in labels(got, tmp_path)
+        assert mx.array_equal(got, want)
+        # a shared output of another dtype keeps MLX's expression for that term
+        h = shared.astype(mx.bfloat16)
+        assert mx.array_equal(
+            mix_experts(y, w, shared=h, shared_weight=gate), mlx_shared_mix(y, w, h, gate)
+        )
 
 
 def test_mix_experts_takes_the_node_only_in_a_native_float32_forward(tmp_path):

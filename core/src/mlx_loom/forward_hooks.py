@@ -35,7 +35,7 @@ LogSoftmaxKernel = Callable[[Any], Any]
 GeluMulKernel = Callable[[Any, Any], Any]
 RmsNormKernel = Callable[[Any, Any, float], Any]
 SoftcapKernel = Callable[[Any, float], Any]
-ExpertMixKernel = Callable[[Any, Any], Any]
+ExpertMixKernel = Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ class NativeForward:
     rms_norm: RmsNormKernel
     #: ``tanh(x / cap) * cap`` for float32 x (within a stated bound of MLX's).
     softcap: SoftcapKernel
-    #: ``(y * w[..., None]).sum(axis=-2)`` for float32 y and w (bit-equal to MLX's own).
+    #: ``(y * w[..., None]).sum(axis=-2)`` for float32 y and w (bit-equal to MLX's own),
+    #: plus ``shared_weight * shared`` when given ``(y, w, shared, shared_weight)``.
     expert_mix: ExpertMixKernel
 
 

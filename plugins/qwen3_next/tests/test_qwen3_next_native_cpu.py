@@ -182,3 +182,27 @@ def test_the_model_runs_the_recurrence_natively_only_on_the_native_sets(
     model(mx.array([window[:keep]]), cache=fresh)
     nxt = mx.array([[77]])
     assert mx.array_equal(model(nxt, cache=spec), model(nxt, cache=fresh))
+
+
+def test_the_gated_norm_in_float32_takes_the_native_gate_with_the_same_bits():
+    # In float32 the gated norm's casts are no-ops, so silu(z) * normed goes
+    # through swiglu: one vectorised native node on a native set, where MLX's
+    # compiled kernel takes a scalar exp per element. The bits are those of
+    # the graph's own compiled function, on either set.
+    from mlx_loom.cpu.ops import forward_kernels
+    from mlx_loom.nn import rms_norm
+    from mlx_loom_qwen3_next.graph import GatedRMSNorm, _gate_normed
+
+    norm = GatedRMSNorm(64, 1e-6)
+    norm.weight = mx.random.uniform(0.5, 1.5, (64,), key=mx.random.key(1))
+    x = mx.random.normal((3, 2, 4, 64), key=mx.random.key(2))
+    z = mx.random.normal((3, 2, 4, 64), key=mx.random.key(3)) * 4
+    want = _gate_normed(x, z, rms_norm(x, norm.weight, norm.eps))
+    assert mx.array_equal(norm(x, z), want)
+    with forward_kernels("cpu-native"):
+        got = norm(x, z)
+        want_native = _gate_normed(x, z, rms_norm(x, norm.weight, norm.eps))
+    assert mx.array_equal(got, want_native)
+    # half precision keeps the graph's own function (one rounding to bf16)
+    h, hz = x.astype(mx.bfloat16), z.astype(mx.bfloat16)
+    assert mx.array_equal(norm(h, hz), _gate_normed(h, hz, rms_norm(h, norm.weight, norm.eps)))

@@ -256,10 +256,16 @@ def gelu_mul(gate: mx.array, up: mx.array) -> mx.array:
     return native.module().gelu_mul(gate, up)
 
 
-def expert_mix(y: mx.array, weights: mx.array) -> mx.array:
+def expert_mix(
+    y: mx.array,
+    weights: mx.array,
+    shared: mx.array | None = None,
+    shared_weight: mx.array | None = None,
+) -> mx.array:
     """``(y * weights[..., None]).sum(axis=-2)`` for float32 operands, as one native node
-    (bit-equal to MLX's evaluation)."""
-    return native.module().expert_mix(y, weights)
+    (bit-equal to MLX's evaluation); with a shared expert's output and its gate
+    weight ``[..., 1]``, plus ``shared_weight * shared``, bit-equal too."""
+    return native.module().expert_mix(y, weights, shared, shared_weight)
 
 
 def softcap(x: mx.array, cap: float) -> mx.array:

@@ -324,16 +324,29 @@ class SwitchGLU(nn.Module):
         )
 
 
-def mix_experts(y: mx.array, weights: mx.array) -> mx.array:
-    """The router-weighted sum of the k experts' outputs: ``(y * weights[..., None]).sum(-2)``.
+def mix_experts(
+    y: mx.array,
+    weights: mx.array,
+    shared: mx.array | None = None,
+    shared_weight: mx.array | None = None,
+) -> mx.array:
+    """The router-weighted sum of the k experts' outputs: ``(y * weights[..., None]).sum(-2)``,
+    plus ``shared_weight * shared`` when a shared expert is given.
 
-    ``y [..., k, dims]`` (a :class:`SwitchGLU`'s output), ``weights [..., k]``.
+    ``y [..., k, dims]`` (a :class:`SwitchGLU`'s output), ``weights [..., k]``;
+    ``shared [..., dims]`` a shared expert's output and ``shared_weight
+    [..., 1]`` its gate (Qwen3-Next: the sigmoid of its gate projection).
     Outside a native forward it is exactly that expression (mlx-lm's, bit
     for bit, whatever the dtypes). In a forward built on a native CPU kernel
     set, float32 operands are one node (``LoomExpertMix``) with the same
-    arithmetic — each product rounded, summed from the first expert up —
-    instead of five (expand, broadcast, multiply, sum, squeeze) per MoE layer.
+    arithmetic — each product rounded, summed from the first expert up, the
+    shared term added last — instead of five (expand, broadcast, multiply,
+    sum, squeeze) per MoE layer. The shared term inside that node matters in
+    the compiled step: there MLX would fuse the gate's sigmoid into the
+    broadcast product and evaluate it once per output element.
     """
+    if (shared is None) != (shared_weight is None):
+        raise ValueError("mix_experts takes a shared expert's output and its weight together.")
     native = current_expert_mix()
     if (
         native is not None
@@ -341,8 +354,19 @@ def mix_experts(y: mx.array, weights: mx.array) -> mx.array:
         and y.ndim >= 2
         and tuple(weights.shape) == tuple(y.shape[:-1])
     ):
-        return native(y, weights)
-    return (y * weights[..., None]).sum(axis=-2)
+        if shared is None or shared_weight is None:
+            return native(y, weights)
+        if (
+            shared.dtype == shared_weight.dtype == mx.float32
+            and tuple(shared.shape) == tuple(y.shape[:-2]) + (y.shape[-1],)
+            and tuple(shared_weight.shape) == tuple(y.shape[:-2]) + (1,)
+        ):
+            return native(y, weights, shared, shared_weight)
+        return native(y, weights) + shared_weight * shared
+    mixed = (y * weights[..., None]).sum(axis=-2)
+    if shared is None or shared_weight is None:
+        return mixed
+    return mixed + shared_weight * shared
 
 
 def expert_kernels(name: str) -> list[Kernel]:

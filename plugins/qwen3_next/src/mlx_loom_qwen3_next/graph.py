@@ -31,6 +31,7 @@ from mlx_loom.nn import (
     project,
     rms_norm,
     split_heads,
+    swiglu,
 )
 from mlx_loom.parallel import SINGLE_STAGE, Stage
 from mlx_loom_qwen3_next.config import HybridConfig, Qwen3_5Config
@@ -102,7 +103,13 @@ class GatedRMSNorm(nn.Module):
         self.weight = mx.ones(dims)
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        return _gate_normed(x, gate, rms_norm(x, self.weight, self.eps))
+        normed = rms_norm(x, self.weight, self.eps)
+        if x.dtype == gate.dtype == normed.dtype == mx.float32:
+            # The same arithmetic as _gate_normed (its casts are no-ops in
+            # float32), through swiglu: on a native kernel set one vectorised
+            # node, where MLX's compiled kernel takes a scalar exp per element.
+            return swiglu(gate, normed)
+        return _gate_normed(x, gate, normed)
 
 
 # --- attention ----------------------------------------------------------------
@@ -304,8 +311,12 @@ class SparseMoe(nn.Module):
         scores = mx.take_along_axis(probs, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-        y = mix_experts(self.switch_mlp(x, inds), scores)
-        return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return mix_experts(
+            self.switch_mlp(x, inds),
+            scores,
+            shared=self.shared_expert(x),
+            shared_weight=mx.sigmoid(self.shared_expert_gate(x)),
+        )
 
 
 # --- layers and model ----------------------------------------------------------------
