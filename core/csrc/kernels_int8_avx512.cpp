@@ -43,7 +43,8 @@ constexpr int kMaxMT = 8;
 constexpr int kTile = 16;
 
 // A tile's group scales and biases as fp32, group-major (out[g * 16 + i]
-// is row i's), built by group_table8 (avx2_common.h).
+// is row i's), built by group_table16 (below; group_table8 in avx2_common.h
+// for the groups past the last whole sixteen).
 thread_local AlignedBuffer tables;
 
 // The codes of one block of 32 columns of the tile's sixteen weight rows,
@@ -290,6 +291,92 @@ void lay_out_acts(const Product& p, const int8_t* xq, const float* steps, int8_t
   }
 }
 
+// Sixteen values from group g on of one row of scales or biases (dtype SD)
+// as fp32: the conversions load_dense8 makes, sixteen lanes at a time.
+template <int SD>
+LOOM_HOT __m512 load_dense16(const void* row, int g) {
+  if constexpr (SD == kBF16) {
+    const auto* p = static_cast<const uint16_t*>(row) + g;
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  } else if constexpr (SD == kF16) {
+    const auto* p = static_cast<const uint16_t*>(row) + g;
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(row) + g);
+  }
+}
+
+// r[i] (row i's values of sixteen groups) becomes r[j] (group j's value of
+// every row, lane i = row i). Within each 128-bit lane two interleaves
+// gather four rows' value of each of the lane's four groups; two rounds of
+// lane shuffles then bring the four row quarters of each group together.
+LOOM_HOT void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4a + e], lane L: rows 4a..4a+3 of group 4L + e.
+  __m512 u[16];
+  for (int a = 0; a < 4; ++a) {
+    const __m512d t0 = _mm512_castps_pd(t[4 * a]);
+    const __m512d t1 = _mm512_castps_pd(t[4 * a + 1]);
+    const __m512d t2 = _mm512_castps_pd(t[4 * a + 2]);
+    const __m512d t3 = _mm512_castps_pd(t[4 * a + 3]);
+    u[4 * a] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+    u[4 * a + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+    u[4 * a + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+    u[4 * a + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+  }
+  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0);
+  constexpr int kOdd = _MM_SHUFFLE(3, 1, 3, 1);
+  for (int e = 0; e < 4; ++e) {
+    // v: lanes 0 and 2 (or 1 and 3) of rows 0-3 and rows 4-7; w: of rows 8-15.
+    const __m512 v0 = _mm512_shuffle_f32x4(u[e], u[4 + e], kEven);
+    const __m512 v1 = _mm512_shuffle_f32x4(u[e], u[4 + e], kOdd);
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], kEven);
+    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], kOdd);
+    r[e] = _mm512_shuffle_f32x4(v0, w0, kEven);
+    r[8 + e] = _mm512_shuffle_f32x4(v0, w0, kOdd);
+    r[4 + e] = _mm512_shuffle_f32x4(v1, w1, kEven);
+    r[12 + e] = _mm512_shuffle_f32x4(v1, w1, kOdd);
+  }
+}
+
+// group_table8's table for the tile's sixteen rows at once: out[g * 16 + i]
+// is row i's value of group g. Whole blocks of sixteen groups take one
+// 16x16 transpose (64 shuffles, against 96 and twice the loads and stores
+// for four 8x8 ones); the remaining groups go to group_table8 for each
+// half, with its rule for reading past a row's end (over_lo / over_hi).
+// Why: with few activation rows a tile's tables cost as much as its
+// products (one row, 16 groups: 8 % of a 350M decode step).
+template <int SD>
+LOOM_HOT void group_table16(const void* const* rows, int groups, float* out, bool over_lo, bool over_hi) {
+  constexpr size_t item = SD == kF32 ? 4 : 2;
+  int g = 0;
+  for (; g + 16 <= groups; g += 16) {
+    __m512 r[kTile];
+    for (int i = 0; i < kTile; ++i) {
+      r[i] = load_dense16<SD>(rows[i], g);
+    }
+    transpose16(r);
+    for (int j = 0; j < 16; ++j) {
+      _mm512_storeu_ps(out + static_cast<size_t>(g + j) * kTile, r[j]);
+    }
+  }
+  if (g == groups) {
+    return;
+  }
+  const void* rest[kTile];
+  for (int i = 0; i < kTile; ++i) {
+    rest[i] = static_cast<const char*>(rows[i]) + g * item;
+  }
+  float* at = out + static_cast<size_t>(g) * kTile;
+  group_table8<SD>(rest, groups - g, at, kTile, over_lo);
+  group_table8<SD>(rest + 8, groups - g, at + 8, kTile, over_hi);
+}
+
 template <int SD>
 void tiles(const Product& p, const int8_t* xq, const float* steps, const float* xsum, int n0, int n1) {
   const int K = p.K;
@@ -330,10 +417,8 @@ void tiles(const Product& p, const int8_t* xq, const float* steps, const float* 
     }
     const bool over_lo = count == kTile && table_reads_fit(n + 7, groups, p.N);
     const bool over_hi = count == kTile && table_reads_fit(n + kTile - 1, groups, p.N);
-    group_table8<SD>(s, groups, scales, kTile, over_lo);
-    group_table8<SD>(s + 8, groups, scales + 8, kTile, over_hi);
-    group_table8<SD>(b, groups, biases, kTile, over_lo);
-    group_table8<SD>(b + 8, groups, biases + 8, kTile, over_hi);
+    group_table16<SD>(s, groups, scales, over_lo, over_hi);
+    group_table16<SD>(b, groups, biases, over_lo, over_hi);
     auto from = [&](int m0) { return p.M <= kMaxMT ? kTranspose : m0 == 0 ? kKeep : kReuse; };
     int m = 0;
     auto pass = [&]<int MT>() {

@@ -333,15 +333,19 @@ def test_avx512_vnni_gives_the_avx2_results_bit_for_bit(isa, group_size, scale_d
 
 @needs_avx512
 @pytest.mark.parametrize("K", [992, 1024, 1056, 1088, 2048])
-def test_avx512_tiles_and_passes_give_the_avx2_bits(isa, K):
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.bfloat16, mx.float16], ids=str)
+def test_avx512_tiles_and_passes_give_the_avx2_bits(isa, K, scale_dtype):
     # The AVX-512 kernel takes sixteen weight rows at a time (37 rows: two
     # whole tiles and a last one of 5, padded), passes of up to eight
     # activation rows (from the ninth row on, the later passes reuse the
     # codes the first one transposed) and blocks of 32 columns, the last
     # one alone at 992 and 1056 columns. Every case gives AVX2's bits, at
-    # every row count a decode batch has.
+    # every row count a decode batch has. A tile's scale and bias tables take
+    # whole blocks of sixteen groups in one transpose and the rest eight rows
+    # at a time: 16 and 32 groups (1024, 2048) are whole blocks, 17, 31 and
+    # 33 leave 1, 15 and 1, in each dtype scales are stored in.
     group_size = 32 if K % 64 else 64
-    wq, s, b = quantized(37, K, group_size, mx.bfloat16, seed=K)
+    wq, s, b = quantized(37, K, group_size, scale_dtype, seed=K)
     for M in (1, 2, 3, 5, 8, 9, 16, 17, 23, 31):
         x = rand((M, K), seed=M)
         a, v = _both(isa, lambda: nat.affine_matmul(x, wq, s, b, 4, group_size, None, True))
