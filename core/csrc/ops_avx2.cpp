@@ -182,13 +182,20 @@ void rope_rows(const RopeJob& job, int r0, int r1) {
 constexpr int kQueryBlock = 8;
 constexpr int kKeyBlock = 64;
 constexpr int kKeepScores = 16384;
+// Query heads that share a key-value head and take one row each (decode
+// with grouped-query attention) run together, up to this many: each block
+// of keys is read once for the group, from memory or the L2, and every head
+// of the group meets it while it sits in the L1.
+constexpr int kMaxGroup = 8;
 
 size_t attention_scratch_floats(const AttentionJob& job) {
   const size_t qb = kQueryBlock;
   if (job.L == 1) {
-    // One query row, the accumulator, its scores (half-precision keys and
-    // values are widened in registers).
-    return static_cast<size_t>(job.D + job.Dv) + job.S + 32;
+    // Per head of a group (rows_stored): one query row, the accumulator,
+    // its scores (half-precision keys and values are widened in registers).
+    const int rep = job.Hkv > 0 ? job.Hq / job.Hkv : 1;
+    const size_t group = static_cast<size_t>(rep < kMaxGroup ? rep : kMaxGroup);
+    return group * (static_cast<size_t>(job.D + job.Dv) + job.S) + 32;
   }
   return qb * job.D + qb * job.Dv + static_cast<size_t>(kKeepScores) +
       static_cast<size_t>(kKeyBlock) * (job.D + job.Dv) + 64;
@@ -423,94 +430,134 @@ void accumulate_stored(const float* p, int n, const char* v, size_t stride, floa
   }
 }
 
-// Decode's one query row: the scores of eight keys at a time (dot8_stored),
-// then every weight, then the values accumulated in registers per block of
-// keys. The blocked path computes exactly this for every row (tested); with
-// one row its query-block bookkeeping was measured ~25 % slower. One token
-// over 2048 fp32 keys, 16 heads of 64 (8 KV heads), two threads, keys and
-// values from cache: 200 us with one key's dot product and the exp and the
-// value update interleaved per key, 183 us now (of which the scores ~70, the
-// C library's exp ~45 and the values ~60).
+// Decode's one query row per head, for G heads t .. t + G - 1 of one batch
+// row that share a key-value head: the scores of eight keys at a time
+// (dot8_stored), then every weight, then the values accumulated in
+// registers per block of keys. Each head's arithmetic is exactly the
+// one-head algorithm, in the same order (its scores key by key, their
+// maximum, its weights, its blocks of values): only the loops over heads
+// moved inside the loops over keys, so a head's output does not depend on
+// the group it ran in. The blocked path computes exactly this for every row
+// (tested); with one row its query-block bookkeeping was measured ~25 %
+// slower. One token over 2048 fp32 keys, 16 heads of 64 (8 KV heads), two
+// threads, keys and values from cache, heads one at a time: 200 us with one
+// key's dot product and the exp and the value update interleaved per key,
+// 183 us with the scores first (of which the scores ~70, the C library's
+// exp ~45 and the values ~60).
 template <int SD>
-__attribute__((noinline)) void one_row_stored(
-    const AttentionJob& job, int t, int b, int h, int keys, const char* kbase, const char* vbase,
-    size_t esize, float* scratch) {
+__attribute__((noinline)) void rows_stored(
+    const AttentionJob& job, int t, int G, int b, int h, int keys, const char* kbase,
+    const char* vbase, size_t esize, float* scratch) {
   const int D = job.D;
   const int Dv = job.Dv;
-  float* qrow = scratch;
-  float* acc = qrow + D;
-  float* scores = acc + Dv;
-  row_to_f32(job.q, job.dtype, static_cast<size_t>(t) * D, D, qrow);
-  const float* mrow = job.mask != nullptr
-      ? job.mask + b * job.m_strides[0] + h * job.m_strides[1]
-      : nullptr;
+  // Per head g: its query row, its accumulator and its scores.
+  float* qrows = scratch;
+  float* accs = qrows + static_cast<size_t>(G) * D;
+  float* scores_at = accs + static_cast<size_t>(G) * Dv;
+  auto scores_of = [&](int g) { return scores_at + static_cast<size_t>(g) * keys; };
+  const float* mrows[kMaxGroup];
+  float top[kMaxGroup];
+  for (int g = 0; g < G; ++g) {
+    row_to_f32(job.q, job.dtype, static_cast<size_t>(t + g) * D, D, qrows + static_cast<size_t>(g) * D);
+    mrows[g] = job.mask != nullptr
+        ? job.mask + b * job.m_strides[0] + (h + g) * job.m_strides[1]
+        : nullptr;
+    top[g] = -__builtin_inff();
+  }
   const size_t kstride = job.k_strides[2] * esize;
-  float top = -__builtin_inff();
   int s = 0;
   if (D % 8 == 0) {
     alignas(32) float d8[8];
-    if (mrow == nullptr) {
+    if (job.mask == nullptr) {
       // The scaled score is one rounding either way (masked_score's).
       const __m256 scale = _mm256_set1_ps(job.scale);
-      __m256 top8 = _mm256_set1_ps(-__builtin_inff());
-      for (; s + 8 <= keys; s += 8) {
-        const __m256 sc = _mm256_mul_ps(dot8_stored<SD>(qrow, kbase + s * kstride, kstride, D), scale);
-        _mm256_storeu_ps(scores + s, sc);
-        // max_ps(a, b) is a > b ? a : b, lane by lane: the scalar loop's
-        // `sc > top ? sc : top`, so a NaN score leaves the maximum alone
-        // here as there.
-        top8 = _mm256_max_ps(sc, top8);
+      __m256 top8[kMaxGroup];
+      for (int g = 0; g < G; ++g) {
+        top8[g] = _mm256_set1_ps(-__builtin_inff());
       }
-      _mm256_store_ps(d8, top8);
-      for (int j = 0; j < 8; ++j) {
-        top = d8[j] > top ? d8[j] : top;
+      for (; s + 8 <= keys; s += 8) {
+        for (int g = 0; g < G; ++g) {
+          const __m256 sc = _mm256_mul_ps(
+              dot8_stored<SD>(qrows + static_cast<size_t>(g) * D, kbase + s * kstride, kstride, D),
+              scale);
+          _mm256_storeu_ps(scores_of(g) + s, sc);
+          // max_ps(a, b) is a > b ? a : b, lane by lane: the scalar loop's
+          // `sc > top ? sc : top`, so a NaN score leaves the maximum alone
+          // here as there.
+          top8[g] = _mm256_max_ps(sc, top8[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        _mm256_store_ps(d8, top8[g]);
+        for (int j = 0; j < 8; ++j) {
+          top[g] = d8[j] > top[g] ? d8[j] : top[g];
+        }
       }
     } else {
       for (; s + 8 <= keys; s += 8) {
-        _mm256_store_ps(d8, dot8_stored<SD>(qrow, kbase + s * kstride, kstride, D));
-        for (int j = 0; j < 8; ++j) {
-          const float sc = masked_score(d8[j], job.scale, mrow, s + j, job.m_strides[3]);
-          scores[s + j] = sc;
-          top = sc > top ? sc : top;
+        for (int g = 0; g < G; ++g) {
+          _mm256_store_ps(
+              d8, dot8_stored<SD>(qrows + static_cast<size_t>(g) * D, kbase + s * kstride, kstride, D));
+          float* scores = scores_of(g);
+          for (int j = 0; j < 8; ++j) {
+            const float sc = masked_score(d8[j], job.scale, mrows[g], s + j, job.m_strides[3]);
+            scores[s + j] = sc;
+            top[g] = sc > top[g] ? sc : top[g];
+          }
         }
       }
     }
   }
   for (; s < keys; ++s) {
-    const float sc =
-        masked_score(dot_stored<SD>(qrow, kbase + s * kstride, D), job.scale, mrow, s, job.m_strides[3]);
-    scores[s] = sc;
-    top = sc > top ? sc : top;
-  }
-  for (int i = 0; i < Dv; ++i) {
-    acc[i] = 0.0f;
-  }
-  float total = 0.0f;
-  if (top != -__builtin_inff()) {
-    // Every weight first, then the values in blocks of keys.
-    total = exp_weights(scores, scores, keys, top, total);
-    const size_t vstride = job.v_strides[2] * esize;
-    for (int s0 = 0; s0 < keys; s0 += kKeyBlock) {
-      const int n = keys - s0 < kKeyBlock ? keys - s0 : kKeyBlock;
-      accumulate_stored<SD>(scores + s0, n, vbase + s0 * vstride, vstride, acc, Dv);
+    for (int g = 0; g < G; ++g) {
+      const float sc = masked_score(
+          dot_stored<SD>(qrows + static_cast<size_t>(g) * D, kbase + s * kstride, D), job.scale,
+          mrows[g], s, job.m_strides[3]);
+      scores_of(g)[s] = sc;
+      top[g] = sc > top[g] ? sc : top[g];
     }
   }
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  for (int i = 0; i < Dv; ++i) {
-    acc[i] *= inv;
+  float total[kMaxGroup];
+  for (int g = 0; g < G; ++g) {
+    float* acc = accs + static_cast<size_t>(g) * Dv;
+    for (int i = 0; i < Dv; ++i) {
+      acc[i] = 0.0f;
+    }
+    total[g] = 0.0f;
+    if (top[g] != -__builtin_inff()) {
+      // Every weight first, then the values in blocks of keys.
+      total[g] = exp_weights(scores_of(g), scores_of(g), keys, top[g], total[g]);
+    }
   }
-  row_store(job.out, job.out_dtype, static_cast<size_t>(t) * Dv, acc, Dv);
+  const size_t vstride = job.v_strides[2] * esize;
+  for (int s0 = 0; s0 < keys; s0 += kKeyBlock) {
+    const int n = keys - s0 < kKeyBlock ? keys - s0 : kKeyBlock;
+    for (int g = 0; g < G; ++g) {
+      if (top[g] != -__builtin_inff()) {
+        accumulate_stored<SD>(scores_of(g) + s0, n, vbase + s0 * vstride, vstride,
+                              accs + static_cast<size_t>(g) * Dv, Dv);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* acc = accs + static_cast<size_t>(g) * Dv;
+    const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
+    for (int i = 0; i < Dv; ++i) {
+      acc[i] *= inv;
+    }
+    row_store(job.out, job.out_dtype, static_cast<size_t>(t + g) * Dv, acc, Dv);
+  }
 }
 
-void one_row(
-    const AttentionJob& job, int t, int b, int h, int keys, const char* kbase, const char* vbase,
-    size_t esize, float* scratch) {
+void group_rows(
+    const AttentionJob& job, int t, int G, int b, int h, int keys, const char* kbase,
+    const char* vbase, size_t esize, float* scratch) {
   if (job.kv_dtype == kF32) {
-    one_row_stored<kF32>(job, t, b, h, keys, kbase, vbase, esize, scratch);
+    rows_stored<kF32>(job, t, G, b, h, keys, kbase, vbase, esize, scratch);
   } else if (job.kv_dtype == kF16) {
-    one_row_stored<kF16>(job, t, b, h, keys, kbase, vbase, esize, scratch);
+    rows_stored<kF16>(job, t, G, b, h, keys, kbase, vbase, esize, scratch);
   } else {
-    one_row_stored<kBF16>(job, t, b, h, keys, kbase, vbase, esize, scratch);
+    rows_stored<kBF16>(job, t, G, b, h, keys, kbase, vbase, esize, scratch);
   }
 }
 
@@ -569,7 +616,13 @@ void attention_heads(const AttentionJob& job, int t0, int t1, float* scratch) {
       return dst;
     };
     if (L == 1) {
-      one_row(job, t, b, h, keys, kbase, vbase, esize, scratch);
+      // This head and the next ones of the range that share its key-value
+      // head (and batch row), up to kMaxGroup.
+      int G = rep - h % rep;
+      G = G < t1 - t ? G : t1 - t;
+      G = G < kMaxGroup ? G : kMaxGroup;
+      group_rows(job, t, G, b, h, keys, kbase, vbase, esize, scratch);
+      t += G - 1;
       continue;
     }
     for (int l0 = 0; l0 < L; l0 += kQueryBlock) {

@@ -250,6 +250,37 @@ def test_prefill_rows_equal_decode_rows_however_the_prompt_is_chunked(mask_kind,
     assert mx.array_equal(whole, rows)
 
 
+@pytest.mark.parametrize("Hq,Hkv", [(8, 1), (12, 1), (6, 2), (16, 8), (5, 5)])
+@pytest.mark.parametrize(
+    "kv_dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["f32", "bf16", "f16"]
+)
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_heads_sharing_a_kv_head_equal_each_head_alone(Hq, Hkv, kv_dtype, masked):
+    """Decode runs the query heads of one key-value head together (up to
+    eight: 12 heads of one KV head run as 8 and 4), each block of keys read
+    once for the group. Every head's output equals that head computed alone,
+    bit for bit, with or without a mask, at key counts with and without a
+    last partial block of eight."""
+    B, D, S = 3, 64, 83
+    q = rand((B, Hq, 1, D), seed=40)
+    k = rand((B, Hkv, S, D), kv_dtype, 41)
+    v = rand((B, Hkv, S, D), kv_dtype, 42)
+    mask = rand((B, Hq, 1, S), seed=43) if masked else None
+    together = ops.attention(q, k, v, scale=0.125, mask=mask)
+    rep = Hq // Hkv
+    for h in range(Hq):
+        hk = h // rep
+        alone = ops.attention(
+            q[:, h : h + 1],
+            k[:, hk : hk + 1],
+            v[:, hk : hk + 1],
+            scale=0.125,
+            mask=mask[:, h : h + 1] if masked else None,
+        )
+        assert mx.array_equal(together[:, h : h + 1], alone), (h, Hq, Hkv)
+    assert not mx.array_equal(together[:, :1], together[:, -1:])
+
+
 @pytest.mark.parametrize("kv_dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("L", [1, 9])
 @pytest.mark.parametrize("D", [64, 36])  # 36: a last partial vector of 4
