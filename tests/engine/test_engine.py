@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from mlx_loom.cpu import native
 from mlx_loom.engine import Engine, EngineSettings
 from mlx_loom.errors import RequestError
 from mlx_loom.generation import SamplingParams
@@ -351,6 +352,27 @@ class CountingModule:
 
     def make_cache(self):
         return self.module.make_cache()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next", "gemma4_text"])
+def test_a_burst_past_the_products_row_switch_is_not_stacked_across_it(name, loaded, monkeypatch):
+    # On the native sets a product of more than SMALL_ROWS rows runs the
+    # blocked GEMM, which sums in another order than the matrix-vector kernel
+    # a lone 20-token chunk takes. Three such prompts in one padded forward
+    # (60 rows) would change every row's bits (a greedy token on a near tie).
+    model, _ = loaded(name)
+    switch = model.cpu_path.rows_switch
+    assert switch == native.module().SMALL_ROWS
+    reqs = [request(model, prompt=ids(n, 40 + i), max_tokens=6) for i, n in enumerate([21, 20, 21])]
+    counter = CountingModule(model.module)
+    monkeypatch.setattr(model, "module", counter)
+    runs = drive(Engine(model), {0: [(str(i), r) for i, r in enumerate(reqs)]})
+    prefills = [s for s in counter.shapes if s[1] > 1]
+    assert all(rows * width <= switch or rows == 1 for rows, width in prefills), prefills
+    assert sorted(prefills) == [(1, 19), (1, 20), (1, 20)]
+    monkeypatch.undo()
+    for i, r in enumerate(reqs):
+        assert_same_run(runs[str(i)], alone(model, r), f"{name} request {i}")
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_next", "gemma4_text"])

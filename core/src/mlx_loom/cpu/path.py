@@ -180,6 +180,23 @@ class CpuPath(BaseModel):
     one_row_on_isa: bool = True
 
     @property
+    def rows_switch(self) -> int | None:
+        """The product row count past which a row's arithmetic changes (``None``: never).
+
+        On the native sets the fp32-activation products (4-bit and dense
+        weights) run the matrix-vector kernel up to ``SMALL_ROWS`` rows and the
+        blocked GEMM above. Each computes a row alike at any row count on its
+        side, but the two sum in different orders, so a row computed with
+        others across that line is not the row computed alone. The engine
+        keeps a padded prefill on the side each row's own chunk is on
+        (batched = solo). MLX's products (``cpu-ops``) compute a row alike at
+        every row count.
+        """
+        if self.kernel_set not in NATIVE_KERNEL_SETS:
+            return None
+        return int(native.module().SMALL_ROWS)
+
+    @property
     def dtype(self) -> mx.Dtype | None:
         """The MLX dtype parameters are converted to (``None``: as stored)."""
         return _DTYPES.get(self.compute_dtype)

@@ -15,8 +15,11 @@ what keeps time to first token down when a burst of requests arrives (the
 per-forward overhead, and on a fast BLAS the matrix products, shrink). On
 the CPU backend each row's values are the lone prefill's bit for bit (the
 engine tests check every family): rows are computed independently and a
-masked slot adds an exact zero. Rows whose caches have no padded batch kind
-(quantized KV, windows that keep leading tokens) are prefilled alone.
+masked slot adds an exact zero. The native kernel sets' fp32-activation
+products change their order of summation past ``SMALL_ROWS`` rows, so
+there rows share a forward only while it holds at most that many
+(:func:`partition`). Rows whose caches have no padded batch kind (quantized
+KV, windows that keep leading tokens) are prefilled alone.
 
 Padding costs compute, so only chunks of similar length share a forward.
 """
@@ -75,8 +78,18 @@ def can_share(row: Row) -> bool:
     )
 
 
-def partition(rows: list[Row], steps: list[int]) -> list[list[int]]:
-    """Indices of ``rows`` grouped into forwards whose padding stays bounded."""
+def partition(
+    rows: list[Row], steps: list[int], rows_switch: int | None = None
+) -> list[list[int]]:
+    """Indices of ``rows`` grouped into forwards whose padding stays bounded.
+
+    ``rows_switch``: the product row count past which a row's arithmetic
+    changes (:attr:`~mlx_loom.cpu.path.CpuPath.rows_switch`). Rows then share
+    a forward only while it holds at most that many (members times width),
+    so every product, a routed expert's included, stays on the side its lone
+    prefill is on; longer chunks are prefilled alone (each already a
+    many-row product).
+    """
     order = sorted(range(len(rows)), key=lambda i: -rows[i].chunk_len(steps[i]))
     groups: list[list[int]] = []
     for i in order:
@@ -85,7 +98,9 @@ def partition(rows: list[Row], steps: list[int]) -> list[list[int]]:
             group = groups[-1]
             width = rows[group[0]].chunk_len(steps[group[0]])
             real = sum(rows[j].chunk_len(steps[j]) for j in group) + n
-            if width * (len(group) + 1) <= MAX_PADDING_RATIO * real:
+            together = width * (len(group) + 1)
+            same_side = rows_switch is None or together <= rows_switch
+            if together <= MAX_PADDING_RATIO * real and same_side:
                 group.append(i)
                 continue
         groups.append([i])
@@ -119,6 +134,7 @@ def prefill_step(
     failed: dict[int, BaseException] = {}
     alone = list(range(len(rows)))
     if batchable:
+        switch = model.cpu_path.rows_switch if model.cpu_path is not None else None
         shared: dict[Hashable, list[int]] = {}
         for i in alone:
             if can_share(rows[i]):
@@ -126,7 +142,9 @@ def prefill_step(
         forwards = [
             [fresh[j] for j in group]
             for fresh in shared.values()
-            for group in partition([rows[i] for i in fresh], [steps[i] for i in fresh])
+            for group in partition(
+                [rows[i] for i in fresh], [steps[i] for i in fresh], switch
+            )
         ]
         for members in forwards:
             if len(members) < 2:
