@@ -128,10 +128,11 @@ mx::array expert_mix(
     require(shared->dtype() == mx::float32 && shared_w->dtype() == mx::float32 &&
                 shared->shape() == shape && shared_w->shape() == gate_shape,
             [&] {
-              return std::string("[loom native kernels] expert_mix takes a float32 shared output ") +
-                  shape_str(shape) + " and gate weight " + shape_str(gate_shape) + ", got " + shape_str(*shared) +
-                  " " + dtype_str(shared->dtype()) + " and " + shape_str(*shared_w) + " " +
-                  dtype_str(shared_w->dtype()) + ".";
+              return std::string("[loom native kernels] expert_mix takes a float32 shared "
+                                 "output ") +
+                  shape_str(shape) + " and gate weight " + shape_str(gate_shape) + ", got " +
+                  shape_str(*shared) + " " + dtype_str(shared->dtype()) + " and " +
+                  shape_str(*shared_w) + " " + dtype_str(shared_w->dtype()) + ".";
             });
     inputs.push_back(*shared);
     inputs.push_back(*shared_w);

@@ -354,16 +354,17 @@ def mix_experts(
         and y.ndim >= 2
         and tuple(weights.shape) == tuple(y.shape[:-1])
     ):
-        if shared is None or shared_weight is None:
-            return native(y, weights)
         if (
-            shared.dtype == shared_weight.dtype == mx.float32
+            shared is not None
+            and shared_weight is not None
+            and shared.dtype == shared_weight.dtype == mx.float32
             and tuple(shared.shape) == tuple(y.shape[:-2]) + (y.shape[-1],)
             and tuple(shared_weight.shape) == tuple(y.shape[:-2]) + (1,)
         ):
             return native(y, weights, shared, shared_weight)
-        return native(y, weights) + shared_weight * shared
-    mixed = (y * weights[..., None]).sum(axis=-2)
+        mixed = native(y, weights)
+    else:
+        mixed = (y * weights[..., None]).sum(axis=-2)
     if shared is None or shared_weight is None:
         return mixed
     return mixed + shared_weight * shared
